@@ -1,0 +1,35 @@
+# scoremap: `make setup demo` on a fresh machine, `make test` for the suite.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+MODEL := models/default.onnx
+
+.PHONY: setup protos test demo bench clean
+
+setup: $(BIN)/scoremap-convert
+
+$(BIN)/scoremap-convert: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+# Regenerates the committed protos/*_pb2*.py; tests/test_protos.py fails when they are stale.
+protos:
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. protos/model_card.proto
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/scoring.proto
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+$(MODEL): setup
+	$(BIN)/scoremap-convert default -o $(MODEL)
+
+demo: $(MODEL)
+	$(BIN)/python -m convert.demo $(MODEL) samples/*.jpg
+
+bench: setup
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) models out *.egg-info

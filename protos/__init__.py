@@ -1,0 +1,1 @@
+"""The contracts: generated from the .proto files beside this one by `make protos`."""
