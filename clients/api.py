@@ -1,0 +1,205 @@
+"""ScoremapClient: the Python API to a scoremap server.
+
+The client owns its channel (message size, keep-alive and reconnect backoff set explicitly),
+puts a deadline on every call, retries UNAVAILABLE only (the one status meaning nothing happened),
+and raises ScoremapError carrying the gRPC status and the server's message.
+"""
+
+from __future__ import annotations
+
+import collections
+import ipaddress
+import random
+import threading
+import time
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from clients.errors import ScoremapError, from_rpc_error
+from clients.images import ImageLike
+from clients.options import ScoreOptions, build_request
+from clients.results import ScoreResult, result_from_response
+from clients.settings import ClientSettings
+from protos import model_card_pb2, scoring_pb2, scoring_pb2_grpc
+
+__all__ = ["ScoremapClient", "is_loopback"]
+
+T = TypeVar("T")
+
+
+def is_loopback(target: str) -> bool:
+    """Whether a HOST:PORT target names this machine (localhost, 127.0.0.0/8, ::1)."""
+    host = target.rsplit(":", 1)[0] if target.count(":") == 1 or target.startswith("[") else target
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ScoremapClient:
+    """A connection to one scoremap server at `target` ("HOST:PORT").
+
+    `tls` turns on TLS (with `root_certificates` PEM bytes, or the system roots); `token` is sent
+    as an `authorization: Bearer` header, and only over TLS or to a loopback address.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        token: str | None = None,
+        timeout: float | None = None,
+        settings: ClientSettings | None = None,
+    ) -> None:
+        self.target = target
+        self.settings = settings or ClientSettings()
+        self.timeout = self.settings.timeout_s if timeout is None else timeout
+        if token and not tls and not is_loopback(target):
+            raise ScoremapError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"refusing to send a bearer token in clear text to {target!r}; use tls=True "
+                "(tokens without TLS are allowed only to loopback addresses)",
+            )
+        options = [
+            ("grpc.max_send_message_length", self.settings.max_message_bytes),
+            ("grpc.max_receive_message_length", self.settings.max_message_bytes),
+            ("grpc.keepalive_time_ms", self.settings.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", self.settings.keepalive_timeout_ms),
+            ("grpc.initial_reconnect_backoff_ms", self.settings.initial_reconnect_backoff_ms),
+            ("grpc.min_reconnect_backoff_ms", self.settings.initial_reconnect_backoff_ms),
+            ("grpc.max_reconnect_backoff_ms", self.settings.max_reconnect_backoff_ms),
+            # Retries are ours (UNAVAILABLE only, with a budget); gRPC's transparent ones would double them.
+            ("grpc.enable_retries", 0),
+        ]
+        if tls:
+            credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self._channel = grpc.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._stub = scoring_pb2_grpc.DenseScoringStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ScoremapClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- calls -----------------------------------------------------------------------------
+
+    def _call(self, method: Callable[..., T], request: object, *, timeout: float | None = None) -> T:
+        """One unary call with a deadline, retried with jittered exponential backoff on UNAVAILABLE."""
+        s = self.settings
+        deadline = time.monotonic() + s.retry_budget_s
+        delay = s.backoff_initial_s
+        attempt = 1
+        while True:
+            try:
+                return method(request, timeout=self.timeout if timeout is None else timeout,
+                              metadata=self._metadata)
+            except grpc.RpcError as error:
+                translated = from_rpc_error(error)
+            if translated.code != grpc.StatusCode.UNAVAILABLE or attempt >= s.max_attempts:
+                raise translated
+            pause = random.uniform(delay / 2, delay)
+            if time.monotonic() + pause > deadline:
+                raise translated
+            time.sleep(pause)
+            delay = min(delay * s.backoff_multiplier, s.backoff_max_s)
+            attempt += 1
+
+    def score_request(self, request: scoring_pb2.ScoreRequest, *, timeout: float | None = None) -> scoring_pb2.ScoreResponse:
+        """Send a prepared ScoreRequest; the raw ScoreResponse (what the CLI and load tester use)."""
+        return self._call(self._stub.Score, request, timeout=timeout)
+
+    def score(
+        self,
+        image: ImageLike,
+        *,
+        scales: Sequence[int] = (),
+        stride: int = 0,
+        shift: str = "auto",
+        top_k: int = 5,
+        classes: Sequence[int] = (),
+        flip: bool = False,
+        model: str = "",
+        return_maps: bool = True,
+        map_dtype: str = "float32",
+        cell_top_k: int = 0,
+        timeout: float | None = None,
+    ) -> ScoreResult:
+        """Score one image (path, encoded bytes, PIL image or uint8 array).
+
+        `stride` 0 and empty `scales` take the model card's defaults; `shift` is one of auto,
+        none, grid, diagonal, atrous.
+        """
+        options = ScoreOptions(model=model, scales=tuple(scales), stride=stride, shift=shift, flip=flip,
+                               return_maps=return_maps, map_dtype=map_dtype, classes=tuple(classes),
+                               cell_top_k=cell_top_k, top_k=top_k)
+        return result_from_response(self.score_request(build_request(image, options), timeout=timeout))
+
+    def score_many(self, images: Iterable[ImageLike], *, options: ScoreOptions | None = None) -> Iterator[ScoreResult]:
+        """Score images over one ScoreStream, yielding results in input order.
+
+        If the stream breaks with UNAVAILABLE, a new stream resends the images not yet answered
+        (within the retry budget), so no image is lost or answered twice.
+        """
+        options = options or ScoreOptions(return_maps=True)
+        source = (build_request(image, options, request_id=str(n)) for n, image in enumerate(images))
+        pending: collections.deque[scoring_pb2.ScoreRequest] = collections.deque()
+        lock = threading.Lock()
+
+        def outgoing(resend: list[scoring_pb2.ScoreRequest]) -> Iterator[scoring_pb2.ScoreRequest]:
+            yield from resend
+            for request in source:
+                with lock:
+                    pending.append(request)
+                yield request
+
+        s = self.settings
+        deadline = time.monotonic() + s.retry_budget_s
+        delay = s.backoff_initial_s
+        resend: list[scoring_pb2.ScoreRequest] = []
+        while True:
+            try:
+                for response in self._stub.ScoreStream(outgoing(resend), timeout=s.stream_timeout_s,
+                                                       metadata=self._metadata):
+                    with lock:
+                        pending.popleft()
+                    yield result_from_response(response)
+                return
+            except grpc.RpcError as error:
+                translated = from_rpc_error(error)
+            pause = random.uniform(delay / 2, delay)
+            if translated.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() + pause > deadline:
+                raise translated
+            time.sleep(pause)
+            delay = min(delay * s.backoff_multiplier, s.backoff_max_s)
+            with lock:
+                resend = list(pending)
+
+    def models(self) -> list[scoring_pb2.ModelSummary]:
+        """The models the server has loaded."""
+        return list(self._call(self._stub.ListModels, scoring_pb2.ListModelsRequest()).models)
+
+    def model(self, name: str = "") -> model_card_pb2.ModelCard:
+        """The model card of `name` (the only model when empty)."""
+        return self._call(self._stub.GetModel, scoring_pb2.GetModelRequest(name=name))
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The server's health status name: "SERVING", "NOT_SERVING", ..."""
+        response = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

@@ -1,0 +1,36 @@
+"""Every limit the clients apply, named and documented in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ClientSettings"]
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """Channel, deadline and retry settings of a ScoremapClient.
+
+    The defaults suit a scorer on the same host or LAN; a batch run over a flaky link raises
+    `retry_budget_s` so a server restart is ridden out instead of failing files.
+    """
+
+    # Deadline of one unary call (seconds). Dense maps of large images take a while on a CPU.
+    timeout_s: float = 60.0
+    # Deadline of a whole ScoreStream call (seconds): every call has one, streams included.
+    stream_timeout_s: float = 3600.0
+    # Largest message either way (bytes): full [K, h, w] float32 maps of a large photo reach tens of MB.
+    max_message_bytes: int = 256 * 1024 * 1024
+    # HTTP/2 keep-alive pings (ms) so a dead peer is noticed during long idle batch gaps.
+    keepalive_time_ms: int = 30_000
+    keepalive_timeout_ms: int = 10_000
+    # How fast the channel reconnects after the server went away (ms); gRPC's own default waits
+    # up to 120 s, which would turn a two-second restart into a two-minute stall.
+    initial_reconnect_backoff_ms: int = 100
+    max_reconnect_backoff_ms: int = 2_000
+    # Retries on UNAVAILABLE only (the one status that means "try again, nothing happened").
+    max_attempts: int = 8
+    retry_budget_s: float = 30.0
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 2.0
+    backoff_multiplier: float = 2.0
