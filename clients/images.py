@@ -13,7 +13,7 @@ from typing import Union
 
 import grpc
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from clients.errors import ScoremapError
 from protos import scoring_pb2
@@ -29,8 +29,6 @@ IMAGE_SIGNATURES: tuple[tuple[int, bytes], ...] = (
     (0, b"BM"),                    # BMP
     (0, b"II*\x00"),               # TIFF, little-endian
     (0, b"MM\x00*"),               # TIFF, big-endian
-    (0, b"GIF87a"),
-    (0, b"GIF89a"),
     (8, b"WEBP"),                  # RIFF....WEBP
 )
 
@@ -78,7 +76,7 @@ def image_fields(image: ImageLike) -> dict[str, object]:
         data = path.read_bytes()
         if not looks_like_image(data[:16]):
             raise _invalid(
-                f"{str(path)!r} does not start with a JPEG, PNG, WebP, BMP, TIFF or GIF signature "
+                f"{str(path)!r} does not start with a JPEG, PNG, WebP, BMP or TIFF signature "
                 f"(first bytes {data[:8]!r})"
             )
         return {"encoded": data}
@@ -86,8 +84,8 @@ def image_fields(image: ImageLike) -> dict[str, object]:
         data = bytes(image)
         if not looks_like_image(data[:16]):
             raise _invalid(
-                f"encoded image bytes start with {data[:8]!r}; expected a JPEG, PNG, WebP, BMP, "
-                "TIFF or GIF signature (pass raw pixels as a numpy array instead)"
+                f"encoded image bytes start with {data[:8]!r}; expected a JPEG, PNG, WebP, BMP "
+                "or TIFF signature (pass raw pixels as a numpy array instead)"
             )
         return {"encoded": data}
     if isinstance(image, Image.Image):
@@ -103,13 +101,13 @@ def image_fields(image: ImageLike) -> dict[str, object]:
 
 
 def open_photo(image: ImageLike) -> Image.Image:
-    """The image as an RGB PIL image (for drawing heatmaps over it)."""
+    """The image as an RGB PIL image, EXIF orientation applied as the server does (for drawing)."""
     if isinstance(image, (str, os.PathLike)):
         with Image.open(image) as opened:
-            return opened.convert("RGB")
+            return ImageOps.exif_transpose(opened).convert("RGB")
     if isinstance(image, (bytes, bytearray, memoryview)):
         with Image.open(io.BytesIO(bytes(image))) as opened:
-            return opened.convert("RGB")
+            return ImageOps.exif_transpose(opened).convert("RGB")
     if isinstance(image, Image.Image):
         return image.convert("RGB")
     if isinstance(image, np.ndarray):

@@ -1,0 +1,158 @@
+"""Files of a batch run: finding images, atomic writes, and the append-only results log.
+
+A run may be killed at any instant (SIGKILL included) and must leave only complete lines and
+complete files: outputs are written to a temporary file in the same directory, fsynced and
+renamed over the target (os.replace is atomic within a filesystem); results.jsonl gets whole
+lines, each fsynced, and a torn last line is ignored on read-back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from clients.images import looks_like_image
+
+__all__ = ["ImageFile", "PARTIAL_SUFFIX", "ResultsLog", "atomic_write", "find_images", "read_records", "remove_partials"]
+
+# Suffix of in-progress temporary files; leftovers from a killed run are removed at start.
+PARTIAL_SUFFIX = ".partial"
+# Bytes read from each candidate file to recognise an image by its signature.
+SIGNATURE_BYTES = 16
+
+
+@dataclass(frozen=True)
+class ImageFile:
+    """An image to score: its path, and its path relative to the root it was found under."""
+
+    path: Path
+    relative: Path
+
+    @property
+    def key(self) -> str:
+        """The identity used to resume a run: the absolute, symlink-resolved path."""
+        return os.path.realpath(self.path)
+
+
+def _is_image(path: Path) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return looks_like_image(handle.read(SIGNATURE_BYTES))
+    except OSError:
+        return False
+
+
+def find_images(paths: Iterable[str | os.PathLike]) -> Iterator[ImageFile]:
+    """Image files under `paths`: folders walked recursively (sorted), files kept by content.
+
+    A file named explicitly is always yielded (the user asked for it; if it is not an image, its
+    scoring fails and is recorded); inside folders, only files with an image signature are.
+    Hidden files and folders are skipped.
+    """
+    for given in paths:
+        root = Path(given)
+        if root.is_dir():
+            for folder, dirs, names in os.walk(root):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                for name in sorted(names):
+                    path = Path(folder) / name
+                    if not name.startswith(".") and path.is_file() and _is_image(path):
+                        yield ImageFile(path, path.relative_to(root))
+        elif root.exists():
+            yield ImageFile(root, Path(root.name))
+        else:
+            raise FileNotFoundError(f"no such file or folder: {str(root)!r}")
+
+
+def atomic_write(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` so that readers see either the old file or the whole new one."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=PARTIAL_SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def remove_partials(folder: str | os.PathLike) -> int:
+    """Delete temporary files a killed run left under `folder`; how many were removed."""
+    removed = 0
+    root = Path(folder)
+    if root.is_dir():
+        for leftover in root.rglob(f".*{PARTIAL_SUFFIX}"):
+            leftover.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+class ResultsLog:
+    """results.jsonl: one JSON object per line, appended whole and fsynced.
+
+    Re-reading keeps the last complete record of each path, so a re-run that re-scores an image
+    (`--retry-failed`) supersedes the earlier line.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._repair_torn_tail()
+        self._handle = open(self.path, "ab")
+
+    def _repair_torn_tail(self) -> None:
+        """Cut a torn last line (a run killed mid-write) so the next append starts on a fresh line."""
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(self.path, "r+b") as handle:
+                handle.truncate(data.rfind(b"\n") + 1)
+                handle.flush()
+                os.fsync(handle.fileno())
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        """The last complete record of each key, in file order."""
+        return read_records(self.path)
+
+    def append(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, ensure_ascii=False, sort_keys=True).encode() + b"\n"
+        self._handle.write(line)
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+
+    def close(self) -> None:
+        self._handle.close()
+
+    def __enter__(self) -> ResultsLog:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def read_records(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """Records of a results.jsonl by key (last one wins); lines that do not parse are skipped."""
+    records: dict[str, dict[str, Any]] = {}
+    target = Path(path)
+    if not target.exists():
+        return records
+    with open(target, "rb") as handle:
+        for line in handle:
+            if not line.endswith(b"\n"):
+                break  # a torn last line: the run was killed while writing it
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and "key" in record:
+                records[record["key"]] = record
+    return records

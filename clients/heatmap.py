@@ -1,0 +1,114 @@
+"""Heatmaps: the photo with its top class's score map overlaid, and a legend, readable at a glance.
+
+Each map cell is painted as a stride-sized box centred where the response's geometry puts it
+(MapGeometry: centre = center + i * stride), so the overlay lines up with the photo at any scale,
+shift or stride. The colormap is viridis, interpolated from nine stops: perceptually uniform and
+readable by colour-blind viewers, and not worth a matplotlib dependency for one lookup table.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+from clients.results import ScaleResult, ScoreResult
+
+__all__ = ["render_heatmap", "heatmap_png", "colormap", "HeatmapError"]
+
+# matplotlib's viridis sampled at 0, 1/8, ..., 1.
+_VIRIDIS = np.array([
+    (68, 1, 84), (71, 44, 122), (59, 81, 139), (44, 113, 142), (33, 144, 141),
+    (39, 173, 129), (92, 200, 99), (170, 220, 50), (253, 231, 37),
+], dtype=np.float64)
+# How much of the map colour shows over the photo.
+OVERLAY_ALPHA = 0.55
+# Legend text height as a fraction of the photo's shorter side (bounded below for small photos).
+LEGEND_TEXT_FRACTION = 1 / 22
+LEGEND_MIN_TEXT_PX = 12
+
+
+class HeatmapError(ValueError):
+    """The result cannot be drawn (no maps, or the photo is not the image that was scored)."""
+
+
+def colormap(values: np.ndarray) -> np.ndarray:
+    """uint8 RGB colours [..., 3] of `values` in 0..1 (clipped) under viridis."""
+    v = np.clip(np.nan_to_num(values, nan=0.0), 0.0, 1.0) * (len(_VIRIDIS) - 1)
+    low = np.floor(v).astype(int).clip(0, len(_VIRIDIS) - 2)
+    frac = (v - low)[..., None]
+    return np.round(_VIRIDIS[low] * (1 - frac) + _VIRIDIS[low + 1] * frac).astype(np.uint8)
+
+
+def _finest(result: ScoreResult) -> ScaleResult:
+    with_maps = [m for m in result.maps if m.scores is not None]
+    if not with_maps:
+        raise HeatmapError("the result has no score maps; score with return_maps=True")
+    return max(with_maps, key=lambda m: m.height * m.width)
+
+
+def _normalise(cells: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """Values mapped to 0..1 and the (low, high) they span: probabilities keep their absolute
+    scale, so a weak detection looks weak; other scores (logits) are stretched min..max.
+    Cells no pass scored (NaN, e.g. a diagonal shift's holes) draw as the lowest colour."""
+    cells = cells.astype(np.float64)
+    if np.isnan(cells).all():
+        return np.zeros_like(cells), 0.0, 1.0
+    low, high = float(np.nanmin(cells)), float(np.nanmax(cells))
+    if low >= 0.0 and high <= 1.0:
+        return cells, 0.0, 1.0
+    return (cells - low) / (high - low if high > low else 1.0), low, high
+
+
+def render_heatmap(photo: Image.Image, result: ScoreResult) -> Image.Image:
+    """`photo` (the scored image, original size) with the top class's map overlaid and a legend."""
+    if (photo.height, photo.width) != (result.image_height, result.image_width):
+        raise HeatmapError(
+            f"photo is {photo.width}x{photo.height} but the scored image was "
+            f"{result.image_width}x{result.image_height}; draw over the image that was scored"
+        )
+    if not result.top_k:
+        raise HeatmapError("the result has no image-level top-k to pick the class to draw")
+    top = result.top_k[0]
+    scale = _finest(result)
+    if scale.classes and top.index not in scale.classes:
+        raise HeatmapError(f"the maps carry classes {list(scale.classes)}, not the top class {top.index}")
+    values, low, high = _normalise(scale.class_map(top.index))
+    g = scale.geometry
+    colours = Image.fromarray(colormap(values), "RGB")
+    width = max(1, round(scale.width * g.stride_x))
+    height = max(1, round(scale.height * g.stride_y))
+    cells = colours.resize((width, height), Image.Resampling.NEAREST)
+    overlay = photo.convert("RGB").copy()
+    overlay.paste(cells, (round(g.center_x - g.stride_x / 2), round(g.center_y - g.stride_y / 2)))
+    blended = Image.blend(photo.convert("RGB"), overlay, OVERLAY_ALPHA)
+    _draw_legend(blended, f"{top.label}  p={top.probability:.2f}", low, high)
+    return blended
+
+
+def _draw_legend(image: Image.Image, title: str, low: float, high: float) -> None:
+    size = max(LEGEND_MIN_TEXT_PX, round(min(image.size) * LEGEND_TEXT_FRACTION))
+    font = ImageFont.load_default(size=size)
+    draw = ImageDraw.Draw(image, "RGBA")
+    pad = max(2, size // 3)
+    bar_width = max(size * 6, draw.textlength(title, font=font))
+    box = (pad, pad, pad * 3 + bar_width, pad * 4 + size * 2 + size // 2)
+    draw.rectangle(box, fill=(0, 0, 0, 170))
+    draw.text((pad * 2, pad * 2), title, font=font, fill=(255, 255, 255, 255))
+    bar_top = pad * 3 + size
+    ramp = colormap(np.linspace(0.0, 1.0, int(bar_width))[None, :].repeat(max(1, size // 2), axis=0))
+    image.paste(Image.fromarray(ramp, "RGB"), (pad * 2, bar_top))
+    small = ImageFont.load_default(size=max(LEGEND_MIN_TEXT_PX - 2, size * 3 // 4))
+    label_top = bar_top + size // 2 + 1
+    draw.text((pad * 2, label_top), f"{low:.2g}", font=small, fill=(255, 255, 255, 255))
+    high_text = f"{high:.2g}"
+    draw.text((pad * 2 + bar_width - draw.textlength(high_text, font=small), label_top), high_text,
+              font=small, fill=(255, 255, 255, 255))
+
+
+def heatmap_png(photo: Image.Image, result: ScoreResult) -> bytes:
+    """The heatmap of `result` over `photo`, encoded as PNG."""
+    buffer = io.BytesIO()
+    render_heatmap(photo, result).save(buffer, format="PNG")
+    return buffer.getvalue()
