@@ -1,0 +1,466 @@
+"""Memory and compute profile of an ONNX graph for one input size, from the graph alone.
+
+Dense scoring multiplies activation memory with image size and batch, and running out of memory
+is how such services die (issue 3). This module predicts, before a request runs, the peak memory
+onnxruntime will need for it:
+
+    predicted_peak = weights + peak of simultaneously live activations + runtime allowance
+
+* weights: every initializer and Constant output, at its own dtype.
+* live activations: buffers are allocated when a node runs, in the graph's (topological) node
+  order, and freed after their last consumer; graph inputs live from the start and graph outputs
+  to the end. View-like ops (Reshape, Flatten, Squeeze, Unsqueeze, Identity, Dropout) alias their
+  input; element-wise ops reuse their input's buffer when that input dies at the op and has the
+  same size (what onnxruntime's allocation planner does), so neither is counted twice.
+* allowance: `RUNTIME_BASE_BYTES + ARENA_SLACK * peak_activations + conv workspace` where the
+  conv workspace is one image's im2col buffer of the largest non-pointwise, non-depthwise
+  convolution (MLAS expands such convolutions before its GEMM). The constants were fitted to the
+  peak RSS measured on onnxruntime's CPU provider (see `convert.runtime_memory` and
+  bench/bench_memory.py).
+
+The per-layer table follows the classic VGG16 breakdown (cs231n): each node's output shape,
+activations (elements of the new buffers it writes; aliasing ops write none), parameters
+(elements of its initializer inputs), multiply-accumulates (Conv, Gemm, MatMul only) and bytes.
+Shapes come from onnx shape inference with the input's N/H/W set to the request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import re
+
+import onnx
+from onnx import TensorProto, helper, shape_inference
+
+__all__ = [
+    "ProfileError",
+    "Layer",
+    "Profile",
+    "profile_model",
+    "largest_batch",
+    "largest_square_size",
+    "parse_bytes",
+    "RUNTIME_BASE_BYTES",
+    "ARENA_SLACK",
+    "MAX_BATCH",
+    "MAX_SIDE",
+]
+
+# Memory onnxruntime's CPU session adds on top of weights and activations whatever the input
+# (thread pools, kernel state, pre-packed weight layouts' rounding, allocator bookkeeping).
+RUNTIME_BASE_BYTES = 8 * 2**20
+# Fraction of the activation peak added for the arena's rounding of chunk sizes and for layout
+# transforms the graph does not show (onnxruntime's NCHWc reorders pad channels to the SIMD width).
+ARENA_SLACK = 0.10
+# Upper bounds of the searches in largest_batch / largest_square_size.
+MAX_BATCH = 4096
+MAX_SIDE = 16384
+
+# Ops whose output is a view of their first input (onnxruntime declares them as aliasing).
+VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Dropout"})
+# Element-wise ops whose output may overwrite an input that dies at the op.
+IN_PLACE_OPS = frozenset({
+    "Relu", "LeakyRelu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Elu", "Selu",
+    "Softplus", "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Add", "Sub", "Mul", "Div",
+    "BatchNormalization",
+})
+
+
+class ProfileError(ValueError):
+    """The graph cannot be profiled for the requested size (unknown shapes, unsupported input)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One node of the graph, as a row of the per-layer table."""
+
+    name: str
+    op: str
+    output_shape: tuple[int, ...]
+    activations: int
+    params: int
+    macs: int
+    bytes: int
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "op": self.op, "output_shape": list(self.output_shape),
+            "activations": self.activations, "params": self.params, "macs": self.macs,
+            "bytes": self.bytes,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """The per-layer table and the predicted peak for one (height, width, batch)."""
+
+    height: int
+    width: int
+    batch: int
+    dtype: str
+    layers: tuple[Layer, ...]
+    input_activations: int
+    input_bytes: int
+    weights_bytes: int
+    naive_activation_bytes: int
+    peak_activation_bytes: int
+    peak_layer: str
+    conv_workspace_bytes: int
+    allowance_bytes: int
+    predicted_peak_bytes: int
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    @property
+    def activations(self) -> int:
+        """Input elements plus every new buffer written by a layer (the cs231n convention)."""
+        return self.input_activations + sum(layer.activations for layer in self.layers)
+
+    @property
+    def macs(self) -> int:
+        return sum(layer.macs for layer in self.layers)
+
+    def to_dict(self) -> dict:
+        return {
+            "height": self.height,
+            "width": self.width,
+            "batch": self.batch,
+            "dtype": self.dtype,
+            "layers": [layer.to_dict() for layer in self.layers],
+            "params": self.params,
+            "activations": self.activations,
+            "macs": self.macs,
+            "input_bytes": self.input_bytes,
+            "weights_bytes": self.weights_bytes,
+            "naive_activation_bytes": self.naive_activation_bytes,
+            "peak_activation_bytes": self.peak_activation_bytes,
+            "peak_layer": self.peak_layer,
+            "conv_workspace_bytes": self.conv_workspace_bytes,
+            "allowance_bytes": self.allowance_bytes,
+            "allowance_formula": allowance_formula(),
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+        }
+
+
+def allowance_formula() -> str:
+    return (f"{RUNTIME_BASE_BYTES} B runtime base + {ARENA_SLACK:g} x peak activations "
+            "+ largest one-image conv im2col workspace")
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648. KiB/MiB/GiB and bare K/M/G are binary, kB/MB/GB decimal."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ProfileError(f"cannot read {text!r} as a memory size; expected a number with an optional "
+                           "unit such as 512MiB, 2GiB, 1.5GB or 1000000")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _element_size(elem_type: int) -> int:
+    return helper.tensor_dtype_to_np_dtype(elem_type).itemsize
+
+
+def _dtype_name(elem_type: int) -> str:
+    return {TensorProto.FLOAT: "fp32", TensorProto.FLOAT16: "fp16", TensorProto.DOUBLE: "fp64",
+            TensorProto.BFLOAT16: "bf16"}.get(elem_type, helper.tensor_dtype_to_np_dtype(elem_type).name)
+
+
+# Initializers at most this many elements keep their values in the skeleton: shape inference needs
+# the small ones (Reshape targets, Slice bounds); the big ones only contribute their shapes.
+_KEEP_VALUES_UP_TO = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class _Skeleton:
+    """The graph without its large weights: what shape inference needs, cheap to copy."""
+
+    model: onnx.ModelProto
+    image_input: str
+    weights: dict[str, tuple[tuple[int, ...], int]]  # name -> (shape, element size)
+
+
+def _skeleton(model: onnx.ModelProto) -> _Skeleton:
+    graph = model.graph
+    initializer_names = {init.name for init in graph.initializer}
+    inputs = [value for value in graph.input if value.name not in initializer_names]
+    if len(inputs) != 1:
+        raise ProfileError(f"expected a graph with one image input, got {len(inputs)}: "
+                           f"{[value.name for value in inputs]}")
+    image = inputs[0]
+    if len(image.type.tensor_type.shape.dim) != 4:
+        raise ProfileError(f"expected a 4-d NCHW image input, got {image.name!r} with "
+                           f"{len(image.type.tensor_type.shape.dim)} dimensions")
+    weights: dict[str, tuple[tuple[int, ...], int]] = {}
+    kept: list[TensorProto] = []
+    weight_inputs: list[onnx.ValueInfoProto] = []
+    for init in graph.initializer:
+        shape = tuple(int(d) for d in init.dims)
+        weights[init.name] = (shape, _element_size(init.data_type))
+        if math.prod(shape) <= _KEEP_VALUES_UP_TO and init.data_location != TensorProto.EXTERNAL:
+            kept.append(init)
+        else:
+            weight_inputs.append(helper.make_tensor_value_info(init.name, init.data_type, shape))
+    nodes = []
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            tensor = node.attribute[0].t
+            shape = tuple(int(d) for d in tensor.dims)
+            weights[node.output[0]] = (shape, _element_size(tensor.data_type))
+        nodes.append(node)
+    skeleton_graph = helper.make_graph(
+        nodes, graph.name, [image, *weight_inputs],
+        [helper.make_tensor_value_info(out.name, out.type.tensor_type.elem_type, None) for out in graph.output],
+        initializer=kept,
+    )
+    skeleton = helper.make_model(skeleton_graph, ir_version=model.ir_version, opset_imports=model.opset_import)
+    return _Skeleton(skeleton, image.name, weights)
+
+
+@functools.lru_cache(maxsize=16)
+def _skeleton_from_path(path: str, mtime_ns: int) -> _Skeleton:
+    return _skeleton(onnx.load(path, load_external_data=False))
+
+
+def _skeleton_of(model: onnx.ModelProto | str) -> _Skeleton:
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        try:
+            mtime_ns = os.stat(path).st_mtime_ns
+        except OSError as error:
+            raise ProfileError(f"cannot read an ONNX model from {path!r}: {error}") from error
+        return _skeleton_from_path(os.path.abspath(path), mtime_ns)
+    return _skeleton(model)
+
+
+def _resolve_shapes(skeleton: _Skeleton, *, height: int, width: int, batch: int) -> dict[str, tuple[tuple[int, ...], int]]:
+    """name -> (static shape, elem_type) of every tensor, for this input size."""
+    model = onnx.ModelProto()
+    model.CopyFrom(skeleton.model)
+    image = model.graph.input[0]
+    dims = image.type.tensor_type.shape.dim
+    channels = dims[1].dim_value if dims[1].HasField("dim_value") else 0
+    if channels <= 0:
+        raise ProfileError(f"the channel dimension of input {image.name!r} is not fixed")
+    for dim, value in zip(dims, (batch, channels, height, width)):
+        dim.Clear()
+        dim.dim_value = value
+    try:
+        inferred = shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except Exception as error:  # onnx raises InferenceError (and others) with a useful message
+        raise ProfileError(f"shape inference failed for input {batch}x{channels}x{height}x{width}: "
+                           f"{str(error).strip().splitlines()[-1]}") from error
+    shapes: dict[str, tuple[tuple[int, ...], int]] = {}
+    for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        tensor_type = value.type.tensor_type
+        if not tensor_type.HasField("shape"):
+            continue
+        resolved = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim)
+        shapes[value.name] = (resolved, tensor_type.elem_type)
+    for init in inferred.graph.initializer:
+        shapes[init.name] = (tuple(int(d) for d in init.dims), init.data_type)
+    return shapes
+
+
+def _macs(node: onnx.NodeProto, shapes: dict, out_shape: tuple[int, ...]) -> int:
+    if node.op_type == "Conv":
+        weight_shape = shapes[node.input[1]][0]
+        # Each output element takes (C_in / groups) * kh * kw multiply-accumulates.
+        return math.prod(out_shape) * math.prod(weight_shape[1:])
+    if node.op_type in ("Gemm", "MatMul"):
+        a_shape = shapes[node.input[0]][0]
+        trans_a = any(a.name == "transA" and a.i for a in node.attribute)
+        inner = a_shape[-2] if (node.op_type == "Gemm" and trans_a) else a_shape[-1]
+        return math.prod(out_shape) * inner
+    return 0
+
+
+def _conv_workspace(node: onnx.NodeProto, shapes: dict, out_shape: tuple[int, ...], element_size: int) -> int:
+    """One image's im2col buffer: MLAS skips it for pointwise and depthwise convolutions."""
+    if node.op_type != "Conv":
+        return 0
+    weight_shape = shapes[node.input[1]][0]
+    group = next((a.i for a in node.attribute if a.name == "group"), 1)
+    kernel = math.prod(weight_shape[2:])
+    if kernel == 1 or (group > 1 and weight_shape[1] == 1):
+        return 0
+    return weight_shape[1] * kernel * math.prod(out_shape[2:]) * element_size
+
+
+def profile_model(model: onnx.ModelProto | str, *, height: int, width: int, batch: int = 1) -> Profile:
+    """Per-layer table and predicted peak memory of one run at batch x C x height x width."""
+    for label, value in (("height", height), ("width", width), ("batch", batch)):
+        if not isinstance(value, int) or value <= 0:
+            raise ProfileError(f"{label} must be a positive integer, got {value!r}")
+    return _profile(_skeleton_of(model), height, width, batch)
+
+
+def _profile(skeleton: _Skeleton, height: int, width: int, batch: int) -> Profile:
+    graph = skeleton.model.graph
+    shapes = _resolve_shapes(skeleton, height=height, width=width, batch=batch)
+    weights = skeleton.weights
+
+    def size_of(name: str) -> tuple[tuple[int, ...], int, int]:
+        """(shape, element count, bytes) of an activation tensor."""
+        if name not in shapes:
+            raise ProfileError(f"shape inference gave no shape for tensor {name!r}")
+        shape, elem_type = shapes[name]
+        if any(d <= 0 for d in shape):
+            raise ProfileError(f"tensor {name!r} has shape {shape} at input {height}x{width}: the input is "
+                               "too small for this graph, or a dimension could not be inferred")
+        count = math.prod(shape)
+        return shape, count, count * _element_size(elem_type)
+
+    end = len(graph.node)
+    # The index of the last node reading each tensor; graph outputs are read "after the end".
+    last_read: dict[str, int] = {}
+    for index, node in enumerate(graph.node):
+        for name in node.input:
+            last_read[name] = index
+    for output in graph.output:
+        last_read[output.name] = end
+
+    image = skeleton.image_input
+    _, input_activations, input_bytes = size_of(image)
+    # Buffers: activation tensors map to buffers; aliasing tensors share one, which dies with the last.
+    buffer_of: dict[str, int] = {image: 0}
+    buffer_bytes: list[int] = [input_bytes]
+    buffer_death: list[int] = [end]  # the caller owns the input until the run returns
+    live = {0}
+    live_bytes = input_bytes
+    peak_bytes, peak_layer = live_bytes, image
+    naive_bytes = input_bytes
+    workspace = 0
+    dtype = _dtype_name(shapes[image][1])
+    layers: list[Layer] = []
+    for index, node in enumerate(graph.node):
+        if node.op_type == "Constant":
+            continue
+        params = sum(math.prod(weights[name][0]) for name in node.input if name in weights)
+        first_shape: tuple[int, ...] = ()
+        new_activations = new_bytes = 0
+        for position, name in enumerate(node.output):
+            if not name:
+                continue
+            shape, count, nbytes = size_of(name)
+            if position == 0:
+                first_shape = shape
+                dtype = _dtype_name(shapes[name][1])
+            target = _reused_buffer(node, position, nbytes, index, buffer_of, buffer_bytes, buffer_death)
+            death = last_read.get(name, index)
+            if target is None:
+                target = len(buffer_bytes)
+                buffer_bytes.append(nbytes)
+                buffer_death.append(death)
+                live.add(target)
+                live_bytes += nbytes
+                new_activations += count
+                new_bytes += nbytes
+            else:
+                buffer_death[target] = max(buffer_death[target], death)
+            buffer_of[name] = target
+        naive_bytes += new_bytes
+        name = node.name or f"{node.op_type}_{index}"
+        layers.append(Layer(name, node.op_type, first_shape, new_activations, params,
+                            _macs(node, shapes, first_shape), new_bytes))
+        if first_shape:
+            element_size = new_bytes // new_activations if new_activations else 4
+            workspace = max(workspace, _conv_workspace(node, shapes, first_shape, element_size))
+        if live_bytes > peak_bytes:
+            peak_bytes, peak_layer = live_bytes, name
+        for buffer in [b for b in live if buffer_death[b] <= index]:
+            live.discard(buffer)
+            live_bytes -= buffer_bytes[buffer]
+
+    weights_bytes = sum(math.prod(shape) * size for shape, size in weights.values())
+    allowance = RUNTIME_BASE_BYTES + int(ARENA_SLACK * peak_bytes) + workspace
+    return Profile(
+        height=height, width=width, batch=batch, dtype=dtype, layers=tuple(layers),
+        input_activations=input_activations, input_bytes=input_bytes, weights_bytes=weights_bytes,
+        naive_activation_bytes=naive_bytes, peak_activation_bytes=peak_bytes, peak_layer=peak_layer,
+        conv_workspace_bytes=workspace, allowance_bytes=allowance,
+        predicted_peak_bytes=weights_bytes + peak_bytes + allowance,
+    )
+
+
+def _reused_buffer(node: onnx.NodeProto, position: int, nbytes: int, index: int, buffer_of: dict[str, int],
+                   buffer_bytes: list[int], buffer_death: list[int]) -> int | None:
+    """The input buffer this output may live in, or None when it needs a new one."""
+    if position != 0:
+        return None
+    if node.op_type in VIEW_OPS:
+        return buffer_of.get(node.input[0]) if node.input else None
+    if node.op_type not in IN_PLACE_OPS:
+        return None
+    for name in node.input:
+        buffer = buffer_of.get(name)
+        # The image input belongs to the caller (buffer 0): never overwritten.
+        if buffer not in (None, 0) and buffer_death[buffer] == index and buffer_bytes[buffer] == nbytes:
+            return buffer
+    return None
+
+
+def _fits(skeleton: _Skeleton, height: int, width: int, batch: int, budget_bytes: int) -> bool:
+    return _profile(skeleton, height, width, batch).predicted_peak_bytes <= budget_bytes
+
+
+def largest_batch(model: onnx.ModelProto | str, *, height: int, width: int, budget_bytes: int) -> int:
+    """The largest batch (up to MAX_BATCH) whose predicted peak fits the budget; 0 if none does."""
+    skeleton = _skeleton_of(model)
+    if not _fits(skeleton, height, width, 1, budget_bytes):
+        return 0
+    low, high = 1, 2  # low fits; grow high until it does not
+    while high <= MAX_BATCH and _fits(skeleton, height, width, high, budget_bytes):
+        low, high = high, high * 2
+    high = min(high, MAX_BATCH + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if _fits(skeleton, height, width, middle, budget_bytes):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def largest_square_size(model: onnx.ModelProto | str, *, budget_bytes: int, batch: int = 1, multiple: int = 32) -> int:
+    """The largest side (a multiple of `multiple`, up to MAX_SIDE) whose square input fits; 0 if none."""
+    if multiple <= 0:
+        raise ProfileError(f"multiple must be a positive integer, got {multiple!r}")
+    skeleton = _skeleton_of(model)
+    steps = MAX_SIDE // multiple
+    # Small sizes may be invalid (kernels larger than the feature map): start at the first valid one.
+    first = None
+    for step in range(1, steps + 1):
+        side = step * multiple
+        try:
+            profile = _profile(skeleton, side, side, batch)
+        except ProfileError:
+            continue
+        first = step
+        break
+    if first is None:
+        raise ProfileError(f"no square input size up to {MAX_SIDE} px can be profiled for this graph")
+    if profile.predicted_peak_bytes > budget_bytes:
+        return 0
+    low, high = first, steps + 1  # low fits, high does not (or is past the end)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if _fits(skeleton, middle * multiple, middle * multiple, batch, budget_bytes):
+            low = middle
+        else:
+            high = middle
+    return low * multiple

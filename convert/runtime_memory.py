@@ -1,0 +1,183 @@
+"""Measure the peak memory onnxruntime really uses for one run: the check on convert.profile.
+
+Each measurement runs in a clean child process (`python -m convert.runtime_memory`), so nothing
+the parent allocated or cached is counted:
+
+* CPU: peak resident set (VmHWM in /proc/self/status) during the runs minus the resident set
+  before the session was created. The high-water mark is reset after session creation (writing
+  5 to /proc/self/clear_refs), so the transient copy of the weights made while loading does not
+  count, and the figure is what a served request costs: weights + activations + runtime.
+* CUDA (when the provider loads): device memory in use (cudaMemGetInfo through the CUDA runtime
+  library) after the runs minus before the session; the CUDA arena keeps what it grew to, and
+  grows by what is requested (`arena_extend_strategy=kSameAsRequested`), so that is the peak.
+
+A tiny graph is run before the baseline is read, so that code pages and thread pools the
+runtime touches on its first run are part of the baseline, not of the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import json
+import subprocess
+import sys
+
+__all__ = [
+    "MeasurementError",
+    "Measurement",
+    "select_device",
+    "measure_peak",
+    "RUNS",
+    "TIMEOUT_SECONDS",
+]
+
+# Runs per measurement: the first plans the memory pattern, the second reuses it.
+RUNS = 2
+# A measurement child that takes longer than this is stopped.
+TIMEOUT_SECONDS = 600
+
+
+class MeasurementError(RuntimeError):
+    """The child process could not measure (model failed to load or run, no /proc, timeout)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    device: str
+    height: int
+    width: int
+    batch: int
+    peak_bytes: int          # weights + activations + runtime during the runs, over the baseline
+    session_bytes: int       # retained after session creation, over the baseline
+    load_peak_bytes: int     # transient peak while creating the session (CPU only, else 0)
+
+
+def select_device(available_providers: list[str], *, cuda_loadable: bool) -> str:
+    """'cuda' when the CUDA provider is built in and its libraries load, else 'cpu'."""
+    return "cuda" if "CUDAExecutionProvider" in available_providers and cuda_loadable else "cpu"
+
+
+_CUDART_NAMES = ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0")
+
+
+def _cudart() -> ctypes.CDLL | None:
+    for name in _CUDART_NAMES:
+        try:
+            library = ctypes.CDLL(name)
+        except OSError:
+            continue
+        count = ctypes.c_int(0)
+        if library.cudaGetDeviceCount(ctypes.byref(count)) == 0 and count.value > 0:
+            return library
+    return None
+
+
+def _cuda_used_bytes(cudart: ctypes.CDLL) -> int:
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    status = cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total))
+    if status != 0:
+        raise MeasurementError(f"cudaMemGetInfo failed with CUDA error {status}")
+    return total.value - free.value
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise MeasurementError(f"/proc/self/status has no {field} line; peak RSS needs Linux")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def _warm_up(onnxruntime, providers: list[str]) -> None:
+    """Run a tiny conv+gemm graph so the runtime's first-run costs land in the baseline."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.ones((8, 3, 3, 3), np.float32), "w")
+    matrix = numpy_helper.from_array(np.ones((8 * 8 * 8, 4), np.float32), "m")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["c"], ["r"]),
+         helper.make_node("Flatten", ["r"], ["f"]),
+         helper.make_node("Gemm", ["f", "m"], ["y"])],
+        "warm_up", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [weight, matrix])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=providers)
+    session.run(None, {"x": np.ones((1, 3, 8, 8), np.float32)})
+
+
+def _measure_here(model_path: str, height: int, width: int, batch: int, device: str) -> Measurement:
+    import numpy as np
+    import onnxruntime
+
+    cudart = _cudart() if device == "cuda" else None
+    if device == "cuda" and cudart is None:
+        raise MeasurementError("device 'cuda' requested but the CUDA runtime library does not load")
+    providers: list = (["CPUExecutionProvider"] if device == "cpu" else
+                       [("CUDAExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})])
+    _warm_up(onnxruntime, providers)
+
+    def used() -> int:
+        return _cuda_used_bytes(cudart) if cudart is not None else _status_bytes("VmRSS")
+
+    if cudart is None:
+        _reset_peak()  # so VmHWM below is the session-creation peak
+    baseline = used()
+    session = onnxruntime.InferenceSession(model_path, providers=providers)
+    load_peak = _status_bytes("VmHWM") - baseline if cudart is None else 0
+    session_bytes = used() - baseline
+    image = session.get_inputs()[0]
+    dtype = np.float16 if image.type == "tensor(float16)" else np.float32
+    on_cpu = cudart is None
+    if on_cpu:
+        _reset_peak()
+    feed = {image.name: np.random.default_rng(0).standard_normal((batch, image.shape[1], height, width)).astype(dtype)}
+    for _ in range(RUNS):
+        session.run(None, feed)
+    peak = (_status_bytes("VmHWM") if on_cpu else used()) - baseline
+    return Measurement(device, height, width, batch, peak, session_bytes, load_peak)
+
+
+def measure_peak(model_path: str, *, height: int, width: int, batch: int = 1, device: str = "auto") -> Measurement:
+    """Peak memory of `RUNS` runs of the model at batch x C x height x width, in a clean child."""
+    if device == "auto":
+        import onnxruntime
+
+        device = select_device(onnxruntime.get_available_providers(), cuda_loadable=_cudart() is not None)
+    if device not in ("cpu", "cuda"):
+        raise MeasurementError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    command = [sys.executable, "-m", "convert.runtime_memory", model_path, "--height", str(height),
+               "--width", str(width), "--batch", str(batch), "--device", device]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS, check=False)
+    except subprocess.TimeoutExpired as error:
+        raise MeasurementError(f"measuring {model_path} took over {TIMEOUT_SECONDS} s") from error
+    if done.returncode != 0:
+        raise MeasurementError(f"measuring {model_path} at {batch}x{height}x{width} failed: "
+                               f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+    return Measurement(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Measure one model's peak memory under onnxruntime (child side).")
+    parser.add_argument("model")
+    parser.add_argument("--height", type=int, required=True)
+    parser.add_argument("--width", type=int, required=True)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args(argv)
+    measurement = _measure_here(args.model, args.height, args.width, args.batch, args.device)
+    sys.stdout.write(json.dumps(dataclasses.asdict(measurement)) + "\n")
+
+
+if __name__ == "__main__":
+    main()
