@@ -1,0 +1,174 @@
+"""scoremap-score: score folders of images into results.jsonl (+ maps, heatmaps), resumably.
+
+    scoremap-score PATHS... --out DIR (--server HOST:PORT | --local MODEL.onnx) [options]
+
+Exit status (documented in --help and the README):
+    0  every file scored
+    1  some files failed; each is recorded in results.jsonl with its status
+    2  bad command line
+    3  the server stayed unreachable beyond --retry-for; re-run to resume
+    4  the run could not start or was refused (credentials, unknown model, model file, output folder)
+  130  interrupted; re-run to resume
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Sequence
+
+import grpc
+from tqdm import tqdm
+
+from clients.batch import RESULTS_NAME, BatchSummary, run_batch
+from clients.errors import ScoremapError
+from clients.files import find_images
+from clients.options import MAP_DTYPES, SHIFTS, ScoreOptions
+from clients.settings import ClientSettings
+
+__all__ = ["main", "build_parser", "EXIT_OK", "EXIT_FAILURES", "EXIT_USAGE", "EXIT_UNAVAILABLE",
+           "EXIT_REFUSED", "EXIT_INTERRUPTED"]
+
+EXIT_OK = 0
+EXIT_FAILURES = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+EXIT_REFUSED = 4
+EXIT_INTERRUPTED = 130
+# Environment variable holding the bearer token (kept off the command line, where `ps` shows it).
+TOKEN_ENV = "SCOREMAP_TOKEN"
+
+log = logging.getLogger("scoremap-score")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 224,448; got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scoremap-score",
+        description="Score image files and folders (walked recursively, images found by content) "
+                    "into OUT/results.jsonl; re-running skips files already recorded.",
+        epilog=(__doc__ or "").split("\n\n", 2)[-1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="image files or folders")
+    parser.add_argument("--out", required=True, type=Path, help="output folder (results.jsonl, maps/, heatmaps/)")
+    backend = parser.add_mutually_exclusive_group(required=True)
+    backend.add_argument("--server", metavar="HOST:PORT", help="a running scoremap-serve")
+    backend.add_argument("--local", metavar="MODEL.onnx",
+                         help="score in this process with the server's pipeline, no service needed")
+    parser.add_argument("--model", default="", help="model name (optional when one is loaded)")
+    parser.add_argument("--scales", type=_int_list, default=[], help="shorter sides, e.g. 224,448 (default: the card's)")
+    parser.add_argument("--stride", type=int, default=0, help="output stride in pixels, 32 or 16 (default: native)")
+    parser.add_argument("--shift", choices=sorted(SHIFTS), default="auto", help="how stride 16 is reached")
+    parser.add_argument("--flip", action="store_true", help="average with the mirrored image")
+    parser.add_argument("--top-k", type=int, default=5, help="image-level classes recorded (default 5)")
+    parser.add_argument("--maps", action="store_true", help="write OUT/maps/<file>.npz score maps")
+    parser.add_argument("--heatmaps", action="store_true", help="write OUT/heatmaps/<file>.png heatmaps")
+    parser.add_argument("--map-dtype", choices=sorted(MAP_DTYPES), default="float32")
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
+    parser.add_argument("--timeout", type=float, default=ClientSettings.timeout_s,
+                        help=f"deadline per image, seconds (default {ClientSettings.timeout_s:g})")
+    parser.add_argument("--retry-for", type=float, default=120.0,
+                        help="keep retrying an unreachable server this many seconds (default 120)")
+    parser.add_argument("--retry-failed", action="store_true", help="score again files recorded as failed")
+    parser.add_argument("--tls", action="store_true", help="connect with TLS")
+    parser.add_argument("--root-cert", type=Path, help="PEM root certificates for --tls")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--traceback", action="store_true", help="print the full traceback on errors")
+    return parser
+
+
+def _open_scorer(args: argparse.Namespace):
+    if args.local:
+        from clients.local import LocalScorer  # imports the server package: only for --local
+        return LocalScorer([args.local])
+    from clients.api import ScoremapClient
+    settings = ClientSettings(timeout_s=args.timeout, retry_budget_s=args.retry_for,
+                              max_attempts=max(1, int(args.retry_for / ClientSettings.backoff_max_s) + 8))
+    root = args.root_cert.read_bytes() if args.root_cert else None
+    return ScoremapClient(args.server, tls=args.tls, root_certificates=root,
+                          token=os.environ.get(TOKEN_ENV) or None, settings=settings)
+
+
+def summary_table(summary: BatchSummary, results: Path) -> str:
+    """The end-of-run table printed to stdout."""
+    rows = [("found", str(summary.found)), ("skipped (already recorded)", str(summary.skipped)),
+            ("scored", str(summary.scored)), ("failed", str(summary.failed))]
+    rows += [(f"  {status}", str(count)) for status, count in sorted(summary.failures.items())]
+    if summary.aborted is not None:
+        rows.append(("not scored (run stopped)", str(summary.remaining)))
+    rows += [("seconds", f"{summary.seconds:.1f}"), ("results", str(results))]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="scoremap-score: %(message)s")
+    if args.concurrency < 1:
+        parser.error(f"--concurrency {args.concurrency} must be at least 1")
+    try:
+        options = ScoreOptions(model=args.model, scales=tuple(args.scales), stride=args.stride, shift=args.shift,
+                               flip=args.flip, map_dtype=args.map_dtype, top_k=args.top_k)
+        images = list(find_images(args.paths))
+    except (ScoremapError, FileNotFoundError) as error:
+        parser.error(str(error))
+    progress = None
+    try:
+        scorer = _open_scorer(args)
+        try:
+            progress = tqdm(total=0, unit="img", disable=True if args.no_progress else None,
+                            dynamic_ncols=True, desc="scoring")
+            failures = 0
+
+            def on_start(count: int) -> None:
+                progress.reset(total=count)
+
+            def on_progress(record: dict) -> None:
+                nonlocal failures
+                failures += record["status"] != "OK"
+                progress.set_postfix(failed=failures, refresh=False)
+                progress.update(1)
+
+            summary = run_batch(images, scorer, args.out, options=options, concurrency=args.concurrency,
+                                maps=args.maps, heatmaps=args.heatmaps, retry_failed=args.retry_failed,
+                                timeout=args.timeout, on_progress=on_progress, on_start=on_start)
+        finally:
+            if progress is not None:
+                progress.close()
+            scorer.close()
+    except KeyboardInterrupt:
+        log.warning("interrupted; re-run the same command to resume")
+        return EXIT_INTERRUPTED
+    except ScoremapError as error:
+        if args.traceback:
+            traceback.print_exc()
+        log.error("%s", error)
+        return EXIT_UNAVAILABLE if error.code == grpc.StatusCode.UNAVAILABLE else EXIT_REFUSED
+    except OSError as error:
+        if args.traceback:
+            traceback.print_exc()
+        log.error("%s", error)
+        return EXIT_REFUSED
+    sys.stdout.write(summary_table(summary, args.out / RESULTS_NAME) + "\n")
+    if summary.aborted is not None:
+        if args.traceback:
+            log.error("run stopped by %r", summary.aborted)
+        log.error("run stopped: %s; re-run the same command to resume", summary.aborted)
+        return EXIT_UNAVAILABLE if summary.aborted.code == grpc.StatusCode.UNAVAILABLE else EXIT_REFUSED
+    return EXIT_FAILURES if summary.failed else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
