@@ -1,0 +1,87 @@
+"""Memory admission: predict a batch's peak memory before running it, against a budget.
+
+The prediction is `convert.profile`'s, the one `scoremap-inspect` prints, so what users are shown
+is what the server enforces. Batches are cut to the largest size that fits; a pass that cannot
+fit even alone is refused with the numbers and the largest scale that would fit.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from convert.profile import ProfileError, largest_batch, profile_model
+from server.errors import ScoringError
+
+LOG = logging.getLogger(__name__)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), or None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def format_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024 or unit == "GiB":
+            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1024
+    return f"{count:.1f} GiB"
+
+
+class Admission:
+    """The memory check for one model: batch limits per input shape, cached."""
+
+    def __init__(self, model_path: str, *, budget_bytes: int | None) -> None:
+        self.model_path = model_path
+        self.budget_bytes = budget_bytes
+        self._lock = threading.Lock()
+
+    @functools.lru_cache(maxsize=1024)
+    def predicted_bytes(self, height: int, width: int, batch: int = 1) -> int:
+        """Predicted peak bytes of one batch of [height, width] inputs."""
+        return profile_model(self.model_path, height=height, width=width, batch=batch).predicted_peak_bytes
+
+    @functools.lru_cache(maxsize=1024)
+    def batch_limit(self, height: int, width: int) -> int:
+        """The largest batch of this input size within the budget (0: not even one); no budget: unbounded."""
+        if self.budget_bytes is None:
+            return 1 << 30
+        with self._lock:
+            return largest_batch(self.model_path, height=height, width=width, budget_bytes=self.budget_bytes)
+
+    def admit(self, height: int, width: int, *, scale: int, largest_scale: Callable[[], int]) -> int:
+        """The batch limit for this size; RESOURCE_EXHAUSTED with the numbers when one pass cannot fit."""
+        try:
+            limit = self.batch_limit(height, width)
+        except ProfileError as error:
+            raise ScoringError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"scale {scale} gives an input of {height}x{width} the model cannot take: {error}"
+            ) from error
+        if limit > 0:
+            return limit
+        predicted = self.predicted_bytes(height, width)
+        fits = largest_scale()
+        hint = f"the largest scale that fits is {fits}" if fits else "no scale of this image fits"
+        raise ScoringError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"scale {scale} ({height}x{width} input) needs a predicted {predicted} bytes ({format_bytes(predicted)}) "
+            f"but the memory budget is {self.budget_bytes} bytes ({format_bytes(self.budget_bytes)}); {hint}",
+        )
+
+    def fits(self, height: int, width: int) -> bool:
+        try:
+            return self.batch_limit(height, width) > 0
+        except ProfileError:
+            return False

@@ -1,0 +1,72 @@
+"""Every limit and knob of the server, named and documented in one frozen dataclass.
+
+`scoremap-serve` exposes each field as a flag; tests build a `Settings` with `dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Settings:
+    # --- requests -------------------------------------------------------------------------
+    max_image_pixels: int = 50_000_000
+    """Decoded images above this many pixels are refused (decompression bombs)."""
+    max_message_bytes: int = 64 * MiB
+    """gRPC send/receive limit; well above gRPC's 4 MB default so a 12-megapixel JPEG fits."""
+    max_scales: int = 8
+    """Scales one request may ask for."""
+    min_scale: int = 32
+    """Smallest target shorter side, in pixels."""
+    max_scale: int = 2048
+    """Largest target shorter side, in pixels."""
+    max_resized_pixels: int = 16_000_000
+    """Resized images above this many pixels are refused (a huge scale on a panorama)."""
+    default_top_k: int = 5
+    """Image-level top-k when a request says 0."""
+
+    # --- batching -------------------------------------------------------------------------
+    max_batch: int = 8
+    """Passes of the same shape run together, up to this many (1 turns batching off)."""
+    max_queue_delay_ms: float = 5.0
+    """How long the first pass of a batch waits for others of its shape."""
+    queue_depth: int = 128
+    """Passes waiting per model; beyond it new requests get RESOURCE_EXHAUSTED."""
+    stream_window: int = 4
+    """Requests of one ScoreStream scored concurrently (answers stay in order)."""
+
+    # --- memory ---------------------------------------------------------------------------
+    memory_budget_bytes: int | None = None
+    """Predicted peak memory allowed per batch; None: the GPU's free memory, or on the CPU
+    `cpu_memory_fraction` of the machine's available memory."""
+    cpu_memory_fraction: float = 0.5
+    """Share of MemAvailable used as the budget on the CPU when no budget is given."""
+
+    # --- engine ---------------------------------------------------------------------------
+    provider: str = "auto"
+    """"auto" (CUDA when it loads, else CPU), "cuda" or "cpu"."""
+    require_gpu: bool = False
+    """Refuse to start unless the CUDA provider really loads."""
+    cudnn_conv_algo_search: str = "HEURISTIC"
+    """CUDA conv algorithm search: HEURISTIC suits variable shapes (EXHAUSTIVE re-tunes per shape)."""
+    intra_op_threads: int = 0
+    """onnxruntime threads inside one op; 0 lets onnxruntime choose."""
+    inter_op_threads: int = 0
+    """onnxruntime threads across ops; 0 lets onnxruntime choose."""
+    warm_up: bool = True
+    """Run every warm-up scale and stride once before reporting SERVING."""
+    warm_up_scales: tuple[int, ...] = ()
+    """Scales to warm up; empty: each model's default scale."""
+
+    # --- service --------------------------------------------------------------------------
+    grpc_workers: int = 32
+    """Threads answering RPCs (each waits on its batch, so more than cores)."""
+    grace_seconds: float = 10.0
+    """On SIGTERM, in-flight calls get this long to finish."""
+    metrics_port: int | None = None
+    """Prometheus port (0: pick a free one); None: no metrics endpoint."""
+    metrics_address: str = "127.0.0.1"
+    """Address the metrics endpoint binds."""

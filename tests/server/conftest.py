@@ -1,0 +1,71 @@
+"""Tiny fully-convolutional graphs with model cards, built in code, for the server tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from convert.card import ModelCard, Preprocessing, ReceptiveField, write_card
+
+STRIDE = 32
+
+
+def patch_net(*, classes: int, stride: int = STRIDE, seed: int = 0, name: str = "tiny",
+              output_kind: str = "logits", weights: np.ndarray | None = None,
+              default_scale: int = 64) -> onnx.ModelProto:
+    """Conv(kernel = stride = `stride`) then Relu-free scores: one cell per `stride` x `stride` patch."""
+    if weights is None:
+        weights = np.random.default_rng(seed).normal(0, 0.05, (classes, 3, stride, stride)).astype(np.float32)
+    bias = np.zeros(classes, dtype=np.float32)
+    conv = helper.make_node("Conv", ["image", "w", "b"], ["scores"], kernel_shape=[stride, stride], strides=[stride, stride])
+    graph = helper.make_graph(
+        [conv], name,
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, "H", "W"])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", classes, "h", "w"])],
+        initializer=[numpy_helper.from_array(weights, "w"), numpy_helper.from_array(bias, "b")],
+    )
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
+    card = ModelCard(
+        name=name,
+        labels=[f"class{i}" for i in range(classes)],
+        preprocessing=Preprocessing(
+            input_name="image", layout="NCHW", dtype="float32", channel_order="RGB", pixel_scale=1.0,
+            mean=[0.0, 0.0, 0.0], std=[1.0, 1.0, 1.0], resize_filter="bilinear",
+        ),
+        training_height=stride, training_width=stride, output_stride=stride,
+        receptive_field=ReceptiveField(size=stride, center_y=(stride - 1) / 2, center_x=(stride - 1) / 2),
+        scores_name="scores", output_kind=output_kind, precision="fp32",
+        default_scale=default_scale, size_multiple=stride,
+    )
+    return write_card(model, card)
+
+
+def coordinate_net(*, stride: int = STRIDE) -> onnx.ModelProto:
+    """Scores that are a known function of position: channel 0 = mean of red, channel 1 = mean of green
+    over the cell's patch; fed an image whose red is x and green is y, cell scores are its centre."""
+    weights = np.zeros((2, 3, stride, stride), dtype=np.float32)
+    weights[0, 0] = 1.0 / stride**2
+    weights[1, 1] = 1.0 / stride**2
+    return patch_net(classes=2, stride=stride, weights=weights, name="coords", output_kind="probabilities")
+
+
+def coordinate_image(size: int = 256) -> np.ndarray:
+    """[size, size, 3] uint8: red = column, green = row, blue = 0."""
+    rows, cols = np.mgrid[0:size, 0:size]
+    return np.stack([cols, rows, np.zeros_like(rows)], axis=-1).astype(np.uint8)
+
+
+@pytest.fixture
+def tiny_model_path(tmp_path) -> str:
+    path = tmp_path / "tiny.onnx"
+    onnx.save(patch_net(classes=10), path)
+    return str(path)
+
+
+@pytest.fixture
+def coordinate_model_path(tmp_path) -> str:
+    path = tmp_path / "coords.onnx"
+    onnx.save(coordinate_net(), path)
+    return str(path)
