@@ -24,7 +24,7 @@ from clients.results import ScoreResult, result_from_response
 from clients.settings import ClientSettings
 from protos import model_card_pb2, scoring_pb2, scoring_pb2_grpc
 
-__all__ = ["ScoremapClient", "is_loopback"]
+__all__ = ["ScoremapClient", "channel_options", "is_loopback"]
 
 T = TypeVar("T")
 
@@ -39,6 +39,21 @@ def is_loopback(target: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def channel_options(settings: ClientSettings) -> list[tuple[str, int]]:
+    """gRPC channel options, all set explicitly: message size, keep-alive, reconnect backoff."""
+    return [
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.keepalive_time_ms", settings.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", settings.keepalive_timeout_ms),
+        ("grpc.initial_reconnect_backoff_ms", settings.initial_reconnect_backoff_ms),
+        ("grpc.min_reconnect_backoff_ms", settings.initial_reconnect_backoff_ms),
+        ("grpc.max_reconnect_backoff_ms", settings.max_reconnect_backoff_ms),
+        # Retries are ours (UNAVAILABLE only, within a budget); gRPC's transparent ones would double them.
+        ("grpc.enable_retries", 0),
+    ]
 
 
 class ScoremapClient:
@@ -67,17 +82,7 @@ class ScoremapClient:
                 f"refusing to send a bearer token in clear text to {target!r}; use tls=True "
                 "(tokens without TLS are allowed only to loopback addresses)",
             )
-        options = [
-            ("grpc.max_send_message_length", self.settings.max_message_bytes),
-            ("grpc.max_receive_message_length", self.settings.max_message_bytes),
-            ("grpc.keepalive_time_ms", self.settings.keepalive_time_ms),
-            ("grpc.keepalive_timeout_ms", self.settings.keepalive_timeout_ms),
-            ("grpc.initial_reconnect_backoff_ms", self.settings.initial_reconnect_backoff_ms),
-            ("grpc.min_reconnect_backoff_ms", self.settings.initial_reconnect_backoff_ms),
-            ("grpc.max_reconnect_backoff_ms", self.settings.max_reconnect_backoff_ms),
-            # Retries are ours (UNAVAILABLE only, with a budget); gRPC's transparent ones would double them.
-            ("grpc.enable_retries", 0),
-        ]
+        options = channel_options(self.settings)
         if tls:
             credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
             self._channel = grpc.secure_channel(target, credentials, options=options)
