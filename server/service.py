@@ -1,0 +1,147 @@
+"""The gRPC adapter: a thin servicer over the Pipeline, plus health, reflection and the token check.
+
+Each method turns the call's deadline and cancellation into plain values, calls the pipeline and
+maps its ScoringError to a status with `context.abort` (gRPC's route_guide / errors examples).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hmac
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import grpc
+
+from protos import model_card_pb2, scoring_pb2, scoring_pb2_grpc
+from server.errors import ScoringError
+from server.metrics import Metrics
+from server.pipeline import Pipeline
+from server.settings import Settings
+
+SERVICE_NAME = scoring_pb2.DESCRIPTOR.services_by_name["DenseScoring"].full_name
+HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes need no token
+
+
+class Call:
+    """One RPC as plain values: its deadline (time.monotonic) and a flag set when it ends or is cancelled."""
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self.cancelled = threading.Event()
+        context.add_callback(self.cancelled.set)
+        remaining = context.time_remaining()
+        self.deadline = time.monotonic() + remaining if remaining is not None else None
+
+
+class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
+    """Score, ScoreStream, ListModels and GetModel over one Pipeline."""
+
+    def __init__(self, pipeline: Pipeline, *, settings: Settings, metrics: Metrics) -> None:
+        self.pipeline = pipeline
+        self.settings = settings
+        self.metrics = metrics
+        self.draining = threading.Event()
+
+    @contextlib.contextmanager
+    def _accounted(self, method: str, context: grpc.ServicerContext) -> Iterator[Call]:
+        """Count the call by method and final code, track it in flight, abort on ScoringError."""
+        code = grpc.StatusCode.OK
+        self.metrics.in_flight.inc()
+        try:
+            if self.draining.is_set():
+                raise ScoringError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
+            yield Call(context)
+        except ScoringError as error:
+            code = error.code
+            context.abort(error.code, error.message)
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(method, code.name).inc()
+
+    def Score(self, request: scoring_pb2.ScoreRequest, context: grpc.ServicerContext) -> scoring_pb2.ScoreResponse:
+        with self._accounted("Score", context) as call:
+            return self.pipeline.score(request, deadline=call.deadline, cancelled=call.cancelled)
+
+    def ScoreStream(
+        self, request_iterator: Iterator[scoring_pb2.ScoreRequest], context: grpc.ServicerContext
+    ) -> Iterator[scoring_pb2.ScoreResponse]:
+        """Up to `stream_window` requests scored at once (so they batch together); answers in request order.
+
+        A failing request ends the stream with its status; the message names its request_id.
+        """
+        with self._accounted("ScoreStream", context) as call:
+            window = max(1, self.settings.stream_window)
+            pending: collections.deque[tuple[str, Future]] = collections.deque()
+            with ThreadPoolExecutor(window, thread_name_prefix="stream") as pool:
+                try:
+                    for request in request_iterator:
+                        future = pool.submit(self.pipeline.score, request, deadline=call.deadline, cancelled=call.cancelled)
+                        pending.append((request.request_id, future))
+                        while len(pending) >= window:
+                            yield answer(*pending.popleft())
+                    while pending:
+                        yield answer(*pending.popleft())
+                finally:
+                    call.cancelled.set()  # a failed or abandoned stream stops its other requests
+                    pool.shutdown(wait=True, cancel_futures=True)
+
+    def ListModels(self, request: scoring_pb2.ListModelsRequest, context: grpc.ServicerContext) -> scoring_pb2.ListModelsResponse:
+        with self._accounted("ListModels", context):
+            return scoring_pb2.ListModelsResponse(models=self.pipeline.models())
+
+    def GetModel(self, request: scoring_pb2.GetModelRequest, context: grpc.ServicerContext) -> model_card_pb2.ModelCard:
+        with self._accounted("GetModel", context):
+            return self.pipeline.card(request.name)
+
+
+def answer(request_id: str, future: Future) -> scoring_pb2.ScoreResponse:
+    """The future's response; its ScoringError re-raised with the request_id in the message."""
+    try:
+        return future.result()
+    except ScoringError as error:
+        raise ScoringError(error.code, f"request {request_id!r}: {error.message}" if request_id else error.message) from error
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """UNAUTHENTICATED unless metadata carries `authorization: Bearer <token>` (health probes exempt)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        received = metadata.get("authorization", "")
+        if isinstance(received, str):
+            received = received.encode()
+        if hmac.compare_digest(received, self._expected):
+            return handler
+        return denied(handler, "missing or wrong bearer token: send metadata `authorization: Bearer <token>`")
+
+
+def denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that answers UNAUTHENTICATED."""
+
+    def refuse(_request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    def refuse_stream(_request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # a generator, as streaming handlers must be
+
+    serializers = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(refuse, **serializers)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **serializers)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(refuse, **serializers)
+    return grpc.stream_stream_rpc_method_handler(refuse_stream, **serializers)
