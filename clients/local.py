@@ -6,12 +6,14 @@ and raises the same ScoremapError (translated from the server's ScoringError her
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 from clients.errors import ScoremapError
 from protos import scoring_pb2
 from server.errors import ScoringError
 from server.pipeline import Pipeline
+from server.settings import Settings
 
 __all__ = ["LocalScorer"]
 
@@ -19,16 +21,17 @@ __all__ = ["LocalScorer"]
 class LocalScorer:
     """Scores requests with server.pipeline.Pipeline over `model_paths`, in this process."""
 
-    def __init__(self, model_paths: Sequence[str]) -> None:
+    def __init__(self, model_paths: Sequence[str], *, settings: Settings | None = None) -> None:
         try:
-            self._pipeline = Pipeline(list(model_paths))
+            self._pipeline = Pipeline(list(model_paths), settings=settings)
         except ScoringError as error:
             raise ScoremapError(error.code, error.message) from error
 
     def score_request(self, request: scoring_pb2.ScoreRequest, *, timeout: float | None = None) -> scoring_pb2.ScoreResponse:
-        """The pipeline's answer to `request` (`timeout` is accepted for symmetry and unused)."""
+        """The pipeline's answer to `request`, within `timeout` seconds as over gRPC."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return self._pipeline.score(request)
+            return self._pipeline.score(request, deadline=deadline)
         except ScoringError as error:
             raise ScoremapError(error.code, error.message) from error
 

@@ -1,0 +1,107 @@
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from PIL import Image
+
+from clients import ClientSettings, ScoremapClient, ScoremapError, ScoreOptions
+from clients.api import is_loopback
+
+
+def test_scores_paths_bytes_pil_and_arrays_alike(server, photos):
+    path = sorted(photos.glob("*.png"))[0]
+    with ScoremapClient(server) as client:
+        from_path = client.score(path, stride=32)
+        from_bytes = client.score(path.read_bytes(), stride=32)
+        from_pil = client.score(Image.open(path), stride=32)
+        from_array = client.score(np.asarray(Image.open(path).convert("RGB")), stride=32)
+    assert from_path.top_k[0].label.startswith("class")
+    assert [p.probability for p in from_path.top_k] == sorted((p.probability for p in from_path.top_k), reverse=True)
+    for other in (from_bytes, from_pil, from_array):
+        assert [p.index for p in other.top_k] == [p.index for p in from_path.top_k]
+        np.testing.assert_allclose(other.maps[0].scores, from_path.maps[0].scores, atol=1e-6)
+    scale = from_path.maps[0]
+    assert scale.scores.shape == (10, scale.height, scale.width)
+    assert scale.geometry.stride_x > 0 and from_path.image_width == Image.open(path).width
+
+
+def test_models_card_health_and_stream(server, photos):
+    images = sorted(photos.rglob("photo*"))
+    with ScoremapClient(server) as client:
+        assert client.health() == "SERVING"
+        assert [m.name for m in client.models()] == ["tiny"]
+        assert client.model("tiny").labels[3] == "class3"
+        streamed = list(client.score_many(images, options=ScoreOptions(return_maps=True)))
+        singles = [client.score(image) for image in images]
+    assert [r.request_id for r in streamed] == [str(n) for n in range(len(images))]
+    for one, other in zip(streamed, singles):
+        assert (one.image_height, one.image_width) == (other.image_height, other.image_width)
+        assert [p.index for p in one.top_k] == [p.index for p in other.top_k]
+
+
+def test_server_errors_carry_status_and_message(server):
+    with ScoremapClient(server) as client:
+        with pytest.raises(ScoremapError) as unknown:
+            client.score(np.zeros((64, 64, 3), np.uint8), model="nope")
+        with pytest.raises(ScoremapError) as corrupt:
+            client.score(b"\xff\xd8\xff" + b"\0" * 50)
+    assert unknown.value.code == grpc.StatusCode.NOT_FOUND and "nope" in unknown.value.message
+    assert corrupt.value.code == grpc.StatusCode.INVALID_ARGUMENT and "53 bytes" in corrupt.value.message
+
+
+def test_unavailable_is_retried_until_the_server_comes_up(start_server, tiny_model):
+    server, port = start_server()
+    server.stop(0).wait(10)  # the port is now free and known
+
+    def start_later() -> None:
+        time.sleep(1.0)
+        start_server(address=f"127.0.0.1:{port}")
+
+    thread = threading.Thread(target=start_later)
+    thread.start()
+    settings = ClientSettings(retry_budget_s=20, max_attempts=100, backoff_max_s=0.5)
+    with ScoremapClient(f"127.0.0.1:{port}", settings=settings) as client:
+        result = client.score(np.zeros((64, 64, 3), np.uint8))
+    thread.join()
+    assert len(result.top_k) == 5
+
+
+def test_other_errors_are_not_retried_and_budget_ends_retries():
+    calls = []
+
+    settings = ClientSettings(retry_budget_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.1, max_attempts=1000)
+    with ScoremapClient("127.0.0.1:1", settings=settings) as client:  # nothing listens on port 1
+        began = time.monotonic()
+        with pytest.raises(ScoremapError) as caught:
+            client.health()
+        calls.append(time.monotonic() - began)
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    assert calls[0] < 5  # the budget, not max_attempts, ended the retries
+
+
+def test_bearer_token(start_server):
+    _, port = start_server(token="s3cret")
+    target = f"127.0.0.1:{port}"
+    image = np.zeros((64, 64, 3), np.uint8)
+    with ScoremapClient(target, token="s3cret") as client:
+        assert client.score(image).top_k
+    with ScoremapClient(target, token="wrong") as client, pytest.raises(ScoremapError) as caught:
+        client.score(image)
+    assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_token_is_never_sent_in_clear_text_off_this_machine():
+    with pytest.raises(ScoremapError, match="clear text"):
+        ScoremapClient("scoring.example.com:443", token="t")
+    assert is_loopback("127.0.0.1:5") and is_loopback("[::1]:5") and is_loopback("localhost:5")
+    assert not is_loopback("10.0.0.1:5") and not is_loopback("example.com:5")
+
+
+def test_every_call_has_a_deadline(start_server):
+    _, port = start_server()
+    big = np.zeros((2048, 2048, 3), np.uint8)
+    with ScoremapClient(f"127.0.0.1:{port}", timeout=0.001) as client, pytest.raises(ScoremapError) as caught:
+        client.score(big, scales=[1024])
+    assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
