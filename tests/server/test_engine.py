@@ -1,0 +1,44 @@
+import grpc
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+
+from server.engine import CPU, CUDA, Engine, choose_providers
+from server.errors import ScoringError
+from server.settings import Settings
+
+
+def test_cuda_is_chosen_when_it_can_load():
+    choice = choose_providers((CUDA, CPU), cuda_device=True)
+    assert choice.providers == (CUDA, CPU)
+
+
+@pytest.mark.parametrize("available, device, words", [
+    ((CUDA, CPU), False, "no CUDA device"),
+    ((CPU,), True, "has no CUDAExecutionProvider"),
+])
+def test_cpu_fallback_says_why(available, device, words):
+    choice = choose_providers(available, cuda_device=device)
+    assert choice.providers == (CPU,) and words in choice.reason
+
+
+def test_require_gpu_refuses_without_cuda():
+    with pytest.raises(ScoringError, match="a GPU is required but no CUDA device") as caught:
+        choose_providers((CUDA, CPU), cuda_device=False, require_gpu=True)
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(ScoringError, match="GPU is required"):
+        choose_providers((CPU,), cuda_device=True, provider="cuda")
+
+
+def test_cpu_can_be_forced():
+    assert choose_providers((CUDA, CPU), cuda_device=True, provider="cpu").providers == (CPU,)
+
+
+def test_engine_reports_what_its_session_really_runs_on(tiny_model_path):
+    engine = Engine(tiny_model_path, input_name="image", output_name="scores", settings=Settings(intra_op_threads=1))
+    assert engine.provider == engine.session.get_providers()[0]
+    batch = np.random.default_rng(0).normal(size=(2, 3, 64, 96)).astype(np.float32)
+    direct = onnxruntime.InferenceSession(tiny_model_path, providers=[CPU]).run(None, {"image": batch})[0]
+    np.testing.assert_allclose(engine.run(batch), direct, rtol=1e-6, atol=1e-6)
+    assert engine.run(batch).shape == (2, 10, 2, 3)

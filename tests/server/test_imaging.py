@@ -1,0 +1,109 @@
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from protos.model_card_pb2 import Preprocessing
+from protos.scoring_pb2 import RawImage
+from server import imaging
+
+LIMIT = 10_000_000
+
+
+def encode(image: Image.Image, fmt: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **options)
+    return buffer.getvalue()
+
+
+def gradient(width: int = 40, height: int = 30) -> Image.Image:
+    rows, cols = np.mgrid[0:height, 0:width]
+    return Image.fromarray(np.stack([cols * 6, rows * 8, (cols + rows) * 3], -1).astype(np.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "BMP", "TIFF", "WEBP", "JPEG"])
+def test_every_format_decodes_to_the_same_rgb(fmt):
+    source = gradient()
+    options = {"lossless": True} if fmt == "WEBP" else {"quality": 95} if fmt == "JPEG" else {}
+    decoded = imaging.decode(encode(source, fmt, **options), max_pixels=LIMIT)
+    assert decoded.mode == "RGB" and decoded.size == source.size
+    tolerance = 12 if fmt == "JPEG" else 0
+    assert np.abs(np.asarray(decoded, int) - np.asarray(source, int)).max() <= tolerance
+
+
+def test_exif_orientation_is_applied():
+    source = gradient(40, 30)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    decoded = imaging.decode(encode(source, "JPEG", exif=exif, quality=95), max_pixels=LIMIT)
+    assert decoded.size == (30, 40)
+
+
+@pytest.mark.parametrize("mode", ["L", "LA", "P", "RGBA", "CMYK", "I;16"])
+def test_any_mode_becomes_rgb(mode):
+    if mode == "I;16":
+        source = Image.fromarray(np.full((8, 8), 65535, dtype=np.uint16))
+        assert source.mode.startswith("I;16")
+    else:
+        source = gradient().convert(mode)
+    fmt = "TIFF" if mode in ("CMYK", "I;16") else "PNG"
+    decoded = imaging.decode(encode(source, fmt), max_pixels=LIMIT)
+    assert decoded.mode == "RGB"
+    if mode == "I;16":  # scaled to 8 bits, not clipped to 255 from the low byte
+        assert (np.asarray(decoded) == 255).all()
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"", "empty"),
+    (b"this is not an image at all", "not a JPEG, PNG"),
+])
+def test_bad_bytes_say_what_was_received(data, words):
+    with pytest.raises(imaging.ImageError, match=words):
+        imaging.decode(data, max_pixels=LIMIT)
+
+
+def test_truncated_image_is_refused():
+    data = encode(gradient(200, 200), "PNG")
+    with pytest.raises(imaging.ImageError, match="could not be decoded"):
+        imaging.decode(data[: len(data) // 2], max_pixels=LIMIT)
+
+
+def test_decompression_bomb_is_refused_before_decoding():
+    bomb = encode(Image.new("L", (4000, 4000)), "PNG")  # a few KB that decode to 16 Mpx
+    assert len(bomb) < 100_000
+    with pytest.raises(imaging.ImageError, match="16000000 pixels exceeds the limit of 1000000"):
+        imaging.decode(bomb, max_pixels=1_000_000)
+
+
+def test_raw_pixels_are_checked_against_their_shape():
+    pixels = np.arange(2 * 3 * 4, dtype=np.uint8)
+    image = imaging.from_raw(RawImage(data=pixels.tobytes(), height=2, width=3, channels=4), max_pixels=LIMIT)
+    np.testing.assert_array_equal(np.asarray(image), pixels.reshape(2, 3, 4)[:, :, :3])
+    with pytest.raises(imaging.ImageError, match="has 24 bytes; shape \\[2, 3, 3\\] of uint8 needs 18"):
+        imaging.from_raw(RawImage(data=pixels.tobytes(), height=2, width=3, channels=3), max_pixels=LIMIT)
+    with pytest.raises(imaging.ImageError, match="channels must be 1, 3 or 4; received 2"):
+        imaging.from_raw(RawImage(data=pixels.tobytes(), height=2, width=6, channels=2), max_pixels=LIMIT)
+    with pytest.raises(imaging.ImageError, match="positive"):
+        imaging.from_raw(RawImage(data=b"", height=0, width=3, channels=3), max_pixels=LIMIT)
+
+
+def test_normalize_and_batch_follow_the_card():
+    card = Preprocessing(layout="NCHW", dtype="float32", channel_order="BGR", pixel_scale=1 / 255,
+                         mean=[0.5, 0.5, 0.5], std=[0.25, 0.25, 0.25])
+    pixels = np.zeros((2, 2, 3), dtype=np.uint8)
+    pixels[..., 0] = 255
+    values = imaging.normalize(pixels, card)
+    np.testing.assert_allclose(values[0, 0], [-2.0, -2.0, 2.0], rtol=1e-6)  # red is now last
+    batch = imaging.to_batch([values, values], card)
+    assert batch.shape == (2, 3, 2, 2) and batch.dtype == np.float32
+    nhwc = imaging.to_batch([values], Preprocessing(layout="NHWC", dtype="float16"))
+    assert nhwc.shape == (1, 2, 2, 3) and nhwc.dtype == np.float16
+
+
+def test_resize_uses_the_named_filter():
+    image = gradient(64, 64)
+    nearest = imaging.resize(image, (32, 32), filter_name="nearest")
+    np.testing.assert_array_equal(nearest, np.asarray(image.resize((32, 32), Image.Resampling.NEAREST)))
+    with pytest.raises(imaging.ImageError, match="resize_filter 'sinc'"):
+        imaging.resize(image, (32, 32), filter_name="sinc")
