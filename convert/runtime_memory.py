@@ -21,6 +21,7 @@ import argparse
 import ctypes
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -28,6 +29,7 @@ __all__ = [
     "MeasurementError",
     "Measurement",
     "select_device",
+    "predictable_session_options",
     "measure_peak",
     "RUNS",
     "TIMEOUT_SECONDS",
@@ -37,6 +39,9 @@ __all__ = [
 RUNS = 2
 # A measurement child that takes longer than this is stopped.
 TIMEOUT_SECONDS = 600
+# glibc keeps freed memory (a dynamic mmap threshold up to 32 MiB, no trimming), which would count
+# what session creation freed as in use; the child returns freed memory to the system at once.
+CHILD_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
 class MeasurementError(RuntimeError):
@@ -52,6 +57,24 @@ class Measurement:
     peak_bytes: int          # weights + activations + runtime during the runs, over the baseline
     session_bytes: int       # retained after session creation, over the baseline
     load_peak_bytes: int     # transient peak while creating the session (CPU only, else 0)
+
+
+def predictable_session_options():
+    """Session options under which convert.profile's prediction holds.
+
+    onnxruntime's memory pattern (on by default) records each input shape's allocations and then
+    allocates one block per shape on top of the arena: with the variable image sizes of dense
+    scoring that roughly doubles the footprint and keeps growing per size, so it is turned off.
+    The CPU arena is turned off too: its best-fit chunks fragment under varying sizes (measured
+    1.7-1.9x the live activations on a VGG-style graph), while plain allocations follow the
+    liveness the profile computes (measured within 10%).
+    """
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.enable_mem_pattern = False
+    options.enable_cpu_mem_arena = False
+    return options
 
 
 def select_device(available_providers: list[str], *, cuda_loadable: bool) -> str:
@@ -132,7 +155,7 @@ def _measure_here(model_path: str, height: int, width: int, batch: int, device: 
     if cudart is None:
         _reset_peak()  # so VmHWM below is the session-creation peak
     baseline = used()
-    session = onnxruntime.InferenceSession(model_path, providers=providers)
+    session = onnxruntime.InferenceSession(model_path, predictable_session_options(), providers=providers)
     load_peak = _status_bytes("VmHWM") - baseline if cudart is None else 0
     session_bytes = used() - baseline
     image = session.get_inputs()[0]
@@ -140,7 +163,8 @@ def _measure_here(model_path: str, height: int, width: int, batch: int, device: 
     on_cpu = cudart is None
     if on_cpu:
         _reset_peak()
-    feed = {image.name: np.random.default_rng(0).standard_normal((batch, image.shape[1], height, width)).astype(dtype)}
+    pixels = np.random.default_rng(0).standard_normal((batch, image.shape[1], height, width), dtype=np.float32)
+    feed = {image.name: pixels.astype(dtype, copy=False)}
     for _ in range(RUNS):
         session.run(None, feed)
     peak = (_status_bytes("VmHWM") if on_cpu else used()) - baseline
@@ -158,7 +182,8 @@ def measure_peak(model_path: str, *, height: int, width: int, batch: int = 1, de
     command = [sys.executable, "-m", "convert.runtime_memory", model_path, "--height", str(height),
                "--width", str(width), "--batch", str(batch), "--device", device]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS, check=False)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS, check=False,
+                              env={**os.environ, **CHILD_ENVIRONMENT})
     except subprocess.TimeoutExpired as error:
         raise MeasurementError(f"measuring {model_path} took over {TIMEOUT_SECONDS} s") from error
     if done.returncode != 0:
