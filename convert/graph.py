@@ -1,0 +1,150 @@
+"""Small read/write helpers over onnx.GraphProto shared by the graph rewrites.
+
+Kept deliberately thin: the rewrites work on plain ONNX protos so every stage is a function
+from graph to graph that a test can build and check with onnx.helper.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+# Graphs are written at this IR version: onnxruntime 1.31 refuses IR 14, which onnx 1.23 writes by default.
+MAX_IR_VERSION = 10
+
+
+def attr(node: onnx.NodeProto, name: str, default=None):
+    """The value of attribute `name` of `node`, or `default`."""
+    for attribute in node.attribute:
+        if attribute.name == name:
+            value = helper.get_attribute_value(attribute)
+            return value.decode() if isinstance(value, bytes) else value
+    return default
+
+
+def set_attr(node: onnx.NodeProto, name: str, value) -> None:
+    """Replace (or add) attribute `name` of `node`."""
+    kept = [a for a in node.attribute if a.name != name]
+    del node.attribute[:]
+    node.attribute.extend(kept)
+    node.attribute.append(helper.make_attribute(name, value))
+
+
+def describe(node: onnx.NodeProto) -> str:
+    """How error messages name a node: its type, its name and its first output."""
+    label = f" {node.name!r}" if node.name else ""
+    return f"{node.op_type}{label} (output {node.output[0]!r})" if node.output else f"{node.op_type}{label}"
+
+
+def opset(model: onnx.ModelProto) -> int:
+    """The default-domain opset the model imports."""
+    for entry in model.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return entry.version
+    return 1
+
+
+def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    return {output: node for node in graph.node for output in node.output if output}
+
+
+def consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    result: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            result.setdefault(name, []).append(node)
+    return result
+
+
+def initializers(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    return {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+
+
+def data_inputs(node: onnx.NodeProto, constants: dict[str, np.ndarray]) -> list[str]:
+    """The inputs of `node` that are computed from the image (not constants)."""
+    return [name for name in node.input if name and name not in constants]
+
+
+def input_dims(value: onnx.ValueInfoProto) -> list[int | str]:
+    """The dims of a graph input: ints where static, names (or '?') where symbolic."""
+    dims: list[int | str] = []
+    for dim in value.type.tensor_type.shape.dim:
+        dims.append(dim.dim_value if dim.HasField("dim_value") else (dim.dim_param or "?"))
+    return dims
+
+
+def set_input_dims(value: onnx.ValueInfoProto, dims: Iterable[int | str]) -> None:
+    shape = value.type.tensor_type.shape
+    shape.ClearField("dim")
+    for size in dims:
+        dim = shape.dim.add()
+        if isinstance(size, str):
+            dim.dim_param = size
+        else:
+            dim.dim_value = size
+
+
+def static_shapes(model: onnx.ModelProto, input_shape: list[int]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape with the image input fixed to `input_shape` (tensors left unknown are absent)."""
+    fixed = copy.deepcopy(model)
+    graph_inputs = real_inputs(fixed.graph)
+    set_input_dims(graph_inputs[0], input_shape)
+    del fixed.graph.value_info[:]
+    for output in fixed.graph.output:
+        output.type.tensor_type.ClearField("shape")
+    fixed.ir_version = min(fixed.ir_version, MAX_IR_VERSION)
+    inferred = onnx.shape_inference.infer_shapes(fixed, data_prop=True)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for value in list(inferred.graph.value_info) + list(inferred.graph.output) + list(inferred.graph.input):
+        tensor_type = value.type.tensor_type
+        if not tensor_type.HasField("shape"):
+            continue
+        dims = tensor_type.shape.dim
+        if all(d.HasField("dim_value") for d in dims):
+            shapes[value.name] = tuple(d.dim_value for d in dims)
+    for init in inferred.graph.initializer:
+        shapes[init.name] = tuple(init.dims)
+    return shapes
+
+
+def real_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
+    """Graph inputs that are not also initializers (old exporters list weights as inputs)."""
+    names = {init.name for init in graph.initializer}
+    return [value for value in graph.input if value.name not in names]
+
+
+def prune(graph: onnx.GraphProto) -> onnx.GraphProto:
+    """Drop nodes and initializers that no graph output depends on; returns `graph`."""
+    image_inputs = {value.name for value in real_inputs(graph)}
+    needed = {output.name for output in graph.output}
+    kept: list[onnx.NodeProto] = []
+    for node in reversed(graph.node):
+        if any(name in needed for name in node.output):
+            kept.append(node)
+            needed.update(name for name in node.input if name)
+    kept.reverse()
+    del graph.node[:]
+    graph.node.extend(kept)
+    used_initializers = [init for init in graph.initializer if init.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(used_initializers)
+    used_inputs = [value for value in graph.input if value.name in image_inputs or value.name in needed]
+    del graph.input[:]
+    graph.input.extend(used_inputs)
+    return graph
+
+
+def unique_name(graph: onnx.GraphProto, base: str) -> str:
+    """A tensor name not yet used in `graph`."""
+    taken = {name for node in graph.node for name in list(node.input) + list(node.output)}
+    taken.update(init.name for init in graph.initializer)
+    taken.update(value.name for value in graph.input)
+    name, index = base, 0
+    while name in taken:
+        index += 1
+        name = f"{base}_{index}"
+    return name

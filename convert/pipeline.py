@@ -1,0 +1,127 @@
+"""convert_classifier: source → ONNX → cleanup → surgery → (à trous) → verification → model card."""
+
+from __future__ import annotations
+
+import logging
+
+import onnx
+
+from convert.atrous import atrous
+from convert.card import ModelCard, ReceptiveField, write_card
+from convert.cleanup import cleanup
+from convert.errors import ConversionError
+from convert.graph import input_dims, real_inputs
+from convert.receptive_field import output_field
+from convert.sources import load_source
+from convert.surgery import SCORES, fully_convolutional
+from convert.verify import verify
+from protos.model_card_pb2 import Preprocessing
+
+log = logging.getLogger(__name__)
+
+# Native stride when a caller asks for none finer: one cell per 32 px, the classic dense evaluation.
+DEFAULT_OUTPUT_STRIDE = 32
+# The strides the à trous rewrite can produce (each halving dilates everything after it by 2).
+SUPPORTED_OUTPUT_STRIDES = (32, 16, 8)
+# default_scale for sources that do not say: the default model's 384/224, rounded to the stride.
+DEFAULT_SCALE_RATIO = 384 / 224
+ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.UINT8: "uint8"}
+
+
+def convert_classifier(
+    source,
+    *,
+    training_size: int | tuple[int, int] | None = None,
+    output_stride: int = DEFAULT_OUTPUT_STRIDE,
+    name: str | None = None,
+    labels: list[str] | None = None,
+    preprocessing: Preprocessing | None = None,
+    state_dict: str | None = None,
+    default_scale: int | None = None,
+    size_multiple: int | None = None,
+) -> onnx.ModelProto:
+    """The classifier `source` as a verified dense scorer with its model card; raises ConversionError.
+
+    `output_stride` is the finest spacing of cells wanted: a net whose native stride is coarser
+    gets the à trous rewrite (16 or 8), a net already finer keeps its own.
+    """
+    size = None if training_size is None else (training_size, training_size) if isinstance(training_size, int) else tuple(training_size)
+    loaded = load_source(source, training_size=size, state_dict=state_dict)
+    original = loaded.model
+    images = real_inputs(original.graph)
+    if len(images) != 1:
+        raise ConversionError(f"expected a classifier with one image input, got {len(images)}: {[v.name for v in images]}")
+    image = images[0]
+    layout = detect_layout(image)
+    size = resolve_training_size(image, layout=layout, given=size or loaded.training_size)
+    dtype = ONNX_DTYPES.get(image.type.tensor_type.elem_type)
+    if dtype is None:
+        raise ConversionError(f"input {image.name!r} has element type {image.type.tensor_type.elem_type}; expected float32, float16 or uint8")
+    channels = int(input_dims(image)[1 if layout == "NCHW" else 3])
+    prep = Preprocessing()
+    prep.CopyFrom(preprocessing or loaded.preprocessing or identity_preprocessing(channels))
+    prep.input_name, prep.layout, prep.dtype = image.name, layout, dtype
+    batch_one = [1, channels, *size] if layout == "NCHW" else [1, *size, channels]
+
+    cleaned = cleanup(original, input_shape=batch_one)
+    dense, head = fully_convolutional(cleaned, training_size=size, layout=layout)
+    if output_stride not in SUPPORTED_OUTPUT_STRIDES:
+        raise ConversionError(f"output stride {output_stride} is not supported; expected one of {SUPPORTED_OUTPUT_STRIDES}")
+    dense = atrous(dense, output_stride=output_stride, input_shape=batch_one, layout=layout)
+    field = output_field(dense, input_shape=batch_one, layout=layout)
+    check = verify(original, dense, preprocessing=prep, training_size=size, channels=channels)
+    if not check.passed:
+        raise ConversionError(
+            f"verification failed: converted and original differ by {check.max_abs_diff:.3g} at the training size "
+            f"(allowed {check.tolerance:.3g}); nothing written")
+    names = labels or loaded.labels or [f"class_{k}" for k in range(head.num_classes)]
+    if len(names) != head.num_classes:
+        raise ConversionError(f"got {len(names)} labels for a classifier with {head.num_classes} classes")
+    stride = field.jump[0]
+    card = ModelCard(
+        name=name or loaded.name, labels=names, preprocessing=prep,
+        training_height=size[0], training_width=size[1], output_stride=stride,
+        receptive_field=ReceptiveField(size=max(field.size), center_y=field.start[0], center_x=field.start[1]),
+        scores_name=SCORES, output_kind=head.output_kind, source=loaded.description, verification=check,
+        precision="fp32",
+        default_scale=default_scale or loaded.default_scale or round_up(max(size) * DEFAULT_SCALE_RATIO, stride),
+        size_multiple=size_multiple if size_multiple is not None else (loaded.size_multiple or 0),
+    )
+    log.info("converted %s: %d classes, stride %d, max abs diff %.3g", card.name, head.num_classes, stride, check.max_abs_diff)
+    return write_card(dense, card)
+
+
+def detect_layout(image: onnx.ValueInfoProto) -> str:
+    """NCHW unless the last axis looks like channels (1, 3 or 4) and axis 1 does not."""
+    dims = input_dims(image)
+    if len(dims) != 4:
+        raise ConversionError(f"input {image.name!r} has shape {dims}; expected an image batch [N, C, H, W] or [N, H, W, C]")
+    channel_like = (1, 3, 4)
+    if dims[3] in channel_like and dims[1] not in channel_like:
+        return "NHWC"
+    if dims[1] in channel_like:
+        return "NCHW"
+    raise ConversionError(f"input {image.name!r} has shape {dims}; cannot tell its channel axis (expected 1, 3 or 4 channels)")
+
+
+def resolve_training_size(image: onnx.ValueInfoProto, *, layout: str, given: tuple[int, int] | None) -> tuple[int, int]:
+    """The input's static H, W, or the given size when they are symbolic; a conflict is an error."""
+    dims = input_dims(image)
+    spatial = dims[2:4] if layout == "NCHW" else dims[1:3]
+    static = tuple(spatial) if all(isinstance(d, int) and d > 0 for d in spatial) else None
+    if static and given and tuple(given) != static:
+        raise ConversionError(f"input {image.name!r} is fixed at {static[0]}x{static[1]} but training size {given[0]}x{given[1]} was given")
+    if static:
+        return static
+    if given:
+        return tuple(given)
+    raise ConversionError(f"input {image.name!r} has symbolic size {spatial}: cannot prove the training size; pass it (--training-size)")
+
+
+def identity_preprocessing(channels: int) -> Preprocessing:
+    """What a bare ONNX file says about preprocessing: nothing, so raw 0..255 values until told otherwise."""
+    return Preprocessing(channel_order="RGB", pixel_scale=1.0, mean=[0.0] * channels, std=[1.0] * channels, resize_filter="bilinear")
+
+
+def round_up(value: float, multiple: int) -> int:
+    return int(-(-value // multiple) * multiple)
