@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import onnx
 import pytest
@@ -69,3 +71,81 @@ def coordinate_model_path(tmp_path) -> str:
     path = tmp_path / "coords.onnx"
     onnx.save(coordinate_net(), path)
     return str(path)
+
+
+def heavy_net(*, classes: int = 4, width: int = 48, depth: int = 3) -> onnx.ModelProto:
+    """A stride-32 net with a few full-resolution 3x3 convs in front, slow enough to fill a queue."""
+    rng = np.random.default_rng(1)
+    nodes, initializers, current, channels = [], [], "image", 3
+    for index in range(depth):
+        weight = rng.normal(0, 0.1, (width, channels, 3, 3)).astype(np.float32)
+        initializers.append(numpy_helper.from_array(weight, f"w{index}"))
+        nodes.append(helper.make_node("Conv", [current, f"w{index}"], [f"c{index}"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]))
+        nodes.append(helper.make_node("Relu", [f"c{index}"], [f"r{index}"]))
+        current, channels = f"r{index}", width
+    head = rng.normal(0, 0.01, (classes, channels, STRIDE, STRIDE)).astype(np.float32)
+    initializers.append(numpy_helper.from_array(head, "head"))
+    nodes.append(helper.make_node("Conv", [current, "head"], ["scores"], kernel_shape=[STRIDE, STRIDE], strides=[STRIDE, STRIDE]))
+    graph = helper.make_graph(
+        nodes, "heavy",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, "H", "W"])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", classes, "h", "w"])],
+        initializer=initializers,
+    )
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
+    from convert.card import read_card
+    card = read_card(patch_net(classes=classes, name="heavy"))
+    card.receptive_field.size = STRIDE + 2 * depth
+    return write_card(model, card)
+
+
+@pytest.fixture
+def heavy_model_path(tmp_path) -> str:
+    path = tmp_path / "heavy.onnx"
+    onnx.save(heavy_net(), path)
+    return str(path)
+
+
+def raw_request(pixels: np.ndarray, **fields) -> "scoring_pb2.ScoreRequest":
+    from protos import scoring_pb2
+
+    height, width, channels = pixels.shape
+    raw = scoring_pb2.RawImage(data=pixels.tobytes(), height=height, width=width, channels=channels)
+    return scoring_pb2.ScoreRequest(raw=raw, **fields)
+
+
+def decode_tensor(tensor) -> np.ndarray:
+    return np.frombuffer(tensor.data, dtype=np.dtype(tensor.dtype).newbyteorder("<")).reshape(tuple(tensor.shape))
+
+
+@contextlib.contextmanager
+def serving(paths, *, token=None, tls=None, **settings):
+    """A real server on 127.0.0.1 port 0 and a stub on a real channel; stopped on exit."""
+    import dataclasses
+
+    import grpc
+
+    from protos import scoring_pb2_grpc
+    from server.main import create_server
+    from server.settings import Settings
+
+    options = dict(intra_op_threads=1, warm_up=False, grpc_workers=24)
+    options.update(settings)
+    server, port = create_server(list(paths), settings=dataclasses.replace(Settings(), **options), token=token, tls=tls)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)])
+    try:
+        yield server, port, scoring_pb2_grpc.DenseScoringStub(channel)
+    finally:
+        channel.close()
+        server.stop(0).wait(10)
+
+
+@pytest.fixture
+def kit():
+    """The helpers above, for test modules (pytest's importlib mode cannot import conftest)."""
+    import types
+
+    return types.SimpleNamespace(
+        serving=serving, raw_request=raw_request, decode_tensor=decode_tensor,
+        coordinate_image=coordinate_image, patch_net=patch_net, heavy_net=heavy_net,
+    )

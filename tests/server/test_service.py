@@ -1,0 +1,302 @@
+"""End to end: a real server on an ephemeral port, a real channel, real onnxruntime sessions."""
+
+import io
+import threading
+import urllib.request
+
+import grpc
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image
+
+from protos import scoring_pb2
+
+RNG = np.random.default_rng(7)
+
+
+def direct_scores(path: str, pixels: np.ndarray) -> np.ndarray:
+    """The graph run by hand on [H, W, 3] uint8 pixels (the tiny cards use mean 0, std 1)."""
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    batch = pixels.astype(np.float32).transpose(2, 0, 1)[None]
+    return session.run(None, {"image": batch})[0][0]
+
+
+def test_maps_equal_a_direct_run_of_the_graph(kit, tiny_model_path):
+    pixels = RNG.integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    with kit.serving([tiny_model_path]) as (_server, _port, stub):
+        response = stub.Score(kit.raw_request(pixels, scales=[64], return_maps=True, top_k=3))
+    (scale_map,) = response.maps
+    scores = kit.decode_tensor(scale_map.scores)
+    np.testing.assert_allclose(scores, direct_scores(tiny_model_path, pixels), rtol=1e-5, atol=1e-5)
+    assert (scale_map.height, scale_map.width) == (2, 3) and response.output_stride == 32
+    assert response.execution_provider == "CPUExecutionProvider"
+    assert response.shift == scoring_pb2.SHIFT_NONE
+    assert [label.label for label in response.top_k] == [f"class{label.index}" for label in response.top_k]
+    timings = response.timings
+    assert timings.total_ms >= timings.inference_ms > 0 and timings.preprocess_ms > 0
+
+
+def test_encoded_images_are_resized_with_the_card_filter(kit, tiny_model_path):
+    source = Image.fromarray(RNG.integers(0, 256, (50, 75, 3), dtype=np.uint8))
+    buffer = io.BytesIO()
+    source.save(buffer, format="PNG")
+    with kit.serving([tiny_model_path]) as (_server, _port, stub):
+        response = stub.Score(scoring_pb2.ScoreRequest(encoded=buffer.getvalue(), scales=[64], return_maps=True))
+    resized = np.asarray(source.resize((96, 64), Image.Resampling.BILINEAR))
+    (scale_map,) = response.maps
+    np.testing.assert_allclose(kit.decode_tensor(scale_map.scores), direct_scores(tiny_model_path, resized), atol=1e-5)
+    geometry = scale_map.geometry
+    assert (geometry.resized_height, geometry.resized_width) == (64, 96)
+    assert geometry.scale_factor == pytest.approx(64 / 50)
+    assert geometry.stride_x == pytest.approx(32 * 75 / 96)
+
+
+def kit_decode(tensor) -> np.ndarray:
+    return np.frombuffer(tensor.data, dtype=np.dtype(tensor.dtype).newbyteorder("<")).reshape(tuple(tensor.shape))
+
+
+def test_grid_shifts_interleave_into_the_full_stride_16_lattice(kit, coordinate_model_path):
+    """The coordinate net scores each cell with its patch's centre, so the lattice must read 15.5 + 16 k."""
+    pixels = kit.coordinate_image(256)
+    with kit.serving([coordinate_model_path]) as (_server, _port, stub):
+        response = stub.Score(kit.raw_request(pixels, scales=[256], output_stride=16, return_maps=True))
+        flipped = stub.Score(kit.raw_request(pixels, scales=[256], output_stride=16, return_maps=True, flip=True))
+    assert response.shift == scoring_pb2.SHIFT_GRID and response.output_stride == 16
+    lattice = kit_decode(response.maps[0].scores)
+    assert lattice.shape == (2, 16, 16)
+    centres = 15.5 + 16 * np.arange(15)
+    np.testing.assert_allclose(lattice[0, :15, :15], np.broadcast_to(centres, (15, 15)), atol=1e-4)  # x
+    np.testing.assert_allclose(lattice[1, :15, :15], np.broadcast_to(centres[:, None], (15, 15)), atol=1e-4)  # y
+    # The last lattice column looks 16 px past the border, into edge padding: mean of x = 240..255 then 255s.
+    np.testing.assert_allclose(lattice[0, 0, 15], (np.arange(240, 256).sum() + 16 * 255) / 32, atol=1e-4)
+    # Geometry says the same: cell (i, j) is centred at 15.5 + 16 (i, j) in this unresized image.
+    geometry = response.maps[0].geometry
+    assert (geometry.stride_x, geometry.center_x, geometry.box_width) == (16, 15.5, 32)
+    # Mirrored passes land on the same lattice sites: flip averaging keeps the coordinates.
+    np.testing.assert_allclose(kit_decode(flipped.maps[0].scores)[:, :15, 1:15], lattice[:, :15, 1:15], atol=1e-3)
+
+
+def test_diagonal_shift_returns_a_quincunx(kit, coordinate_model_path):
+    pixels = kit.coordinate_image(128)
+    with kit.serving([coordinate_model_path]) as (_server, _port, stub):
+        response = stub.Score(kit.raw_request(
+            pixels, scales=[128], output_stride=16, shift=scoring_pb2.SHIFT_DIAGONAL, return_maps=True, cell_top_k=1,
+        ))
+    lattice = kit_decode(response.maps[0].scores)
+    assert response.shift == scoring_pb2.SHIFT_DIAGONAL and lattice.shape == (2, 8, 8)
+    scored = ~np.isnan(lattice[0])
+    assert scored.sum() == 32 and (scored == ((np.add.outer(np.arange(8), np.arange(8)) % 2) == 0)).all()
+    np.testing.assert_allclose(lattice[0, 2, 4], 15.5 + 16 * 4, atol=1e-4)
+    np.testing.assert_allclose(lattice[1, 3, 5], 15.5 + 16 * 3, atol=1e-4)
+    indices = kit_decode(response.maps[0].cell_top_k_indices)
+    assert (indices[0][~scored] == -1).all() and (indices[0][scored] >= 0).all()
+
+
+def test_flip_averages_with_the_mirrored_image(kit, tiny_model_path):
+    pixels = RNG.integers(0, 256, (64, 128, 3), dtype=np.uint8)
+    with kit.serving([tiny_model_path]) as (_server, _port, stub):
+        response = stub.Score(kit.raw_request(pixels, scales=[64], flip=True, return_maps=True))
+    plain = direct_scores(tiny_model_path, pixels)
+    mirrored = direct_scores(tiny_model_path, np.ascontiguousarray(pixels[:, ::-1]))[:, :, ::-1]
+    np.testing.assert_allclose(kit_decode(response.maps[0].scores), (plain + mirrored) / 2, atol=1e-5)
+
+
+def test_class_subsets_float16_cell_top_k_and_multiple_scales(kit, tiny_model_path):
+    pixels = RNG.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    with kit.serving([tiny_model_path]) as (_server, _port, stub):
+        response = stub.Score(kit.raw_request(
+            pixels, scales=[64, 128], return_maps=True, classes=[7, 2], map_dtype=scoring_pb2.FLOAT16,
+            cell_top_k=3, top_k=4, request_id="r1",
+        ))
+    assert response.request_id == "r1" and [m.scale for m in response.maps] == [64, 128]
+    small, large = response.maps
+    assert (large.height, large.width) == (4, 4) and list(small.classes) == [7, 2]
+    full = direct_scores(tiny_model_path, pixels)
+    assert small.scores.dtype == "float16"
+    np.testing.assert_allclose(kit_decode(small.scores).astype(np.float32), full[[7, 2]], rtol=2e-3, atol=2e-3)
+    np.testing.assert_array_equal(kit_decode(small.cell_top_k_indices), np.argsort(-full, axis=0)[:3])
+    assert len(response.top_k) == 4
+    probabilities = [label.probability for label in response.top_k]
+    assert probabilities == sorted(probabilities, reverse=True) and 0 < sum(probabilities) <= 1 + 1e-6
+
+
+def test_models_cards_health_reflection_and_streams(kit, tiny_model_path, coordinate_model_path):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    pixels = RNG.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    with kit.serving([tiny_model_path, coordinate_model_path]) as (_server, port, stub):
+        listed = stub.ListModels(scoring_pb2.ListModelsRequest()).models
+        assert [(m.name, m.classes, m.output_stride) for m in listed] == [("tiny", 10, 32), ("coords", 2, 32)]
+        assert stub.GetModel(scoring_pb2.GetModelRequest(name="coords")).output_kind == "probabilities"
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.GetModel(scoring_pb2.GetModelRequest(name="nope"))
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND and "loaded: tiny, coords" in caught.value.details()
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Score(kit.raw_request(pixels))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "name one" in caught.value.details()
+
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "scoremap.v1.DenseScoring"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        reflected = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        )
+        names = {s.name for s in next(reflected).list_services_response.service}
+        assert {"scoremap.v1.DenseScoring", "grpc.health.v1.Health"} <= names
+        channel.close()
+
+        requests = [kit.raw_request(pixels, model="tiny", scales=[32 * (1 + i % 3)], request_id=f"id{i}") for i in range(7)]
+        responses = list(stub.ScoreStream(iter(requests)))
+        assert [r.request_id for r in responses] == [f"id{i}" for i in range(7)]
+        assert [r.maps[0].scale for r in responses] == [32 * (1 + i % 3) for i in range(7)]
+        bad = requests[:2] + [scoring_pb2.ScoreRequest(model="tiny", request_id="broken", encoded=b"junk")]
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.ScoreStream(iter(bad)))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'broken'" in caught.value.details()
+
+
+def encoded(size=(40, 30), fmt="PNG") -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, (10, 20, 30)).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def bomb() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("L", (6000, 6000)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def raw(height, width, channels, length=None) -> scoring_pb2.RawImage:
+    size = height * width * channels if length is None else length
+    return scoring_pb2.RawImage(data=bytes(size), height=height, width=width, channels=channels)
+
+
+BAD_REQUESTS = {
+    "no image": (scoring_pb2.ScoreRequest(), "has no image"),
+    "empty bytes": (scoring_pb2.ScoreRequest(encoded=b""), "the image is empty (0 bytes)"),
+    "non-image bytes": (scoring_pb2.ScoreRequest(encoded=b"GIF89a-no-thanks"), "not a JPEG, PNG"),
+    "truncated": (scoring_pb2.ScoreRequest(encoded=encoded((300, 300))[:200]), "could not be decoded"),
+    "bomb": (scoring_pb2.ScoreRequest(encoded=bomb()), "exceeds the limit of 20000000 pixels"),
+    "zero scale": (scoring_pb2.ScoreRequest(encoded=encoded(), scales=[0]), "scale 0 is outside"),
+    "absurd scale": (scoring_pb2.ScoreRequest(encoded=encoded(), scales=[10**6]), "scale 1000000 is outside"),
+    "too many scales": (scoring_pb2.ScoreRequest(encoded=encoded(), scales=list(range(32, 352, 32))), "10 scales"),
+    "raw shape": (scoring_pb2.ScoreRequest(raw=raw(4, 4, 3, length=47)), "has 47 bytes"),
+    "raw channels": (scoring_pb2.ScoreRequest(raw=raw(4, 4, 2)), "channels must be 1, 3 or 4"),
+    "stride": (scoring_pb2.ScoreRequest(encoded=encoded(), output_stride=8), "output_stride 8 is not supported"),
+    "atrous on a stride-32 model": (
+        scoring_pb2.ScoreRequest(encoded=encoded(), output_stride=16, shift=scoring_pb2.SHIFT_ATROUS), "--output-stride"
+    ),
+    "classes": (scoring_pb2.ScoreRequest(encoded=encoded(), classes=[3, 10]), "classes [10] are out of range"),
+    "negative top-k": (scoring_pb2.ScoreRequest(encoded=encoded(), top_k=-1), "must be >= 0"),
+    "huge resize": (scoring_pb2.ScoreRequest(raw=raw(1, 2000, 1), scales=[1024]), "above the limit"),
+}
+
+
+def test_every_bad_input_is_invalid_argument_and_the_server_stays_up(kit, tiny_model_path):
+    with kit.serving([tiny_model_path], max_image_pixels=20_000_000) as (_server, _port, stub):
+        for name, (request, words) in BAD_REQUESTS.items():
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Score(request)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert words in caught.value.details(), (name, caught.value.details())
+        assert stub.Score(scoring_pb2.ScoreRequest(encoded=encoded(), model="tiny")).top_k
+
+
+def test_message_limit_is_configurable_and_above_grpc_default(kit, tiny_model_path):
+    five_megabytes = b"\xff\xd8" + bytes(5 << 20)  # above gRPC's 4 MB default; reaches the decoder
+    with kit.serving([tiny_model_path]) as (_server, _port, stub):
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Score(scoring_pb2.ScoreRequest(encoded=five_megabytes))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with kit.serving([tiny_model_path], max_message_bytes=1 << 20) as (_server, _port, stub):
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Score(scoring_pb2.ScoreRequest(encoded=five_megabytes))
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than max" in caught.value.details()
+        assert stub.Score(scoring_pb2.ScoreRequest(encoded=encoded())).top_k
+
+
+def metric_samples(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_concurrent_clients_are_batched(kit, tiny_model_path):
+    pixels = RNG.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    with kit.serving([tiny_model_path], metrics_port=0, max_batch=8, max_queue_delay_ms=200) as (server, _port, stub):
+        barrier = threading.Barrier(8)
+        results = []
+
+        def client():
+            barrier.wait()
+            results.append(stub.Score(kit.raw_request(pixels, scales=[64], return_maps=True)))
+
+        threads = [threading.Thread(target=client) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        samples = metric_samples(server.metrics_port)
+    assert len(results) == 8
+    expected = direct_scores(tiny_model_path, pixels)
+    for response in results:  # batching does not change the numbers
+        np.testing.assert_allclose(kit_decode(response.maps[0].scores), expected, atol=1e-5)
+    batches = samples['scoremap_batch_size_count{model="tiny"}']
+    passes = samples['scoremap_batch_size_sum{model="tiny"}']
+    assert passes == 8 and batches < 8, samples  # some batch held more than one request
+    assert samples['scoremap_requests_total{code="OK",method="Score"}'] == 8
+    assert samples['scoremap_stage_seconds_count{stage="inference"}'] == 8
+    assert samples['scoremap_batch_predicted_bytes_count{model="tiny"}'] == batches
+    assert "scoremap_queue_depth" in samples and "scoremap_in_flight" in samples
+
+
+def test_full_queue_gives_resource_exhausted_then_recovers(kit, heavy_model_path):
+    pixels = RNG.integers(0, 256, (128, 128, 3), dtype=np.uint8)
+    request = kit.raw_request(pixels, scales=[128], output_stride=16, flip=True)  # 8 passes
+    with kit.serving([heavy_model_path], queue_depth=8, max_batch=8, max_queue_delay_ms=1) as (_server, _port, stub):
+        codes, barrier = [], threading.Barrier(6)
+
+        def client():
+            barrier.wait()
+            try:
+                stub.Score(request)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as error:
+                codes.append(error.code())
+                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    assert "queue full" in error.details() and "the limit is 8" in error.details()
+
+        threads = [threading.Thread(target=client) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.OK in codes, codes
+        assert set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OK}
+        assert stub.Score(request).maps  # recovered
+
+
+def test_deadlines_drop_queued_work_before_compute(kit, heavy_model_path):
+    pixels = RNG.integers(0, 256, (128, 128, 3), dtype=np.uint8)
+    slow = kit.raw_request(pixels, scales=[128], output_stride=16, flip=True)
+    with kit.serving([heavy_model_path], metrics_port=0, max_batch=8) as (server, _port, stub):
+        busy = threading.Thread(target=stub.Score, args=(slow,))
+        busy.start()
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Score(kit.raw_request(pixels, scales=[128]), timeout=0.05)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        busy.join()
+        samples = metric_samples(server.metrics_port)
+        assert samples['scoremap_batch_size_sum{model="heavy"}'] == 8  # the late pass never ran
+        assert stub.Score(kit.raw_request(pixels, scales=[128]), timeout=30).maps
