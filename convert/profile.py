@@ -190,6 +190,7 @@ class _Skeleton:
     model: onnx.ModelProto
     image_input: str
     weights: dict[str, tuple[tuple[int, ...], int]]  # name -> (shape, element size)
+    dtype: str  # of most weight bytes: an fp16 graph keeps float32 only at its edges
 
 
 def _skeleton(model: onnx.ModelProto) -> _Skeleton:
@@ -204,11 +205,13 @@ def _skeleton(model: onnx.ModelProto) -> _Skeleton:
         raise ProfileError(f"expected a 4-d NCHW image input, got {image.name!r} with "
                            f"{len(image.type.tensor_type.shape.dim)} dimensions")
     weights: dict[str, tuple[tuple[int, ...], int]] = {}
+    bytes_by_type: dict[int, int] = {}
     kept: list[TensorProto] = []
     weight_inputs: list[onnx.ValueInfoProto] = []
     for init in graph.initializer:
         shape = tuple(int(d) for d in init.dims)
         weights[init.name] = (shape, _element_size(init.data_type))
+        bytes_by_type[init.data_type] = bytes_by_type.get(init.data_type, 0) + math.prod(shape) * _element_size(init.data_type)
         if math.prod(shape) <= _KEEP_VALUES_UP_TO and init.data_location != TensorProto.EXTERNAL:
             kept.append(init)
         else:
@@ -226,7 +229,8 @@ def _skeleton(model: onnx.ModelProto) -> _Skeleton:
         initializer=kept,
     )
     skeleton = helper.make_model(skeleton_graph, ir_version=model.ir_version, opset_imports=model.opset_import)
-    return _Skeleton(skeleton, image.name, weights)
+    main_type = max(bytes_by_type, key=bytes_by_type.get) if bytes_by_type else image.type.tensor_type.elem_type
+    return _Skeleton(skeleton, image.name, weights, _dtype_name(main_type))
 
 
 @functools.lru_cache(maxsize=16)
@@ -330,7 +334,6 @@ def _profile(skeleton: _Skeleton, height: int, width: int, batch: int) -> Profil
     live_bytes = input_bytes
     peak_bytes, peak_layer = live_bytes, image
     naive_bytes = input_bytes
-    dtype = _dtype_name(shapes[image][1])
     layers: list[Layer] = []
     for index, node in enumerate(graph.node):
         if node.op_type == "Constant":
@@ -344,7 +347,6 @@ def _profile(skeleton: _Skeleton, height: int, width: int, batch: int) -> Profil
             shape, count, nbytes = size_of(name)
             if position == 0:
                 first_shape = shape
-                dtype = _dtype_name(shapes[name][1])
             target = _reused_buffer(node, position, nbytes, index, buffer_of, buffer_bytes, buffer_death)
             death = last_read.get(name, index)
             if target is None:
@@ -371,7 +373,7 @@ def _profile(skeleton: _Skeleton, height: int, width: int, batch: int) -> Profil
     weights_bytes = sum(math.prod(shape) * size for shape, size in weights.values())
     allowance = RUNTIME_BASE_BYTES + int(ALLOCATION_SLACK * peak_bytes)
     return Profile(
-        height=height, width=width, batch=batch, dtype=dtype, layers=tuple(layers),
+        height=height, width=width, batch=batch, dtype=skeleton.dtype, layers=tuple(layers),
         input_activations=input_activations, input_bytes=input_bytes, weights_bytes=weights_bytes,
         naive_activation_bytes=naive_bytes, peak_activation_bytes=peak_bytes, peak_layer=peak_layer,
         allowance_bytes=allowance,

@@ -1,0 +1,99 @@
+"""Half precision: weights and activations in float16, float32 at the graph's edges, verified.
+
+fp16 halves weight and activation memory and is what GPUs run fastest. On the CPU it is slow:
+onnxruntime's CPU provider has few float16 kernels and wraps the others in Casts to float32, so
+an fp16 graph is meant for the CUDA provider.
+
+The rewrite is onnxconverter-common's float16 pass (`keep_io_types=True`: a Cast after each
+input and before each output, so clients keep sending float32). It keeps ops that need float32
+(Resize scales, ...) in float32, and clamps weights to float16's range; values below its
+smallest normal are truncated, which is why the result is checked against the fp32 graph.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+from onnxconverter_common import float16
+
+from convert import verify
+from convert.card import CardError, read_card, write_card
+from convert.errors import ConversionError
+from protos.model_card_pb2 import Preprocessing, Verification
+
+__all__ = ["to_fp16", "verify_fp16", "FP16_TOLERANCE", "FP16_VERIFY_SIZE"]
+
+# Allowed max |fp16 - fp32| over all scores, relative to max |fp32 score| on the same inputs:
+# float16 keeps 11 significant bits (5e-4 relative per rounding), and errors add up over ~50 layers.
+FP16_TOLERANCE = 2e-2
+# Input side used for the check when the model card names no training size.
+FP16_VERIFY_SIZE = 224
+
+
+def _fp32_preprocessing(model: onnx.ModelProto) -> Preprocessing:
+    try:
+        return read_card(model).preprocessing
+    except CardError:
+        # No card: pixels mapped to [-1, 1], the usual range of image classifiers' inputs.
+        return Preprocessing(layout="NCHW", dtype="float32", pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
+
+
+def verify_fp16(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, height: int, width: int,
+                samples: int = verify.VERIFY_SAMPLES, tolerance: float = FP16_TOLERANCE) -> Verification:
+    """Compare an fp16 graph with its fp32 reference on deterministic images; the card's record."""
+    preprocessing = _fp32_preprocessing(reference)
+    channels = len(preprocessing.mean) or int(reference.graph.input[0].type.tensor_type.shape.dim[1].dim_value or 3)
+    pixels = verify.sample_pixels(count=samples, height=height, width=width, channels=channels)
+    inputs = verify.preprocess(pixels, preprocessing)
+    expected = verify.run(reference, inputs).astype(np.float64)
+    got = verify.run(candidate, inputs).astype(np.float64)
+    if expected.shape != got.shape:
+        raise ConversionError(f"the fp16 graph's output has shape {got.shape}, the fp32 graph's {expected.shape}")
+    max_abs_diff = float(np.max(np.abs(expected - got)))
+    bound = tolerance * max(float(np.max(np.abs(expected))), 1e-12)
+    # Scores are [N, K, h, w] (or [N, K]): the class axis is 1. Reported, not required: on random
+    # images many cells are near-ties between classes.
+    agreement = float(np.mean(expected.argmax(axis=1) == got.argmax(axis=1)))
+    return Verification(
+        max_abs_diff=max_abs_diff, tolerance=bound, samples=samples,
+        passed=max_abs_diff <= bound,
+        argmax_agreement=agreement,
+        reference=f"fp32 graph on {samples} random {height}x{width} images; tolerance = {tolerance:g} x max |fp32 score|",
+    )
+
+
+def to_fp16(model: onnx.ModelProto, *, tolerance: float = FP16_TOLERANCE) -> onnx.ModelProto:
+    """An fp16 copy of an fp32 graph (float32 inputs/outputs), checked against it.
+
+    The model card, when there is one, is carried over with precision "fp16" and the check's
+    record as its verification. Raises ConversionError when the check fails.
+    """
+    floats = [init for init in model.graph.initializer if init.data_type == onnx.TensorProto.FLOAT]
+    if not floats:
+        raise ConversionError("the graph has no float32 weights to convert; expected an fp32 graph")
+    with warnings.catch_warnings():
+        # Each weight below float16's smallest value warns once; the check below is what matters.
+        warnings.simplefilter("ignore", UserWarning)
+        source = onnx.ModelProto()
+        source.CopyFrom(model)  # the pass edits its argument
+        converted = float16.convert_float_to_float16(source, keep_io_types=True)
+    converted.ir_version = model.ir_version
+    try:
+        card = read_card(model)
+    except CardError:
+        card = None
+    height = (card.training_height if card is not None else 0) or FP16_VERIFY_SIZE
+    width = (card.training_width if card is not None else 0) or FP16_VERIFY_SIZE
+    record = verify_fp16(model, converted, height=height, width=width, tolerance=tolerance)
+    if not record.passed:
+        raise ConversionError(
+            f"the fp16 graph differs from the fp32 graph: max |diff| {record.max_abs_diff:.4g} "
+            f"(allowed {record.tolerance:.4g}), argmax agreement {record.argmax_agreement:.3f}; "
+            "keep this model in fp32")
+    if card is not None:
+        card.precision = "fp16"
+        card.verification.CopyFrom(record)
+        write_card(converted, card)
+    return converted
