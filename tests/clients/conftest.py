@@ -67,6 +67,12 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture
+def make_photos():
+    """write_photos, for tests that need more or other photos than `photos`."""
+    return write_photos
+
+
+@pytest.fixture
 def photos(tmp_path) -> Path:
     folder = tmp_path / "photos"
     write_photos(folder, 6)

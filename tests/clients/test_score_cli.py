@@ -1,0 +1,130 @@
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from clients.files import read_records
+from clients.score_cli import EXIT_FAILURES, EXIT_OK, main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def test_server_and_local_give_the_same_results(server, tiny_model, photos, tmp_path):
+    common = [str(photos), "--stride", "16", "--maps", "--no-progress", "--concurrency", "2"]
+    assert main([*common, "--out", str(tmp_path / "remote"), "--server", server]) == EXIT_OK
+    assert main([*common, "--out", str(tmp_path / "local"), "--local", tiny_model]) == EXIT_OK
+    remote, local = read_records(tmp_path / "remote" / "results.jsonl"), read_records(tmp_path / "local" / "results.jsonl")
+    assert len(remote) == 6 and remote.keys() == local.keys()  # notes.txt skipped by content
+    for key, record in remote.items():
+        other = local[key]
+        assert record["status"] == other["status"] == "OK"
+        assert [p["index"] for p in record["top_k"]] == [p["index"] for p in other["top_k"]]
+        np.testing.assert_allclose([p["probability"] for p in record["top_k"]],
+                                   [p["probability"] for p in other["top_k"]], rtol=1e-6)
+        assert record["maps"] == other["maps"] and record["shift"] == "SHIFT_GRID"
+        with np.load(tmp_path / "remote" / record["maps_file"]) as a, np.load(tmp_path / "local" / other["maps_file"]) as b:
+            assert sorted(a.files) == sorted(b.files)
+            for name in a.files:
+                np.testing.assert_allclose(a[name], b[name], atol=1e-6)
+
+
+def test_a_corrupt_image_is_recorded_and_the_rest_scored(server, photos, tmp_path, capsys):
+    (photos / "broken.jpg").write_bytes((photos / "photo000.jpg").read_bytes()[:300])  # a torn JPEG
+    out = tmp_path / "out"
+    assert main([str(photos), "--out", str(out), "--server", server, "--no-progress"]) == EXIT_FAILURES
+    records = read_records(out / "results.jsonl")
+    broken = [r for r in records.values() if r["path"].endswith("broken.jpg")]
+    assert len(broken) == 1 and broken[0]["status"] == "INVALID_ARGUMENT" and broken[0]["error"]
+    assert sum(r["status"] == "OK" for r in records.values()) == 6
+    summary = capsys.readouterr().out
+    assert re.search(r"failed\s+1\n\s+INVALID_ARGUMENT\s+1\n", summary), summary
+    # A re-run skips everything recorded, failures included, unless asked to retry them.
+    assert main([str(photos), "--out", str(out), "--server", server, "--no-progress"]) == EXIT_OK
+    assert len(lines(out)) == 7
+
+
+def test_heatmaps_are_pngs_of_the_photo_size(server, photos, tmp_path):
+    out = tmp_path / "out"
+    assert main([str(photos), "--out", str(out), "--server", server, "--heatmaps", "--stride", "16",
+                 "--no-progress"]) == EXIT_OK
+    for record in lines(out):
+        with Image.open(record["path"]) as photo, Image.open(out / record["heatmap_file"]) as heatmap:
+            assert heatmap.format == "PNG" and heatmap.size == photo.size
+            assert record["image_size"] == [photo.height, photo.width]
+            assert np.asarray(heatmap.convert("RGB")).std() > 0
+
+
+def test_sigkill_mid_run_then_rerun_records_every_image_once(tiny_model, make_photos, tmp_path):
+    photos = tmp_path / "many"
+    paths = make_photos(photos, 60, seed=1)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "clients.score_cli", str(photos), "--out", str(out), "--local", tiny_model,
+               "--maps", "--heatmaps", "--concurrency", "2", "--no-progress"]
+    run = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    results = out / "results.jsonl"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and run.poll() is None:
+        if results.exists() and results.read_text().count("\n") >= 10:
+            break
+        time.sleep(0.01)
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait()
+    assert run.returncode == -signal.SIGKILL, run.stderr.read().decode()
+    killed_at = results.read_text().count("\n")
+    assert 10 <= killed_at < 60
+    rerun = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert rerun.returncode == EXIT_OK, rerun.stderr
+    keys = [record["key"] for record in lines(out)]
+    assert sorted(keys) == sorted(os.path.realpath(p) for p in paths)  # every image exactly once
+    assert not list(out.rglob("*.partial"))
+    for record in lines(out):
+        with np.load(out / record["maps_file"]) as maps:
+            assert maps["scores_64"].shape[0] == 10
+        with Image.open(out / record["heatmap_file"]) as heatmap:
+            heatmap.load()
+
+
+def test_a_server_restart_mid_run_is_ridden_out(start_server, make_photos, tmp_path):
+    photos = tmp_path / "many"
+    make_photos(photos, 40, seed=2)
+    first, port = start_server()
+    out = tmp_path / "out"
+    outcome = {}
+    run = threading.Thread(target=lambda: outcome.update(code=main([
+        str(photos), "--out", str(out), "--server", f"127.0.0.1:{port}", "--concurrency", "1",
+        "--retry-for", "30", "--no-progress", "--scales", "256"])))
+    run.start()
+    results = out / "results.jsonl"
+    while run.is_alive() and not (results.exists() and results.read_text().count("\n") >= 5):
+        time.sleep(0.005)
+    first.stop(1.0).wait(10)  # drains: in-flight calls finish, new ones get UNAVAILABLE
+    time.sleep(1.0)
+    start_server(address=f"127.0.0.1:{port}")
+    run.join(120)
+    assert outcome["code"] == EXIT_OK
+    records = lines(out)
+    assert len(records) == 40 and all(r["status"] == "OK" for r in records)
+
+
+def test_exit_codes_for_an_unreachable_server_and_bad_arguments(photos, tmp_path):
+    from clients.score_cli import EXIT_UNAVAILABLE
+    out = tmp_path / "out"
+    assert main([str(photos), "--out", str(out), "--server", "127.0.0.1:1", "--retry-for", "0.2",
+                 "--no-progress"]) == EXIT_UNAVAILABLE
+    assert not (out / "results.jsonl").read_text()  # nothing recorded: a re-run resumes everything
+    with pytest.raises(SystemExit) as usage:
+        main([str(tmp_path / "missing"), "--out", str(out), "--server", "127.0.0.1:1"])
+    assert usage.value.code == 2
