@@ -1,0 +1,48 @@
+import json
+
+import pytest
+
+from clients.latency import Sample, format_table, summarise, to_csv, to_json
+from clients.loadtest import main
+
+
+def test_summary_counts_percentiles_and_errors_by_status():
+    samples = [Sample(ms / 1000, "OK") for ms in range(1, 101)] + [Sample(0.5, "RESOURCE_EXHAUSTED")] * 3
+    report = summarise("open", 50.0, samples, sent=105, duration_s=2.0)
+    assert (report.sent, report.completed) == (105, 100)
+    assert report.throughput_rps == 50.0
+    assert report.p50_ms == pytest.approx(50.5) and report.p99_ms == pytest.approx(99.01) and report.max_ms == 100
+    assert report.errors == {"RESOURCE_EXHAUSTED": 3}
+    assert "RESOURCE_EXHAUSTED=3" in format_table([report]) and "RESOURCE_EXHAUSTED=3" in to_csv([report])
+    none_ok = summarise("closed", 1, [Sample(1.0, "UNAVAILABLE")], sent=1, duration_s=1.0)
+    assert json.loads(to_json([none_ok]))[0]["p50_ms"] is None
+
+
+def test_closed_loop_sweep_at_low_load_has_no_errors(server, tmp_path, capsys):
+    report = tmp_path / "report.json"
+    assert main(["--server", server, "--concurrency", "1,2", "--requests", "20", "--sizes", "64x96,96x64",
+                 "--json", str(report), "--csv", str(tmp_path / "report.csv")]) == 0
+    levels = json.loads(report.read_text())
+    assert [level["level"] for level in levels] == [1, 2]
+    for level in levels:
+        assert level["sent"] == level["completed"] == 20 and level["errors"] == {}
+        assert 0 < level["p50_ms"] <= level["p90_ms"] <= level["p99_ms"] <= level["max_ms"]
+    assert "throughput_rps" in capsys.readouterr().out
+    assert (tmp_path / "report.csv").read_text().count("\n") == 3
+
+
+def test_open_loop_beyond_capacity_counts_resource_exhausted(start_server, tmp_path):
+    _, port = start_server(queue_depth=1, max_batch=1)
+    report = tmp_path / "report.json"
+    assert main(["--server", f"127.0.0.1:{port}", "--rate", "400", "--requests", "200", "--sizes", "512x512",
+                 "--scales", "512", "--warmup", "0", "--json", str(report)]) == 0
+    level = json.loads(report.read_text())[0]
+    assert level["mode"] == "open" and level["sent"] == 200
+    assert level["errors"].get("RESOURCE_EXHAUSTED", 0) > 0
+    assert level["completed"] + sum(level["errors"].values()) == 200
+
+
+def test_refuses_targets_that_are_not_loopback():
+    with pytest.raises(SystemExit) as refused:
+        main(["--server", "203.0.113.7:50051", "--requests", "1"])
+    assert refused.value.code == 2
