@@ -23,7 +23,7 @@ from convert.card import CardError, read_card, write_card
 from convert.errors import ConversionError
 from protos.model_card_pb2 import Preprocessing, Verification
 
-__all__ = ["to_fp16", "verify_fp16", "FP16_TOLERANCE", "FP16_VERIFY_SIZE"]
+__all__ = ["to_fp16", "fp16_graph", "verify_fp16", "FP16_TOLERANCE", "FP16_VERIFY_SIZE"]
 
 # Allowed max |fp16 - fp32| over all scores, relative to max |fp32 score| on the same inputs:
 # float16 keeps 11 significant bits (5e-4 relative per rounding), and errors add up over ~50 layers.
@@ -64,22 +64,28 @@ def verify_fp16(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, heigh
     )
 
 
+def fp16_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The float16 rewrite alone, unverified (for sizing: `scoremap-inspect --dtype fp16`)."""
+    floats = [init for init in model.graph.initializer if init.data_type == onnx.TensorProto.FLOAT]
+    if not floats:
+        raise ConversionError("the graph has no float32 weights to convert; expected an fp32 graph")
+    with warnings.catch_warnings():
+        # Each weight below float16's smallest value warns once; verify_fp16 is what matters.
+        warnings.simplefilter("ignore", UserWarning)
+        source = onnx.ModelProto()
+        source.CopyFrom(model)  # the pass edits its argument
+        converted = float16.convert_float_to_float16(source, keep_io_types=True)
+    converted.ir_version = model.ir_version
+    return converted
+
+
 def to_fp16(model: onnx.ModelProto, *, tolerance: float = FP16_TOLERANCE) -> onnx.ModelProto:
     """An fp16 copy of an fp32 graph (float32 inputs/outputs), checked against it.
 
     The model card, when there is one, is carried over with precision "fp16" and the check's
     record as its verification. Raises ConversionError when the check fails.
     """
-    floats = [init for init in model.graph.initializer if init.data_type == onnx.TensorProto.FLOAT]
-    if not floats:
-        raise ConversionError("the graph has no float32 weights to convert; expected an fp32 graph")
-    with warnings.catch_warnings():
-        # Each weight below float16's smallest value warns once; the check below is what matters.
-        warnings.simplefilter("ignore", UserWarning)
-        source = onnx.ModelProto()
-        source.CopyFrom(model)  # the pass edits its argument
-        converted = float16.convert_float_to_float16(source, keep_io_types=True)
-    converted.ir_version = model.ir_version
+    converted = fp16_graph(model)
     try:
         card = read_card(model)
     except CardError:

@@ -34,6 +34,7 @@ import os
 import re
 
 import onnx
+from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper, shape_inference
 
 __all__ = [
@@ -235,7 +236,11 @@ def _skeleton(model: onnx.ModelProto) -> _Skeleton:
 
 @functools.lru_cache(maxsize=16)
 def _skeleton_from_path(path: str, mtime_ns: int) -> _Skeleton:
-    return _skeleton(onnx.load(path, load_external_data=False))
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except DecodeError as error:
+        raise ProfileError(f"{path!r} is not an ONNX model: {error}") from error
+    return _skeleton(model)
 
 
 def _skeleton_of(model: onnx.ModelProto | str) -> _Skeleton:

@@ -1,0 +1,153 @@
+"""`scoremap-inspect`: a converted model's card, per-layer table and predicted peak memory.
+
+    scoremap-inspect MODEL.onnx --size 384x512 [--batch 4] [--dtype fp16] [--budget 2GiB] [--json]
+
+Exit status: 0 printed, 1 the model cannot be read or profiled at that size, 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import onnx
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+
+from convert.card import CardError, read_card
+from convert.profile import (Profile, ProfileError, largest_batch, largest_square_size, parse_bytes,
+                             profile_model)
+
+__all__ = ["main", "parse_size", "format_table"]
+
+# Square sizes are searched in steps of this when the model card names no size multiple.
+DEFAULT_SIZE_MULTIPLE = 32
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """'384x512' -> (384, 512) as height, width; '384' -> (384, 384)."""
+    parts = text.lower().split("x")
+    try:
+        values = [int(part) for part in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or any(value <= 0 for value in values):
+        raise argparse.ArgumentTypeError(f"expected a size HxW such as 384x512 (or one side, 384), got {text!r}")
+    return (values[0], values[-1])
+
+
+def _budget(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ProfileError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def _mib(value: int) -> str:
+    return f"{value / 2**20:,.1f} MiB"
+
+
+def format_table(profile: Profile) -> str:
+    """The per-layer table with totals, then every term of the predicted peak."""
+    header = ("layer", "op", "output shape", "activations", "params", "MACs", "bytes")
+    rows = [("input", "", "", f"{profile.input_activations:,}", "0", "0", f"{profile.input_bytes:,}")]
+    for layer in profile.layers:
+        rows.append((layer.name, layer.op, "x".join(map(str, layer.output_shape)), f"{layer.activations:,}",
+                     f"{layer.params:,}", f"{layer.macs:,}", f"{layer.bytes:,}"))
+    total = ("total", "", "", f"{profile.activations:,}", f"{profile.params:,}", f"{profile.macs:,}",
+             f"{profile.naive_activation_bytes:,}")
+    widths = [max(len(row[i]) for row in [header, *rows, total]) for i in range(len(header))]
+
+    def line(row: tuple[str, ...]) -> str:
+        cells = [cell.ljust(width) if i < 3 else cell.rjust(width) for i, (cell, width) in enumerate(zip(row, widths))]
+        return "  ".join(cells).rstrip()
+
+    rule = "  ".join("-" * width for width in widths)
+    saving = 1 - profile.peak_activation_bytes / profile.naive_activation_bytes if profile.naive_activation_bytes else 0.0
+    memory = [
+        f"Predicted peak for batch {profile.batch} at {profile.height}x{profile.width} ({profile.dtype}):",
+        f"  weights                          {_mib(profile.weights_bytes):>14}",
+        f"  activations, naive sum           {_mib(profile.naive_activation_bytes):>14}  (every output kept)",
+        f"  activations, live peak           {_mib(profile.peak_activation_bytes):>14}  "
+        f"(at {profile.peak_layer}; memory planning saves {saving:.0%})",
+        f"  runtime allowance                {_mib(profile.allowance_bytes):>14}  ({profile.to_dict()['allowance_formula']})",
+        f"  predicted peak                   {_mib(profile.predicted_peak_bytes):>14}  "
+        "(weights + live peak + allowance)",
+        "Activations count the input and every new buffer a layer writes; aliasing layers (in-place"
+        " element-wise ops, Reshape/Flatten) write none. MACs: Conv, Gemm and MatMul.",
+    ]
+    return "\n".join([line(header), rule, *map(line, rows), rule, line(total), "", *memory])
+
+
+def _card_summary(card) -> str:
+    rf = card.receptive_field
+    return "\n".join([
+        f"Model {card.name!r}: {len(card.labels)} classes, {card.precision or 'fp32'}, scores {card.scores_name!r} "
+        f"({card.output_kind}), stride {card.output_stride} px, receptive field {rf.size} px, "
+        f"sizes multiple of {card.size_multiple or 'any'}",
+        f"Verified against {card.verification.reference or 'the source'}: max |diff| {card.verification.max_abs_diff:.3g} "
+        f"(tolerance {card.verification.tolerance:.3g}), {'passed' if card.verification.passed else 'FAILED'}",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scoremap-inspect", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="a converted .onnx file")
+    parser.add_argument("--size", type=parse_size, required=True, help="input size HxW in pixels, e.g. 384x512")
+    parser.add_argument("--batch", type=int, default=1, help="images per run (default 1)")
+    parser.add_argument("--dtype", choices=("fp32", "fp16"),
+                        help="profile as this precision (fp16 of an fp32 graph: converted, unverified, for sizing)")
+    parser.add_argument("--budget", type=_budget, help="a memory budget such as 2GiB: largest batch and square size that fit")
+    parser.add_argument("--json", action="store_true", help="print JSON for programs instead of tables")
+    args = parser.parse_args(argv)
+    if args.batch <= 0:
+        parser.error(f"--batch must be a positive integer, got {args.batch}")
+    height, width = args.size
+    try:
+        card = read_card(args.model)
+    except CardError:
+        card = None
+    except (OSError, DecodeError) as error:
+        sys.stderr.write(f"scoremap-inspect: cannot read {args.model!r}: {error}\n")
+        return 1
+    try:
+        model: onnx.ModelProto | str = args.model
+        profile = profile_model(model, height=height, width=width, batch=args.batch)
+        if args.dtype and args.dtype != profile.dtype:
+            if args.dtype != "fp16":
+                raise ProfileError(f"--dtype {args.dtype} of a {profile.dtype} graph is not supported; convert it again")
+            from convert.precision import fp16_graph
+
+            model = fp16_graph(onnx.load(args.model))
+            profile = profile_model(model, height=height, width=width, batch=args.batch)
+        budget = {}
+        if args.budget is not None:
+            multiple = (card.size_multiple if card is not None else 0) or DEFAULT_SIZE_MULTIPLE
+            budget = {
+                "budget_bytes": args.budget,
+                "largest_batch": largest_batch(model, height=height, width=width, budget_bytes=args.budget),
+                "largest_square_size": largest_square_size(model, budget_bytes=args.budget, multiple=multiple),
+            }
+    except ProfileError as error:
+        sys.stderr.write(f"scoremap-inspect: {error}\n")
+        return 1
+    if args.json:
+        document = profile.to_dict()
+        document["card"] = json_format.MessageToDict(card, preserving_proto_field_name=True) if card is not None else None
+        document.update(budget)
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+        return 0
+    sections = [_card_summary(card) if card is not None else f"{args.model}: no model card (not converted by scoremap-convert)"]
+    sections.append(format_table(profile))
+    if budget:
+        sections.append(
+            f"Budget {_mib(budget['budget_bytes'])}: largest batch at {height}x{width} = {budget['largest_batch']}; "
+            f"largest square size at batch 1 = {budget['largest_square_size']} px"
+        )
+    sys.stdout.write("\n\n".join(sections) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
