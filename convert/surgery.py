@@ -91,6 +91,7 @@ def fully_convolutional(model: onnx.ModelProto, *, training_size: tuple[int, int
     graph.node.extend(builder.nodes)
     graph.initializer.extend(builder.initializers)
     prune(graph)
+    image = real_inputs(graph)[0]
     set_input_dims(image, ["N", input_shape[1], "H", "W"] if layout == "NCHW" else ["N", "H", "W", input_shape[3]])
     del graph.value_info[:]
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)

@@ -125,8 +125,11 @@ def compare_with_crops(original: onnx.ModelProto, converted: onnx.ModelProto, te
     rows, cols = crop_grid(tensor.shape, layout=layout, training_size=training_size, stride=stride)
     if rows < 1 or cols < 1:
         raise ConversionError(f"the image tensor {tensor.shape} is smaller than the training size {training_size}")
-    expected = run_classifier(original, crops(tensor, layout=layout, training_size=training_size, stride=stride))
-    dense = run(converted, tensor)[0]
+    try:
+        expected = run_classifier(original, crops(tensor, layout=layout, training_size=training_size, stride=stride))
+        dense = run(converted, tensor)[0]
+    except Exception as error:
+        raise ConversionError(f"running the classifier on crops and the dense graph on {tensor.shape} failed: {error}") from error
     got = dense[:, :rows, :cols].reshape(dense.shape[0], -1).T
     diff = np.abs(got.astype(np.float64) - expected.astype(np.float64))
     agreement = float(np.mean(np.argmax(got, axis=1) == np.argmax(expected, axis=1)))
