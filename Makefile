@@ -26,7 +26,7 @@ $(MODEL): setup
 	$(BIN)/scoremap-convert default -o $(MODEL)
 
 demo: $(MODEL)
-	$(BIN)/python -m convert.demo $(MODEL) samples/*.jpg
+	$(BIN)/python -m clients.demo --model $(MODEL) --out out/demo samples
 
 bench: setup
 	$(BIN)/python -m bench

@@ -61,6 +61,18 @@ def _normalise(cells: np.ndarray) -> tuple[np.ndarray, float, float]:
     return (cells - low) / (high - low if high > low else 1.0), low, high
 
 
+def _cell_probabilities(scale: ScaleResult, index: int) -> np.ndarray:
+    """The [h, w] map of class `index`; logits over all classes become per-cell probabilities
+    (softmax across classes), whose absolute 0..1 scale reads better than raw logits."""
+    scores = scale.scores
+    every_class = not scale.classes or scale.classes == tuple(range(scores.shape[0]))
+    finite = scores[np.isfinite(scores)]
+    if every_class and scores.shape[0] > 1 and finite.size and (finite.min() < 0 or finite.max() > 1):
+        shifted = np.exp(scores - np.nanmax(scores, axis=0, keepdims=True))
+        return (shifted / np.nansum(shifted, axis=0, keepdims=True))[index]
+    return scale.class_map(index)
+
+
 def render_heatmap(photo: Image.Image, result: ScoreResult) -> Image.Image:
     """`photo` (the scored image, original size) with the top class's map overlaid and a legend."""
     if (photo.height, photo.width) != (result.image_height, result.image_width):
@@ -74,7 +86,7 @@ def render_heatmap(photo: Image.Image, result: ScoreResult) -> Image.Image:
     scale = _finest(result)
     if scale.classes and top.index not in scale.classes:
         raise HeatmapError(f"the maps carry classes {list(scale.classes)}, not the top class {top.index}")
-    values, low, high = _normalise(scale.class_map(top.index))
+    values, low, high = _normalise(_cell_probabilities(scale, top.index))
     g = scale.geometry
     colours = Image.fromarray(colormap(values), "RGB")
     width = max(1, round(scale.width * g.stride_x))

@@ -25,7 +25,7 @@ def test_cells_are_painted_where_the_geometry_puts_them():
 
 def test_legend_is_drawn_and_the_size_is_the_photos():
     photo = Image.new("RGB", (200, 150), (255, 255, 255))
-    scores = np.random.default_rng(0).normal(size=(2, 4, 6)).astype(np.float32)  # logits: stretched
+    scores = np.random.default_rng(0).normal(size=(2, 4, 6)).astype(np.float32)  # logits: softmaxed
     image = render_heatmap(photo, result(150, 200, scores, Geometry(32, 32, 16, 16, 32, 32, 1.0, 150, 200)))
     assert image.size == (200, 150)
     assert np.asarray(image)[2:8, 2:60].mean() < 120  # the dark legend box in the top-left corner
@@ -40,3 +40,13 @@ def test_a_photo_that_is_not_the_scored_image_is_refused():
 def test_colormap_runs_dark_to_bright():
     colours = colormap(np.linspace(0, 1, 9)).astype(int).sum(axis=1)
     assert colours[0] < colours[4] < colours[8]
+
+
+def test_logits_are_drawn_as_cell_probabilities():
+    photo = Image.new("RGB", (256, 128), (0, 0, 0))
+    scores = np.zeros((2, 1, 2), np.float32)
+    scores[1, 0, 0] = 50.0  # class 1 certain in cell (0, 0), a coin toss in cell (0, 1)
+    geometry = Geometry(128, 128, 64, 64, 128, 128, 1.0, 128, 256)
+    image = np.asarray(render_heatmap(photo, result(128, 256, scores, geometry))).astype(float)
+    expected = colormap(np.array([1.0, 0.5])) * 0.55
+    assert np.abs(image[100, 64] - expected[0]).max() <= 2 and np.abs(image[100, 192] - expected[1]).max() <= 2
