@@ -19,6 +19,7 @@ from PIL import Image
 from convert.card import read_card
 from convert.errors import ConversionError
 from convert.pipeline import SUPPORTED_OUTPUT_STRIDES, convert_classifier
+from convert.precision import to_fp16
 from convert.sources import load_source
 from convert.verify import compare_with_crops, preprocess
 from protos.model_card_pb2 import Preprocessing
@@ -62,6 +63,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--channel-order", choices=("RGB", "BGR"), help="channel order the classifier expects")
     p.add_argument("--report", metavar="IMAGE", help="compare each dense cell with the classifier on its crop of IMAGE")
     p.add_argument("--size", type=int, default=DEFAULT_REPORT_SIZE, help="side the --report image is resized to (square)")
+    p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
+                   help="fp16: half the memory, float32 at the edges, checked against fp32; for GPUs (slow on CPU)")
     p.add_argument("--traceback", action="store_true", help="show the full traceback on failure")
     return p
 
@@ -129,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         converted = convert_classifier(args.source, **conversion_options(args))
         report = crop_report(args.source, converted, args) if args.report else None
+        if args.precision == "fp16":
+            converted = to_fp16(converted)
         save_atomically(converted, args.output)
     except (ConversionError, OSError) as error:
         if args.traceback:
