@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -47,14 +48,22 @@ class ScoringServer:
         self.metrics_port = metrics_port
 
     def stop(self, grace: float | None = None) -> threading.Event:
-        """New calls UNAVAILABLE, in-flight ones get `grace` seconds; returns an event set when all is closed."""
+        """New calls UNAVAILABLE, in-flight ones get `grace` seconds; returns an event set when all is closed.
+
+        The servicer refuses new calls itself (gRPC's own stop would answer them CANCELLED), and
+        the gRPC server stops once the last in-flight call is answered or the grace period ends.
+        """
         self.servicer.draining.set()
         self.health.enter_graceful_shutdown()
-        stopped = self.grpc_server.stop(grace)
         done = threading.Event()
 
         def release() -> None:
-            stopped.wait()
+            started = time.monotonic()
+            if grace:
+                self.servicer.wait_idle(grace)
+            # Calls accepted but not yet dispatched get what is left of the grace period.
+            remaining = max(0.0, grace - (time.monotonic() - started)) if grace else 0
+            self.grpc_server.stop(remaining).wait()
             self.pipeline.close()
             self.metrics.close()
             done.set()
@@ -220,9 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.stdout.flush()
     LOG.info("serving %s on %s:%d (%s)", ", ".join(m.name for m in server.pipeline.models()), args.host, port,
              server.pipeline.provider(server.pipeline.models()[0].name))
-    while not stop.wait(1.0):
+    while not stop.wait(0.1):
         pass
-    LOG.info("draining: new calls get UNAVAILABLE, in-flight calls have %.1f s", settings.grace_seconds)
+    LOG.info("draining: new calls get UNAVAILABLE, %d in-flight calls have %.1f s",
+             server.servicer.active, settings.grace_seconds)
     server.stop(settings.grace_seconds).wait()
     LOG.info("stopped")
     return 0

@@ -44,12 +44,27 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
         self.settings = settings
         self.metrics = metrics
         self.draining = threading.Event()
+        self._active = 0
+        self._idle = threading.Condition()
+
+    @property
+    def active(self) -> int:
+        """Calls in flight."""
+        with self._idle:
+            return self._active
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no call is in flight (or `timeout` seconds); True when idle."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._active == 0, timeout)
 
     @contextlib.contextmanager
     def _accounted(self, method: str, context: grpc.ServicerContext) -> Iterator[Call]:
         """Count the call by method and final code, track it in flight, abort on ScoringError."""
         code = grpc.StatusCode.OK
         self.metrics.in_flight.inc()
+        with self._idle:
+            self._active += 1
         try:
             if self.draining.is_set():
                 raise ScoringError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
@@ -60,6 +75,9 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
         finally:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(method, code.name).inc()
+            with self._idle:
+                self._active -= 1
+                self._idle.notify_all()
 
     def Score(self, request: scoring_pb2.ScoreRequest, context: grpc.ServicerContext) -> scoring_pb2.ScoreResponse:
         with self._accounted("Score", context) as call:

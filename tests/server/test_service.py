@@ -2,6 +2,7 @@
 
 import io
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -293,6 +294,8 @@ def test_deadlines_drop_queued_work_before_compute(kit, heavy_model_path):
     with kit.serving([heavy_model_path], metrics_port=0, max_batch=8) as (server, _port, stub):
         busy = threading.Thread(target=stub.Score, args=(slow,))
         busy.start()
+        while 'scoremap_batch_size_count{model="heavy"}' not in metric_samples(server.metrics_port):
+            time.sleep(0.01)  # until the slow batch is computing
         with pytest.raises(grpc.RpcError) as caught:
             stub.Score(kit.raw_request(pixels, scales=[128]), timeout=0.05)
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

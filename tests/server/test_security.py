@@ -1,0 +1,63 @@
+"""TLS and the bearer token, on a real server."""
+
+import subprocess
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import scoring_pb2, scoring_pb2_grpc
+from server.main import create_server
+from server.settings import Settings
+
+PIXELS = np.zeros((32, 32, 3), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory) -> tuple[bytes, bytes]:
+    """A self-signed certificate for localhost, made with the openssl CLI."""
+    folder = tmp_path_factory.mktemp("tls")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+         "-keyout", str(folder / "key.pem"), "-out", str(folder / "cert.pem")],
+        check=True, capture_output=True,
+    )
+    return (folder / "cert.pem").read_bytes(), (folder / "key.pem").read_bytes()
+
+
+def request(kit) -> scoring_pb2.ScoreRequest:
+    return kit.raw_request(PIXELS, scales=[32])
+
+
+def test_tls_and_token(kit, tiny_model_path, certificate):
+    cert, key = certificate
+    server, port = create_server([tiny_model_path], settings=Settings(warm_up=False, intra_op_threads=1),
+                                 token="s3cret", tls=(cert, key))
+    try:
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert)
+        with grpc.secure_channel(f"localhost:{port}", credentials) as channel:
+            stub = scoring_pb2_grpc.DenseScoringStub(channel)
+            assert stub.Score(request(kit), metadata=[("authorization", "Bearer s3cret")]).top_k
+            for metadata in ([], [("authorization", "Bearer wrong")], [("authorization", "s3cret")]):
+                with pytest.raises(grpc.RpcError) as caught:
+                    stub.Score(request(kit), metadata=metadata)
+                assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "Bearer <token>" in caught.value.details()
+            with pytest.raises(grpc.RpcError) as caught:  # streams are guarded too
+                list(stub.ScoreStream(iter([request(kit)])))
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.ListModels(scoring_pb2.ListModelsRequest())
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            # Health probes need no token.
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as plain:  # plaintext never reaches the servicer
+            with pytest.raises(grpc.RpcError) as caught:
+                scoring_pb2_grpc.DenseScoringStub(plain).Score(request(kit), timeout=5,
+                                                               metadata=[("authorization", "Bearer s3cret")])
+            assert caught.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    finally:
+        server.stop(0).wait(10)
