@@ -1,0 +1,99 @@
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from convert.inspect_cli import main
+from convert.precision import fp16_graph
+from convert.profile import largest_batch, largest_square_size, parse_bytes, profile_model
+
+ISSUE_KEYS = {"layers", "weights_bytes", "naive_activation_bytes", "peak_activation_bytes", "allowance_bytes",
+              "predicted_peak_bytes"}
+LAYER_KEYS = {"name", "op", "output_shape", "activations", "params", "macs", "bytes"}
+
+
+@pytest.fixture(scope="module")
+def small_model_path(tmp_path_factory) -> str:
+    """Two convolutions, a ReLU and a 1x1 classifier over symbolic N, H, W; no model card."""
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+               for name, shape in (("w1", (16, 3, 3, 3)), ("w2", (10, 16, 1, 1)))]
+    nodes = [helper.make_node("Conv", ["image", "w1"], ["c1"], strides=[2, 2], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2"], ["scores"], name="classifier")]
+    graph = helper.make_graph(nodes, "small", [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, "H", "W"])],
+                              [helper.make_tensor_value_info("scores", TensorProto.FLOAT, None)], weights)
+    path = tmp_path_factory.mktemp("inspect") / "small.onnx"
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return str(path)
+
+
+def test_table_lists_every_layer_and_every_term(small_model_path, capsys):
+    assert main([small_model_path, "--size", "64x96", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "no model card" in out
+    for text in ("conv1", "relu1", "classifier", "2x16x32x48", "total", "weights", "naive sum", "live peak",
+                 "runtime allowance", "predicted peak", "memory planning saves"):
+        assert text in out, text
+    profile = profile_model(small_model_path, height=64, width=96, batch=2)
+    assert f"{profile.macs:,}" in out and f"{profile.params:,}" in out
+
+
+def test_json_has_the_issue_keys_and_the_budget_answers(small_model_path, capsys):
+    assert main([small_model_path, "--size", "128", "--budget", "64MiB", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert ISSUE_KEYS <= document.keys()
+    assert all(LAYER_KEYS == layer.keys() for layer in document["layers"])
+    assert document["layers"][0]["output_shape"] == [1, 16, 64, 64]
+    assert document["predicted_peak_bytes"] == (document["weights_bytes"] + document["peak_activation_bytes"]
+                                                + document["allowance_bytes"])
+    budget = parse_bytes("64MiB")
+    assert document["largest_batch"] == largest_batch(small_model_path, height=128, width=128, budget_bytes=budget) > 1
+    assert document["largest_square_size"] == largest_square_size(small_model_path, budget_bytes=budget) > 128
+
+
+def test_dtype_fp16_sizes_the_half_precision_graph(small_model_path, capsys):
+    main([small_model_path, "--size", "128", "--json"])
+    full = json.loads(capsys.readouterr().out)
+    main([small_model_path, "--size", "128", "--json", "--dtype", "fp16"])
+    half = json.loads(capsys.readouterr().out)
+    assert (full["dtype"], half["dtype"]) == ("fp32", "fp16")
+    assert half["weights_bytes"] * 2 == full["weights_bytes"]
+
+
+@pytest.mark.parametrize("argv, status, message", [
+    (["--size", "64y64"], 2, "expected a size HxW"),
+    (["--size", "64", "--budget", "lots"], 2, "cannot read 'lots' as a memory size"),
+    (["--size", "64", "--batch", "0"], 2, "--batch must be a positive integer"),
+])
+def test_bad_requests_say_what_was_expected(small_model_path, capsys, argv, status, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main([small_model_path, *argv])
+    assert exit_info.value.code == status
+    assert message in capsys.readouterr().err
+
+
+def test_an_unprofilable_request_exits_1(small_model_path, tmp_path, capsys):
+    half = tmp_path / "half.onnx"
+    onnx.save(fp16_graph(onnx.load(small_model_path)), half)
+    assert main([str(half), "--size", "64", "--dtype", "fp32"]) == 1
+    assert "--dtype fp32 of a fp16 graph is not supported" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_onnx_is_a_clear_error(tmp_path, capsys):
+    path = tmp_path / "notes.onnx"
+    path.write_text("not a model")
+    assert main([str(path), "--size", "224"]) == 1
+    assert "scoremap-inspect:" in capsys.readouterr().err
+
+
+def test_console_script_on_the_converted_default_model(default_model_path):
+    done = subprocess.run([sys.executable, "-m", "convert.inspect_cli", default_model_path, "--size", "384x512",
+                           "--batch", "2", "--budget", "2GiB"], capture_output=True, text=True, check=True)
+    assert "Model 'efficientnet-lite0': 1000 classes" in done.stdout
+    assert "Predicted peak for batch 2 at 384x512 (fp32)" in done.stdout
+    assert "Budget 2,048.0 MiB: largest batch at 384x512 = " in done.stdout
