@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import onnxruntime
 
+from convert.runtime_memory import predictable_session_options
 from server.errors import ScoringError
 from server.settings import Settings
 
@@ -61,7 +62,8 @@ def cuda_device_present() -> bool:
 
 
 def session_options(settings: Settings) -> onnxruntime.SessionOptions:
-    options = onnxruntime.SessionOptions()
+    # The options under which admission's prediction (convert.profile) was validated.
+    options = predictable_session_options()
     options.intra_op_num_threads = settings.intra_op_threads
     options.inter_op_num_threads = settings.inter_op_threads
     options.log_severity_level = 3
