@@ -111,9 +111,43 @@ def interleave(maps: list[np.ndarray], plan: PassPlan, *, flip: bool) -> np.ndar
     return lattice
 
 
+def mirror_shift(*, resized_width: int, center_x: float, native_stride: int, pass_width: int, stride: int) -> int:
+    """Lattice cells by which a mirrored-back map must move to line up with the unmirrored one.
+
+    Mirrored-back cell j sits at c' + j*stride with c' = W - 1 - c - S*(w - 1) (W resized width,
+    c the card's centre, S the native stride, w cells per pass): 0 when the receptive field is
+    centred symmetrically (c = (W - 1 - S*(w - 1)) / 2), else a whole number of cells for the
+    asymmetric 'SAME' padding of TensorFlow-trained nets; rounded to the nearest cell otherwise.
+    """
+    offset = resized_width - 1 - 2 * center_x - native_stride * (pass_width - 1)
+    return int(round(offset / stride))
+
+
+def align(lattice: np.ndarray, cells: int) -> np.ndarray:
+    """Move a lattice `cells` columns right (negative: left), NaN where nothing moved in."""
+    if cells == 0:
+        return lattice
+    moved = np.full_like(lattice, np.nan)
+    if cells > 0:
+        moved[:, :, cells:] = lattice[:, :, :-cells]
+    else:
+        moved[:, :, :cells] = lattice[:, :, -cells:]
+    return moved
+
+
 def average_flips(lattices: list[np.ndarray]) -> np.ndarray:
-    """Cell-wise mean of the unmirrored and mirrored-back lattices (VGG's flip averaging)."""
-    return np.mean(np.stack(lattices), axis=0).astype(np.float32)
+    """Cell-wise mean of the unmirrored and aligned mirrored-back lattices (VGG's flip averaging).
+
+    A cell only one of them covers (an edge column after alignment) keeps that one's value.
+    """
+    if len(lattices) == 1:
+        return lattices[0]
+    stack = np.stack(lattices)
+    scored = ~np.isnan(stack)
+    total = np.where(scored, stack, 0).sum(axis=0)
+    count = scored.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, total / np.maximum(count, 1), np.nan).astype(np.float32)
 
 
 @dataclass(frozen=True)

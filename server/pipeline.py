@@ -215,8 +215,16 @@ class Pipeline:
         for scale in scales:
             mine = [entry for entry in layouts if entry[0] == scale]
             size = mine[0][1]
-            lattices = [dense.interleave(scores[first:first + count], plan, flip=flip)
-                        for _scale, _size, flip, first, count in mine]
+            lattices = []
+            for _scale, _size, flip, first, count in mine:
+                lattice = dense.interleave(scores[first:first + count], plan, flip=flip)
+                if flip:
+                    lattice = dense.align(lattice, dense.mirror_shift(
+                        resized_width=size[1], center_x=model.card.receptive_field.center_x,
+                        native_stride=model.card.output_stride or 32, pass_width=scores[first].shape[-1],
+                        stride=plan.stride,
+                    ))
+                lattices.append(lattice)
             probabilities.extend(dense.mean_probabilities(lattice, logits=logits) for lattice in lattices)
             response.maps.append(self._scale_map(request, model, plan, scale, original, size, dense.average_flips(lattices)))
         top_k = request.top_k or self.settings.default_top_k

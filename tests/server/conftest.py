@@ -16,12 +16,16 @@ STRIDE = 32
 
 def patch_net(*, classes: int, stride: int = STRIDE, seed: int = 0, name: str = "tiny",
               output_kind: str = "logits", weights: np.ndarray | None = None,
-              default_scale: int = 64) -> onnx.ModelProto:
-    """Conv(kernel = stride = `stride`) then Relu-free scores: one cell per `stride` x `stride` patch."""
+              default_scale: int = 64, end_pad: int = 0) -> onnx.ModelProto:
+    """Conv(kernel = stride = `stride`): one cell per `stride` x `stride` patch.
+
+    `end_pad` zero-pads the bottom and right only, like TensorFlow's 'SAME' padding, which puts
+    the receptive fields off-centre: mirrored maps then need aligning before flip averaging."""
     if weights is None:
         weights = np.random.default_rng(seed).normal(0, 0.05, (classes, 3, stride, stride)).astype(np.float32)
     bias = np.zeros(classes, dtype=np.float32)
-    conv = helper.make_node("Conv", ["image", "w", "b"], ["scores"], kernel_shape=[stride, stride], strides=[stride, stride])
+    conv = helper.make_node("Conv", ["image", "w", "b"], ["scores"], kernel_shape=[stride, stride],
+                            strides=[stride, stride], pads=[0, 0, end_pad, end_pad])
     graph = helper.make_graph(
         [conv], name,
         [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, "H", "W"])],
@@ -44,13 +48,14 @@ def patch_net(*, classes: int, stride: int = STRIDE, seed: int = 0, name: str = 
     return write_card(model, card)
 
 
-def coordinate_net(*, stride: int = STRIDE) -> onnx.ModelProto:
+def coordinate_net(*, stride: int = STRIDE, end_pad: int = 0) -> onnx.ModelProto:
     """Scores that are a known function of position: channel 0 = mean of red, channel 1 = mean of green
     over the cell's patch; fed an image whose red is x and green is y, cell scores are its centre."""
     weights = np.zeros((2, 3, stride, stride), dtype=np.float32)
     weights[0, 0] = 1.0 / stride**2
     weights[1, 1] = 1.0 / stride**2
-    return patch_net(classes=2, stride=stride, weights=weights, name="coords", output_kind="probabilities")
+    return patch_net(classes=2, stride=stride, weights=weights, name="coords", output_kind="probabilities",
+                     end_pad=end_pad)
 
 
 def coordinate_image(size: int = 256) -> np.ndarray:
@@ -146,6 +151,6 @@ def kit():
     import types
 
     return types.SimpleNamespace(
-        serving=serving, raw_request=raw_request, decode_tensor=decode_tensor,
+        serving=serving, coordinate_net=coordinate_net, raw_request=raw_request, decode_tensor=decode_tensor,
         coordinate_image=coordinate_image, patch_net=patch_net, heavy_net=heavy_net,
     )

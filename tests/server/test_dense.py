@@ -94,3 +94,15 @@ def test_geometry_maps_the_lattice_back_to_original_pixels():
     assert geometry.stride_y == pytest.approx(10.0) and geometry.stride_x == pytest.approx(10.0)
     assert geometry.center_y == pytest.approx(16 / 1.6 - 0.5)
     assert geometry.box_width == pytest.approx(20.0)
+
+
+def test_mirrored_maps_are_aligned_by_the_receptive_field_offset():
+    assert dense.mirror_shift(resized_width=128, center_x=15.5, native_stride=32, pass_width=4, stride=32) == 0
+    # 'SAME' padding at the end only: one more cell, centres still at 15.5 + 32 j.
+    assert dense.mirror_shift(resized_width=128, center_x=15.5, native_stride=32, pass_width=5, stride=32) == -1
+    assert dense.mirror_shift(resized_width=128, center_x=15.5, native_stride=32, pass_width=5, stride=16) == -2
+    lattice = np.arange(4, dtype=np.float32).reshape(1, 1, 4)
+    np.testing.assert_array_equal(dense.align(lattice, -1), [[[1, 2, 3, np.nan]]])
+    np.testing.assert_array_equal(dense.align(lattice, 2), [[[np.nan, np.nan, 0, 1]]])
+    averaged = dense.average_flips([lattice, dense.align(lattice, -1)])
+    np.testing.assert_array_equal(averaged, [[[0.5, 1.5, 2.5, 3]]])

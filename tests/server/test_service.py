@@ -96,6 +96,20 @@ def test_diagonal_shift_returns_a_quincunx(kit, coordinate_model_path):
     assert (indices[0][~scored] == -1).all() and (indices[0][scored] >= 0).all()
 
 
+def test_flip_averaging_aligns_off_centre_receptive_fields(kit, tmp_path):
+    """With bottom/right-only padding the mirrored map is one cell off; aligned, coordinates still read true."""
+    path = tmp_path / "padded.onnx"
+    onnx.save(kit.coordinate_net(end_pad=32), path)
+    pixels = kit.coordinate_image(128)
+    with kit.serving([str(path)]) as (_server, _port, stub):
+        for stride, cells, interior in ((32, 5, 4), (16, 10, 7)):
+            response = stub.Score(kit.raw_request(pixels, scales=[128], output_stride=stride, flip=True, return_maps=True))
+            lattice = kit_decode(response.maps[0].scores)
+            assert lattice.shape == (2, cells, cells)
+            expected_x = 15.5 + stride * np.arange(interior)  # misaligned, cells would read 15.5 + stride (j +- 1/2)
+            np.testing.assert_allclose(lattice[0, 0, :interior], expected_x, atol=1e-3)
+
+
 def test_flip_averages_with_the_mirrored_image(kit, tiny_model_path):
     pixels = RNG.integers(0, 256, (64, 128, 3), dtype=np.uint8)
     with kit.serving([tiny_model_path]) as (_server, _port, stub):
