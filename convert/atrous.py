@@ -50,7 +50,8 @@ def atrous(model: onnx.ModelProto, *, output_stride: int, input_shape: list[int]
         factor = jump_in // min(jump_in, output_stride)
         new_stride = min(jump_out, output_stride) // min(jump_in, output_stride)
         if node.op_type in WINDOWED:
-            nodes.append(rewrite_windowed(node, graph, factor=factor, new_stride=new_stride, shapes=shapes, graph_opset=graph_opset))
+            nodes.extend(pool_padding_as_pad_node(
+                rewrite_windowed(node, graph, factor=factor, new_stride=new_stride, shapes=shapes, graph_opset=graph_opset), graph))
         elif node.op_type == "Pad" and factor > 1:
             nodes.append(rewrite_pad(node, graph, constants, factor=factor, axes=axes.get(node.input[0], (2, 3))))
         else:
@@ -68,11 +69,13 @@ def rewrite_windowed(node: onnx.NodeProto, graph: onnx.GraphProto, *, factor: in
                      shapes: dict, graph_opset: int) -> onnx.NodeProto:
     """A Conv/pool with its stride reduced to `new_stride` and its dilation multiplied by `factor`."""
     strides = list(attr(node, "strides", [1, 1]))
+    kernel = window(node, shapes)
+    if kernel == (1, 1) and new_stride == strides[0]:
+        return node  # a 1x1 window reads one cell: nothing to dilate
     if factor == 1 and new_stride == strides[0]:
         return node
     if strides[0] != strides[1]:
         raise ConversionError(f"{describe(node)} has strides {strides}; à trous needs equal strides per axis")
-    kernel = window(node, shapes)
     in_size = tuple(shapes.get(node.input[0], (0, 0, 0, 0))[2:])
     pads = explicit_pads(node, in_size=in_size, kernel=kernel)
     dilations = [d * factor for d in attr(node, "dilations", [1, 1])]
@@ -96,6 +99,26 @@ def rewrite_windowed(node: onnx.NodeProto, graph: onnx.GraphProto, *, factor: in
         return averagepool_as_depthwise_conv(rewritten, graph, kernel=kernel, dilations=dilations, shapes=shapes, graph_opset=graph_opset)
     set_attr(rewritten, "dilations", dilations)
     return rewritten
+
+
+def pool_padding_as_pad_node(node: onnx.NodeProto, graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """onnxruntime wants pool pads smaller than the kernel; a dilated MaxPool's pads can exceed it, so they move into a Pad of -inf."""
+    if node.op_type != "MaxPool":
+        return [node]
+    pads = list(attr(node, "pads", [0, 0, 0, 0]))
+    kernel = list(attr(node, "kernel_shape"))
+    if all(p < k for p, k in zip(pads, kernel + kernel)):
+        return [node]
+    pads_name = unique_name(graph, f"{node.output[0]}_atrous_pads")
+    value_name = unique_name(graph, f"{node.output[0]}_atrous_minus_inf")
+    padded = unique_name(graph, f"{node.output[0]}_atrous_padded")
+    graph.initializer.append(numpy_helper.from_array(np.array([0, 0, pads[0], pads[1], 0, 0, pads[2], pads[3]], np.int64), pads_name))
+    graph.initializer.append(numpy_helper.from_array(np.array(-np.inf, np.float32), value_name))
+    pad = helper.make_node("Pad", [node.input[0], pads_name, value_name], [padded], name=padded, mode="constant")
+    pooled = copy.deepcopy(node)
+    pooled.input[0] = padded
+    set_attr(pooled, "pads", [0, 0, 0, 0])
+    return [pad, pooled]
 
 
 def averagepool_as_depthwise_conv(node: onnx.NodeProto, graph: onnx.GraphProto, *, kernel: tuple[int, int],
