@@ -410,12 +410,23 @@ def _fits(skeleton: _Skeleton, height: int, width: int, batch: int, budget_bytes
 def largest_batch(model: onnx.ModelProto | str, *, height: int, width: int, budget_bytes: int) -> int:
     """The largest batch (up to MAX_BATCH) whose predicted peak fits the budget; 0 if none does."""
     skeleton = _skeleton_of(model)
-    if not _fits(skeleton, height, width, 1, budget_bytes):
+    one = _profile(skeleton, height, width, 1)
+    if one.predicted_peak_bytes > budget_bytes:
         return 0
-    low, high = 1, 2  # low fits; grow high until it does not
-    while high <= MAX_BATCH and _fits(skeleton, height, width, high, budget_bytes):
-        low, high = high, high * 2
-    high = min(high, MAX_BATCH + 1)
+    two = _profile(skeleton, height, width, 2)
+    low, high = 1, MAX_BATCH + 1  # low fits, high does not (or is past the end)
+    if two.peak_activation_bytes == 2 * one.peak_activation_bytes and two.weights_bytes == one.weights_bytes:
+        # Activations scale with the batch (every buffer is per image): solve for it, then check
+        # the answer and its successor, so the search below starts from a two-wide bracket.
+        per_image = one.peak_activation_bytes * (1 + ALLOCATION_SLACK)
+        room = budget_bytes - one.weights_bytes - RUNTIME_BASE_BYTES
+        guess = max(1, min(MAX_BATCH, int(room // per_image) if per_image else MAX_BATCH))
+        if _fits(skeleton, height, width, guess, budget_bytes):
+            low = guess
+            if guess == MAX_BATCH or not _fits(skeleton, height, width, guess + 1, budget_bytes):
+                return guess
+        else:
+            high = guess
     while high - low > 1:
         middle = (low + high) // 2
         if _fits(skeleton, height, width, middle, budget_bytes):

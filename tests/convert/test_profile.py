@@ -8,7 +8,7 @@ from onnx import TensorProto, helper, numpy_helper
 from convert.precision import fp16_graph
 from convert.profile import (ProfileError, largest_batch, largest_square_size, parse_bytes,
                              profile_model)
-from convert.runtime_memory import measure_peak, select_device
+from convert.runtime_memory import MeasurementError, measure_peak, select_device
 
 VGG16 = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
 
@@ -249,3 +249,29 @@ def test_prediction_matches_onnxruntime_peak(which, size, batch, default_model_p
     measured = measure_peak(path, height=size, width=size, batch=batch, device="cpu")
     assert measured.peak_bytes > 0
     assert abs(predicted / measured.peak_bytes - 1) <= BOUND, (predicted, measured)
+
+
+def test_largest_batch_without_per_image_scaling_still_finds_the_last_that_fits():
+    """A graph whose buffers do not all scale with the batch falls back to the search."""
+    table = numpy_helper.from_array(np.ones((1, 4, 64, 64), np.float32), "table")
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("Shape", ["r"], ["shape"]),
+             helper.make_node("Expand", ["table", "shape"], ["big"]),  # grows with the batch
+             helper.make_node("ReduceSum", ["table"], ["fixed"], keepdims=1),  # does not
+             helper.make_node("Add", ["big", "fixed"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 64, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [table])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
+    one, two = (profile_model(model, height=64, width=64, batch=b) for b in (1, 2))
+    assert two.peak_activation_bytes != 2 * one.peak_activation_bytes
+    budget = parse_bytes("12MiB")
+    batch = largest_batch(model, height=64, width=64, budget_bytes=budget)
+    assert profile_model(model, height=64, width=64, batch=batch).predicted_peak_bytes <= budget
+    assert profile_model(model, height=64, width=64, batch=batch + 1).predicted_peak_bytes > budget
+
+
+def test_measurement_refuses_an_unknown_device_and_a_missing_model(tmp_path):
+    with pytest.raises(MeasurementError, match="device must be"):
+        measure_peak(str(tmp_path / "m.onnx"), height=32, width=32, device="tpu")
+    with pytest.raises(MeasurementError, match="failed"):
+        measure_peak(str(tmp_path / "missing.onnx"), height=32, width=32, device="cpu")
