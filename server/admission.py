@@ -81,7 +81,10 @@ class Admission:
         )
 
     def fits(self, height: int, width: int) -> bool:
+        """One pass of this input size fits the budget."""
+        if self.budget_bytes is None:
+            return True
         try:
-            return self.batch_limit(height, width) > 0
+            return self.predicted_bytes(height, width) <= self.budget_bytes
         except ProfileError:
             return False

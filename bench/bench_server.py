@@ -1,0 +1,135 @@
+"""The server's cost over in-process scoring, and what dynamic batching buys under concurrency.
+
+Default model (EfficientNet-Lite0), scale 384, output stride 16 (4 shifted passes), samples/cat.jpg,
+full float32 maps returned. Latency: the same requests through gRPC on localhost and through an
+in-process Pipeline, alternated call by call so machine load hits both alike; target: gRPC overhead
+<= 15% of the median. Throughput: closed loop at concurrency 1, 4 and 16, batching on
+(max batch 8, 5 ms delay) vs off (max batch 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import statistics
+import tempfile
+import threading
+import time
+
+import grpc
+import onnx
+
+from convert import convert_classifier
+from protos import scoring_pb2, scoring_pb2_grpc
+from server.main import create_server
+from server.pipeline import Pipeline
+from server.settings import Settings
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCALE = 384
+LATENCY_ROUNDS = 7
+CONCURRENCY = (1, 4, 16)
+REQUESTS_PER_CLIENT = 2
+OVERHEAD_TARGET = 0.15
+
+
+def request() -> scoring_pb2.ScoreRequest:
+    return scoring_pb2.ScoreRequest(
+        encoded=(ROOT / "samples" / "cat.jpg").read_bytes(), scales=[SCALE], output_stride=16, return_maps=True
+    )
+
+
+def stub_for(port: int) -> tuple[grpc.Channel, scoring_pb2_grpc.DenseScoringStub]:
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)])
+    return channel, scoring_pb2_grpc.DenseScoringStub(channel)
+
+
+def latency(model: str, settings: Settings) -> tuple[float, float]:
+    """Median seconds per request: (through gRPC, in-process)."""
+    job = request()
+    local = Pipeline([model], settings=settings)
+    server, port = create_server([model], settings=settings)
+    channel, stub = stub_for(port)
+    remote_times, local_times = [], []
+    try:
+        stub.Score(job)
+        local.score(job)
+        for _ in range(LATENCY_ROUNDS):
+            started = time.perf_counter()
+            stub.Score(job)
+            remote_times.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            local.score(job)
+            local_times.append(time.perf_counter() - started)
+    finally:
+        channel.close()
+        server.stop(0).wait(30)
+        local.close()
+    return statistics.median(remote_times), statistics.median(local_times)
+
+
+def throughput(model: str, settings: Settings, concurrency: int) -> tuple[float, float]:
+    """(requests per second, mean passes per batch) for a closed loop of `concurrency` clients."""
+    server, port = create_server([model], settings=settings)
+    channel, stub = stub_for(port)
+    job = request()
+    try:
+        stub.Score(job)
+        registry = server.metrics.registry
+        labels = {"model": server.pipeline.models()[0].name}
+        batches_before = registry.get_sample_value("scoremap_batch_size_count", labels) or 0
+        passes_before = registry.get_sample_value("scoremap_batch_size_sum", labels) or 0
+        barrier = threading.Barrier(concurrency + 1)
+
+        def client() -> None:
+            barrier.wait()
+            for _ in range(REQUESTS_PER_CLIENT):
+                stub.Score(job)
+
+        threads = [threading.Thread(target=client) for _ in range(concurrency)]
+        for thread in threads:
+            thread.start()
+        barrier.wait()
+        started = time.perf_counter()
+        for thread in threads:
+            thread.join()
+        elapsed = time.perf_counter() - started
+        batches = registry.get_sample_value("scoremap_batch_size_count", labels) - batches_before
+        passes = registry.get_sample_value("scoremap_batch_size_sum", labels) - passes_before
+    finally:
+        channel.close()
+        server.stop(0).wait(30)
+    return concurrency * REQUESTS_PER_CLIENT / elapsed, passes / batches
+
+
+def run() -> str:
+    with tempfile.TemporaryDirectory() as folder:
+        model = str(pathlib.Path(folder) / "default.onnx")
+        onnx.save(convert_classifier("default"), model)
+        base = Settings(warm_up_scales=(SCALE,))
+        remote, local = latency(model, base)
+        overhead = remote / local - 1
+        rows = []
+        for concurrency in CONCURRENCY:
+            on = throughput(model, dataclasses.replace(base, max_batch=8, max_queue_delay_ms=5.0), concurrency)
+            off = throughput(model, dataclasses.replace(base, max_batch=1), concurrency)
+            rows.append(f"| {concurrency} | {on[0]:.2f} | {on[1]:.1f} | {off[0]:.2f} | {off[1]:.1f} | {on[0] / off[0]:.2f}x |")
+    verdict = "met" if overhead <= OVERHEAD_TARGET else "missed"
+    return "\n".join([
+        "## Server (bench_server)",
+        "",
+        f"EfficientNet-Lite0, scale {SCALE}, output stride 16 (grid: 4 passes), samples/cat.jpg, float32 maps returned.",
+        "",
+        f"Single client, median of {LATENCY_ROUNDS} (alternating): gRPC {1000 * remote:.0f} ms, in-process Pipeline "
+        f"{1000 * local:.0f} ms: overhead {100 * overhead:+.1f}% (target <= {100 * OVERHEAD_TARGET:.0f}%: {verdict}).",
+        "",
+        f"Throughput, closed loop, {REQUESTS_PER_CLIENT} requests per client:",
+        "",
+        "| clients | batching on: req/s | passes/batch | batching off: req/s | passes/batch | on/off |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ])
+
+
+if __name__ == "__main__":
+    print(run())
