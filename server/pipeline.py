@@ -51,6 +51,16 @@ class LoadedModel:
         return self.card.labels[index] if index < len(self.card.labels) else str(index)
 
 
+@dataclass(frozen=True)
+class PassGroup:
+    """The passes of one scale and one orientation: where they sit in the request's list of passes."""
+
+    scale: int
+    size: tuple[int, int]
+    flip: bool
+    passes: slice
+
+
 def invalid(message: str) -> ScoringError:
     return ScoringError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
@@ -182,22 +192,18 @@ class Pipeline:
 
         image = self._decode(request)
         original = (image.height, image.width)
+        groups: list[PassGroup] = []
         passes: list[np.ndarray] = []
         limits: list[int] = []
-        layouts = []
-        flips = (False, True) if request.flip else (False,)
         for scale in scales:
             size = self._size(model, original, scale)
-            limit = model.admission.admit(
-                *size, scale=scale, largest_scale=lambda: self._largest_scale(model, original)
-            )
+            limit = model.admission.admit(*size, scale=scale, largest_scale=lambda: self._largest_scale(model, original))
             pixels = imaging.normalize(
-                imaging.resize(image, size, filter_name=model.card.preprocessing.resize_filter),
-                model.card.preprocessing,
+                imaging.resize(image, size, filter_name=model.card.preprocessing.resize_filter), model.card.preprocessing
             )
-            for flip in flips:
+            for flip in (False, True) if request.flip else (False,):
                 windows = dense.pass_images(pixels, plan, flip=flip)
-                layouts.append((scale, size, flip, len(passes), len(windows)))
+                groups.append(PassGroup(scale, size, flip, slice(len(passes), len(passes) + len(windows))))
                 passes.extend(windows)
                 limits.extend([limit] * len(windows))
         preprocessed = time.monotonic()
@@ -210,23 +216,14 @@ class Pipeline:
             model=model.name, request_id=request.request_id, image_height=original[0], image_width=original[1],
             execution_provider=model.engine.provider, output_stride=plan.stride, shift=plan.shift,
         )
-        logits = model.card.output_kind != "probabilities"
         probabilities = []
         for scale in scales:
-            mine = [entry for entry in layouts if entry[0] == scale]
-            size = mine[0][1]
-            lattices = []
-            for _scale, _size, flip, first, count in mine:
-                lattice = dense.interleave(scores[first:first + count], plan, flip=flip)
-                if flip:
-                    lattice = dense.align(lattice, dense.mirror_shift(
-                        resized_width=size[1], center_x=model.card.receptive_field.center_x,
-                        native_stride=model.card.output_stride or 32, pass_width=scores[first].shape[-1],
-                        stride=plan.stride,
-                    ))
-                lattices.append(lattice)
+            mine = [group for group in groups if group.scale == scale]
+            lattices = [self._lattice(model, plan, group, scores[group.passes]) for group in mine]
+            logits = model.card.output_kind != "probabilities"
             probabilities.extend(dense.mean_probabilities(lattice, logits=logits) for lattice in lattices)
-            response.maps.append(self._scale_map(request, model, plan, scale, original, size, dense.average_flips(lattices)))
+            lattice = dense.average_flips(lattices)
+            response.maps.append(self._scale_map(request, model, plan, scale, original, mine[0].size, lattice))
         top_k = request.top_k or self.settings.default_top_k
         for index, probability in dense.top_k(np.mean(probabilities, axis=0), top_k):
             response.top_k.append(scoring_pb2.Label(index=index, label=model.label(index), probability=probability))
@@ -246,6 +243,17 @@ class Pipeline:
                 "inference": inference, "postprocess": finished - computed,
             })
         return response
+
+    @staticmethod
+    def _lattice(model: LoadedModel, plan: dense.PassPlan, group: PassGroup, scores: list[np.ndarray]) -> np.ndarray:
+        """One scale's lattice from its passes; a mirrored one moved back onto the unmirrored sites."""
+        lattice = dense.interleave(scores, plan, flip=group.flip)
+        if not group.flip:
+            return lattice
+        return dense.align(lattice, dense.mirror_shift(
+            resized_width=group.size[1], center_x=model.card.receptive_field.center_x,
+            native_stride=model.card.output_stride or 32, pass_width=scores[0].shape[-1], stride=plan.stride,
+        ))
 
     def _validate(self, request: scoring_pb2.ScoreRequest, model: LoadedModel) -> tuple[list[int], dense.PassPlan]:
         settings = self.settings
