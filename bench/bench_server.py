@@ -113,7 +113,8 @@ def run() -> str:
         for concurrency in CONCURRENCY:
             on = throughput(model, dataclasses.replace(base, max_batch=8, max_queue_delay_ms=5.0), concurrency)
             off = throughput(model, dataclasses.replace(base, max_batch=1), concurrency)
-            rows.append(f"| {concurrency} | {on[0]:.2f} | {on[1]:.1f} | {off[0]:.2f} | {off[1]:.1f} | {on[0] / off[0]:.2f}x |")
+            cells = [concurrency, f"{on[0]:.2f}", f"{on[1]:.1f}", f"{off[0]:.2f}", f"{off[1]:.1f}", f"{on[0] / off[0]:.2f}x"]
+            rows.append("| " + " | ".join(map(str, cells)) + " |")
     verdict = "met" if overhead <= OVERHEAD_TARGET else "missed"
     return "\n".join([
         "## Server (bench_server)",

@@ -67,7 +67,8 @@ class Admission:
             limit = self.batch_limit(height, width)
         except ProfileError as error:
             raise ScoringError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"scale {scale} gives an input of {height}x{width} the model cannot take: {error}"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"scale {scale} gives an input of {height}x{width} the model cannot take: {error}",
             ) from error
         if limit > 0:
             return limit

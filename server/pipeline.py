@@ -141,7 +141,8 @@ class Pipeline:
                 gray = np.full((scale, scale, 3), 128, dtype=np.uint8)
                 for stride in strides:
                     request = scoring_pb2.ScoreRequest(
-                        model=model.name, raw=scoring_pb2.RawImage(data=gray.tobytes(), height=scale, width=scale, channels=3),
+                        model=model.name,
+                        raw=scoring_pb2.RawImage(data=gray.tobytes(), height=scale, width=scale, channels=3),
                         scales=[scale], output_stride=stride,
                     )
                     try:

@@ -106,7 +106,9 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
                     call.cancelled.set()  # a failed or abandoned stream stops its other requests
                     pool.shutdown(wait=True, cancel_futures=True)
 
-    def ListModels(self, request: scoring_pb2.ListModelsRequest, context: grpc.ServicerContext) -> scoring_pb2.ListModelsResponse:
+    def ListModels(
+        self, request: scoring_pb2.ListModelsRequest, context: grpc.ServicerContext
+    ) -> scoring_pb2.ListModelsResponse:
         with self._accounted("ListModels", context):
             return scoring_pb2.ListModelsResponse(models=self.pipeline.models())
 
@@ -120,7 +122,8 @@ def answer(request_id: str, future: Future) -> scoring_pb2.ScoreResponse:
     try:
         return future.result()
     except ScoringError as error:
-        raise ScoringError(error.code, f"request {request_id!r}: {error.message}" if request_id else error.message) from error
+        message = f"request {request_id!r}: {error.message}" if request_id else error.message
+        raise ScoringError(error.code, message) from error
 
 
 class TokenInterceptor(grpc.ServerInterceptor):

@@ -90,7 +90,8 @@ def heavy_net(*, classes: int = 4, width: int = 48, depth: int = 3) -> onnx.Mode
         current, channels = f"r{index}", width
     head = rng.normal(0, 0.01, (classes, channels, STRIDE, STRIDE)).astype(np.float32)
     initializers.append(numpy_helper.from_array(head, "head"))
-    nodes.append(helper.make_node("Conv", [current, "head"], ["scores"], kernel_shape=[STRIDE, STRIDE], strides=[STRIDE, STRIDE]))
+    nodes.append(helper.make_node("Conv", [current, "head"], ["scores"],
+                                  kernel_shape=[STRIDE, STRIDE], strides=[STRIDE, STRIDE]))
     graph = helper.make_graph(
         nodes, "heavy",
         [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, "H", "W"])],
