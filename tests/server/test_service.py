@@ -237,6 +237,17 @@ def test_message_limit_is_configurable_and_above_grpc_default(kit, tiny_model_pa
         assert stub.Score(scoring_pb2.ScoreRequest(encoded=encoded())).top_k
 
 
+def test_a_12_megapixel_jpeg_fits_the_default_limits(kit, tiny_model_path):
+    noise = np.random.default_rng(3).integers(0, 256, (3000, 4000, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(noise).save(buffer, format="JPEG", quality=92)
+    assert len(buffer.getvalue()) > 4 * 2**20  # over gRPC's default message limit
+    with kit.serving([tiny_model_path]) as (_server, _port, stub):
+        response = stub.Score(scoring_pb2.ScoreRequest(encoded=buffer.getvalue(), scales=[96]))
+    assert (response.image_height, response.image_width) == (3000, 4000)
+    assert (response.maps[0].height, response.maps[0].width) == (3, 4)
+
+
 def metric_samples(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     samples = {}
