@@ -25,6 +25,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+import onnxruntime
+from onnx import TensorProto, helper, numpy_helper
+
 __all__ = [
     "MeasurementError",
     "Measurement",
@@ -69,8 +73,6 @@ def predictable_session_options():
     1.7-1.9x the live activations on a VGG-style graph), while plain allocations follow the
     liveness the profile computes (measured within 10%).
     """
-    import onnxruntime
-
     options = onnxruntime.SessionOptions()
     options.enable_mem_pattern = False
     options.enable_cpu_mem_arena = False
@@ -118,12 +120,8 @@ def _reset_peak() -> None:
         clear_refs.write("5")
 
 
-def _warm_up(onnxruntime, providers: list[str]) -> None:
+def _warm_up(providers: list) -> None:
     """Run a tiny conv+gemm graph so the runtime's first-run costs land in the baseline."""
-    import numpy as np
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
     weight = numpy_helper.from_array(np.ones((8, 3, 3, 3), np.float32), "w")
     matrix = numpy_helper.from_array(np.ones((8 * 8 * 8, 4), np.float32), "m")
     graph = helper.make_graph(
@@ -139,15 +137,12 @@ def _warm_up(onnxruntime, providers: list[str]) -> None:
 
 
 def _measure_here(model_path: str, height: int, width: int, batch: int, device: str) -> Measurement:
-    import numpy as np
-    import onnxruntime
-
     cudart = _cudart() if device == "cuda" else None
     if device == "cuda" and cudart is None:
         raise MeasurementError("device 'cuda' requested but the CUDA runtime library does not load")
     providers: list = (["CPUExecutionProvider"] if device == "cpu" else
                        [("CUDAExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})])
-    _warm_up(onnxruntime, providers)
+    _warm_up(providers)
 
     def used() -> int:
         return _cuda_used_bytes(cudart) if cudart is not None else _status_bytes("VmRSS")
@@ -174,8 +169,6 @@ def _measure_here(model_path: str, height: int, width: int, batch: int, device: 
 def measure_peak(model_path: str, *, height: int, width: int, batch: int = 1, device: str = "auto") -> Measurement:
     """Peak memory of `RUNS` runs of the model at batch x C x height x width, in a clean child."""
     if device == "auto":
-        import onnxruntime
-
         device = select_device(onnxruntime.get_available_providers(), cuda_loadable=_cudart() is not None)
     if device not in ("cpu", "cuda"):
         raise MeasurementError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
