@@ -79,12 +79,10 @@ def rewrite_windowed(node: onnx.NodeProto, graph: onnx.GraphProto, *, factor: in
     in_size = tuple(shapes.get(node.input[0], (0, 0, 0, 0))[2:])
     pads = explicit_pads(node, in_size=in_size, kernel=kernel)
     dilations = [d * factor for d in attr(node, "dilations", [1, 1])]
+    # Pads scale with the map; a stride that drops to 1 keeps its pads, so the map has exactly the
+    # cells literal shift-and-stitch has: (L + pads - k) // s + 1 summed over the shifts is L + pads - k + 1.
     begins = [p * factor for p in pads[:2]]
-    if new_stride != strides[0]:
-        # Keep the first cell where it was; pad the end so the map keeps its size (shift-and-stitch's grid).
-        ends = [max(d * (k - 1) - b, 0) for d, k, b in zip(dilations, kernel, begins)]
-    else:
-        ends = [p * factor for p in pads[2:]]
+    ends = [p * factor for p in pads[2:]]
     rewritten = copy.deepcopy(node)
     set_attr(rewritten, "strides", [new_stride, new_stride])
     set_attr(rewritten, "pads", begins + ends)

@@ -141,16 +141,17 @@ def shift_and_stitch(model_or_session, tensor: np.ndarray, *, shift: int, factor
     """The literal shift-and-stitch map: the graph run on the image cropped by (a*shift, b*shift) for a, b < factor, outputs interleaved.
 
     Cell (factor*i + a, factor*j + b) of the result is cell (i, j) of the run on the crop shifted by
-    (a*shift, b*shift); NCHW input only. This is the reference the à trous graph must equal.
+    (a*shift, b*shift); a shifted run has at most one cell fewer per axis, so the grid is full. NCHW
+    input only. This is the reference the à trous graph must equal.
     """
     runs = {}
     for a in range(factor):
         for b in range(factor):
             runs[a, b] = run(model_or_session, np.ascontiguousarray(tensor[:, :, a * shift:, b * shift:]))
-    rows = min(runs[a, 0].shape[2] for a in range(factor))
-    cols = min(runs[0, b].shape[3] for b in range(factor))
+    rows = sum(runs[a, 0].shape[2] for a in range(factor))
+    cols = sum(runs[0, b].shape[3] for b in range(factor))
     first = runs[0, 0]
-    stitched = np.zeros((first.shape[0], first.shape[1], rows * factor, cols * factor), first.dtype)
+    stitched = np.zeros((first.shape[0], first.shape[1], rows, cols), first.dtype)
     for (a, b), out in runs.items():
-        stitched[:, :, a::factor, b::factor] = out[:, :, :rows, :cols]
+        stitched[:, :, a::factor, b::factor] = out
     return stitched
