@@ -40,6 +40,11 @@ RUN_LEVEL_CODES = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED,
 })
+# A batch run never cancels its own calls, so CANCELLED means the server dropped the call while
+# shutting down (gRPC core cancels calls caught mid-stop): the file is sent again, this many times,
+# before it is recorded as failed. UNAVAILABLE is retried inside ScoremapClient.
+SERVER_CANCELLED_RESENDS = 3
+SERVER_CANCELLED_PAUSE_S = 0.5
 # Files read ahead of the workers: enough to keep them busy, bounded so memory stays flat.
 READ_AHEAD_PER_WORKER = 2
 
@@ -90,7 +95,15 @@ def _score_one(image: ImageFile, scorer: Scorer, options: ScoreOptions, out_dir:
     started = time.perf_counter()
     record: dict[str, Any] = {"key": image.key, "path": str(image.path)}
     try:
-        response = scorer.score_request(build_request(image.path, options), timeout=timeout)
+        request = build_request(image.path, options)
+        for resend in range(SERVER_CANCELLED_RESENDS + 1):
+            try:
+                response = scorer.score_request(request, timeout=timeout)
+                break
+            except ScoremapError as error:
+                if error.code != grpc.StatusCode.CANCELLED or resend == SERVER_CANCELLED_RESENDS:
+                    raise
+                time.sleep(SERVER_CANCELLED_PAUSE_S)
         result = result_from_response(response)
         record.update(result.to_record())
         if maps:

@@ -114,8 +114,8 @@ def test_a_server_restart_mid_run_is_ridden_out(start_server, make_photos, tmp_p
     time.sleep(1.0)
     start_server(address=f"127.0.0.1:{port}")
     run.join(120)
-    assert outcome["code"] == EXIT_OK
     records = lines(out)
+    assert outcome["code"] == EXIT_OK, [r for r in records if r["status"] != "OK"]
     assert len(records) == 40 and all(r["status"] == "OK" for r in records)
 
 
