@@ -68,17 +68,28 @@ def test_unavailable_is_retried_until_the_server_comes_up(start_server, tiny_mod
     assert len(result.top_k) == 5
 
 
-def test_other_errors_are_not_retried_and_budget_ends_retries():
-    calls = []
+def test_a_stream_opened_before_the_server_is_up_loses_nothing(start_server, photos):
+    server, port = start_server()
+    server.stop(0).wait(10)
+    thread = threading.Thread(target=lambda: (time.sleep(1.0), start_server(address=f"127.0.0.1:{port}")))
+    thread.start()
+    images = sorted(photos.rglob("photo*"))
+    settings = ClientSettings(retry_budget_s=20, backoff_max_s=0.5)
+    with ScoremapClient(f"127.0.0.1:{port}", settings=settings) as client:
+        results = list(client.score_many(images))
+    thread.join()
+    assert [r.request_id for r in results] == [str(n) for n in range(len(images))]
 
+
+def test_the_retry_budget_ends_retries():
     settings = ClientSettings(retry_budget_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.1, max_attempts=1000)
     with ScoremapClient("127.0.0.1:1", settings=settings) as client:  # nothing listens on port 1
         began = time.monotonic()
         with pytest.raises(ScoremapError) as caught:
             client.health()
-        calls.append(time.monotonic() - began)
+        waited = time.monotonic() - began
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
-    assert calls[0] < 5  # the budget, not max_attempts, ended the retries
+    assert 0.2 < waited < 5  # retried for about the budget, not 1000 attempts
 
 
 def test_bearer_token(start_server):

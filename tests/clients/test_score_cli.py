@@ -54,6 +54,9 @@ def test_a_corrupt_image_is_recorded_and_the_rest_scored(server, photos, tmp_pat
     # A re-run skips everything recorded, failures included, unless asked to retry them.
     assert main([str(photos), "--out", str(out), "--server", server, "--no-progress"]) == EXIT_OK
     assert len(lines(out)) == 7
+    (photos / "broken.jpg").write_bytes((photos / "photo000.jpg").read_bytes())  # repaired
+    assert main([str(photos), "--out", str(out), "--server", server, "--no-progress", "--retry-failed"]) == EXIT_OK
+    assert len(lines(out)) == 8 and all(r["status"] == "OK" for r in read_records(out / "results.jsonl").values())
 
 
 def test_heatmaps_are_pngs_of_the_photo_size(server, photos, tmp_path):
