@@ -1,6 +1,6 @@
 """Measure the peak memory onnxruntime really uses for one run: the check on convert.profile.
 
-Each measurement runs in a clean child process (`python -m convert.runtime_memory`), so nothing
+Each measurement runs in a clean child process (this file run as a script), so nothing
 the parent allocated or cached is counted:
 
 * CPU: peak resident set (VmHWM in /proc/self/status) during the runs minus the resident set
@@ -172,8 +172,13 @@ def measure_peak(model_path: str, *, height: int, width: int, batch: int = 1, de
         device = select_device(onnxruntime.get_available_providers(), cuda_loadable=_cudart() is not None)
     if device not in ("cpu", "cuda"):
         raise MeasurementError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    command = [sys.executable, "-m", "convert.runtime_memory", model_path, "--height", str(height),
-               "--width", str(width), "--batch", str(batch), "--device", device]
+    if not os.path.isfile(model_path):
+        raise MeasurementError(f"no model file at {model_path!r}")
+    arguments = [model_path, "--height", str(height), "--width", str(width), "--batch", str(batch), "--device", device]
+    # Run this file, not `-m convert.runtime_memory`: the convert package's import pulls in torch,
+    # seconds of start-up that measure nothing.
+    command = [sys.executable, "-c", "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
+               __file__, *arguments]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS, check=False,
                               env={**os.environ, **CHILD_ENVIRONMENT})

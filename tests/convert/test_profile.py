@@ -273,5 +273,9 @@ def test_largest_batch_without_per_image_scaling_still_finds_the_last_that_fits(
 def test_measurement_refuses_an_unknown_device_and_a_missing_model(tmp_path):
     with pytest.raises(MeasurementError, match="device must be"):
         measure_peak(str(tmp_path / "m.onnx"), height=32, width=32, device="tpu")
-    with pytest.raises(MeasurementError, match="failed"):
+    with pytest.raises(MeasurementError, match="no model file"):
         measure_peak(str(tmp_path / "missing.onnx"), height=32, width=32, device="cpu")
+    broken = tmp_path / "broken.onnx"
+    broken.write_text("not a model")
+    with pytest.raises(MeasurementError, match="failed"):
+        measure_peak(str(broken), height=32, width=32, device="cpu")
