@@ -7,7 +7,7 @@ Closed loop: N callers each send the next request as soon as the last one return
 sweep). Open loop: requests are scheduled at a fixed arrival rate and each latency is measured
 from its *scheduled* send time, so a slow server cannot hide its queueing by slowing the sender
 (no coordinated omission; Gil Tene, "How NOT to measure latency"). No retries: every failure
-counts, by gRPC status. Every level is bounded in requests and time, and only the target given
+counts, by gRPC status. A bearer token is read from $SCOREMAP_TOKEN. Every level is bounded in requests and time, and only the target given
 is contacted; a non-loopback target needs --allow-remote.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 import time
@@ -36,6 +37,8 @@ from protos import scoring_pb2, scoring_pb2_grpc
 __all__ = ["LoadLimits", "closed_loop", "open_loop", "load_inputs", "synthetic_images", "main"]
 
 log = logging.getLogger("scoremap-loadtest")
+# Environment variable holding the bearer token, as for scoremap-score (off the command line).
+TOKEN_ENV = "SCOREMAP_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,8 @@ def load_inputs(folder: str | None, sizes: Sequence[tuple[int, int]], options: S
 
 
 def closed_loop(stub: scoring_pb2_grpc.DenseScoringStub, requests: Sequence[scoring_pb2.ScoreRequest], *,
-                concurrency: int, duration_s: float, max_requests: int, timeout_s: float) -> LevelReport:
+                concurrency: int, duration_s: float, max_requests: int, timeout_s: float,
+                metadata: Sequence[tuple[str, str]] = ()) -> LevelReport:
     """`concurrency` callers back to back until `duration_s` passes or `max_requests` are sent."""
     samples: list[Sample] = []
     lock = threading.Lock()
@@ -92,7 +96,7 @@ def closed_loop(stub: scoring_pb2_grpc.DenseScoringStub, requests: Sequence[scor
                 sent += 1
             began = time.perf_counter()
             try:
-                stub.Score(request, timeout=timeout_s)
+                stub.Score(request, timeout=timeout_s, metadata=metadata)
                 status = "OK"
             except grpc.RpcError as error:
                 status = error.code().name
@@ -108,7 +112,8 @@ def closed_loop(stub: scoring_pb2_grpc.DenseScoringStub, requests: Sequence[scor
 
 
 def open_loop(stub: scoring_pb2_grpc.DenseScoringStub, requests: Sequence[scoring_pb2.ScoreRequest], *,
-              rate: float, duration_s: float, max_requests: int, timeout_s: float, limits: LoadLimits) -> LevelReport:
+              rate: float, duration_s: float, max_requests: int, timeout_s: float, limits: LoadLimits,
+              metadata: Sequence[tuple[str, str]] = ()) -> LevelReport:
     """Requests at `rate` per second, latency from each one's scheduled send time."""
     total = max(1, min(max_requests, int(rate * duration_s)))
     samples: list[Sample] = []
@@ -129,7 +134,7 @@ def open_loop(stub: scoring_pb2_grpc.DenseScoringStub, requests: Sequence[scorin
         if pause > 0:
             time.sleep(pause)
         slots.acquire()  # at the in-flight bound the send waits; its latency still counts from `scheduled`
-        future = stub.Score.future(requests[n % len(requests)], timeout=timeout_s)
+        future = stub.Score.future(requests[n % len(requests)], timeout=timeout_s, metadata=metadata)
 
         def done(call: grpc.Future, scheduled: float = scheduled) -> None:
             code = call.code()
@@ -227,7 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ScoremapError as error:
         parser.error(error.message)
     settings = ClientSettings(timeout_s=args.timeout)
-    with ScoremapClient(args.server, settings=settings) as client:
+    token = os.environ.get(TOKEN_ENV) or None
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    with ScoremapClient(args.server, settings=settings, token=token) as client:
         try:
             status = client.health(timeout=args.timeout)
         except ScoremapError as error:
@@ -241,16 +248,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         stub = scoring_pb2_grpc.DenseScoringStub(channel)
         for n in range(args.warmup):
             try:
-                stub.Score(inputs[n % len(inputs)], timeout=args.timeout)
+                stub.Score(inputs[n % len(inputs)], timeout=args.timeout, metadata=metadata)
             except grpc.RpcError as error:
                 log.warning("warm-up request failed: %s", error.code().name)
         reports: list[LevelReport] = []
         for concurrency in levels:
             reports.append(closed_loop(stub, inputs, concurrency=concurrency, duration_s=duration,
-                                       max_requests=requests_cap, timeout_s=args.timeout))
+                                       max_requests=requests_cap, timeout_s=args.timeout, metadata=metadata))
         for rate in args.rate or []:
             reports.append(open_loop(stub, inputs, rate=rate, duration_s=duration, max_requests=requests_cap,
-                                     timeout_s=args.timeout, limits=limits))
+                                     timeout_s=args.timeout, limits=limits, metadata=metadata))
     finally:
         channel.close()
     if args.json:

@@ -46,3 +46,16 @@ def test_refuses_targets_that_are_not_loopback():
     with pytest.raises(SystemExit) as refused:
         main(["--server", "203.0.113.7:50051", "--requests", "1"])
     assert refused.value.code == 2
+
+
+def test_bearer_token_from_the_environment(start_server, tmp_path, monkeypatch):
+    _, port = start_server(token="s3cret")
+    report = tmp_path / "report.json"
+    arguments = ["--server", f"127.0.0.1:{port}", "--concurrency", "1", "--requests", "3", "--sizes", "64x64",
+                 "--warmup", "0", "--json", str(report)]
+    monkeypatch.setenv("SCOREMAP_TOKEN", "wrong")
+    assert main(arguments) == 0
+    assert json.loads(report.read_text())[0]["errors"] == {"UNAUTHENTICATED": 3}
+    monkeypatch.setenv("SCOREMAP_TOKEN", "s3cret")
+    assert main(arguments) == 0
+    assert json.loads(report.read_text())[0]["completed"] == 3
