@@ -57,7 +57,9 @@ def convert_classifier(
     dtype = ONNX_DTYPES.get(image.type.tensor_type.elem_type)
     if dtype is None:
         raise ConversionError(f"input {image.name!r} has element type {image.type.tensor_type.elem_type}; expected float32, float16 or uint8")
-    channels = int(input_dims(image)[1 if layout == "NCHW" else 3])
+    channels = input_dims(image)[1 if layout == "NCHW" else 3]
+    if not isinstance(channels, int) or channels <= 0:
+        raise ConversionError(f"input {image.name!r} has a symbolic channel count {channels!r}; expected a fixed number of channels")
     prep = Preprocessing()
     prep.CopyFrom(preprocessing or loaded.preprocessing or identity_preprocessing(channels))
     prep.input_name, prep.layout, prep.dtype = image.name, layout, dtype

@@ -70,7 +70,7 @@ def fully_convolutional(model: onnx.ModelProto, *, training_size: tuple[int, int
     constants = initializers(graph)
     made = producers(graph)
     chain, flatten = head_chain(graph.output[0].name, made, constants, shapes)
-    source, order, pool, kernel = flatten_point(flatten, made, constants, shapes)
+    source, order, pool = flatten_point(flatten, made, constants, shapes)
     channels, map_h, map_w = shapes[source][1:]
     refuse_position_mixing(graph, source, made, constants, shapes, spatial_axes(model, layout=layout), opset(model))
     builder = HeadBuilder(graph, opset(model))
@@ -144,13 +144,13 @@ def head_chain(output: str, made: dict, constants: dict, shapes: dict) -> tuple[
 
 
 def flatten_point(flatten: onnx.NodeProto, made: dict, constants: dict, shapes: dict):
-    """(map tensor in NCHW, flatten order 'chw'/'hwc', pool op or None, kernel) for the node that flattens the map."""
+    """(map tensor in NCHW, flatten order 'chw'/'hwc', dense pool op or None) for the node that flattens the map."""
     out_shape = shapes.get(flatten.output[0])
     if out_shape is None or len(out_shape) != 2:
         raise ConversionError(f"{describe(flatten)} produces shape {out_shape}; expected [N, features]")
     if flatten.op_type in POOLS:
         source, pool = pooled_map(flatten, made, constants, shapes)
-        return source, "chw", pool, None
+        return source, "chw", pool
     source = flatten.input[0]
     shape = shapes.get(source)
     if shape is None or len(shape) != 4 or int(np.prod(shape[1:])) != out_shape[1]:
@@ -169,8 +169,8 @@ def flatten_point(flatten: onnx.NodeProto, made: dict, constants: dict, shapes: 
         pooled_shape = shapes.get(producer.output[0])
         if pooled_shape is not None and len(pooled_shape) == 4:
             pool_source, pool = pooled_map(producer, made, constants, shapes)
-            return pool_source, order, pool, None
-    return source, order, None, None
+            return pool_source, order, pool
+    return source, order, None
 
 
 def pooled_map(node: onnx.NodeProto, made: dict, constants: dict, shapes: dict) -> tuple[str, str]:
