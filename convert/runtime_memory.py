@@ -34,6 +34,7 @@ __all__ = [
     "Measurement",
     "select_device",
     "predictable_session_options",
+    "PREDICTABLE_CUDA_OPTIONS",
     "measure_peak",
     "RUNS",
     "TIMEOUT_SECONDS",
@@ -63,7 +64,11 @@ class Measurement:
     load_peak_bytes: int     # transient peak while creating the session (CPU only, else 0)
 
 
-def predictable_session_options():
+# CUDA provider options for the same reason: the default arena grows by powers of two.
+PREDICTABLE_CUDA_OPTIONS = {"arena_extend_strategy": "kSameAsRequested"}
+
+
+def predictable_session_options() -> onnxruntime.SessionOptions:
     """Session options under which convert.profile's prediction holds.
 
     onnxruntime's memory pattern (on by default) records each input shape's allocations and then
@@ -141,7 +146,7 @@ def _measure_here(model_path: str, height: int, width: int, batch: int, device: 
     if device == "cuda" and cudart is None:
         raise MeasurementError("device 'cuda' requested but the CUDA runtime library does not load")
     providers: list = (["CPUExecutionProvider"] if device == "cpu" else
-                       [("CUDAExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})])
+                       [("CUDAExecutionProvider", dict(PREDICTABLE_CUDA_OPTIONS))])
     _warm_up(providers)
 
     def used() -> int:

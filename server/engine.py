@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import onnxruntime
 
-from convert.runtime_memory import predictable_session_options
+from convert.runtime_memory import PREDICTABLE_CUDA_OPTIONS, predictable_session_options
 from server.errors import ScoringError
 from server.settings import Settings
 
@@ -82,7 +82,7 @@ class Engine:
         )
         providers: list = list(choice.providers)
         if CUDA in providers:
-            providers[0] = (CUDA, {"cudnn_conv_algo_search": settings.cudnn_conv_algo_search})
+            providers[0] = (CUDA, {"cudnn_conv_algo_search": settings.cudnn_conv_algo_search, **PREDICTABLE_CUDA_OPTIONS})
         self.session = onnxruntime.InferenceSession(path, session_options(settings), providers=providers)
         self.provider = self.session.get_providers()[0]
         if CUDA in choice.providers and self.provider != CUDA:
