@@ -4,7 +4,7 @@ Default model (EfficientNet-Lite0), scale 384, output stride 16 (4 shifted passe
 full float32 maps returned. Latency: the same requests through gRPC on localhost and through an
 in-process Pipeline, alternated call by call so machine load hits both alike; target: gRPC overhead
 <= 15% of the median. Throughput: closed loop at concurrency 1, 4 and 16, batching on
-(max batch 8, 5 ms delay) vs off (max batch 1).
+(max batch 8, 5 ms delay) vs off (max batch 1), rounds alternated, best of each kept.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import onnx
 
 from convert import convert_classifier
 from protos import scoring_pb2, scoring_pb2_grpc
-from server.main import create_server
+from server.main import ScoringServer, create_server
 from server.pipeline import Pipeline
 from server.settings import Settings
 
@@ -29,7 +29,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCALE = 384
 LATENCY_ROUNDS = 7
 CONCURRENCY = (1, 4, 16)
-REQUESTS_PER_CLIENT = 2
+MIN_REQUESTS = 8  # per concurrency level: max(1, 8 // clients) requests per client
+ROUNDS = 2
 OVERHEAD_TARGET = 0.15
 
 
@@ -68,38 +69,44 @@ def latency(model: str, settings: Settings) -> tuple[float, float]:
     return statistics.median(remote_times), statistics.median(local_times)
 
 
-def throughput(model: str, settings: Settings, concurrency: int) -> tuple[float, float]:
+def throughput(stub: scoring_pb2_grpc.DenseScoringStub, server: ScoringServer, concurrency: int) -> tuple[float, float]:
     """(requests per second, mean passes per batch) for a closed loop of `concurrency` clients."""
+    job = request()
+    registry = server.metrics.registry
+    labels = {"model": server.pipeline.models()[0].name}
+    batches_before = registry.get_sample_value("scoremap_batch_size_count", labels) or 0
+    passes_before = registry.get_sample_value("scoremap_batch_size_sum", labels) or 0
+    per_client = max(1, MIN_REQUESTS // concurrency)
+    barrier = threading.Barrier(concurrency + 1)
+
+    def client() -> None:
+        barrier.wait()
+        for _ in range(per_client):
+            stub.Score(job)
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    batches = registry.get_sample_value("scoremap_batch_size_count", labels) - batches_before
+    passes = registry.get_sample_value("scoremap_batch_size_sum", labels) - passes_before
+    return concurrency * per_client / elapsed, passes / batches
+
+
+def sweep(model: str, settings: Settings) -> dict[int, tuple[float, float]]:
+    """Throughput at every concurrency level, on one server."""
     server, port = create_server([model], settings=settings)
     channel, stub = stub_for(port)
-    job = request()
     try:
-        stub.Score(job)
-        registry = server.metrics.registry
-        labels = {"model": server.pipeline.models()[0].name}
-        batches_before = registry.get_sample_value("scoremap_batch_size_count", labels) or 0
-        passes_before = registry.get_sample_value("scoremap_batch_size_sum", labels) or 0
-        barrier = threading.Barrier(concurrency + 1)
-
-        def client() -> None:
-            barrier.wait()
-            for _ in range(REQUESTS_PER_CLIENT):
-                stub.Score(job)
-
-        threads = [threading.Thread(target=client) for _ in range(concurrency)]
-        for thread in threads:
-            thread.start()
-        barrier.wait()
-        started = time.perf_counter()
-        for thread in threads:
-            thread.join()
-        elapsed = time.perf_counter() - started
-        batches = registry.get_sample_value("scoremap_batch_size_count", labels) - batches_before
-        passes = registry.get_sample_value("scoremap_batch_size_sum", labels) - passes_before
+        stub.Score(request())
+        return {concurrency: throughput(stub, server, concurrency) for concurrency in CONCURRENCY}
     finally:
         channel.close()
         server.stop(0).wait(30)
-    return concurrency * REQUESTS_PER_CLIENT / elapsed, passes / batches
 
 
 def run() -> str:
@@ -109,10 +116,17 @@ def run() -> str:
         base = Settings(warm_up_scales=(SCALE,))
         remote, local = latency(model, base)
         overhead = remote / local - 1
+        modes = {"on": dataclasses.replace(base, max_batch=8, max_queue_delay_ms=5.0),
+                 "off": dataclasses.replace(base, max_batch=1)}
+        best: dict[tuple[str, int], tuple[float, float]] = {}
+        for _round in range(ROUNDS):  # alternate on/off; keep each one's best (least disturbed) run
+            for mode, settings in modes.items():
+                for concurrency, measured in sweep(model, settings).items():
+                    if measured[0] > best.get((mode, concurrency), (0.0, 0.0))[0]:
+                        best[mode, concurrency] = measured
         rows = []
         for concurrency in CONCURRENCY:
-            on = throughput(model, dataclasses.replace(base, max_batch=8, max_queue_delay_ms=5.0), concurrency)
-            off = throughput(model, dataclasses.replace(base, max_batch=1), concurrency)
+            on, off = best["on", concurrency], best["off", concurrency]
             cells = [concurrency, f"{on[0]:.2f}", f"{on[1]:.1f}", f"{off[0]:.2f}", f"{off[1]:.1f}", f"{on[0] / off[0]:.2f}x"]
             rows.append("| " + " | ".join(map(str, cells)) + " |")
     verdict = "met" if overhead <= OVERHEAD_TARGET else "missed"
@@ -124,7 +138,8 @@ def run() -> str:
         f"Single client, median of {LATENCY_ROUNDS} (alternating): gRPC {1000 * remote:.0f} ms, in-process Pipeline "
         f"{1000 * local:.0f} ms: overhead {100 * overhead:+.1f}% (target <= {100 * OVERHEAD_TARGET:.0f}%: {verdict}).",
         "",
-        f"Throughput, closed loop, {REQUESTS_PER_CLIENT} requests per client:",
+        f"Throughput, closed loop, at least {MIN_REQUESTS} requests per level, best of {ROUNDS} alternating rounds "
+        "(the machine is shared):",
         "",
         "| clients | batching on: req/s | passes/batch | batching off: req/s | passes/batch | on/off |",
         "|---|---|---|---|---|---|",

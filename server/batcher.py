@@ -109,7 +109,7 @@ class Batcher:
                     raise ScoringError(grpc.StatusCode.CANCELLED, "the call was cancelled")
                 if work.deadline is not None and time.monotonic() > work.deadline and not work.started:
                     self.cancel(works)
-                    if not work.started:
+                    if not work.started:  # still not taken once out of the queue: never computed
                         raise ScoringError(
                             grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"the deadline passed after {1000 * (time.monotonic() - work.enqueued):.0f} ms "
@@ -148,6 +148,9 @@ class Batcher:
                     continue
                 taken = set(same)
                 self._queue = [w for w in self._queue if w not in taken]
+                started, batch_id = time.monotonic(), next(self._batch_ids)
+                for work in same:  # marked under the lock, so a cancel sees them as started
+                    work.started, work.batch_id, work.batch_size = started, batch_id, len(same)
                 return same
 
     def _drop_expired(self) -> None:
@@ -165,12 +168,9 @@ class Batcher:
 
     def _loop(self) -> None:
         while (batch := self._take_batch()) is not None:
-            started = time.monotonic()
-            batch_id = next(self._batch_ids)
-            for work in batch:
-                work.started, work.batch_id, work.batch_size = started, batch_id, len(batch)
             if self._on_batch is not None:
                 self._on_batch(batch[0].shape, len(batch))
+            started = time.monotonic()
             try:
                 scores = self._run([work.image for work in batch])
             except Exception as error:  # a failed run fails its batch, never the worker

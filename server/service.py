@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hmac
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from server.metrics import Metrics
 from server.pipeline import Pipeline
 from server.settings import Settings
 
+LOG = logging.getLogger(__name__)
 SERVICE_NAME = scoring_pb2.DESCRIPTOR.services_by_name["DenseScoring"].full_name
 HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes need no token
 
@@ -72,6 +74,10 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
         except ScoringError as error:
             code = error.code
             context.abort(error.code, error.message)
+        except Exception:
+            code = grpc.StatusCode.UNKNOWN  # a bug: gRPC answers UNKNOWN, the log keeps the traceback
+            LOG.exception("%s failed", method)
+            raise
         finally:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(method, code.name).inc()

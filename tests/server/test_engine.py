@@ -42,3 +42,13 @@ def test_engine_reports_what_its_session_really_runs_on(tiny_model_path):
     direct = onnxruntime.InferenceSession(tiny_model_path, providers=[CPU]).run(None, {"image": batch})[0]
     np.testing.assert_allclose(engine.run(batch), direct, rtol=1e-6, atol=1e-6)
     assert engine.run(batch).shape == (2, 10, 2, 3)
+
+
+def test_require_gpu_refuses_to_start_on_this_machine_without_cuda(tiny_model_path):
+    from server.engine import cuda_device_present
+
+    if cuda_device_present():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(ScoringError, match="a GPU is required") as caught:
+        Engine(tiny_model_path, input_name="image", output_name="scores", settings=Settings(require_gpu=True))
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
