@@ -1,3 +1,5 @@
+import shutil
+import subprocess
 import threading
 import time
 
@@ -101,6 +103,27 @@ def test_bearer_token(start_server):
     with ScoremapClient(target, token="wrong") as client, pytest.raises(ScoremapError) as caught:
         client.score(image)
     assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a self-signed certificate")
+def test_tls_with_a_token(tiny_model, tmp_path):
+    from server.main import create_server
+    from server.settings import Settings
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    server, port = create_server([tiny_model], settings=Settings(warm_up=False), token="t0ken",
+                                 tls=(cert.read_bytes(), key.read_bytes()))
+    try:
+        with ScoremapClient(f"localhost:{port}", tls=True, root_certificates=cert.read_bytes(), token="t0ken") as client:
+            assert client.score(np.zeros((64, 64, 3), np.uint8)).top_k
+        with ScoremapClient(f"localhost:{port}", settings=ClientSettings(retry_budget_s=0.2)) as plain:
+            with pytest.raises(ScoremapError):
+                plain.health()  # clear text to a TLS port fails
+    finally:
+        server.stop(0).wait(10)
 
 
 def test_a_token_is_never_sent_in_clear_text_off_this_machine():
