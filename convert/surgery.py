@@ -238,10 +238,28 @@ def refuse_position_mixing(graph: onnx.GraphProto, source: str, made: dict, cons
             axis = attr(node, "axis", 1 if graph_opset < 13 else -1) % 4
             if graph_opset < 13 or axis in spatial:
                 reason = "a softmax over positions (attention) mixes positions"
+        elif op == "Slice" and rank == 4 and fixed_spatial_end(node, constants, set(axes.get(data[0], (2, 3)))):
+            reason = "a Slice with a fixed end on H or W hard-codes the map's size"
         elif op in RESCALING:
             reason = "it rescales the map inside the body; dense geometry needs a fixed stride"
         if reason:
             raise ConversionError(f"cannot convert faithfully: {describe(node)}: {reason}")
+
+
+# Slice ends at or beyond this mean "to the end" (exporters write INT_MAX or INT64_MAX).
+OPEN_END = 2**30
+
+
+def fixed_spatial_end(node: onnx.NodeProto, constants: dict, spatial: set[int]) -> bool:
+    """True when a Slice cuts H or W at a fixed positive end (a crop of the training-size map)."""
+    if len(node.input) < 3:  # opset < 10: starts/ends/axes are attributes
+        ends, axes = list(attr(node, "ends", [])), list(attr(node, "axes", range(len(attr(node, "ends", [])))))
+    else:
+        if node.input[2] not in constants or (len(node.input) > 3 and node.input[3] and node.input[3] not in constants):
+            return True
+        ends = [int(v) for v in constants[node.input[2]].ravel()]
+        axes = [int(v) for v in constants[node.input[3]].ravel()] if len(node.input) > 3 and node.input[3] else list(range(len(ends)))
+    return any(axis % 4 in spatial and 0 <= end < OPEN_END for axis, end in zip(axes, ends))
 
 
 class HeadBuilder:

@@ -78,6 +78,19 @@ def test_hard_coded_reshape_of_a_feature_map_is_refused():
         convert_classifier(classifier(body, "rr", 8, [shape]))
 
 
+def test_slice_with_a_fixed_end_on_a_spatial_axis_is_refused():
+    body = [helper.make_node("Slice", ["c0", "starts", "ends", "axes"], ["crop"])]
+    extra = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in [("starts", [1]), ("ends", [7]), ("axes", [3])]]
+    with pytest.raises(ConversionError, match=r"Slice .*'crop'.*fixed end"):
+        convert_classifier(classifier(body, "crop", 4, extra))
+
+
+def test_slice_trimming_a_border_to_the_end_converts():
+    body = [helper.make_node("Slice", ["c0", "starts", "ends", "axes"], ["crop"])]
+    extra = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in [("starts", [1, 1]), ("ends", [-1, 2**62]), ("axes", [2, 3])]]
+    assert convert_classifier(classifier(body, "crop", 4, extra)).graph.output[0].name == "scores"
+
+
 def test_unidentifiable_head_is_refused():
     head = [helper.make_node("GlobalAveragePool", ["c0"], ["gap"]), helper.make_node("Flatten", ["gap"], ["flat"]),
             helper.make_node("TopK", ["flat", "k"], ["out", "idx"], axis=1)]
