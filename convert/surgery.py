@@ -33,6 +33,8 @@ from convert.graph import (
 from convert.receptive_field import spatial_axes
 
 SCORES = "scores"
+# IR 4 lets weights be initializers without being graph inputs (what IR 3 required).
+MIN_IR_VERSION = 4
 LINEAR = frozenset({"Gemm", "MatMul"})
 PER_FEATURE = frozenset({"Add", "Sub", "Mul", "Div", "PRelu"})
 # Elementwise activations: they act on each feature alone, so they carry over to a map unchanged.
@@ -91,10 +93,14 @@ def fully_convolutional(model: onnx.ModelProto, *, training_size: tuple[int, int
     graph.node.extend(builder.nodes)
     graph.initializer.extend(builder.initializers)
     prune(graph)
-    image = real_inputs(graph)[0]
+    # Old exporters list weights as inputs too; a server should see one input, the image.
+    image = copy.deepcopy(real_inputs(graph)[0])
+    del graph.input[:]
+    graph.input.append(image)
+    image = graph.input[0]
     set_input_dims(image, ["N", input_shape[1], "H", "W"] if layout == "NCHW" else ["N", "H", "W", input_shape[3]])
     del graph.value_info[:]
-    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    model.ir_version = min(max(model.ir_version, MIN_IR_VERSION), MAX_IR_VERSION)
     try:
         onnx.checker.check_model(model)
         onnx.shape_inference.infer_shapes(model, strict_mode=True)
