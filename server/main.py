@@ -169,9 +169,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         default=defaults.cudnn_conv_algo_search)
     engine.add_argument("--intra-op-threads", type=int, default=defaults.intra_op_threads)
     engine.add_argument("--inter-op-threads", type=int, default=defaults.inter_op_threads)
-    engine.add_argument("--no-predictable-memory", action="store_true",
-                        help="keep onnxruntime's memory pattern and CPU arena (faster, but memory admission's "
-                        "prediction no longer holds)")
     engine.add_argument("--no-warm-up", action="store_true", help="report SERVING without warm-up passes")
     engine.add_argument("--warm-up-scales", type=int, nargs="*", default=list(defaults.warm_up_scales))
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -191,8 +188,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         max_scales=args.max_scales, min_scale=args.min_scale, max_scale=args.max_scale,
         max_resized_pixels=args.max_resized_pixels, max_batch=args.max_batch,
         max_queue_delay_ms=args.max_queue_delay_ms, queue_depth=args.queue_depth, stream_window=args.stream_window,
-        memory_budget_bytes=budget, predictable_memory=not args.no_predictable_memory,
-        provider=args.provider, require_gpu=args.require_gpu,
+        memory_budget_bytes=budget, provider=args.provider, require_gpu=args.require_gpu,
         cudnn_conv_algo_search=args.cudnn_conv_algo_search, intra_op_threads=args.intra_op_threads,
         inter_op_threads=args.inter_op_threads, warm_up=not args.no_warm_up,
         warm_up_scales=tuple(args.warm_up_scales), grpc_workers=args.grpc_workers,

@@ -80,6 +80,7 @@ class Pipeline:
             for path in model_paths:
                 model = self._load(str(path))
                 if model.name in self._models:
+                    model.batcher.close()
                     raise ScoringError(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"two models are named {model.name!r} ({self._models[model.name].path} and {path})",

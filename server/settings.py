@@ -44,9 +44,6 @@ class Settings:
     `cpu_memory_fraction` of the machine's available memory."""
     cpu_memory_fraction: float = 0.5
     """Share of MemAvailable used as the budget on the CPU when no budget is given."""
-    predictable_memory: bool = True
-    """Turn off onnxruntime's memory pattern and CPU arena so that convert.profile's prediction holds
-    for every image size (bench_memory measured the cost: ~10% latency)."""
 
     # --- engine ---------------------------------------------------------------------------
     provider: str = "auto"
