@@ -3,8 +3,9 @@
 Default model (EfficientNet-Lite0), scale 384, output stride 16 (4 shifted passes), samples/cat.jpg,
 full float32 maps returned. Latency: the same requests through gRPC on localhost and through an
 in-process Pipeline, alternated call by call so machine load hits both alike; target: gRPC overhead
-<= 15%, compared on each side's fastest call (the undisturbed cost), medians reported too. Throughput: closed loop at concurrency 1, 4 and 16, batching on
-(max batch 8, 5 ms delay) vs off (max batch 1), rounds alternated, best of each kept.
+<= 15%, compared on each side's fastest call (the undisturbed cost), medians reported too.
+Throughput: closed loop at concurrency 1, 4 and 16, batching on (max batch 8, 5 ms delay) vs off
+(max batch 1), rounds alternated, best of each kept.
 """
 
 from __future__ import annotations
