@@ -73,6 +73,9 @@ def fully_convolutional(model: onnx.ModelProto, *, training_size: tuple[int, int
     made = producers(graph)
     chain, flatten = head_chain(graph.output[0].name, made, constants, shapes)
     source, order, pool = flatten_point(flatten, made, constants, shapes)
+    if len(shapes.get(source, ())) != 4:
+        raise ConversionError(f"cannot prove the shape of the map {source!r} before the head at {training_size[0]}x{training_size[1]}; "
+                              f"shape inference gives {shapes.get(source)}")
     channels, map_h, map_w = shapes[source][1:]
     refuse_position_mixing(graph, source, made, constants, shapes, spatial_axes(model, layout=layout), opset(model))
     builder = HeadBuilder(graph, opset(model))
