@@ -2,8 +2,9 @@
 
 The classic receptive-field recurrence (Dumoulin & Visin, "A guide to convolution arithmetic";
 Araujo et al., "Computing Receptive Fields of CNNs", Distill 2019), propagated through the graph
-in topological order. Coordinates are continuous: pixel i spans [i, i+1), so a cell's field is
-the box centre ± size/2 (clipped by the image border).
+in topological order. Coordinates are pixel indices (pixel i is centred at i), the convention of
+the server's geometry, so a cell's field is the box centre ± size/2, i.e. pixels
+centre - (size-1)/2 .. centre + (size-1)/2 (clipped by the image border).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def receptive_fields(model: onnx.ModelProto, *, input_shape: list[int], layout: 
     shapes = static_shapes(model, input_shape)
     constants = initializers(model.graph)
     image = real_inputs(model.graph)[0].name
-    fields = {image: Field(jump=(1, 1), size=(1, 1), start=(0.5, 0.5))}
+    fields = {image: Field(jump=(1, 1), size=(1, 1), start=(0.0, 0.0))}
     axes = spatial_axes(model, layout=layout)
     for node in model.graph.node:
         known = [fields[name] for name in node.input if name in fields]

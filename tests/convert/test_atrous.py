@@ -49,9 +49,9 @@ def vgg_style(width: int = 8, classes: int = 5) -> onnx.ModelProto:
 
 def interior(card, *, cells: int, stride: int, margin: int) -> slice:
     """Cells whose receptive field stays `margin` px off the top/left and inside the image bottom/right."""
-    half = card.receptive_field.size / 2
+    reach = (card.receptive_field.size - 1) / 2  # pixel indices: the field covers centre ± reach
     centres = card.receptive_field.center_y + stride * np.arange(cells)
-    inside = np.nonzero((centres - half >= margin) & (centres + half <= IMAGE))[0]
+    inside = np.nonzero((centres - reach >= margin) & (centres + reach <= IMAGE - 1))[0]
     assert inside.size >= 3, "the test image is too small to have an interior"
     return slice(int(inside[0]), int(inside[-1]) + 1)
 

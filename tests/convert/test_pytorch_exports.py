@@ -83,9 +83,9 @@ def test_receptive_field_follows_the_layers():
     torch.manual_seed(0)
     card = read_card(convert_classifier(flatten_gemm().eval(), training_size=TRAINING))
     # conv3 → 3, pool2 → 4, conv3 → 8, pool2 → 10 (the last pool drops row 9), FC 4x4 at jump 4 → 22;
-    # the first window spans pixels [0, 22), centre 11.
+    # the first window spans pixels 0..21, centred at 10.5 (pixel indices).
     assert card.receptive_field.size == 22
-    assert (card.receptive_field.center_y, card.receptive_field.center_x) == (11.0, 11.0)
+    assert (card.receptive_field.center_y, card.receptive_field.center_x) == (10.5, 10.5)
 
 
 def test_pytorch_module_without_training_size_is_refused():
