@@ -95,6 +95,7 @@ def create_server(
         options = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a port already in use is an error, not silently shared
         ]
         interceptors = [TokenInterceptor(token)] if token else []
         grpc_server = grpc.server(
@@ -108,12 +109,13 @@ def create_server(
         for service in ("", SERVICE_NAME):
             health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server)
-        if tls is not None:
-            port = grpc_server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
-        else:
-            port = grpc_server.add_insecure_port(address)
-        if port == 0:
-            raise ScoringError(grpc.StatusCode.UNAVAILABLE, f"could not bind {address}")
+        try:
+            if tls is not None:
+                port = grpc_server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
+            else:
+                port = grpc_server.add_insecure_port(address)
+        except RuntimeError as error:
+            raise ScoringError(grpc.StatusCode.UNAVAILABLE, f"could not bind {address} (in use?): {error}") from error
         metrics_port = None
         if settings.metrics_port is not None:
             metrics_port = metrics.serve(port=settings.metrics_port, address=settings.metrics_address)

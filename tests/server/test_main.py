@@ -93,3 +93,17 @@ def test_missing_model_file_fails_to_start_with_a_clear_message(tmp_path):
     result = subprocess.run(serve_command() + [str(tmp_path / "absent.onnx"), "--port", "0"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "absent.onnx" in result.stderr
+
+
+def test_a_port_in_use_is_refused(tiny_model_path):
+    from server.errors import ScoringError
+    from server.main import create_server
+    from server.settings import Settings
+
+    settings = Settings(warm_up=False, intra_op_threads=1)
+    first, port = create_server([tiny_model_path], settings=settings)
+    try:
+        with pytest.raises(ScoringError, match=f"could not bind 127.0.0.1:{port}"):
+            create_server([tiny_model_path], address=f"127.0.0.1:{port}", settings=settings)
+    finally:
+        first.stop(0).wait(10)
