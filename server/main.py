@@ -82,15 +82,18 @@ def create_server(
     settings: Settings | None = None,
     token: str | None = None,
     tls: tuple[bytes, bytes] | None = None,
+    wait_until_ready: bool = True,
 ) -> tuple[ScoringServer, int]:
-    """Load and warm up the models, then serve on `address` (port 0: a free one); returns (server, port).
+    """Load the models and serve on `address` (port 0: a free one); returns (server, port).
 
     `tls` is (certificate chain PEM, private key PEM); `token` turns on the bearer-token check.
-    Health reports SERVING only once every model is warmed up.
+    Health reports NOT_SERVING until every model has run its warm-up passes, then SERVING; with
+    `wait_until_ready=False` the warm-up runs in the background after the port is open, so probes
+    can watch it.
     """
     settings = settings or Settings()
     metrics = Metrics()
-    pipeline = Pipeline(model_paths, settings=settings, metrics=metrics)
+    pipeline = Pipeline(model_paths, settings=dataclasses.replace(settings, warm_up=False), metrics=metrics)
     try:
         options = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -124,10 +127,21 @@ def create_server(
         pipeline.close()
         metrics.close()
         raise
-    for service in ("", SERVICE_NAME):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     server = ScoringServer(grpc_server, pipeline=pipeline, servicer=servicer, health_servicer=health_servicer,
                            metrics=metrics, metrics_port=metrics_port)
+
+    def become_ready() -> None:
+        if settings.warm_up:
+            pipeline.warm_up()
+        if not servicer.draining.is_set():
+            for service in ("", SERVICE_NAME):
+                health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+            LOG.info("ready: health SERVING")
+
+    if wait_until_ready:
+        become_ready()
+    else:
+        threading.Thread(target=become_ready, name="scoremap-warm-up", daemon=True).start()
     return server, port
 
 
@@ -217,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             tls = (cert.read(), key.read())
     try:
         server, port = create_server(
-            args.models, address=f"{args.host}:{args.port}", settings=settings, token=read_token(args), tls=tls
+            args.models, address=f"{args.host}:{args.port}", settings=settings, token=read_token(args), tls=tls,
+            wait_until_ready=False,
         )
     except ScoringError as error:
         LOG.error("cannot start: %s", error.message)

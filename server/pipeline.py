@@ -135,7 +135,7 @@ class Pipeline:
 
     def warm_up(self) -> None:
         """Run every warm-up scale at every stride each model offers, so first requests pay no set-up."""
-        for model in self._models.values():
+        for model in list(self._models.values()):
             native = model.card.output_stride or 32
             strides = [native, native // 2] if native >= 32 else [native]
             for scale in self.settings.warm_up_scales or (model.default_scale,):

@@ -107,3 +107,24 @@ def test_a_port_in_use_is_refused(tiny_model_path):
             create_server([tiny_model_path], address=f"127.0.0.1:{port}", settings=settings)
     finally:
         first.stop(0).wait(10)
+
+
+def test_health_says_not_serving_until_warm_up_is_done(heavy_model_path):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from server.main import create_server
+    from server.settings import Settings
+
+    settings = Settings(intra_op_threads=1, warm_up_scales=(256,))
+    server, port = create_server([heavy_model_path], settings=settings, wait_until_ready=False)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            check = health_pb2.HealthCheckRequest(service="scoremap.v1.DenseScoring")
+            assert health.Check(check).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            watch = health.Watch(check, timeout=60)
+            statuses = [next(watch).status, next(watch).status]
+            watch.cancel()
+            assert statuses == [health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING]
+    finally:
+        server.stop(0).wait(10)
