@@ -214,13 +214,20 @@ BAD_REQUESTS = {
 
 
 def test_every_bad_input_is_invalid_argument_and_the_server_stays_up(kit, tiny_model_path):
-    with kit.serving([tiny_model_path], max_image_pixels=20_000_000) as (_server, _port, stub):
+    with kit.serving([tiny_model_path], max_image_pixels=20_000_000) as (server, _port, stub):
         for name, (request, words) in BAD_REQUESTS.items():
             with pytest.raises(grpc.RpcError) as caught:
                 stub.Score(request)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
             assert words in caught.value.details(), (name, caught.value.details())
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Score(scoring_pb2.ScoreRequest(encoded=encoded(), model="absent"))
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
         assert stub.Score(scoring_pb2.ScoreRequest(encoded=encoded(), model="tiny")).top_k
+        counted = server.metrics.registry.get_sample_value
+        assert counted("scoremap_requests_total", {"method": "Score", "code": "INVALID_ARGUMENT"}) == len(BAD_REQUESTS)
+        assert counted("scoremap_requests_total", {"method": "Score", "code": "NOT_FOUND"}) == 1
+        assert counted("scoremap_requests_total", {"method": "Score", "code": "OK"}) == 1
 
 
 def test_message_limit_is_configurable_and_above_grpc_default(kit, tiny_model_path):
