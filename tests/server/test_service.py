@@ -335,3 +335,23 @@ def test_deadlines_drop_queued_work_before_compute(kit, heavy_model_path):
         samples = metric_samples(server.metrics_port)
         assert samples['scoremap_batch_size_sum{model="heavy"}'] == 8  # the late pass never ran
         assert stub.Score(kit.raw_request(pixels, scales=[128]), timeout=30).maps
+
+
+def test_a_cancelled_call_leaves_the_queue_at_once(kit, heavy_model_path):
+    pixels = RNG.integers(0, 256, (192, 192, 3), dtype=np.uint8)
+    slow = kit.raw_request(pixels, scales=[192], output_stride=16, flip=True)
+    with kit.serving([heavy_model_path], max_batch=8) as (server, _port, stub):
+        running = stub.Score.future(slow)
+        while server.metrics.registry.get_sample_value("scoremap_batch_size_count", {"model": "heavy"}) is None:
+            time.sleep(0.01)  # the slow batch is computing
+        queued = stub.Score.future(slow)
+        while server.metrics.registry.get_sample_value("scoremap_queue_depth") < 8:
+            time.sleep(0.01)
+        queued.cancel()
+        deadline = time.monotonic() + 5
+        while server.metrics.registry.get_sample_value("scoremap_queue_depth") > 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.metrics.registry.get_sample_value("scoremap_queue_depth") == 0
+        assert not running.done()  # freed while the batch ahead was still computing
+        assert running.result().maps
+        assert server.metrics.registry.get_sample_value("scoremap_batch_size_sum", {"model": "heavy"}) == 8
