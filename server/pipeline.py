@@ -78,7 +78,7 @@ class Pipeline:
         self._models: dict[str, LoadedModel] = {}
         try:
             for path in model_paths:
-                model = self._load(str(path))
+                model = self._load(str(path), share=len(model_paths))
                 if model.name in self._models:
                     model.batcher.close()
                     raise ScoringError(
@@ -95,7 +95,9 @@ class Pipeline:
             raise
 
     # --- loading ------------------------------------------------------------------------------
-    def _load(self, path: str) -> LoadedModel:
+    def _load(self, path: str, *, share: int) -> LoadedModel:
+        """Card, session, batcher and admission for one model; it gets 1/`share` of the memory budget,
+        since every model's batcher runs its batches concurrently with the others'."""
         try:
             card = read_card(path)
         except (CardError, OSError) as error:
@@ -108,6 +110,8 @@ class Pipeline:
         if budget is None:
             available = available_memory_bytes()
             budget = int(available * settings.cpu_memory_fraction) if available else None
+        if budget is not None:
+            budget //= share
         admission = Admission(path, budget_bytes=budget)
         output_shape = engine.session.get_outputs()[0].shape
         classes = output_shape[1] if isinstance(output_shape[1], int) else len(card.labels)

@@ -40,7 +40,8 @@ class Settings:
 
     # --- memory ---------------------------------------------------------------------------
     memory_budget_bytes: int | None = None
-    """Predicted peak memory allowed per batch; None: the GPU's free memory, or on the CPU
+    """Predicted peak memory allowed for the batches running at once (split evenly between the
+    loaded models, whose batches run concurrently); None: the GPU's free memory, or on the CPU
     `cpu_memory_fraction` of the machine's available memory."""
     cpu_memory_fraction: float = 0.5
     """Share of MemAvailable used as the budget on the CPU when no budget is given."""

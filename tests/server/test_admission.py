@@ -41,3 +41,15 @@ def test_batches_are_cut_to_what_fits(kit, tiny_model_path):
         largest = registry.get_sample_value("scoremap_batch_predicted_bytes_sum", {"model": "tiny"})
     assert total == 8 and count == 4  # four batches of two, never the eight at once
     assert largest == 4 * budget
+
+
+def test_the_budget_is_split_between_models(tiny_model_path, coordinate_model_path):
+    from server.pipeline import Pipeline
+    from server.settings import Settings
+
+    pipeline = Pipeline([tiny_model_path, coordinate_model_path],
+                        settings=Settings(warm_up=False, intra_op_threads=1, memory_budget_bytes=10_000_001))
+    try:
+        assert [pipeline._model(name).admission.budget_bytes for name in ("tiny", "coords")] == [5_000_000] * 2
+    finally:
+        pipeline.close()
