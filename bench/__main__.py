@@ -1,7 +1,8 @@
 """`make bench`: run every bench/bench_*.py module's `run()` and write bench/RESULTS.md.
 
 Each module measures ratios within one run (never absolute timings against a fixed bar) and
-returns a Markdown section; this runner adds the machine it ran on.
+returns a Markdown section; this runner adds the machine it ran on. Running a subset replaces
+only those modules' sections, each stamped with its own machine line.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import importlib
 import os
 import pathlib
 import platform
+import re
 
 import onnxruntime
 
@@ -33,20 +35,29 @@ def machine_line() -> str:
     )
 
 
+def read_sections(path: pathlib.Path) -> dict[str, str]:
+    """The sections of an existing results file, keyed by bench module name."""
+    if not path.exists():
+        return {}
+    parts = re.split(r"^<!-- (bench_\w+) -->\n", path.read_text(), flags=re.MULTILINE)
+    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2])}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("names", nargs="*", help="bench modules to run (default: all), e.g. bench_dense")
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     args = parser.parse_args()
     names = args.names or sorted(p.stem for p in HERE.glob("bench_*.py"))
-    sections = []
+    out = pathlib.Path(args.out)
+    sections = read_sections(out)
     for name in names:
         print(f"running {name} ...", flush=True)
         section = importlib.import_module(f"bench.{name}").run()
         print(section, flush=True)
-        sections.append(section)
-    text = "# Benchmark results\n\nMachine: " + machine_line() + "\n\n" + "\n\n".join(sections) + "\n"
-    pathlib.Path(args.out).write_text(text)
+        sections[name] = f"{section.strip()}\n\nMachine: {machine_line()}"
+    body = "\n\n".join(f"<!-- {name} -->\n{sections[name]}" for name in sorted(sections))
+    out.write_text("# Benchmark results\n\n" + body + "\n")
     print(f"wrote {args.out}")
 
 
