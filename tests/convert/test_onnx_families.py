@@ -190,3 +190,29 @@ def test_batch_norm_folds_into_the_conv_and_identity_goes():
     assert collections.Counter(n.op_type for n in converted.graph.node) == collections.Counter(
         {"Conv": 2, "Relu": 1, "AveragePool": 1})
     assert read_card(converted).output_kind == "logits"
+
+
+def test_uint8_nhwc_input_with_logsoftmax_head():
+    """A quantised-era export: uint8 NHWC pixels cast inside the graph, ReduceMean over H, W, LogSoftmax out."""
+    nodes = [
+        helper.make_node("Cast", ["pixels"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("Transpose", ["f"], ["nchw"], perm=[0, 3, 1, 2]),
+        helper.make_node("Conv", ["nchw", "w"], ["c"], kernel_shape=[3, 3]),
+        helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node("ReduceMean", ["r"], ["mean"], axes=[2, 3], keepdims=0),
+        helper.make_node("Gemm", ["mean", "fc_w"], ["logits"]),
+        helper.make_node("LogSoftmax", ["logits"], ["log_probs"], axis=1),
+    ]
+    inits = [weight("w", 4, 3, 3, 3, scale=0.01), weight("fc_w", 4, 6)]
+    graph = helper.make_graph(nodes, "uint8_net", [helper.make_tensor_value_info("pixels", TensorProto.UINT8, [None, 10, 10, 3])],
+                              [helper.make_tensor_value_info("log_probs", TensorProto.FLOAT, [None, 6])], inits)
+    model = helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 13)])
+    converted = convert_classifier(model)
+    card = read_card(converted)
+    assert (card.preprocessing.dtype, card.preprocessing.layout, card.output_kind) == ("uint8", "NHWC", "logits")
+    assert card.verification.passed
+    pixels = preprocess(sample_pixels(count=1, height=14, width=12, channels=3, seed=4), card.preprocessing)
+    assert pixels.dtype == np.uint8
+    report = compare_with_crops(model, converted, pixels, layout="NHWC", training_size=(10, 10), stride=1)
+    assert report.grid == (5, 3) and report.max_abs_diff <= CROP_TOLERANCE and report.argmax_agreement == 1.0
+    np.testing.assert_allclose(np.exp(run(converted, pixels)).sum(axis=1), 1.0, atol=1e-5)
