@@ -70,6 +70,8 @@ def load_source(source, *, training_size: tuple[int, int] | None = None, state_d
         module = build_from_factory(source, state_dict=state_dict)
         return Source(model=export_module(module, training_size=require_size(training_size, source)),
                       description=f"pytorch: {source}", name=source.rsplit(":", 1)[1])
+    if isinstance(source, str) and source.endswith((".onnx", ".pt", ".pth", ".ts")):
+        raise ConversionError(f"{source!r}: no such file; expected a path to an existing .onnx or TorchScript file")
     torch = _torch()
     if isinstance(source, torch.nn.Module):
         return Source(model=export_module(source, training_size=require_size(training_size, type(source).__name__)),

@@ -50,7 +50,7 @@ def test_refusal_exits_non_zero_and_writes_nothing(tmp_path, capsys):
 
 def test_missing_source_exits_non_zero(tmp_path, capsys):
     assert main([str(tmp_path / "missing.onnx"), "-o", str(tmp_path / "out.onnx")]) == EXIT_CONVERSION
-    assert "unknown source" in capsys.readouterr().err
+    assert "no such file" in capsys.readouterr().err
     assert not (tmp_path / "out.onnx").exists()
 
 
