@@ -45,6 +45,8 @@ def convert_classifier(
     `output_stride` is the finest spacing of cells wanted: a net whose native stride is coarser
     gets the à trous rewrite (16 or 8), a net already finer keeps its own.
     """
+    if output_stride not in SUPPORTED_OUTPUT_STRIDES:
+        raise ConversionError(f"output stride {output_stride} is not supported; expected one of {SUPPORTED_OUTPUT_STRIDES}")
     size = None if training_size is None else (training_size, training_size) if isinstance(training_size, int) else tuple(training_size)
     loaded = load_source(source, training_size=size, state_dict=state_dict)
     original = loaded.model
@@ -63,12 +65,14 @@ def convert_classifier(
     prep = Preprocessing()
     prep.CopyFrom(preprocessing or loaded.preprocessing or identity_preprocessing(channels))
     prep.input_name, prep.layout, prep.dtype = image.name, layout, dtype
+    for field_name in ("mean", "std"):
+        values = list(getattr(prep, field_name))
+        if len(values) != channels:
+            raise ConversionError(f"preprocessing {field_name} has {len(values)} values {values}; the input has {channels} channels")
     batch_one = [1, channels, *size] if layout == "NCHW" else [1, *size, channels]
 
     cleaned = cleanup(original, input_shape=batch_one)
     dense, head = fully_convolutional(cleaned, training_size=size, layout=layout)
-    if output_stride not in SUPPORTED_OUTPUT_STRIDES:
-        raise ConversionError(f"output stride {output_stride} is not supported; expected one of {SUPPORTED_OUTPUT_STRIDES}")
     dense = atrous(dense, output_stride=output_stride, input_shape=batch_one, layout=layout)
     field = output_field(dense, input_shape=batch_one, layout=layout)
     check = verify(original, dense, preprocessing=prep, training_size=size, channels=channels)
