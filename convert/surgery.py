@@ -71,14 +71,14 @@ def fully_convolutional(model: onnx.ModelProto, *, training_size: tuple[int, int
     shapes = static_shapes(model, input_shape)
     constants = initializers(graph)
     made = producers(graph)
-    chain, flatten = head_chain(graph.output[0].name, made, constants, shapes)
+    chain, flatten = head_chain(graph.output[0].name, made, constants, shapes, opset(model))
     source, order, pool = flatten_point(flatten, made, constants, shapes)
     if len(shapes.get(source, ())) != 4:
         raise ConversionError(f"cannot prove the shape of the map {source!r} before the head at {training_size[0]}x{training_size[1]}; "
                               f"shape inference gives {shapes.get(source)}")
     channels, map_h, map_w = shapes[source][1:]
     refuse_position_mixing(graph, source, made, constants, shapes, spatial_axes(model, layout=layout), opset(model))
-    builder = HeadBuilder(graph, opset(model))
+    builder = HeadBuilder(graph)
     current = source
     if pool is not None:
         current = builder.add(pool, [current], kernel_shape=[map_h, map_w], strides=[1, 1])
@@ -126,7 +126,23 @@ def batch_one_shape(image: onnx.ValueInfoProto, *, training_size: tuple[int, int
     return [1, channels, height, width] if layout == "NCHW" else [1, height, width, channels]
 
 
-def head_chain(output: str, made: dict, constants: dict, shapes: dict) -> tuple[list[onnx.NodeProto], onnx.NodeProto]:
+def per_cell(shape: tuple[int, ...] | None) -> bool:
+    """A head tensor: [N, features], or [N, features, 1, 1] in classifiers that end in convolutions."""
+    return shape is not None and (len(shape) == 2 or (len(shape) == 4 and tuple(shape[2:]) == (1, 1)))
+
+
+def is_pooling_point(node: onnx.NodeProto, shapes: dict) -> bool:
+    """A pooling that reduces a whole map to one cell: global pooling, or a window as large as the map (SqueezeNet's pool10)."""
+    shape, source = shapes.get(node.output[0]), shapes.get(node.input[0]) if node.input else None
+    if node.op_type in POOLS:
+        return shape is not None and (len(shape) == 2 or per_cell(shape))
+    if node.op_type in ("AveragePool", "MaxPool") and per_cell(shape) and source is not None and len(source) == 4:
+        window = list(attr(node, "kernel_shape", []))
+        return window == list(source[2:]) and not any(attr(node, "pads", [0])) and attr(node, "auto_pad", "NOTSET") in ("NOTSET", "VALID")
+    return False
+
+
+def head_chain(output: str, made: dict, constants: dict, shapes: dict, graph_opset: int) -> tuple[list[onnx.NodeProto], onnx.NodeProto]:
     """The head's nodes from the flatten point to the output (in order) and the flatten node itself."""
     chain: list[onnx.NodeProto] = []
     name = output
@@ -135,7 +151,7 @@ def head_chain(output: str, made: dict, constants: dict, shapes: dict) -> tuple[
         if node is None:
             raise ConversionError(f"cannot identify the classifier head: tensor {name!r} comes from the input or a constant")
         shape = shapes.get(node.output[0])
-        if node.op_type in FLATTENS or (node.op_type in POOLS and shape is not None and len(shape) == 2):
+        if node.op_type in FLATTENS or is_pooling_point(node, shapes):
             chain.reverse()
             return chain, node
         if node.op_type not in LINEAR | PER_FEATURE | ACTIVATIONS | SOFTMAXES | {"BatchNormalization"}:
@@ -143,8 +159,12 @@ def head_chain(output: str, made: dict, constants: dict, shapes: dict) -> tuple[
                 f"cannot identify the classifier head at {describe(node)}: expected Gemm, MatMul, Add/Mul by "
                 "per-feature constants, elementwise activations or Softmax between a Flatten/Reshape or global "
                 "pooling and the output")
-        if shape is None or len(shape) != 2:
+        if not per_cell(shape) or (node.op_type in LINEAR and len(shape) != 2):
             raise ConversionError(f"head node {describe(node)} produces shape {shape}; expected [N, features] after a flatten")
+        if node.op_type in SOFTMAXES:
+            axis = attr(node, "axis", 1 if graph_opset < 13 else -1)
+            if axis % len(shape) != 1:
+                raise ConversionError(f"{describe(node)} has axis={axis} on shape {shape}; expected the feature axis (1)")
         data = data_inputs(node, constants)
         if len(data) != 1:
             raise ConversionError(f"head node {describe(node)} has {len(data)} computed inputs; expected one (the head must be a chain)")
@@ -155,11 +175,13 @@ def head_chain(output: str, made: dict, constants: dict, shapes: dict) -> tuple[
 def flatten_point(flatten: onnx.NodeProto, made: dict, constants: dict, shapes: dict):
     """(map tensor in NCHW, flatten order 'chw'/'hwc', dense pool op or None) for the node that flattens the map."""
     out_shape = shapes.get(flatten.output[0])
-    if out_shape is None or len(out_shape) != 2:
-        raise ConversionError(f"{describe(flatten)} produces shape {out_shape}; expected [N, features]")
+    if flatten.op_type in ("AveragePool", "MaxPool"):
+        return flatten.input[0], "chw", flatten.op_type
     if flatten.op_type in POOLS:
         source, pool = pooled_map(flatten, made, constants, shapes)
         return source, "chw", pool
+    if out_shape is None or len(out_shape) != 2:
+        raise ConversionError(f"{describe(flatten)} produces shape {out_shape}; expected [N, features]")
     source = flatten.input[0]
     shape = shapes.get(source)
     if shape is None or len(shape) != 4 or int(np.prod(shape[1:])) != out_shape[1]:
@@ -274,9 +296,8 @@ def fixed_spatial_end(node: onnx.NodeProto, constants: dict, spatial: set[int]) 
 class HeadBuilder:
     """Collects the new dense head's nodes and weights."""
 
-    def __init__(self, graph: onnx.GraphProto, graph_opset: int) -> None:
+    def __init__(self, graph: onnx.GraphProto) -> None:
         self.graph = graph
-        self.opset = graph_opset
         self.constants = initializers(graph)
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
@@ -327,9 +348,6 @@ class HeadBuilder:
                 self.nodes[-1].attribute.extend(node.attribute)
                 current = output
             elif op in SOFTMAXES:
-                axis = attr(node, "axis", 1 if self.opset < 13 else -1)
-                if axis not in (1, -1):
-                    raise ConversionError(f"{describe(node)} has axis={axis}; expected the feature axis of [N, features]")
                 if spatial != (1, 1):
                     raise ConversionError(f"{describe(node)} acts on flattened map features before any FC layer; expected it after the classifier's FC layers")
                 # Softmax over the class axis, right in every opset: classes last, then back.
@@ -362,7 +380,7 @@ class HeadBuilder:
         """A per-feature constant as a per-channel [1, K, 1, 1] constant (a scalar stays a scalar)."""
         if value.size == 1:
             return value.reshape(())
-        if value.size != features or (value.ndim == 2 and value.shape[0] != 1) or value.ndim > 2:
+        if value.size != features or tuple(value.shape) not in ((features,), (1, features), (features, 1, 1), (1, features, 1, 1)):
             raise ConversionError(f"{describe(node)} uses a constant of shape {value.shape}; expected one value per feature ({features}) or a scalar")
         if spatial != (1, 1):
             raise ConversionError(f"{describe(node)} applies a different constant to each position of the flattened map; cannot make it dense")

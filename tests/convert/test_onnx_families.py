@@ -4,6 +4,7 @@ import collections
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from convert import convert_classifier
@@ -216,3 +217,35 @@ def test_uint8_nhwc_input_with_logsoftmax_head():
     report = compare_with_crops(model, converted, pixels, layout="NHWC", training_size=(10, 10), stride=1)
     assert report.grid == (5, 3) and report.max_abs_diff <= CROP_TOLERANCE and report.argmax_agreement == 1.0
     np.testing.assert_allclose(np.exp(run(converted, pixels)).sum(axis=1), 1.0, atol=1e-5)
+
+
+def squeezenet_style(*, global_pool: bool) -> onnx.ModelProto:
+    """A classifier that ends in convolutions (SqueezeNet, Caffe era): conv classes, then an average pool as large as
+    the map (or GlobalAveragePool), then Softmax on [N, K, 1, 1] with opset-9 semantics."""
+    pool = (helper.make_node("GlobalAveragePool", ["r2"], ["pool10"]) if global_pool
+            else helper.make_node("AveragePool", ["r2"], ["pool10"], kernel_shape=[4, 4]))
+    nodes = [
+        helper.make_node("Conv", ["data", "w1"], ["c1"], kernel_shape=[3, 3], strides=[2, 2]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], kernel_shape=[1, 1]),
+        helper.make_node("Relu", ["c2"], ["r2"]),
+        pool,
+        helper.make_node("Softmax", ["pool10"], ["softmaxout_1"]),
+    ]
+    inits = [weight("w1", 6, 3, 3, 3, scale=0.02), weight("w2", 7, 6, 1, 1), weight("b2", 7)]
+    graph = helper.make_graph(nodes, "squeezenet_like", [helper.make_tensor_value_info("data", TensorProto.FLOAT, [1, 3, 9, 9])],
+                              [helper.make_tensor_value_info("softmaxout_1", TensorProto.FLOAT, [1, 7, 1, 1])], inits)
+    return helper.make_model(graph, ir_version=4, opset_imports=[helper.make_opsetid("", 9)])
+
+
+@pytest.mark.parametrize("global_pool", [False, True], ids=["pool-as-large-as-the-map", "global-average-pool"])
+def test_classifier_ending_in_convolutions_converts(global_pool):
+    model = squeezenet_style(global_pool=global_pool)
+    converted = convert_classifier(model)
+    card = read_card(converted)
+    assert (card.output_stride, card.output_kind, len(card.labels)) == (2, "probabilities", 7)
+    assert card.verification.passed
+    pixels = preprocess(sample_pixels(count=1, height=15, width=13, channels=3, seed=6), card.preprocessing)
+    report = compare_with_crops(model, converted, pixels, layout="NCHW", training_size=(9, 9), stride=2)
+    assert report.grid == (4, 3) and report.max_abs_diff <= CROP_TOLERANCE and report.argmax_agreement == 1.0
+    np.testing.assert_allclose(run(converted, pixels).sum(axis=1), 1.0, atol=1e-5)
