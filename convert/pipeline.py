@@ -29,7 +29,7 @@ ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "flo
 
 
 def convert_classifier(
-    source,
+    source: str | onnx.ModelProto | object,
     *,
     training_size: int | tuple[int, int] | None = None,
     output_stride: int = DEFAULT_OUTPUT_STRIDE,

@@ -13,12 +13,16 @@ import io
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import onnx
 
 from convert import default_model
 from convert.errors import ConversionError
 from protos.model_card_pb2 import Preprocessing
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +48,7 @@ class Source:
     size_multiple: int | None = None
 
 
-def load_source(source, *, training_size: tuple[int, int] | None = None, state_dict: str | None = None) -> Source:
+def load_source(source: str | onnx.ModelProto | object, *, training_size: tuple[int, int] | None = None, state_dict: str | None = None) -> Source:
     """The classifier named by `source`: "default", an .onnx path, a TorchScript path, "pkg.module:factory", a ModelProto or an nn.Module."""
     if isinstance(source, onnx.ModelProto):
         return Source(model=copy.deepcopy(source), description="onnx model", name=source.graph.name or "classifier")
@@ -87,13 +91,13 @@ def require_size(training_size: tuple[int, int] | None, what: str) -> tuple[int,
     return training_size
 
 
-def _torch():
+def _torch():  # torch loads in seconds: only sources that need it pay for it
     import torch
 
     return torch
 
 
-def load_torchscript(path: str):
+def load_torchscript(path: str) -> torch.jit.ScriptModule:
     torch = _torch()
     try:
         return torch.jit.load(path, map_location="cpu").eval()
@@ -101,7 +105,7 @@ def load_torchscript(path: str):
         raise ConversionError(f"{path!r} is neither an .onnx file nor a TorchScript file torch.jit.load reads: {error}") from error
 
 
-def build_from_factory(spec: str, *, state_dict: str | None) -> object:
+def build_from_factory(spec: str, *, state_dict: str | None) -> torch.nn.Module:
     """`package.module:factory` called with no arguments, its state dict loaded strictly when given."""
     torch = _torch()
     module_name, _, factory_name = spec.partition(":")
@@ -121,7 +125,7 @@ def build_from_factory(spec: str, *, state_dict: str | None) -> object:
     return module.eval()
 
 
-def export_module(module, *, training_size: tuple[int, int]) -> onnx.ModelProto:
+def export_module(module: torch.nn.Module, *, training_size: tuple[int, int]) -> onnx.ModelProto:
     """`module` as ONNX at the training size with a dynamic batch (dynamo exporter, weights inside)."""
     torch = _torch()
     height, width = training_size

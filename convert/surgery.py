@@ -172,7 +172,7 @@ def head_chain(output: str, made: dict, constants: dict, shapes: dict, graph_ops
         name = data[0]
 
 
-def flatten_point(flatten: onnx.NodeProto, made: dict, constants: dict, shapes: dict):
+def flatten_point(flatten: onnx.NodeProto, made: dict, constants: dict, shapes: dict) -> tuple[str, str, str | None]:
     """(map tensor in NCHW, flatten order 'chw'/'hwc', dense pool op or None) for the node that flattens the map."""
     out_shape = shapes.get(flatten.output[0])
     if flatten.op_type in ("AveragePool", "MaxPool"):
