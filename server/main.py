@@ -171,7 +171,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     requests.add_argument("--min-scale", type=int, default=defaults.min_scale)
     requests.add_argument("--max-scale", type=int, default=defaults.max_scale)
     batching = parser.add_argument_group("batching and memory")
-    batching.add_argument("--max-batch", type=int, default=defaults.max_batch, help="1 turns batching off")
+    batching.add_argument("--max-batch", type=int, default=defaults.max_batch,
+                          help="1 turns batching off (default: 8 on a GPU, 1 on the CPU)")
     batching.add_argument("--max-queue-delay-ms", type=float, default=defaults.max_queue_delay_ms)
     batching.add_argument("--queue-depth", type=int, default=defaults.queue_depth,
                           help="passes waiting per model before RESOURCE_EXHAUSTED")

@@ -128,7 +128,7 @@ class Pipeline:
 
         batcher = Batcher(
             run,
-            max_batch=settings.max_batch,
+            max_batch=settings.batch_limit(on_gpu=engine.on_gpu),
             max_delay_seconds=settings.max_queue_delay_ms / 1000,
             queue_depth=settings.queue_depth,
             on_batch=on_batch,

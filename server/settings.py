@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MiB = 2**20
+GPU_DEFAULT_MAX_BATCH = 8
 
 
 @dataclass(frozen=True)
@@ -29,14 +30,22 @@ class Settings:
     """Image-level top-k when a request says 0."""
 
     # --- batching -------------------------------------------------------------------------
-    max_batch: int = 8
-    """Passes of the same shape run together, up to this many (1 turns batching off)."""
+    max_batch: int | None = None
+    """Passes of the same shape run together, up to this many (1 turns batching off); None: 8 on
+    a GPU, 1 on the CPU, where onnxruntime already spreads one image over every core and batching
+    lowered throughput (bench/RESULTS.md, bench_server)."""
     max_queue_delay_ms: float = 5.0
     """How long the first pass of a batch waits for others of its shape."""
     queue_depth: int = 128
     """Passes waiting per model; beyond it new requests get RESOURCE_EXHAUSTED."""
     stream_window: int = 4
     """Requests of one ScoreStream scored concurrently (answers stay in order)."""
+
+    def batch_limit(self, *, on_gpu: bool) -> int:
+        """The batch size in force: `max_batch`, or the default for the device the model runs on."""
+        if self.max_batch is not None:
+            return self.max_batch
+        return GPU_DEFAULT_MAX_BATCH if on_gpu else 1
 
     # --- memory ---------------------------------------------------------------------------
     memory_budget_bytes: int | None = None

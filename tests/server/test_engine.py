@@ -6,7 +6,7 @@ import pytest
 
 from server.engine import CPU, CUDA, Engine, choose_providers
 from server.errors import ScoringError
-from server.settings import Settings
+from server.settings import GPU_DEFAULT_MAX_BATCH, Settings
 
 
 def test_cuda_is_chosen_when_it_can_load():
@@ -52,3 +52,10 @@ def test_require_gpu_refuses_to_start_on_this_machine_without_cuda(tiny_model_pa
     with pytest.raises(ScoringError, match="a GPU is required") as caught:
         Engine(tiny_model_path, input_name="image", output_name="scores", settings=Settings(require_gpu=True))
     assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_batch_limit_defaults_to_batching_on_gpu_only_and_obeys_an_explicit_setting():
+    assert Settings().batch_limit(on_gpu=True) == GPU_DEFAULT_MAX_BATCH > 1
+    assert Settings().batch_limit(on_gpu=False) == 1
+    assert Settings(max_batch=3).batch_limit(on_gpu=False) == 3
+    assert Settings(max_batch=1).batch_limit(on_gpu=True) == 1
