@@ -49,15 +49,17 @@ def _finest(result: ScoreResult) -> ScaleResult:
 
 
 def _normalise(cells: np.ndarray) -> tuple[np.ndarray, float, float]:
-    """Values mapped to 0..1 and the (low, high) they span: probabilities keep their absolute
-    scale, so a weak detection looks weak; other scores (logits) are stretched min..max.
-    Cells no pass scored (NaN, e.g. a diagonal shift's holes) draw as the lowest colour."""
+    """Values mapped to 0..1 and the (low, high) they span. Probabilities are stretched from 0 to
+    the map's peak, so zero stays the darkest colour while a 1000-way classifier's modest peak
+    (often 0.2-0.5, shared between near-synonym classes) still reads at a glance; the legend
+    gives the peak's value. Other scores (logits) are stretched min..max. Cells no pass scored
+    (NaN, e.g. a diagonal shift's holes) draw as the lowest colour."""
     cells = cells.astype(np.float64)
     if np.isnan(cells).all():
         return np.zeros_like(cells), 0.0, 1.0
     low, high = float(np.nanmin(cells)), float(np.nanmax(cells))
     if low >= 0.0 and high <= 1.0:
-        return cells, 0.0, 1.0
+        low = 0.0
     return (cells - low) / (high - low if high > low else 1.0), low, high
 
 

@@ -50,3 +50,13 @@ def test_logits_are_drawn_as_cell_probabilities():
     image = np.asarray(render_heatmap(photo, result(128, 256, scores, geometry))).astype(float)
     expected = colormap(np.array([1.0, 0.5])) * 0.55
     assert np.abs(image[100, 64] - expected[0]).max() <= 2 and np.abs(image[100, 192] - expected[1]).max() <= 2
+
+
+def test_a_modest_probability_peak_is_stretched_from_zero_to_the_brightest_colour():
+    photo = Image.new("RGB", (256, 128), (0, 0, 0))
+    scores = np.zeros((2, 1, 2), np.float32)
+    scores[1] = [[0.3, 0.15]]  # probabilities: the peak 0.3 draws yellow, half of it mid-scale
+    geometry = Geometry(128, 128, 64, 64, 128, 128, 1.0, 128, 256)
+    image = np.asarray(render_heatmap(photo, result(128, 256, scores, geometry))).astype(float)
+    expected = colormap(np.array([1.0, 0.5])) * 0.55
+    assert np.abs(image[100, 64] - expected[0]).max() <= 2 and np.abs(image[100, 192] - expected[1]).max() <= 2
