@@ -1,6 +1,8 @@
 """`scoremap-inspect`: a converted model's card, per-layer table and predicted peak memory.
 
-    scoremap-inspect MODEL.onnx --size 384x512 [--batch 4] [--dtype fp16] [--budget 2GiB] [--json]
+    scoremap-inspect MODEL.onnx [--size 384x512] [--batch 4] [--dtype fp16] [--budget 2GiB] [--json]
+
+Without --size the table is for the card's default scale (a square), else its training size.
 
 Exit status: 0 printed, 1 the model cannot be read or profiled at that size, 2 bad arguments.
 """
@@ -81,20 +83,39 @@ def format_table(profile: Profile) -> str:
 
 
 def _card_summary(card) -> str:
-    rf = card.receptive_field
+    rf, pre = card.receptive_field, card.preprocessing
+    labels = ", ".join(card.labels[:5]) + (", ..." if len(card.labels) > 5 else "")
     return "\n".join([
         f"Model {card.name!r}: {len(card.labels)} classes, {card.precision or 'fp32'}, scores {card.scores_name!r} "
-        f"({card.output_kind}), stride {card.output_stride} px, receptive field {rf.size} px, "
-        f"sizes multiple of {card.size_multiple or 'any'}",
-        f"Verified against {card.verification.reference or 'the source'}: max |diff| {card.verification.max_abs_diff:.3g} "
+        f"({card.output_kind}), stride {card.output_stride} px, sizes multiple of {card.size_multiple or 'any'}",
+        f"  labels: {labels}",
+        f"  input {pre.input_name!r}: {pre.layout} {pre.dtype} {pre.channel_order}, "
+        f"(pixel x {pre.pixel_scale:g} - mean {list(pre.mean)}) / std {list(pre.std)}, resized {pre.resize_filter}",
+        f"  training size {card.training_height}x{card.training_width}, default scale {card.default_scale or 'none'}",
+        f"  cell (i, j) centred at ({rf.center_y:g} + {card.output_stride}i, {rf.center_x:g} + {card.output_stride}j) "
+        f"input pixels, receptive field {rf.size} px",
+        f"  source: {card.source}",
+        f"  verified against {card.verification.reference or 'the source'}: max |diff| {card.verification.max_abs_diff:.3g} "
         f"(tolerance {card.verification.tolerance:.3g}), {'passed' if card.verification.passed else 'FAILED'}",
     ])
+
+
+def _default_size(card) -> tuple[int, int] | None:
+    """The size to profile when none is asked: the card's default scale, else its training size."""
+    if card is None:
+        return None
+    if card.default_scale:
+        return card.default_scale, card.default_scale
+    if card.training_height and card.training_width:
+        return card.training_height, card.training_width
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scoremap-inspect", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a converted .onnx file")
-    parser.add_argument("--size", type=parse_size, required=True, help="input size HxW in pixels, e.g. 384x512")
+    parser.add_argument("--size", type=parse_size,
+                        help="input size HxW in pixels, e.g. 384x512 (default: the card's default scale)")
     parser.add_argument("--batch", type=int, default=1, help="images per run (default 1)")
     parser.add_argument("--dtype", choices=("fp32", "fp16"),
                         help="profile as this precision (fp16 of an fp32 graph: converted, unverified, for sizing)")
@@ -103,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batch <= 0:
         parser.error(f"--batch must be a positive integer, got {args.batch}")
-    height, width = args.size
     try:
         card = read_card(args.model)
     except CardError:
@@ -111,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, DecodeError) as error:
         sys.stderr.write(f"scoremap-inspect: cannot read {args.model!r}: {error}\n")
         return 1
+    size = args.size or _default_size(card)
+    if size is None:
+        parser.error(f"{args.model} has no model card naming a size: give --size HxW")
+    height, width = size
     try:
         model: onnx.ModelProto | str = args.model
         profile = profile_model(model, height=height, width=width, batch=args.batch)

@@ -69,6 +69,7 @@ def test_dtype_fp16_sizes_the_half_precision_graph(small_model_path, capsys):
     (["--size", "64y64"], 2, "expected a size HxW"),
     (["--size", "64", "--budget", "lots"], 2, "cannot read 'lots' as a memory size"),
     (["--size", "64", "--batch", "0"], 2, "--batch must be a positive integer"),
+    ([], 2, "has no model card naming a size: give --size HxW"),
 ])
 def test_bad_requests_say_what_was_expected(small_model_path, capsys, argv, status, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -97,3 +98,11 @@ def test_console_script_on_the_converted_default_model(default_model_path):
     assert "Model 'efficientnet-lite0': 1000 classes" in done.stdout
     assert "Predicted peak for batch 2 at 384x512 (fp32)" in done.stdout
     assert "Budget 2,048.0 MiB: largest batch at 384x512 = " in done.stdout
+
+
+def test_without_size_the_card_and_its_default_scale_are_shown(default_model_path, capsys):
+    assert main([default_model_path]) == 0
+    out = capsys.readouterr().out
+    assert "labels: tench, goldfish" in out and "input 'image': NCHW float32 RGB" in out
+    assert "training size 224x224, default scale 384" in out
+    assert "Predicted peak for batch 1 at 384x384 (fp32)" in out
