@@ -23,6 +23,9 @@ __all__ = ["ImageFile", "PARTIAL_SUFFIX", "ResultsLog", "atomic_write", "find_im
 PARTIAL_SUFFIX = ".partial"
 # Bytes read from each candidate file to recognise an image by its signature.
 SIGNATURE_BYTES = 16
+# Files with these suffixes are kept even when their bytes are not an image: a zero-byte or
+# garbled "photo.jpg" is a failure to record, not a file to skip in silence.
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff"})
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,8 @@ def find_images(paths: Iterable[str | os.PathLike]) -> Iterator[ImageFile]:
     """Image files under `paths`: folders walked recursively (sorted), files kept by content.
 
     A file named explicitly is always yielded (the user asked for it; if it is not an image, its
-    scoring fails and is recorded); inside folders, only files with an image signature are.
+    scoring fails and is recorded); inside folders, files with an image signature or an image
+    suffix are (a corrupt "x.jpg" is recorded as failed, a PNG named "x.txt" is scored).
     Hidden files and folders are skipped.
     """
     for given in paths:
@@ -60,7 +64,9 @@ def find_images(paths: Iterable[str | os.PathLike]) -> Iterator[ImageFile]:
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
                 for name in sorted(names):
                     path = Path(folder) / name
-                    if not name.startswith(".") and path.is_file() and _is_image(path):
+                    if not name.startswith(".") and path.is_file() and (
+                        path.suffix.lower() in IMAGE_SUFFIXES or _is_image(path)
+                    ):
                         yield ImageFile(path, path.relative_to(root))
         elif root.exists():
             yield ImageFile(root, Path(root.name))

@@ -87,7 +87,8 @@ def _card_summary(card) -> str:
     labels = ", ".join(card.labels[:5]) + (", ..." if len(card.labels) > 5 else "")
     return "\n".join([
         f"Model {card.name!r}: {len(card.labels)} classes, {card.precision or 'fp32'}, scores {card.scores_name!r} "
-        f"({card.output_kind}), stride {card.output_stride} px, sizes multiple of {card.size_multiple or 'any'}",
+        f"({card.output_kind}), stride {card.output_stride} px, "
+        + (f"sizes multiple of {card.size_multiple}" if card.size_multiple else "any input size"),
         f"  labels: {labels}",
         f"  input {pre.input_name!r}: {pre.layout} {pre.dtype} {pre.channel_order}, "
         f"(pixel x {pre.pixel_scale:g} - mean {list(pre.mean)}) / std {list(pre.std)}, resized {pre.resize_filter}",

@@ -6,12 +6,13 @@ import pytest
 from clients.files import ResultsLog, atomic_write, find_images, read_records, remove_partials
 
 
-def test_folders_are_walked_for_images_by_content(photos, tmp_path):
+def test_folders_are_walked_for_images_by_content_or_image_suffix(photos, tmp_path):
     (photos / "disguised.txt").write_bytes((photos / "photo001.png").read_bytes())  # an image by content
-    (photos / "fake.jpg").write_text("text, not a JPEG")
+    (photos / "fake.jpg").write_text("text, not a JPEG")  # kept: it fails when scored, and is recorded
+    (photos / "notes.txt").write_text("not an image, not named like one")
     found = list(find_images([photos]))
     names = [str(image.relative) for image in found]
-    assert "disguised.txt" in names and "fake.jpg" not in names and "notes.txt" not in names
+    assert "disguised.txt" in names and "fake.jpg" in names and "notes.txt" not in names
     assert "nested/photo002.jpg" in names
     explicit = list(find_images([photos / "fake.jpg"]))  # named on purpose: kept, fails when scored
     assert [str(image.relative) for image in explicit] == ["fake.jpg"]
