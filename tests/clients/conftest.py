@@ -8,39 +8,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
-from convert.card import ModelCard, Preprocessing, ReceptiveField, write_card
 from server.main import create_server
 from server.settings import Settings
+from tiny_models import patch_net
 
-STRIDE = 32
 CLASSES = 10
-
-
-def tiny_scorer(*, classes: int = CLASSES, stride: int = STRIDE) -> onnx.ModelProto:
-    """A one-Conv fully-convolutional 'classifier': one cell per stride x stride patch, logits out."""
-    weights = np.random.default_rng(0).normal(0, 0.05, (classes, 3, stride, stride)).astype(np.float32)
-    conv = helper.make_node("Conv", ["image", "w", "b"], ["scores"], kernel_shape=[stride, stride],
-                            strides=[stride, stride])
-    graph = helper.make_graph(
-        [conv], "tiny",
-        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, "H", "W"])],
-        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", classes, "h", "w"])],
-        initializer=[numpy_helper.from_array(weights, "w"),
-                     numpy_helper.from_array(np.linspace(-0.1, 0.1, classes).astype(np.float32), "b")],
-    )
-    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
-    card = ModelCard(
-        name="tiny", labels=[f"class{i}" for i in range(classes)],
-        preprocessing=Preprocessing(input_name="image", layout="NCHW", dtype="float32", channel_order="RGB",
-                                    pixel_scale=1 / 255, mean=[0.5] * 3, std=[0.25] * 3, resize_filter="bilinear"),
-        training_height=stride, training_width=stride, output_stride=stride,
-        receptive_field=ReceptiveField(size=stride, center_y=(stride - 1) / 2, center_x=(stride - 1) / 2),
-        scores_name="scores", output_kind="logits", precision="fp32", default_scale=64, size_multiple=stride,
-    )
-    return write_card(model, card)
 
 
 def write_photos(folder: Path, count: int, *, seed: int = 0) -> list[Path]:
@@ -62,7 +36,7 @@ def write_photos(folder: Path, count: int, *, seed: int = 0) -> list[Path]:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("model") / "tiny.onnx"
-    onnx.save(tiny_scorer(), path)
+    onnx.save(patch_net(classes=CLASSES), path)
     return str(path)
 
 

@@ -1,0 +1,87 @@
+"""Tiny fully-convolutional graphs with model cards, built in code, shared by the server and client tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from convert.card import ModelCard, Preprocessing, ReceptiveField, read_card, write_card
+
+STRIDE = 32
+
+
+def patch_net(*, classes: int, stride: int = STRIDE, seed: int = 0, name: str = "tiny",
+              output_kind: str = "logits", weights: np.ndarray | None = None,
+              default_scale: int = 64, end_pad: int = 0) -> onnx.ModelProto:
+    """Conv(kernel = stride = `stride`): one cell per `stride` x `stride` patch.
+
+    `end_pad` zero-pads the bottom and right only, like TensorFlow's 'SAME' padding, which puts
+    the receptive fields off-centre: mirrored maps then need aligning before flip averaging."""
+    if weights is None:
+        weights = np.random.default_rng(seed).normal(0, 0.05, (classes, 3, stride, stride)).astype(np.float32)
+    bias = np.zeros(classes, dtype=np.float32)
+    conv = helper.make_node("Conv", ["image", "w", "b"], ["scores"], kernel_shape=[stride, stride],
+                            strides=[stride, stride], pads=[0, 0, end_pad, end_pad])
+    graph = helper.make_graph(
+        [conv], name,
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, "H", "W"])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", classes, "h", "w"])],
+        initializer=[numpy_helper.from_array(weights, "w"), numpy_helper.from_array(bias, "b")],
+    )
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
+    card = ModelCard(
+        name=name,
+        labels=[f"class{i}" for i in range(classes)],
+        preprocessing=Preprocessing(
+            input_name="image", layout="NCHW", dtype="float32", channel_order="RGB", pixel_scale=1.0,
+            mean=[0.0, 0.0, 0.0], std=[1.0, 1.0, 1.0], resize_filter="bilinear",
+        ),
+        training_height=stride, training_width=stride, output_stride=stride,
+        receptive_field=ReceptiveField(size=stride, center_y=(stride - 1) / 2, center_x=(stride - 1) / 2),
+        scores_name="scores", output_kind=output_kind, precision="fp32",
+        default_scale=default_scale, size_multiple=stride,
+    )
+    return write_card(model, card)
+
+
+def coordinate_net(*, stride: int = STRIDE, end_pad: int = 0) -> onnx.ModelProto:
+    """Scores that are a known function of position: channel 0 = mean of red, channel 1 = mean of green
+    over the cell's patch; fed an image whose red is x and green is y, cell scores are its centre."""
+    weights = np.zeros((2, 3, stride, stride), dtype=np.float32)
+    weights[0, 0] = 1.0 / stride**2
+    weights[1, 1] = 1.0 / stride**2
+    return patch_net(classes=2, stride=stride, weights=weights, name="coords", output_kind="probabilities",
+                     end_pad=end_pad)
+
+
+def coordinate_image(size: int = 256) -> np.ndarray:
+    """[size, size, 3] uint8: red = column, green = row, blue = 0."""
+    rows, cols = np.mgrid[0:size, 0:size]
+    return np.stack([cols, rows, np.zeros_like(rows)], axis=-1).astype(np.uint8)
+
+
+def heavy_net(*, classes: int = 4, width: int = 48, depth: int = 3) -> onnx.ModelProto:
+    """A stride-32 net with a few full-resolution 3x3 convs in front, slow enough to fill a queue."""
+    rng = np.random.default_rng(1)
+    nodes, initializers, current, channels = [], [], "image", 3
+    for index in range(depth):
+        weight = rng.normal(0, 0.1, (width, channels, 3, 3)).astype(np.float32)
+        initializers.append(numpy_helper.from_array(weight, f"w{index}"))
+        nodes.append(helper.make_node("Conv", [current, f"w{index}"], [f"c{index}"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]))
+        nodes.append(helper.make_node("Relu", [f"c{index}"], [f"r{index}"]))
+        current, channels = f"r{index}", width
+    head = rng.normal(0, 0.01, (classes, channels, STRIDE, STRIDE)).astype(np.float32)
+    initializers.append(numpy_helper.from_array(head, "head"))
+    nodes.append(helper.make_node("Conv", [current, "head"], ["scores"],
+                                  kernel_shape=[STRIDE, STRIDE], strides=[STRIDE, STRIDE]))
+    graph = helper.make_graph(
+        nodes, "heavy",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, "H", "W"])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", classes, "h", "w"])],
+        initializer=initializers,
+    )
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
+    card = read_card(patch_net(classes=classes, name="heavy"))
+    card.receptive_field.size = STRIDE + 2 * depth
+    return write_card(model, card)
