@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from PIL import Image
 
+from convert.arguments import size_pair
 from convert.card import read_card
 from convert.errors import ConversionError
 from convert.pipeline import SUPPORTED_OUTPUT_STRIDES, convert_classifier
@@ -27,18 +28,6 @@ from protos.model_card_pb2 import Preprocessing
 EXIT_OK, EXIT_CONVERSION, EXIT_USAGE = 0, 1, 2
 # Side, in pixels, the --report image is resized to when --size is not given.
 DEFAULT_REPORT_SIZE = 384
-
-
-def size_pair(text: str) -> tuple[int, int]:
-    """'224' or '224x192' (height x width)."""
-    parts = text.lower().split("x")
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected N or HxW, e.g. 224 or 224x192") from None
-    if len(values) not in (1, 2) or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected N or HxW with positive sizes")
-    return (values[0], values[-1])
 
 
 def floats(text: str) -> list[float]:

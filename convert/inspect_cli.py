@@ -17,26 +17,15 @@ import onnx
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
+from convert.arguments import size_pair
 from convert.card import CardError, read_card
 from convert.profile import (Profile, ProfileError, largest_batch, largest_square_size, parse_bytes,
                              profile_model)
 
-__all__ = ["main", "parse_size", "format_table"]
+__all__ = ["main", "format_table"]
 
 # Square sizes are searched in steps of this when the model card names no size multiple.
 DEFAULT_SIZE_MULTIPLE = 32
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    """'384x512' -> (384, 512) as height, width; '384' -> (384, 384)."""
-    parts = text.lower().split("x")
-    try:
-        values = [int(part) for part in parts]
-    except ValueError:
-        values = []
-    if len(values) not in (1, 2) or any(value <= 0 for value in values):
-        raise argparse.ArgumentTypeError(f"expected a size HxW such as 384x512 (or one side, 384), got {text!r}")
-    return (values[0], values[-1])
 
 
 def _budget(text: str) -> int:
@@ -115,7 +104,7 @@ def _default_size(card) -> tuple[int, int] | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scoremap-inspect", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a converted .onnx file")
-    parser.add_argument("--size", type=parse_size,
+    parser.add_argument("--size", type=size_pair,
                         help="input size HxW in pixels, e.g. 384x512 (default: the card's default scale)")
     parser.add_argument("--batch", type=int, default=1, help="images per run (default 1)")
     parser.add_argument("--dtype", choices=("fp32", "fp16"),

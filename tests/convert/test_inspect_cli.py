@@ -66,7 +66,7 @@ def test_dtype_fp16_sizes_the_half_precision_graph(small_model_path, capsys):
 
 
 @pytest.mark.parametrize("argv, status, message", [
-    (["--size", "64y64"], 2, "expected a size HxW"),
+    (["--size", "64y64"], 2, "expected N or HxW"),
     (["--size", "64", "--budget", "lots"], 2, "cannot read 'lots' as a memory size"),
     (["--size", "64", "--batch", "0"], 2, "--batch must be a positive integer"),
     ([], 2, "has no model card naming a size: give --size HxW"),
