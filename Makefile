@@ -22,10 +22,8 @@ protos:
 test: setup
 	$(BIN)/python -m pytest -q
 
-$(MODEL): setup
-	$(BIN)/scoremap-convert default -o $(MODEL)
-
-demo: $(MODEL)
+# clients.demo converts the default model to $(MODEL) when it is missing.
+demo: setup
 	$(BIN)/python -m clients.demo --model $(MODEL) --out out/demo samples
 
 bench: setup
