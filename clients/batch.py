@@ -89,6 +89,34 @@ def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     return buffer.getvalue()
 
 
+def _output_files(image: ImageFile, *, maps: bool, heatmaps: bool) -> dict[str, str]:
+    """The record fields naming `image`'s outputs, relative to the output folder."""
+    outputs = {}
+    if maps:
+        outputs["maps_file"] = str(Path("maps") / image.relative.with_name(image.relative.name + ".npz"))
+    if heatmaps:
+        outputs["heatmap_file"] = str(Path("heatmaps") / image.relative.with_name(image.relative.name + ".png"))
+    return outputs
+
+
+def _refuse_shared_outputs(todo: Sequence[ImageFile], recorded: dict[str, dict[str, Any]], out: Path, *,
+                           maps: bool, heatmaps: bool) -> None:
+    """Refuse a run that would write two files' outputs to one name (the second would overwrite the first)."""
+    owners: dict[str, tuple[str, str]] = {}  # output name -> (key, path) of the file it belongs to
+    for key, record in recorded.items():
+        for name in (record.get("maps_file"), record.get("heatmap_file")):
+            if name:
+                owners[name] = (key, record.get("path", key))
+    for image in todo:
+        for name in _output_files(image, maps=maps, heatmaps=heatmaps).values():
+            key, path = owners.setdefault(name, (image.key, str(image.path)))
+            if key != image.key:
+                raise ScoremapError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{str(image.path)!r} and {path!r} would both be written to "
+                                    f"{str(out / name)!r}; score them into different --out folders, "
+                                    "or pass their folders rather than the files themselves")
+
+
 def _score_one(image: ImageFile, scorer: Scorer, options: ScoreOptions, out_dir: Path, *,
                maps: bool, heatmaps: bool, timeout: float | None) -> dict[str, Any]:
     """Score one file, write its outputs atomically; its results.jsonl record."""
@@ -106,14 +134,12 @@ def _score_one(image: ImageFile, scorer: Scorer, options: ScoreOptions, out_dir:
                 time.sleep(SERVER_CANCELLED_PAUSE_S)
         result = result_from_response(response)
         record.update(result.to_record())
+        outputs = _output_files(image, maps=maps, heatmaps=heatmaps)
         if maps:
-            relative = image.relative.with_name(image.relative.name + ".npz")
-            atomic_write(out_dir / "maps" / relative, _npz_bytes(result.map_arrays()))
-            record["maps_file"] = str(Path("maps") / relative)
+            atomic_write(out_dir / outputs["maps_file"], _npz_bytes(result.map_arrays()))
         if heatmaps:
-            relative = image.relative.with_name(image.relative.name + ".png")
-            atomic_write(out_dir / "heatmaps" / relative, heatmap_png(open_photo(image.path), result))
-            record["heatmap_file"] = str(Path("heatmaps") / relative)
+            atomic_write(out_dir / outputs["heatmap_file"], heatmap_png(open_photo(image.path), result))
+        record.update(outputs)
         record["status"] = "OK"
     except ScoremapError as error:
         if error.code in RUN_LEVEL_CODES:
@@ -160,6 +186,7 @@ def run_batch(
         todo = [image for image in unique
                 if image.key not in recorded or (retry_failed and recorded[image.key].get("status") != "OK")]
         summary.skipped = summary.found - len(todo)
+        _refuse_shared_outputs(todo, recorded, out, maps=maps, heatmaps=heatmaps)
         if on_start:
             on_start(len(todo))
         queue = iter(todo)

@@ -56,9 +56,23 @@ def find_images(paths: Iterable[str | os.PathLike]) -> Iterator[ImageFile]:
     scoring fails and is recorded); inside folders, files with an image signature or an image
     suffix are (a corrupt "x.jpg" is recorded as failed, a PNG named "x.txt" is scored).
     Hidden files and folders are skipped.
+
+    With several paths, each file found in a folder is named under that folder's name (made unique
+    with a "-2", "-3" suffix), so `a/x.png` and `b/x.png` never share an output name.
     """
-    for given in paths:
+    given_paths = list(paths)
+    labels: set[str] = set()
+    for given in given_paths:
         root = Path(given)
+        prefix = Path()
+        if len(given_paths) > 1 and root.is_dir():
+            name = os.path.basename(os.path.realpath(root)) or "root"
+            label, n = name, 1
+            while label in labels:
+                n += 1
+                label = f"{name}-{n}"
+            labels.add(label)
+            prefix = Path(label)
         if root.is_dir():
             for folder, dirs, names in os.walk(root):
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
@@ -67,7 +81,7 @@ def find_images(paths: Iterable[str | os.PathLike]) -> Iterator[ImageFile]:
                     if not name.startswith(".") and path.is_file() and (
                         path.suffix.lower() in IMAGE_SUFFIXES or _is_image(path)
                     ):
-                        yield ImageFile(path, path.relative_to(root))
+                        yield ImageFile(path, prefix / path.relative_to(root))
         elif root.exists():
             yield ImageFile(root, Path(root.name))
         else:

@@ -44,3 +44,11 @@ def test_results_log_survives_a_torn_last_line(tmp_path):
         records = log.records()
     assert [json.loads(line)["key"] for line in path.read_text().splitlines()] == ["/a", "/b", "/c", "/b"]
     assert records["/b"]["status"] == "OK" and len(records) == 3
+
+
+def test_several_roots_name_their_files_apart(make_photos, tmp_path):
+    for folder in ("a", "b", "c/a"):
+        make_photos(tmp_path / folder, 1)  # photo000.jpg in each
+    found = list(find_images([tmp_path / "a", tmp_path / "b", tmp_path / "c" / "a"]))
+    assert [str(image.relative) for image in found] == ["a/photo000.jpg", "b/photo000.jpg", "a-2/photo000.jpg"]
+    assert [str(image.relative) for image in find_images([tmp_path / "a"])] == ["photo000.jpg"]

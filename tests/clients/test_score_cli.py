@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from clients import ScoremapClient
 from clients.files import read_records
 from clients.score_cli import EXIT_FAILURES, EXIT_OK, main
 
@@ -131,3 +132,27 @@ def test_exit_codes_for_an_unreachable_server_and_bad_arguments(photos, tmp_path
     with pytest.raises(SystemExit) as usage:
         main([str(tmp_path / "missing"), "--out", str(out), "--server", "127.0.0.1:1"])
     assert usage.value.code == 2
+
+
+def test_same_file_names_in_two_folders_keep_their_own_maps(server, make_photos, tmp_path):
+    make_photos(tmp_path / "a", 1, seed=3)
+    make_photos(tmp_path / "b", 1, seed=4)  # another photo, also named photo000.jpg
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out), "--server", server, "--maps",
+                 "--heatmaps", "--no-progress"]) == EXIT_OK
+    records = {Path(r["path"]).parent.name: r for r in lines(out)}
+    assert records["a"]["maps_file"] != records["b"]["maps_file"]
+    assert records["a"]["heatmap_file"] != records["b"]["heatmap_file"]
+    with ScoremapClient(server) as client:
+        for record in records.values():
+            expected = client.score(record["path"]).maps[0]
+            with np.load(out / record["maps_file"]) as maps:
+                np.testing.assert_allclose(maps[f"scores_{expected.scale}"], expected.scores, atol=1e-6)
+
+
+def test_two_files_with_one_output_name_are_refused(server, make_photos, tmp_path):
+    from clients.score_cli import EXIT_REFUSED
+    one, other = make_photos(tmp_path / "a", 1)[0], make_photos(tmp_path / "b", 1, seed=5)[0]
+    out = tmp_path / "out"
+    assert main([str(one), str(other), "--out", str(out), "--server", server, "--maps", "--no-progress"]) == EXIT_REFUSED
+    assert not (out / "results.jsonl").read_text() and not (out / "maps").exists()
