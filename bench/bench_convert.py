@@ -16,8 +16,9 @@ from onnx import TensorProto, helper, numpy_helper
 from convert import convert_classifier
 from convert.card import read_card
 from convert.graph import static_shapes
+from convert.preprocessing import to_input
 from convert.sources import load_source
-from convert.verify import PROVIDERS, crops, preprocess, sample_pixels, shift_and_stitch
+from convert.verify import PROVIDERS, crops, sample_pixels, shift_and_stitch
 from convert.verify import run as forward
 
 SCALE = 384
@@ -114,7 +115,7 @@ def run_bench() -> dict:
     dense = convert_classifier("default")
     fine = convert_classifier("default", output_stride=16)
     card = read_card(dense)
-    image = preprocess(sample_pixels(count=1, height=SCALE, width=SCALE, channels=3), card.preprocessing)
+    image = to_input(sample_pixels(count=1, height=SCALE, width=SCALE, channels=3), card.preprocessing)
     batch = crops(image, layout="NCHW", training_size=(224, 224), stride=32)
     original_session, dense_session = session(source.model), session(dense)
     results["crops"], results["dense"] = best_times(lambda: forward(original_session, batch), lambda: forward(dense_session, image))

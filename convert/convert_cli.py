@@ -21,8 +21,9 @@ from convert.card import read_card
 from convert.errors import ConversionError
 from convert.pipeline import SUPPORTED_OUTPUT_STRIDES, convert_classifier
 from convert.precision import to_fp16
+from convert.preprocessing import to_input
 from convert.sources import load_source
-from convert.verify import compare_with_crops, preprocess
+from convert.verify import compare_with_crops
 from protos.model_card_pb2 import Preprocessing
 
 EXIT_OK, EXIT_CONVERSION, EXIT_USAGE = 0, 1, 2
@@ -102,7 +103,7 @@ def crop_report(source: str, converted: onnx.ModelProto, args: argparse.Namespac
     except OSError as error:
         raise ConversionError(f"cannot read report image {args.report!r}: {error}") from error
     original = load_source(source, training_size=(card.training_height, card.training_width), state_dict=args.state_dict).model
-    tensor = preprocess(pixels[None], card.preprocessing)
+    tensor = to_input(pixels[None], card.preprocessing)
     training = (card.training_height, card.training_width)
     report = compare_with_crops(original, converted, tensor, layout=card.preprocessing.layout, training_size=training,
                                 stride=card.output_stride)

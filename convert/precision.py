@@ -26,6 +26,7 @@ from onnxconverter_common import float16
 from convert import verify
 from convert.card import CardError, read_card, write_card
 from convert.errors import ConversionError
+from convert.preprocessing import to_input
 from protos.model_card_pb2 import Preprocessing, Verification
 
 __all__ = ["to_fp16", "fp16_graph", "verify_fp16", "FP16_TOLERANCE", "FP16_VERIFY_SIZE"]
@@ -51,7 +52,7 @@ def verify_fp16(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, heigh
     preprocessing = _fp32_preprocessing(reference)
     channels = len(preprocessing.mean) or int(reference.graph.input[0].type.tensor_type.shape.dim[1].dim_value or 3)
     pixels = verify.sample_pixels(count=samples, height=height, width=width, channels=channels)
-    inputs = verify.preprocess(pixels, preprocessing)
+    inputs = to_input(pixels, preprocessing)
     expected = verify.run(reference, inputs).astype(np.float64)
     got = verify.run(candidate, inputs).astype(np.float64)
     if expected.shape != got.shape:

@@ -14,6 +14,7 @@ import onnx
 import onnxruntime
 
 from convert.errors import ConversionError
+from convert.preprocessing import to_input
 from protos.model_card_pb2 import Preprocessing, Verification
 
 # Max abs difference allowed at conversion, relative to the output's magnitude (max(1, max |output|)).
@@ -29,23 +30,6 @@ def session(model: onnx.ModelProto) -> onnxruntime.InferenceSession:
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3
     return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=PROVIDERS)
-
-
-def preprocess(pixels: np.ndarray, preprocessing: Preprocessing) -> np.ndarray:
-    """Pixels [n, H, W, C] (RGB, 0..255) as the graph's input tensor, following the card."""
-    values = pixels.astype(np.float32)
-    if preprocessing.channel_order == "BGR":
-        values = values[..., ::-1]
-    scale = preprocessing.pixel_scale or 1.0
-    channels = values.shape[-1]
-    mean = np.asarray(list(preprocessing.mean) or [0.0] * channels, np.float32)
-    std = np.asarray(list(preprocessing.std) or [1.0] * channels, np.float32)
-    values = (values * scale - mean) / std
-    if preprocessing.layout == "NCHW":
-        values = values.transpose(0, 3, 1, 2)
-    if preprocessing.dtype == "uint8":
-        return np.clip(np.rint(values), 0, 255).astype(np.uint8)
-    return np.ascontiguousarray(values.astype(np.float16 if preprocessing.dtype == "float16" else np.float32))
 
 
 def sample_pixels(*, count: int, height: int, width: int, channels: int, seed: int = VERIFY_SEED) -> np.ndarray:
@@ -75,7 +59,7 @@ def verify(original: onnx.ModelProto, converted: onnx.ModelProto, *, preprocessi
            training_size: tuple[int, int], channels: int, samples: int = VERIFY_SAMPLES, tolerance: float = TOLERANCE) -> Verification:
     """Original vs converted at the training size: cell (0, 0) of the dense map must equal the classifier's output."""
     height, width = training_size
-    tensor = preprocess(sample_pixels(count=samples, height=height, width=width, channels=channels), preprocessing)
+    tensor = to_input(sample_pixels(count=samples, height=height, width=width, channels=channels), preprocessing)
     try:
         expected = run_classifier(original, tensor)
         dense = run(converted, tensor)

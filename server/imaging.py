@@ -1,7 +1,7 @@
 """Images in, input tensors out: decode, orient, convert to RGB, resize, normalize per the model card.
 
-Everything here follows the card (protos/model_card.proto `Preprocessing`), so the server and a
-direct run of the graph preprocess identically.
+Everything here follows the card (protos/model_card.proto `Preprocessing`); the arithmetic
+(`normalize`, layout, dtype) is convert.preprocessing's, the one the converter verified with.
 """
 
 from __future__ import annotations
@@ -12,8 +12,12 @@ import warnings
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from convert.preprocessing import normalize, to_layout
 from protos.model_card_pb2 import Preprocessing
 from protos.scoring_pb2 import RawImage
+
+__all__ = ["FILTERS", "FORMATS", "ImageError", "check_pixels", "decode", "from_raw", "normalize", "resize",
+           "to_batch", "to_rgb"]
 
 FILTERS = {
     "nearest": Image.Resampling.NEAREST,
@@ -112,25 +116,6 @@ def resize(image: Image.Image, size: tuple[int, int], *, filter_name: str) -> np
     return np.asarray(image, dtype=np.uint8)
 
 
-def normalize(pixels: np.ndarray, preprocessing: Preprocessing) -> np.ndarray:
-    """[H, W, 3] values in the card's channel order: (pixel * pixel_scale - mean) / std, float32.
-
-    A uint8 graph input takes the pixels unchanged (only reordered).
-    """
-    if preprocessing.channel_order.upper() == "BGR":
-        pixels = pixels[:, :, ::-1]
-    if preprocessing.dtype == "uint8":
-        return np.ascontiguousarray(pixels)
-    scale = preprocessing.pixel_scale or 1.0
-    mean = np.asarray(list(preprocessing.mean) or [0.0, 0.0, 0.0], dtype=np.float32)
-    std = np.asarray(list(preprocessing.std) or [1.0, 1.0, 1.0], dtype=np.float32)
-    return (pixels.astype(np.float32) * np.float32(scale) - mean) / std
-
-
 def to_batch(images: list[np.ndarray], preprocessing: Preprocessing) -> np.ndarray:
-    """Stack [H, W, C] arrays into the graph's input: the card's layout and dtype."""
-    batch = np.stack(images)
-    if preprocessing.layout.upper() != "NHWC":
-        batch = batch.transpose(0, 3, 1, 2)
-    dtype = {"float32": np.float32, "float16": np.float16, "uint8": np.uint8}[preprocessing.dtype or "float32"]
-    return np.ascontiguousarray(batch, dtype=dtype)
+    """Stack normalized [H, W, C] arrays into the graph's input: the card's layout and dtype."""
+    return to_layout(np.stack(images), preprocessing)

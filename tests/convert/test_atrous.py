@@ -9,7 +9,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from convert import ConversionError, convert_classifier
 from convert.card import read_card
-from convert.verify import preprocess, run, sample_pixels, shift_and_stitch
+from convert.preprocessing import to_input
+from convert.verify import run, sample_pixels, shift_and_stitch
 from protos.model_card_pb2 import Preprocessing
 
 TRAINING = 64
@@ -64,7 +65,7 @@ def test_atrous_interior_equals_shift_and_stitch(stride):
     card = read_card(fine)
     assert (read_card(coarse).output_stride, card.output_stride) == (32, stride)
     assert card.verification.passed
-    image = preprocess(sample_pixels(count=1, height=IMAGE, width=IMAGE, channels=3, seed=5), UNIT)
+    image = to_input(sample_pixels(count=1, height=IMAGE, width=IMAGE, channels=3, seed=5), UNIT)
     dense = run(fine, image)
     factor = 32 // stride
     literal = shift_and_stitch(coarse, image, shift=stride, factor=factor)
@@ -93,7 +94,7 @@ def test_default_model_stride16_even_cells_equal_stride32(default_model_path, de
     coarse, fine = onnx.load(default_model_path), onnx.load(default_model_os16_path)
     card = read_card(fine)
     assert card.output_stride == 16 and card.verification.passed
-    image = preprocess(sample_pixels(count=1, height=IMAGE, width=IMAGE, channels=3, seed=9), card.preprocessing)
+    image = to_input(sample_pixels(count=1, height=IMAGE, width=IMAGE, channels=3, seed=9), card.preprocessing)
     a, b = run(coarse, image), run(fine, image)
     assert a.shape == (1, 1000, 6, 6) and b.shape == (1, 1000, 11, 11)
     np.testing.assert_allclose(b[:, :, ::2, ::2], a, atol=TOLERANCE * max(1.0, np.abs(a).max()))

@@ -10,7 +10,8 @@ from onnx import TensorProto, helper, numpy_helper
 from convert import convert_classifier
 from convert.card import read_card
 from convert.cleanup import cleanup
-from convert.verify import compare_with_crops, preprocess, run, sample_pixels
+from convert.preprocessing import to_input
+from convert.verify import compare_with_crops, run, sample_pixels
 from protos.model_card_pb2 import Preprocessing
 
 CROP_TOLERANCE = 1e-5
@@ -76,7 +77,7 @@ def test_tf2onnx_graph_converts_keeping_nhwc_input_and_hwc_flatten_order():
     assert card.preprocessing.layout == "NHWC" and card.preprocessing.input_name == "input_1"
     assert (card.training_height, card.output_stride, card.output_kind) == (18, 4, "probabilities")
     assert card.verification.passed
-    image = preprocess(sample_pixels(count=1, height=34, width=30, channels=3, seed=1), card.preprocessing)
+    image = to_input(sample_pixels(count=1, height=34, width=30, channels=3, seed=1), card.preprocessing)
     report = compare_with_crops(model, converted, image, layout="NHWC", training_size=(18, 18), stride=4)
     assert report.grid == (5, 4) and report.max_abs_diff <= CROP_TOLERANCE and report.argmax_agreement == 1.0
 
@@ -84,7 +85,7 @@ def test_tf2onnx_graph_converts_keeping_nhwc_input_and_hwc_flatten_order():
 def test_nhwc_graph_matches_the_classifier_at_the_training_size():
     """Cell (0, 0) equals the Keras output, so the h,w,c flatten order was permuted right."""
     model = tf2onnx_classifier()
-    image = preprocess(sample_pixels(count=2, height=18, width=18, channels=3), UNIT_NHWC)
+    image = to_input(sample_pixels(count=2, height=18, width=18, channels=3), UNIT_NHWC)
     expected = run(model, image)
     dense = run(convert_classifier(model, preprocessing=UNIT_RANGE), image)[:, :, 0, 0]
     np.testing.assert_allclose(dense, expected, atol=1e-5)
@@ -145,7 +146,7 @@ def test_caffe_era_graph_converts_and_dense_cells_equal_crops():
     assert (card.output_stride, card.output_kind, len(card.labels)) == (4, "probabilities", 5)
     assert [value.name for value in converted.graph.input] == ["data_0"]  # weights are no longer listed as inputs
     assert card.verification.passed
-    image = preprocess(sample_pixels(count=1, height=35, width=27, channels=3, seed=2), card.preprocessing)
+    image = to_input(sample_pixels(count=1, height=35, width=27, channels=3, seed=2), card.preprocessing)
     report = compare_with_crops(model, converted, image, layout="NCHW", training_size=(19, 19), stride=4)
     assert report.grid == (5, 3) and report.max_abs_diff <= CROP_TOLERANCE and report.argmax_agreement == 1.0
     scores = run(converted, np.concatenate([image, image]))
@@ -185,7 +186,7 @@ def test_batch_norm_folds_into_the_conv_and_identity_goes():
     cleaned = cleanup(model, input_shape=[1, 3, 8, 8])
     counts = collections.Counter(n.op_type for n in cleaned.graph.node)
     assert counts == collections.Counter({"Conv": 1, "Relu": 1, "GlobalAveragePool": 1, "Flatten": 1, "Gemm": 1})
-    image = preprocess(sample_pixels(count=2, height=8, width=8, channels=3), UNIT_NCHW)
+    image = to_input(sample_pixels(count=2, height=8, width=8, channels=3), UNIT_NCHW)
     np.testing.assert_allclose(run(cleaned, image), run(model, image), atol=1e-5)
     converted = convert_classifier(model, preprocessing=UNIT_RANGE)
     assert collections.Counter(n.op_type for n in converted.graph.node) == collections.Counter(
@@ -212,7 +213,7 @@ def test_uint8_nhwc_input_with_logsoftmax_head():
     card = read_card(converted)
     assert (card.preprocessing.dtype, card.preprocessing.layout, card.output_kind) == ("uint8", "NHWC", "logits")
     assert card.verification.passed
-    pixels = preprocess(sample_pixels(count=1, height=14, width=12, channels=3, seed=4), card.preprocessing)
+    pixels = to_input(sample_pixels(count=1, height=14, width=12, channels=3, seed=4), card.preprocessing)
     assert pixels.dtype == np.uint8
     report = compare_with_crops(model, converted, pixels, layout="NHWC", training_size=(10, 10), stride=1)
     assert report.grid == (5, 3) and report.max_abs_diff <= CROP_TOLERANCE and report.argmax_agreement == 1.0
@@ -245,7 +246,7 @@ def test_classifier_ending_in_convolutions_converts(global_pool):
     card = read_card(converted)
     assert (card.output_stride, card.output_kind, len(card.labels)) == (2, "probabilities", 7)
     assert card.verification.passed
-    pixels = preprocess(sample_pixels(count=1, height=15, width=13, channels=3, seed=6), card.preprocessing)
+    pixels = to_input(sample_pixels(count=1, height=15, width=13, channels=3, seed=6), card.preprocessing)
     report = compare_with_crops(model, converted, pixels, layout="NCHW", training_size=(9, 9), stride=2)
     assert report.grid == (4, 3) and report.max_abs_diff <= CROP_TOLERANCE and report.argmax_agreement == 1.0
     np.testing.assert_allclose(run(converted, pixels).sum(axis=1), 1.0, atol=1e-5)

@@ -7,8 +7,9 @@ from torch import nn
 
 from convert import convert_classifier
 from convert.card import read_card
+from convert.preprocessing import to_input
 from convert.sources import export_module
-from convert.verify import compare_with_crops, preprocess, sample_pixels
+from convert.verify import compare_with_crops, sample_pixels
 from protos.model_card_pb2 import Preprocessing
 
 TRAINING = 24
@@ -72,7 +73,7 @@ def test_pytorch_family_converts_and_dense_cells_equal_crops(build, classes, kin
     assert card.verification.passed and card.verification.max_abs_diff <= card.verification.tolerance
     assert [o.name for o in converted.graph.output] == ["scores"]
     assert not any(n.op_type in ("Gemm", "MatMul", "Flatten", "Reshape", "Dropout") for n in converted.graph.node)
-    image = preprocess(sample_pixels(count=1, height=TRAINING + 16, width=TRAINING + 12, channels=3, seed=3), card.preprocessing)
+    image = to_input(sample_pixels(count=1, height=TRAINING + 16, width=TRAINING + 12, channels=3, seed=3), card.preprocessing)
     report = compare_with_crops(original, converted, image, layout="NCHW", training_size=(TRAINING, TRAINING), stride=4)
     assert report.grid == (5, 4)
     assert report.max_abs_diff <= CROP_TOLERANCE

@@ -10,7 +10,8 @@ import torch
 
 from convert import ConversionError, convert_classifier
 from convert.card import read_card
-from convert.verify import preprocess, run
+from convert.preprocessing import to_input
+from convert.verify import run
 
 SAMPLES = pathlib.Path(__file__).resolve().parents[2] / "samples"
 FACTORY_MODULE = textwrap.dedent('''
@@ -84,7 +85,7 @@ def photo_probabilities(model_path: str, photo: str, size: tuple[int, int]) -> n
     card = read_card(model_path)
     with Image.open(photo) as image:
         pixels = np.asarray(image.convert("RGB").resize(size, Image.Resampling.BILINEAR), np.float32)
-    scores = run(onnx.load(model_path), preprocess(pixels[None], card.preprocessing))[0]
+    scores = run(onnx.load(model_path), to_input(pixels[None], card.preprocessing))[0]
     cells = np.exp(scores - scores.max(axis=0))
     return (cells / cells.sum(axis=0)).mean(axis=(1, 2))
 
