@@ -40,11 +40,16 @@ RUN_LEVEL_CODES = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED,
 })
-# A batch run never cancels its own calls, so CANCELLED means the server dropped the call while
-# shutting down (gRPC core cancels calls caught mid-stop): the file is sent again, this many times,
-# before it is recorded as failed. UNAVAILABLE is retried inside ScoremapClient.
-SERVER_CANCELLED_RESENDS = 3
-SERVER_CANCELLED_PAUSE_S = 0.5
+# Answers that say "not now" rather than "not this file": the file is sent again, with a doubling
+# pause, this many times before it is recorded as failed. A batch run never cancels its own calls,
+# so CANCELLED means the server dropped the call while shutting down (gRPC core cancels calls caught
+# mid-stop); RESOURCE_EXHAUSTED whose message starts with QUEUE_FULL_PREFIX (server/batcher.py) means
+# the server's queue was full for a moment. RESOURCE_EXHAUSTED from memory admission (the request
+# can never fit) is recorded at once. UNAVAILABLE is retried inside ScoremapClient.
+TRANSIENT_RESENDS = 6
+TRANSIENT_PAUSE_S = 0.5
+TRANSIENT_PAUSE_MAX_S = 4.0
+QUEUE_FULL_PREFIX = "queue full"
 # Files read ahead of the workers: enough to keep them busy, bounded so memory stays flat.
 READ_AHEAD_PER_WORKER = 2
 
@@ -65,9 +70,14 @@ class RunAborted(Exception):
 
 @dataclass
 class BatchSummary:
-    """Counts of a run: what was scored, failed (by status) and skipped as already recorded."""
+    """Counts of a run: what was scored, failed (by status) and skipped as already recorded.
+
+    `still_failed` counts found files whose latest record, of this run or an earlier one, is a
+    failure: the run succeeded only if it is zero.
+    """
 
     found: int = 0
+    still_failed: int = 0
     skipped: int = 0
     scored: int = 0
     failures: Counter = field(default_factory=Counter)
@@ -87,6 +97,12 @@ def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     buffer = io.BytesIO()
     np.savez_compressed(buffer, **arrays)
     return buffer.getvalue()
+
+
+def _is_transient(error: ScoremapError) -> bool:
+    """Whether the same request may well succeed if sent again shortly."""
+    return error.code == grpc.StatusCode.CANCELLED or (
+        error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.message.startswith(QUEUE_FULL_PREFIX))
 
 
 def _output_files(image: ImageFile, *, maps: bool, heatmaps: bool) -> dict[str, str]:
@@ -124,14 +140,16 @@ def _score_one(image: ImageFile, scorer: Scorer, options: ScoreOptions, out_dir:
     record: dict[str, Any] = {"key": image.key, "path": str(image.path)}
     try:
         request = build_request(image.path, options)
-        for resend in range(SERVER_CANCELLED_RESENDS + 1):
+        pause = TRANSIENT_PAUSE_S
+        for resend in range(TRANSIENT_RESENDS + 1):
             try:
                 response = scorer.score_request(request, timeout=timeout)
                 break
             except ScoremapError as error:
-                if error.code != grpc.StatusCode.CANCELLED or resend == SERVER_CANCELLED_RESENDS:
+                if not _is_transient(error) or resend == TRANSIENT_RESENDS:
                     raise
-                time.sleep(SERVER_CANCELLED_PAUSE_S)
+                time.sleep(pause)
+                pause = min(pause * 2, TRANSIENT_PAUSE_MAX_S)
         result = result_from_response(response)
         record.update(result.to_record())
         outputs = _output_files(image, maps=maps, heatmaps=heatmaps)
@@ -214,6 +232,7 @@ def run_batch(
                                     other.cancel()
                             continue
                         results.append(record)
+                        recorded[record["key"]] = record
                         if record["status"] == "OK":
                             summary.scored += 1
                         else:
@@ -226,5 +245,6 @@ def run_batch(
                 for future in in_flight:
                     future.cancel()
                 raise
+    summary.still_failed = sum(recorded.get(image.key, {}).get("status", "OK") != "OK" for image in unique)
     summary.seconds = time.perf_counter() - started
     return summary

@@ -3,8 +3,8 @@
     scoremap-score PATHS... --out DIR (--server HOST:PORT | --local MODEL.onnx) [options]
 
 Exit status (documented in --help and the README):
-    0  every file scored
-    1  some files failed; each is recorded in results.jsonl with its status
+    0  every file found is scored (in this run or an earlier one)
+    1  some files failed, in this run or an earlier one; each is recorded in results.jsonl with its status
     2  bad command line
     3  the server stayed unreachable beyond --retry-for; re-run to resume
     4  the run could not start or was refused (credentials, unknown model, model file, output folder)
@@ -105,6 +105,7 @@ def summary_table(summary: BatchSummary, results: Path) -> str:
     rows = [("found", str(summary.found)), ("skipped (already recorded)", str(summary.skipped)),
             ("scored", str(summary.scored)), ("failed", str(summary.failed))]
     rows += [(f"  {status}", str(count)) for status, count in sorted(summary.failures.items())]
+    rows.append(("failed, all runs", str(summary.still_failed)))
     if summary.aborted is not None:
         rows.append(("not scored (run stopped)", str(summary.remaining)))
     rows += [("seconds", f"{summary.seconds:.1f}"), ("results", str(results))]
@@ -167,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.error("run stopped by %r", summary.aborted)
         log.error("run stopped: %s; re-run the same command to resume", summary.aborted)
         return EXIT_UNAVAILABLE if summary.aborted.code == grpc.StatusCode.UNAVAILABLE else EXIT_REFUSED
-    return EXIT_FAILURES if summary.failed else EXIT_OK
+    return EXIT_FAILURES if summary.still_failed else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -52,8 +52,10 @@ def test_a_corrupt_image_is_recorded_and_the_rest_scored(server, photos, tmp_pat
     assert sum(r["status"] == "OK" for r in records.values()) == 6
     summary = capsys.readouterr().out
     assert re.search(r"failed\s+1\n\s+INVALID_ARGUMENT\s+1\n", summary), summary
-    # A re-run skips everything recorded, failures included, unless asked to retry them.
-    assert main([str(photos), "--out", str(out), "--server", server, "--no-progress"]) == EXIT_OK
+    # A re-run skips everything recorded, failures included, unless asked to retry them; the
+    # recorded failure still counts in its exit status.
+    assert main([str(photos), "--out", str(out), "--server", server, "--no-progress"]) == EXIT_FAILURES
+    assert re.search(r"failed, all runs\s+1\n", capsys.readouterr().out)
     assert len(lines(out)) == 7
     (photos / "broken.jpg").write_bytes((photos / "photo000.jpg").read_bytes())  # repaired
     assert main([str(photos), "--out", str(out), "--server", server, "--no-progress", "--retry-failed"]) == EXIT_OK
@@ -156,3 +158,20 @@ def test_two_files_with_one_output_name_are_refused(server, make_photos, tmp_pat
     out = tmp_path / "out"
     assert main([str(one), str(other), "--out", str(out), "--server", server, "--maps", "--no-progress"]) == EXIT_REFUSED
     assert not (out / "results.jsonl").read_text() and not (out / "maps").exists()
+
+
+def test_a_full_queue_is_waited_out_but_a_request_too_large_is_recorded(start_server, make_photos, tmp_path):
+    photos = tmp_path / "many"
+    make_photos(photos, 16, seed=6)
+    _, port = start_server(queue_depth=1, max_batch=1)
+    out = tmp_path / "busy"
+    assert main([str(photos), "--out", str(out), "--server", f"127.0.0.1:{port}", "--concurrency", "8",
+                 "--scales", "512", "--no-progress"]) == EXIT_OK
+    assert len(lines(out)) == 16 and all(r["status"] == "OK" for r in lines(out))
+    _, port = start_server(memory_budget_bytes=1)  # no pass fits: the server refuses each for good
+    out = tmp_path / "small"
+    assert main([str(photos / "photo000.jpg"), "--out", str(out), "--server", f"127.0.0.1:{port}",
+                 "--no-progress"]) == EXIT_FAILURES
+    [record] = lines(out)
+    assert record["status"] == "RESOURCE_EXHAUSTED" and "memory budget" in record["error"]
+    assert record["elapsed_ms"] < 1000  # recorded at once, not sent again
