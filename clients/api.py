@@ -160,16 +160,27 @@ class ScoremapClient:
         """Score images over one ScoreStream, yielding results in input order.
 
         If the stream breaks with UNAVAILABLE, a new stream resends the images not yet answered
-        (within the retry budget), so no image is lost or answered twice.
+        (within the retry budget), so no image is lost or answered twice. A bad image raises its
+        ScoremapError (INVALID_ARGUMENT) once the images before it are answered.
         """
         options = options or ScoreOptions(return_maps=True)
-        source = (build_request(image, options, request_id=str(n)) for n, image in enumerate(images))
+        source = enumerate(images)
         pending: collections.deque[scoring_pb2.ScoreRequest] = collections.deque()
         lock = threading.Lock()
+        # Requests are built in gRPC's consumer thread, where an exception would only surface as
+        # UNKNOWN "Exception iterating requests!": a bad image ends the stream and is raised here.
+        bad_input: list[ScoremapError] = []
 
         def outgoing(resend: list[scoring_pb2.ScoreRequest]) -> Iterator[scoring_pb2.ScoreRequest]:
             yield from resend
-            for request in source:
+            if bad_input:
+                return
+            for n, image in source:
+                try:
+                    request = build_request(image, options, request_id=str(n))
+                except ScoremapError as error:
+                    bad_input.append(error)
+                    return
                 with lock:
                     pending.append(request)
                 yield request
@@ -185,6 +196,8 @@ class ScoremapClient:
                     with lock:
                         pending.popleft()
                     yield result_from_response(response)
+                if bad_input:
+                    raise bad_input[0]
                 return
             except grpc.RpcError as error:
                 translated = from_rpc_error(error)

@@ -139,3 +139,14 @@ def test_every_call_has_a_deadline(start_server):
     with ScoremapClient(f"127.0.0.1:{port}", timeout=0.001) as client, pytest.raises(ScoremapError) as caught:
         client.score(big, scales=[1024])
     assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_bad_image_in_a_stream_raises_invalid_argument_after_the_earlier_answers(server, photos):
+    good = sorted(photos.rglob("photo*"))[:2]
+    answered = []
+    with ScoremapClient(server) as client:
+        with pytest.raises(ScoremapError) as bad:
+            for result in client.score_many([*good, photos / "missing.jpg", good[0]]):
+                answered.append(result.request_id)
+    assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and "missing.jpg" in bad.value.message
+    assert answered == ["0", "1"]
