@@ -120,7 +120,7 @@ def report(paths: Sequence[str], out: Path) -> str:
         else:
             top = "\n".join(f"  {p['probability']:6.1%}  {p['label']}" for p in record["top_k"][:5])
             blocks.append(f"{image.path}  ({record['image_size'][1]}x{record['image_size'][0]}, "
-                          f"maps {', '.join('x'.join(map(str, m['shape'][1:])) for m in record['maps'])})\n"
+                          f"maps {', '.join('x'.join(map(str, m['cells'])) for m in record['maps'])})\n"
                           f"{top}\n  heatmap: {out / record['heatmap_file']}")
     return "\n\n".join(blocks)
 

@@ -97,8 +97,9 @@ class ScoreResult:
             "scales": [m.scale for m in self.maps],
             "top_k": [p._asdict() for p in self.top_k],
             "maps": [
-                {"scale": m.scale, "shape": [len(m.classes) or _channels(m), m.height, m.width],
-                 "geometry": m.geometry.to_dict()}
+                # Cells only: the class count is known only when maps were sent (--maps), and a
+                # record should not change shape with the options it was scored under.
+                {"scale": m.scale, "cells": [m.height, m.width], "geometry": m.geometry.to_dict()}
                 for m in self.maps
             ],
             "output_stride": self.output_stride,
@@ -115,10 +116,6 @@ class ScoreResult:
                 arrays[f"scores_{m.scale}"] = m.scores
                 arrays[f"classes_{m.scale}"] = np.asarray(m.classes or range(m.scores.shape[0]), np.int32)
         return arrays
-
-
-def _channels(m: ScaleResult) -> int:
-    return 0 if m.scores is None else int(m.scores.shape[0])
 
 
 def decode_tensor(tensor: scoring_pb2.Tensor) -> np.ndarray | None:

@@ -34,8 +34,16 @@ def test_response_decodes_to_numpy_maps_and_geometry():
     assert scale.geometry.cell_box(0, 0) == (-16, -16, 48, 48)
     assert result.shift == "SHIFT_NONE" and result.timings["total"] == 3.5
     record = result.to_record()
-    assert record["maps"][0]["shape"] == [2, 3, 4] and record["top_k"][0]["label"] == "b"
+    assert record["maps"][0]["cells"] == [3, 4] and record["top_k"][0]["label"] == "b"
     assert set(result.map_arrays()) == {"scores_96", "classes_96"}
+
+
+def test_a_record_without_maps_still_has_the_map_cells():
+    without_maps = response()
+    del without_maps.maps[0].classes[:]
+    without_maps.maps[0].ClearField("scores")
+    record = result_from_response(without_maps).to_record()
+    assert record["maps"][0]["cells"] == [3, 4] and "shape" not in record["maps"][0]
 
 
 def test_float16_and_int32_tensors_decode():
