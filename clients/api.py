@@ -24,7 +24,7 @@ from clients.results import ScoreResult, result_from_response
 from clients.settings import ClientSettings
 from protos import model_card_pb2, scoring_pb2, scoring_pb2_grpc
 
-__all__ = ["ScoremapClient", "channel_options", "is_loopback"]
+__all__ = ["ScoremapClient", "channel_options", "is_loopback", "open_channel"]
 
 T = TypeVar("T")
 
@@ -56,6 +56,17 @@ def channel_options(settings: ClientSettings) -> list[tuple[str, int]]:
     ]
 
 
+def open_channel(target: str, *, tls: bool = False, root_certificates: bytes | None = None,
+                 settings: ClientSettings | None = None) -> grpc.Channel:
+    """The channel every scoremap client uses: TLS (with `root_certificates` PEM, or the system
+    roots) or clear text, with channel_options(settings)."""
+    options = channel_options(settings or ClientSettings())
+    if tls:
+        return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root_certificates),
+                                   options=options)
+    return grpc.insecure_channel(target, options=options)
+
+
 class ScoremapClient:
     """A connection to one scoremap server at `target` ("HOST:PORT").
 
@@ -82,12 +93,7 @@ class ScoremapClient:
                 f"refusing to send a bearer token in clear text to {target!r}; use tls=True "
                 "(tokens without TLS are allowed only to loopback addresses)",
             )
-        options = channel_options(self.settings)
-        if tls:
-            credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
-            self._channel = grpc.secure_channel(target, credentials, options=options)
-        else:
-            self._channel = grpc.insecure_channel(target, options=options)
+        self._channel = open_channel(target, tls=tls, root_certificates=root_certificates, settings=self.settings)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._stub = scoring_pb2_grpc.DenseScoringStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)

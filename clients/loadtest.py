@@ -7,8 +7,9 @@ Closed loop: N callers each send the next request as soon as the last one return
 sweep). Open loop: requests are scheduled at a fixed arrival rate and each latency is measured
 from its *scheduled* send time, so a slow server cannot hide its queueing by slowing the sender
 (no coordinated omission; Gil Tene, "How NOT to measure latency"). No retries: every failure
-counts, by gRPC status. A bearer token is read from $SCOREMAP_TOKEN. Every level is bounded in requests and time, and only the target given
-is contacted; a non-loopback target needs --allow-remote.
+counts, by gRPC status. A bearer token is read from $SCOREMAP_TOKEN (sent only over --tls or to
+loopback). Every level is bounded in requests and time, and only the target given is contacted;
+a non-loopback target needs --allow-remote.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Sequence
 import grpc
 import numpy as np
 
-from clients.api import ScoremapClient, channel_options, is_loopback
+from clients.api import ScoremapClient, is_loopback, open_channel
 from clients.errors import ScoremapError
 from clients.files import find_images
 from clients.latency import LevelReport, Sample, format_table, summarise, to_csv, to_json
@@ -34,9 +35,14 @@ from clients.options import SHIFTS, ScoreOptions, build_request
 from clients.settings import ClientSettings
 from protos import scoring_pb2, scoring_pb2_grpc
 
-__all__ = ["LoadLimits", "closed_loop", "open_loop", "load_inputs", "synthetic_images", "main"]
+__all__ = ["LoadLimits", "closed_loop", "open_loop", "load_inputs", "synthetic_images", "main", "EXIT_OK",
+           "EXIT_USAGE", "EXIT_UNAVAILABLE", "EXIT_REFUSED"]
 
 log = logging.getLogger("scoremap-loadtest")
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+EXIT_REFUSED = 4
 # Environment variable holding the bearer token, as for scoremap-score (off the command line).
 TOKEN_ENV = "SCOREMAP_TOKEN"
 
@@ -114,13 +120,19 @@ def closed_loop(stub: scoring_pb2_grpc.DenseScoringStub, requests: Sequence[scor
 def open_loop(stub: scoring_pb2_grpc.DenseScoringStub, requests: Sequence[scoring_pb2.ScoreRequest], *,
               rate: float, duration_s: float, max_requests: int, timeout_s: float, limits: LoadLimits,
               metadata: Sequence[tuple[str, str]] = ()) -> LevelReport:
-    """Requests at `rate` per second, latency from each one's scheduled send time."""
+    """Requests at `rate` per second, latency from each one's scheduled send time.
+
+    Sending stops at `duration_s` even when the in-flight bound holds arrivals back (a stalled
+    server), and answers are awaited `timeout_s` + `limits.drain_grace_s` longer, no more.
+    """
     total = max(1, min(max_requests, int(rate * duration_s)))
     samples: list[Sample] = []
     lock = threading.Lock()
     slots = threading.BoundedSemaphore(limits.max_in_flight)
     outstanding = threading.Semaphore(0)
+    futures: list[grpc.Future] = []
     start = time.perf_counter()
+    end = start + duration_s
 
     def record(scheduled: float, status: str) -> None:
         with lock:
@@ -133,8 +145,14 @@ def open_loop(stub: scoring_pb2_grpc.DenseScoringStub, requests: Sequence[scorin
         pause = scheduled - time.perf_counter()
         if pause > 0:
             time.sleep(pause)
-        slots.acquire()  # at the in-flight bound the send waits; its latency still counts from `scheduled`
+        # At the in-flight bound the send waits (its latency still counts from `scheduled`), but
+        # not past the level's end.
+        if not slots.acquire(timeout=max(0.0, end - time.perf_counter())):
+            log.warning("open loop at %g/s: %d of %d arrivals not sent, %d requests in flight until the end",
+                        rate, total - n, total, limits.max_in_flight)
+            break
         future = stub.Score.future(requests[n % len(requests)], timeout=timeout_s, metadata=metadata)
+        futures.append(future)
 
         def done(call: grpc.Future, scheduled: float = scheduled) -> None:
             code = call.code()
@@ -143,11 +161,13 @@ def open_loop(stub: scoring_pb2_grpc.DenseScoringStub, requests: Sequence[scorin
         future.add_done_callback(done)
     drain_until = time.perf_counter() + timeout_s + limits.drain_grace_s
     answered = 0
-    while answered < total and outstanding.acquire(timeout=max(0.0, drain_until - time.perf_counter())):
+    while answered < len(futures) and outstanding.acquire(timeout=max(0.0, drain_until - time.perf_counter())):
         answered += 1
     with lock:
         taken = list(samples)
-    return summarise("open", rate, taken, sent=total, duration_s=time.perf_counter() - start)
+    for future in futures:
+        future.cancel()  # calls the server never answered end with the level
+    return summarise("open", rate, taken, sent=len(futures), duration_s=time.perf_counter() - start)
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -176,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server", required=True, metavar="HOST:PORT", help="the one target contacted")
     parser.add_argument("--allow-remote", action="store_true", help="allow a target that is not loopback")
+    parser.add_argument("--tls", action="store_true", help="connect with TLS")
+    parser.add_argument("--root-cert", type=Path, help="PEM root certificates for --tls")
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=_list(int), help="closed-loop sweep, e.g. 1,4,16 (default 1,4,16)")
     load.add_argument("--rate", type=_list(float), help="open-loop arrival rates per second, e.g. 5,20")
@@ -205,8 +227,9 @@ def _write(path: str, text: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit 0 when every level ran (errors are reported, not fatal), 2 on a bad command line,
-    3 when the server is not SERVING."""
+    """Exit EXIT_OK when every level ran (errors are reported, not fatal), EXIT_USAGE on a bad
+    command line, EXIT_UNAVAILABLE when the server is not SERVING, EXIT_REFUSED when the client
+    will not start (a token in clear text off this machine, an unreadable --root-cert)."""
     limits = LoadLimits()
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -234,16 +257,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = ClientSettings(timeout_s=args.timeout)
     token = os.environ.get(TOKEN_ENV) or None
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    with ScoremapClient(args.server, settings=settings, token=token) as client:
+    try:
+        root = args.root_cert.read_bytes() if args.root_cert else None
+        client = ScoremapClient(args.server, settings=settings, token=token, tls=args.tls, root_certificates=root)
+    except (ScoremapError, OSError) as error:
+        log.error("%s", error)
+        return EXIT_REFUSED
+    with client:
         try:
             status = client.health(timeout=args.timeout)
         except ScoremapError as error:
             log.error("%s is not reachable: %s", args.server, error)
-            return 3
+            return EXIT_UNAVAILABLE
         if status != "SERVING":
             log.error("%s reports %s, not SERVING", args.server, status)
-            return 3
-    channel = grpc.insecure_channel(args.server, options=channel_options(settings))
+            return EXIT_UNAVAILABLE
+    channel = open_channel(args.server, tls=args.tls, root_certificates=root, settings=settings)
     try:
         stub = scoring_pb2_grpc.DenseScoringStub(channel)
         for n in range(args.warmup):
@@ -266,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _write(args.csv, to_csv(reports))
     if "-" not in (args.json, args.csv):
         sys.stdout.write(format_table(reports) + "\n")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

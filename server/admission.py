@@ -13,11 +13,13 @@ import threading
 from collections.abc import Callable
 
 import grpc
+import onnx
 
 from convert.profile import ProfileError, largest_batch, profile_model
 from server.errors import ScoringError
 
 LOG = logging.getLogger(__name__)
+PROFILE_CACHE_SIZE = 1024  # input sizes (and batch sizes) whose predictions each model remembers
 
 
 def available_memory_bytes() -> int | None:
@@ -41,25 +43,31 @@ def format_bytes(count: float) -> str:
 
 
 class Admission:
-    """The memory check for one model: batch limits per input shape, cached."""
+    """The memory check for one model: batch limits per input shape, cached.
 
-    def __init__(self, model_path: str, *, budget_bytes: int | None) -> None:
-        self.model_path = model_path
+    It profiles the graph it was given at load time, never the file again: a model file replaced
+    or removed while serving must not change (or break) what the server enforces.
+    """
+
+    def __init__(self, model: onnx.ModelProto, *, budget_bytes: int | None) -> None:
+        self.model = model
         self.budget_bytes = budget_bytes
         self._lock = threading.Lock()
+        # Per instance, not functools.lru_cache on the methods: that cache is shared by every
+        # Admission and keeps each one (and its graph) alive.
+        self.predicted_bytes = functools.lru_cache(maxsize=PROFILE_CACHE_SIZE)(self._predicted_bytes)
+        self.batch_limit = functools.lru_cache(maxsize=PROFILE_CACHE_SIZE)(self._batch_limit)
 
-    @functools.lru_cache(maxsize=1024)
-    def predicted_bytes(self, height: int, width: int, batch: int = 1) -> int:
+    def _predicted_bytes(self, height: int, width: int, batch: int = 1) -> int:
         """Predicted peak bytes of one batch of [height, width] inputs."""
-        return profile_model(self.model_path, height=height, width=width, batch=batch).predicted_peak_bytes
+        return profile_model(self.model, height=height, width=width, batch=batch).predicted_peak_bytes
 
-    @functools.lru_cache(maxsize=1024)
-    def batch_limit(self, height: int, width: int) -> int:
+    def _batch_limit(self, height: int, width: int) -> int:
         """The largest batch of this input size within the budget (0: not even one); no budget: unbounded."""
         if self.budget_bytes is None:
             return 1 << 30
         with self._lock:
-            return largest_batch(self.model_path, height=height, width=width, budget_bytes=self.budget_bytes)
+            return largest_batch(self.model, height=height, width=width, budget_bytes=self.budget_bytes)
 
     def admit(self, height: int, width: int, *, scale: int, largest_scale: Callable[[], int]) -> int:
         """The batch limit for this size; RESOURCE_EXHAUSTED with the numbers when one pass cannot fit."""

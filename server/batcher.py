@@ -9,6 +9,7 @@ is bounded (RESOURCE_EXHAUSTED when full); passes whose deadline passed are drop
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ import numpy as np
 
 from server.errors import ScoringError
 
+LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting caller looks at its cancellation flag
 
 
@@ -169,7 +171,10 @@ class Batcher:
     def _loop(self) -> None:
         while (batch := self._take_batch()) is not None:
             if self._on_batch is not None:
-                self._on_batch(batch[0].shape, len(batch))
+                try:
+                    self._on_batch(batch[0].shape, len(batch))
+                except Exception:  # a failing metrics hook is a bug to log, never a reason to stop serving
+                    LOG.exception("the batch hook failed; the batch runs anyway")
             started = time.monotonic()
             try:
                 scores = self._run([work.image for work in batch])

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
 from PIL import Image
 
 from convert.card import CardError, read_card
@@ -99,8 +101,9 @@ class Pipeline:
         """Card, session, batcher and admission for one model; it gets 1/`share` of the memory budget,
         since every model's batcher runs its batches concurrently with the others'."""
         try:
-            card = read_card(path)
-        except (CardError, OSError) as error:
+            graph = onnx.load(path, load_external_data=False)  # read once: admission profiles this copy
+            card = read_card(graph)
+        except (CardError, DecodeError, OSError) as error:
             raise ScoringError(grpc.StatusCode.INVALID_ARGUMENT, f"{path}: {error}") from error
         settings = self.settings
         engine = Engine(path, input_name=card.preprocessing.input_name, output_name=card.scores_name, settings=settings)
@@ -112,7 +115,7 @@ class Pipeline:
             budget = int(available * settings.cpu_memory_fraction) if available else None
         if budget is not None:
             budget //= share
-        admission = Admission(path, budget_bytes=budget)
+        admission = Admission(graph, budget_bytes=budget)
         output_shape = engine.session.get_outputs()[0].shape
         classes = output_shape[1] if isinstance(output_shape[1], int) else len(card.labels)
         name = card.name or path

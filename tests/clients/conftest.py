@@ -70,9 +70,10 @@ def start_server(tiny_model):
     """Factory for servers with custom settings or a fixed address; all stopped at teardown."""
     running = []
 
-    def start(*, address: str = "127.0.0.1:0", token: str | None = None, **overrides):
+    def start(*, address: str = "127.0.0.1:0", token: str | None = None, tls: tuple[bytes, bytes] | None = None,
+              **overrides):
         settings = dataclasses.replace(SERVER_SETTINGS, **overrides)
-        started, port = create_server([tiny_model], address=address, settings=settings, token=token)
+        started, port = create_server([tiny_model], address=address, settings=settings, token=token, tls=tls)
         running.append(started)
         return started, port
 

@@ -1,4 +1,8 @@
 import json
+import shutil
+import subprocess
+import threading
+import time
 
 import pytest
 
@@ -58,4 +62,59 @@ def test_bearer_token_from_the_environment(start_server, tmp_path, monkeypatch):
     assert json.loads(report.read_text())[0]["errors"] == {"UNAUTHENTICATED": 3}
     monkeypatch.setenv("SCOREMAP_TOKEN", "s3cret")
     assert main(arguments) == 0
+    assert json.loads(report.read_text())[0]["completed"] == 3
+
+
+def test_open_loop_ends_on_time_against_a_stalled_server():
+    from concurrent import futures
+
+    import grpc
+
+    from clients.loadtest import LoadLimits, open_loop
+    from protos import scoring_pb2, scoring_pb2_grpc
+
+    release = threading.Event()
+
+    class Stalled(scoring_pb2_grpc.DenseScoringServicer):
+        def Score(self, request, context):
+            release.wait(10)  # never answers within the level
+            return scoring_pb2.ScoreResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    scoring_pb2_grpc.add_DenseScoringServicer_to_server(Stalled(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        limits = LoadLimits(max_in_flight=2, drain_grace_s=0.2)
+        started = time.monotonic()
+        report = open_loop(scoring_pb2_grpc.DenseScoringStub(channel), [scoring_pb2.ScoreRequest()], rate=40,
+                           duration_s=0.5, max_requests=1000, timeout_s=0.5, limits=limits)
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+        channel.close()
+        server.stop(0)
+    assert elapsed < 0.5 + 0.5 + 0.2 + 0.5  # duration + timeout + drain grace, and some slack
+    assert report.sent == 2 and report.completed == 0
+
+
+def test_refuses_a_token_in_clear_text_to_a_remote_target(monkeypatch, caplog):
+    from clients.loadtest import EXIT_REFUSED
+    monkeypatch.setenv("SCOREMAP_TOKEN", "s3cret")
+    assert main(["--server", "203.0.113.7:50051", "--allow-remote", "--requests", "1"]) == EXIT_REFUSED
+    assert "clear text" in caplog.text
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a self-signed certificate")
+def test_load_over_tls_with_a_token(start_server, tmp_path, monkeypatch):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    _, port = start_server(token="t0ken", tls=(cert.read_bytes(), key.read_bytes()))
+    monkeypatch.setenv("SCOREMAP_TOKEN", "t0ken")
+    report = tmp_path / "report.json"
+    assert main(["--server", f"localhost:{port}", "--tls", "--root-cert", str(cert), "--concurrency", "1",
+                 "--requests", "3", "--sizes", "64x64", "--warmup", "0", "--json", str(report)]) == 0
     assert json.loads(report.read_text())[0]["completed"] == 3

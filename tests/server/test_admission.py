@@ -53,3 +53,33 @@ def test_the_budget_is_split_between_models(tiny_model_path, coordinate_model_pa
         assert [pipeline._model(name).admission.budget_bytes for name in ("tiny", "coords")] == [5_000_000] * 2
     finally:
         pipeline.close()
+
+
+def test_a_model_file_removed_while_serving_changes_nothing(kit, tiny_model_path):
+    """Admission and the batch metrics profile the graph loaded at start, not the file."""
+    import os
+
+    pixels = np.zeros((64, 64, 3), dtype=np.uint8)
+    with kit.serving([tiny_model_path], metrics_port=0) as (server, _port, stub):
+        assert stub.Score(kit.raw_request(pixels, scales=[64]), timeout=10).maps
+        os.remove(tiny_model_path)
+        for scale in (96, 128):  # sizes never profiled before the file went away
+            assert stub.Score(kit.raw_request(pixels, scales=[scale]), timeout=10).maps
+        count = server.metrics.registry.get_sample_value("scoremap_batch_predicted_bytes_count", {"model": "tiny"})
+    assert count == 3
+
+
+def test_each_admission_owns_its_cache(tiny_model_path):
+    import gc
+    import weakref
+
+    import onnx
+
+    from server.admission import Admission
+
+    admission = Admission(onnx.load(tiny_model_path), budget_bytes=None)
+    assert admission.predicted_bytes(64, 64) == predicted(tiny_model_path, 64)
+    gone = weakref.ref(admission)
+    del admission
+    gc.collect()
+    assert gone() is None  # no cache shared between instances keeps it alive

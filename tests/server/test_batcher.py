@@ -74,3 +74,17 @@ def test_expired_work_is_dropped_before_compute(heavy_model_path, kit):
         assert pipeline.score(request, deadline=time.monotonic() + 30).maps
     finally:
         pipeline.close()
+
+
+def test_a_failing_batch_hook_never_stops_the_worker():
+    def broken_hook(shape, size):
+        raise RuntimeError("metrics broke")
+
+    batcher = Batcher(lambda batch: np.stack(batch), max_batch=2, max_delay_seconds=0.001, queue_depth=8,
+                      on_batch=broken_hook)
+    try:
+        for _ in range(2):
+            works = batcher.submit(images(1, 8), limits=[2], deadline=time.monotonic() + 5)
+            assert batcher.wait(works)[0].shape == (8, 8, 3)
+    finally:
+        batcher.close()
