@@ -123,12 +123,11 @@ class ScoremapClient:
                               metadata=self._metadata)
             except grpc.RpcError as error:
                 translated = from_rpc_error(error)
-            if translated.code != grpc.StatusCode.UNAVAILABLE or attempt >= s.max_attempts:
+            out_of_attempts = s.max_attempts is not None and attempt >= s.max_attempts
+            remaining = deadline - time.monotonic()
+            if translated.code != grpc.StatusCode.UNAVAILABLE or out_of_attempts or remaining <= 0:
                 raise translated
-            pause = random.uniform(delay / 2, delay)
-            if time.monotonic() + pause > deadline:
-                raise translated
-            time.sleep(pause)
+            time.sleep(min(random.uniform(delay / 2, delay), remaining))  # the last try comes at the deadline
             delay = min(delay * s.backoff_multiplier, s.backoff_max_s)
             attempt += 1
 

@@ -32,7 +32,7 @@ from clients.errors import ScoremapError
 from clients.files import find_images
 from clients.latency import LevelReport, Sample, format_table, summarise, to_csv, to_json
 from clients.options import SHIFTS, ScoreOptions, build_request
-from clients.settings import ClientSettings
+from clients.settings import TOKEN_ENV, ClientSettings
 from protos import scoring_pb2, scoring_pb2_grpc
 
 __all__ = ["LoadLimits", "closed_loop", "open_loop", "load_inputs", "synthetic_images", "main", "EXIT_OK",
@@ -43,8 +43,6 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
 EXIT_REFUSED = 4
-# Environment variable holding the bearer token, as for scoremap-score (off the command line).
-TOKEN_ENV = "SCOREMAP_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -212,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shift", choices=sorted(SHIFTS), default="auto")
     parser.add_argument("--flip", action="store_true")
     parser.add_argument("--maps", action="store_true", help="ask for full maps (measures their transfer too)")
-    parser.add_argument("--timeout", type=float, default=30.0, help="deadline per request, seconds (default 30)")
+    parser.add_argument("--timeout", type=float, default=ClientSettings.timeout_s,
+                        help=f"deadline per request, seconds (default {ClientSettings.timeout_s:g})")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured requests before the first level")
     parser.add_argument("--json", metavar="PATH", help="write the reports as JSON ('-' for stdout)")
     parser.add_argument("--csv", metavar="PATH", help="write the reports as CSV ('-' for stdout)")

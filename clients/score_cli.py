@@ -28,7 +28,7 @@ from clients.batch import RESULTS_NAME, BatchSummary, run_batch
 from clients.errors import ScoremapError
 from clients.files import find_images
 from clients.options import MAP_DTYPES, SHIFTS, ScoreOptions
-from clients.settings import ClientSettings
+from clients.settings import BATCH_RETRY_BUDGET_S, TOKEN_ENV, ClientSettings
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_FAILURES", "EXIT_USAGE", "EXIT_UNAVAILABLE",
            "EXIT_REFUSED", "EXIT_INTERRUPTED"]
@@ -39,8 +39,6 @@ EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
 EXIT_REFUSED = 4
 EXIT_INTERRUPTED = 130
-# Environment variable holding the bearer token (kept off the command line, where `ps` shows it).
-TOKEN_ENV = "SCOREMAP_TOKEN"
 
 log = logging.getLogger("scoremap-score")
 
@@ -78,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
     parser.add_argument("--timeout", type=float, default=ClientSettings.timeout_s,
                         help=f"deadline per image, seconds (default {ClientSettings.timeout_s:g})")
-    parser.add_argument("--retry-for", type=float, default=120.0,
-                        help="keep retrying an unreachable server this many seconds (default 120)")
+    parser.add_argument("--retry-for", type=float, default=BATCH_RETRY_BUDGET_S,
+                        help=f"keep retrying an unreachable server this many seconds (default {BATCH_RETRY_BUDGET_S:g})")
     parser.add_argument("--retry-failed", action="store_true", help="score again files recorded as failed")
     parser.add_argument("--tls", action="store_true", help="connect with TLS")
     parser.add_argument("--root-cert", type=Path, help="PEM root certificates for --tls")
@@ -93,8 +91,8 @@ def _open_scorer(args: argparse.Namespace):
         from clients.local import LocalScorer  # imports the server package: only for --local
         return LocalScorer([args.local])
     from clients.api import ScoremapClient
-    settings = ClientSettings(timeout_s=args.timeout, retry_budget_s=args.retry_for,
-                              max_attempts=max(1, int(args.retry_for / ClientSettings.backoff_max_s) + 8))
+    # Bounded by time alone, so --retry-for is used up however short the backoff pauses are.
+    settings = ClientSettings(timeout_s=args.timeout, retry_budget_s=args.retry_for, max_attempts=None)
     root = args.root_cert.read_bytes() if args.root_cert else None
     return ScoremapClient(args.server, tls=args.tls, root_certificates=root,
                           token=os.environ.get(TOKEN_ENV) or None, settings=settings)

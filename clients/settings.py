@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ClientSettings"]
+__all__ = ["ClientSettings", "TOKEN_ENV", "BATCH_RETRY_BUDGET_S"]
+
+# Environment variable holding the bearer token of the command lines (kept off the command line,
+# where `ps` shows it).
+TOKEN_ENV = "SCOREMAP_TOKEN"
+# How long (seconds) scoremap-score keeps retrying an unreachable server by default (--retry-for):
+# long enough to ride out a server restart during an overnight run.
+BATCH_RETRY_BUDGET_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -28,8 +35,9 @@ class ClientSettings:
     # up to 120 s, which would turn a two-second restart into a two-minute stall.
     initial_reconnect_backoff_ms: int = 100
     max_reconnect_backoff_ms: int = 2_000
-    # Retries on UNAVAILABLE only (the one status that means "try again, nothing happened").
-    max_attempts: int = 8
+    # Retries on UNAVAILABLE only (the one status that means "try again, nothing happened"), at most
+    # `max_attempts` calls and `retry_budget_s` seconds; None bounds them by the budget alone.
+    max_attempts: int | None = 8
     retry_budget_s: float = 30.0
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 2.0

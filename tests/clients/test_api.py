@@ -150,3 +150,12 @@ def test_a_bad_image_in_a_stream_raises_invalid_argument_after_the_earlier_answe
                 answered.append(result.request_id)
     assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and "missing.jpg" in bad.value.message
     assert answered == ["0", "1"]
+
+
+def test_retries_without_an_attempt_bound_use_the_whole_budget():
+    settings = ClientSettings(max_attempts=None, retry_budget_s=1.0, backoff_initial_s=0.02, backoff_max_s=0.02)
+    started = time.monotonic()
+    with ScoremapClient("127.0.0.1:1", settings=settings) as client, pytest.raises(ScoremapError) as caught:
+        client.health()
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    assert 1.0 <= time.monotonic() - started < 3.0

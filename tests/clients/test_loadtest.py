@@ -118,3 +118,12 @@ def test_load_over_tls_with_a_token(start_server, tmp_path, monkeypatch):
     assert main(["--server", f"localhost:{port}", "--tls", "--root-cert", str(cert), "--concurrency", "1",
                  "--requests", "3", "--sizes", "64x64", "--warmup", "0", "--json", str(report)]) == 0
     assert json.loads(report.read_text())[0]["completed"] == 3
+
+
+def test_defaults_come_from_the_client_settings():
+    from clients.loadtest import build_parser
+    from clients.score_cli import build_parser as score_parser
+    from clients.settings import BATCH_RETRY_BUDGET_S, ClientSettings
+    assert build_parser().parse_args(["--server", "127.0.0.1:1"]).timeout == ClientSettings.timeout_s
+    arguments = score_parser().parse_args(["x", "--out", "o", "--server", "127.0.0.1:1"])
+    assert arguments.retry_for == BATCH_RETRY_BUDGET_S and arguments.timeout == ClientSettings.timeout_s
