@@ -12,7 +12,7 @@ from PIL import Image
 
 from server.main import create_server
 from server.settings import Settings
-from tiny_models import patch_net
+from tests.tiny_models import patch_net
 
 CLASSES = 10
 

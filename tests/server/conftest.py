@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
-from tiny_models import coordinate_image, coordinate_net, heavy_net, patch_net
+from tests.tiny_models import coordinate_image, coordinate_net, heavy_net, patch_net
 
 
 @pytest.fixture
