@@ -103,7 +103,7 @@ def create_server(
         interceptors = [TokenInterceptor(token)] if token else []
         grpc_server = grpc.server(
             ThreadPoolExecutor(max_workers=settings.grpc_workers, thread_name_prefix="rpc"),
-            options=options, interceptors=interceptors,
+            options=options, interceptors=interceptors, maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
         )
         servicer = DenseScoringServicer(pipeline, settings=settings, metrics=metrics)
         scoring_pb2_grpc.add_DenseScoringServicer_to_server(servicer, grpc_server)
@@ -158,6 +158,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     net.add_argument("--token-file", help=f"file holding the bearer token callers must send (or set ${TOKEN_ENV})")
     net.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes)
     net.add_argument("--grpc-workers", type=int, default=defaults.grpc_workers)
+    net.add_argument("--max-concurrent-rpcs", type=int, default=defaults.max_concurrent_rpcs,
+                     help="calls running or waiting for a worker thread; beyond it RESOURCE_EXHAUSTED")
     net.add_argument("--grace-seconds", type=float, default=defaults.grace_seconds,
                      help="on SIGTERM, how long in-flight calls get to finish")
     net.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
@@ -209,6 +211,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         cudnn_conv_algo_search=args.cudnn_conv_algo_search, intra_op_threads=args.intra_op_threads,
         inter_op_threads=args.inter_op_threads, warm_up=not args.no_warm_up,
         warm_up_scales=tuple(args.warm_up_scales), grpc_workers=args.grpc_workers,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
         grace_seconds=args.grace_seconds, metrics_port=args.metrics_port, metrics_address=args.metrics_address,
     )
 

@@ -74,6 +74,11 @@ class Settings:
     # --- service --------------------------------------------------------------------------
     grpc_workers: int = 32
     """Threads answering RPCs (each waits on its batch, so more than cores)."""
+    max_concurrent_rpcs: int = 64
+    """Calls running or waiting for one of those threads (a stream counts once, health probes too);
+    beyond it gRPC answers RESOURCE_EXHAUSTED at once instead of holding calls, each with its request
+    of up to `max_message_bytes`, in an unbounded backlog. Twice `grpc_workers`: a short backlog
+    absorbs bursts while the threads feed the model queues (`queue_depth`)."""
     grace_seconds: float = 10.0
     """On SIGTERM, in-flight calls get this long to finish."""
     metrics_port: int | None = None

@@ -355,3 +355,22 @@ def test_a_cancelled_call_leaves_the_queue_at_once(kit, heavy_model_path):
         assert not running.done()  # freed while the batch ahead was still computing
         assert running.result().maps
         assert server.metrics.registry.get_sample_value("scoremap_batch_size_sum", {"model": "heavy"}) == 8
+
+
+def test_calls_beyond_max_concurrent_rpcs_get_resource_exhausted_then_recover(kit, heavy_model_path):
+    from server.main import parse_args, settings_from
+
+    assert settings_from(parse_args(["m.onnx", "--max-concurrent-rpcs", "5"])).max_concurrent_rpcs == 5
+    pixels = RNG.integers(0, 256, (128, 128, 3), dtype=np.uint8)
+    slow = kit.raw_request(pixels, scales=[128])  # one pass each: never "queue full"
+    with kit.serving([heavy_model_path], grpc_workers=2, max_concurrent_rpcs=3) as (_server, _port, stub):
+        calls = [stub.Score.future(slow, timeout=60) for _ in range(12)]
+        codes = []
+        for call in calls:
+            try:
+                call.result()
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as error:
+                codes.append(error.code())
+        assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+        assert stub.Score(slow, timeout=60).maps  # still serving
