@@ -6,10 +6,10 @@ maps its ScoringError to a status with `context.abort` (gRPC's route_guide / err
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import hmac
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +26,7 @@ from server.settings import Settings
 LOG = logging.getLogger(__name__)
 SERVICE_NAME = scoring_pb2.DESCRIPTOR.services_by_name["DenseScoring"].full_name
 HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes need no token
+POLL_SECONDS = 0.05  # how often a stream's reader, held back by the window, looks whether the call ended
 
 
 class Call:
@@ -94,23 +95,58 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
     ) -> Iterator[scoring_pb2.ScoreResponse]:
         """Up to `stream_window` requests scored at once (so they batch together); answers in request order.
 
-        A failing request ends the stream with its status; the message names its request_id.
+        Requests are read in a helper thread, so each answer is sent as soon as it and those before
+        it are done: a client that waits for answer 1 before sending request 2 is served. A failing
+        request ends the stream with its status; the message names its request_id.
         """
         with self._accounted("ScoreStream", context) as call:
             window = max(1, self.settings.stream_window)
-            pending: collections.deque[tuple[str, Future]] = collections.deque()
+            pending: queue.Queue[tuple[str, Future] | BaseException | None] = queue.Queue(maxsize=window)
             with ThreadPoolExecutor(window, thread_name_prefix="stream") as pool:
+                reader = threading.Thread(
+                    target=self._read_stream, args=(request_iterator, pool, pending, call), name="stream-reader",
+                    daemon=True,
+                )
+                reader.start()
                 try:
-                    for request in request_iterator:
-                        future = pool.submit(self.pipeline.score, request, deadline=call.deadline, cancelled=call.cancelled)
-                        pending.append((request.request_id, future))
-                        while len(pending) >= window:
-                            yield answer(*pending.popleft())
-                    while pending:
-                        yield answer(*pending.popleft())
+                    while (item := pending.get()) is not None:
+                        if isinstance(item, BaseException):
+                            raise item
+                        yield answer(*item)
                 finally:
                     call.cancelled.set()  # a failed or abandoned stream stops its other requests
                     pool.shutdown(wait=True, cancel_futures=True)
+
+    def _read_stream(
+        self,
+        request_iterator: Iterator[scoring_pb2.ScoreRequest],
+        pool: ThreadPoolExecutor,
+        pending: queue.Queue,
+        call: Call,
+    ) -> None:
+        """Submit each request as it arrives; a full `pending` (the window) holds reading back.
+
+        Ends with None, or with the exception reading raised (the client cancelled, the deadline passed).
+        """
+
+        def offer(item: tuple[str, Future] | BaseException | None) -> bool:
+            while not call.cancelled.is_set():
+                with contextlib.suppress(queue.Full):
+                    pending.put(item, timeout=POLL_SECONDS)
+                    return True
+            return False
+
+        try:
+            for request in request_iterator:
+                if call.cancelled.is_set():
+                    return
+                future = pool.submit(self.pipeline.score, request, deadline=call.deadline, cancelled=call.cancelled)
+                if not offer((request.request_id, future)):
+                    return
+        except Exception as error:  # handed to the handler, which answers for it
+            offer(error)
+            return
+        offer(None)
 
     def ListModels(
         self, request: scoring_pb2.ListModelsRequest, context: grpc.ServicerContext

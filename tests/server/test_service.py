@@ -374,3 +374,22 @@ def test_calls_beyond_max_concurrent_rpcs_get_resource_exhausted_then_recover(ki
                 codes.append(error.code())
         assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
         assert stub.Score(slow, timeout=60).maps  # still serving
+
+
+def test_a_lockstep_stream_gets_each_answer_before_sending_the_next(kit, tiny_model_path):
+    import queue
+
+    pixels = RNG.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    outbox: queue.Queue = queue.Queue()
+
+    def requests():
+        while (request := outbox.get(timeout=30)) is not None:
+            yield request
+
+    with kit.serving([tiny_model_path], stream_window=4) as (_server, _port, stub):
+        answers = stub.ScoreStream(requests(), timeout=20)
+        for i in range(3):  # fewer than the window: answers must not wait for it to fill
+            outbox.put(kit.raw_request(pixels, scales=[64], request_id=f"id{i}"))
+            assert next(answers).request_id == f"id{i}"
+        outbox.put(None)
+        assert list(answers) == []
