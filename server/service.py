@@ -101,52 +101,14 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
         """
         with self._accounted("ScoreStream", context) as call:
             window = max(1, self.settings.stream_window)
-            pending: queue.Queue[tuple[str, Future] | BaseException | None] = queue.Queue(maxsize=window)
             with ThreadPoolExecutor(window, thread_name_prefix="stream") as pool:
-                reader = threading.Thread(
-                    target=self._read_stream, args=(request_iterator, pool, pending, call), name="stream-reader",
-                    daemon=True,
-                )
-                reader.start()
+                reader = StreamReader(request_iterator, pool, self.pipeline, call, window=window)
                 try:
-                    while (item := pending.get()) is not None:
-                        if isinstance(item, BaseException):
-                            raise item
-                        yield answer(*item)
+                    for request_id, future in reader.submitted():
+                        yield answer(request_id, future)
                 finally:
                     call.cancelled.set()  # a failed or abandoned stream stops its other requests
                     pool.shutdown(wait=True, cancel_futures=True)
-
-    def _read_stream(
-        self,
-        request_iterator: Iterator[scoring_pb2.ScoreRequest],
-        pool: ThreadPoolExecutor,
-        pending: queue.Queue,
-        call: Call,
-    ) -> None:
-        """Submit each request as it arrives; a full `pending` (the window) holds reading back.
-
-        Ends with None, or with the exception reading raised (the client cancelled, the deadline passed).
-        """
-
-        def offer(item: tuple[str, Future] | BaseException | None) -> bool:
-            while not call.cancelled.is_set():
-                with contextlib.suppress(queue.Full):
-                    pending.put(item, timeout=POLL_SECONDS)
-                    return True
-            return False
-
-        try:
-            for request in request_iterator:
-                if call.cancelled.is_set():
-                    return
-                future = pool.submit(self.pipeline.score, request, deadline=call.deadline, cancelled=call.cancelled)
-                if not offer((request.request_id, future)):
-                    return
-        except Exception as error:  # handed to the handler, which answers for it
-            offer(error)
-            return
-        offer(None)
 
     def ListModels(
         self, request: scoring_pb2.ListModelsRequest, context: grpc.ServicerContext
@@ -157,6 +119,50 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
     def GetModel(self, request: scoring_pb2.GetModelRequest, context: grpc.ServicerContext) -> model_card_pb2.ModelCard:
         with self._accounted("GetModel", context):
             return self.pipeline.card(request.name)
+
+
+class StreamReader:
+    """A stream's requests, read in a thread of their own and submitted to `pool` as they arrive.
+
+    Reading on while answers are pending is what lets a lockstep client (answer 1 before request 2)
+    be served; at most `window` submitted requests wait to be answered, which holds reading back.
+    """
+
+    def __init__(self, requests: Iterator[scoring_pb2.ScoreRequest], pool: ThreadPoolExecutor, pipeline: Pipeline,
+                 call: Call, *, window: int) -> None:
+        self._pending: queue.Queue[tuple[str, Future]] = queue.Queue(maxsize=window)
+        self._finished = threading.Event()
+        self._error: Exception | None = None
+        self._call = call
+        thread = threading.Thread(target=self._read, args=(requests, pool, pipeline), name="stream-reader", daemon=True)
+        thread.start()
+
+    def submitted(self) -> Iterator[tuple[str, Future]]:
+        """(request_id, future) in request order; raises what reading raised (cancelled, deadline)."""
+        while True:
+            try:
+                yield self._pending.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                if self._finished.is_set() and self._pending.empty():  # put happens before finished is set
+                    if self._error is not None:
+                        raise self._error from None
+                    return
+
+    def _read(self, requests: Iterator[scoring_pb2.ScoreRequest], pool: ThreadPoolExecutor, pipeline: Pipeline) -> None:
+        call = self._call
+        try:
+            for request in requests:
+                if call.cancelled.is_set():
+                    return
+                future = pool.submit(pipeline.score, request, deadline=call.deadline, cancelled=call.cancelled)
+                while not call.cancelled.is_set():
+                    with contextlib.suppress(queue.Full):
+                        self._pending.put((request.request_id, future), timeout=POLL_SECONDS)
+                        break
+        except Exception as error:  # the client cancelled or the deadline passed: the handler answers for it
+            self._error = error
+        finally:
+            self._finished.set()
 
 
 def answer(request_id: str, future: Future) -> scoring_pb2.ScoreResponse:

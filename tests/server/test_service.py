@@ -393,3 +393,22 @@ def test_a_lockstep_stream_gets_each_answer_before_sending_the_next(kit, tiny_mo
             assert next(answers).request_id == f"id{i}"
         outbox.put(None)
         assert list(answers) == []
+
+
+def test_a_cancelled_lockstep_stream_releases_its_handler(kit, tiny_model_path):
+    import queue
+
+    pixels = RNG.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    outbox: queue.Queue = queue.Queue()
+
+    def requests():
+        while (request := outbox.get(timeout=30)) is not None:
+            yield request
+
+    with kit.serving([tiny_model_path]) as (server, _port, stub):
+        answers = stub.ScoreStream(requests())
+        outbox.put(kit.raw_request(pixels, scales=[64]))
+        assert next(answers).maps  # the server now waits for the next request
+        answers.cancel()
+        assert server.servicer.wait_idle(5), "the handler still waits for an answer that cannot come"
+        outbox.put(None)
