@@ -65,16 +65,23 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
     def _accounted(self, method: str, context: grpc.ServicerContext) -> Iterator[Call]:
         """Count the call by method and final code, track it in flight, abort on ScoringError."""
         code = grpc.StatusCode.OK
+        call: Call | None = None
         self.metrics.in_flight.inc()
         with self._idle:
             self._active += 1
         try:
             if self.draining.is_set():
                 raise ScoringError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
-            yield Call(context)
+            call = Call(context)
+            yield call
         except ScoringError as error:
             code = error.code
             context.abort(error.code, error.message)
+        except grpc.RpcError:
+            # Reading a stream's requests fails so when the client cancelled or the deadline passed:
+            # the call is over, with no one to answer and no bug to log.
+            expired = call is not None and call.deadline is not None and time.monotonic() >= call.deadline
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
         except Exception:
             code = grpc.StatusCode.UNKNOWN  # a bug: gRPC answers UNKNOWN, the log keeps the traceback
             LOG.exception("%s failed", method)

@@ -395,6 +395,33 @@ def test_a_lockstep_stream_gets_each_answer_before_sending_the_next(kit, tiny_mo
         assert list(answers) == []
 
 
+def test_a_stream_the_client_abandons_is_counted_cancelled_or_expired_not_a_bug(kit, tiny_model_path, caplog):
+    import queue
+
+    pixels = RNG.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+
+    def lockstep(outbox):
+        while (request := outbox.get(timeout=30)) is not None:
+            yield request
+
+    with kit.serving([tiny_model_path]) as (server, _port, stub):
+        counted = server.metrics.registry.get_sample_value
+        for timeout, expected in ((None, "CANCELLED"), (1.0, "DEADLINE_EXCEEDED")):
+            outbox: queue.Queue = queue.Queue()
+            answers = stub.ScoreStream(lockstep(outbox), timeout=timeout)
+            outbox.put(kit.raw_request(pixels, scales=[64]))
+            assert next(answers).maps  # the server now waits for the next request
+            if timeout is None:
+                answers.cancel()
+            deadline = time.monotonic() + 10
+            while not counted("scoremap_requests_total", {"method": "ScoreStream", "code": expected}):
+                assert time.monotonic() < deadline, f"no {expected} counted"
+                time.sleep(0.02)
+            outbox.put(None)
+        assert counted("scoremap_requests_total", {"method": "ScoreStream", "code": "UNKNOWN"}) is None
+    assert "ScoreStream failed" not in caplog.text
+
+
 def test_a_cancelled_lockstep_stream_releases_its_handler(kit, tiny_model_path):
     import queue
 
