@@ -22,6 +22,7 @@ from server.errors import ScoringError
 
 LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting caller looks at its cancellation flag
+CLOSE_SECONDS = 10.0  # how long close waits for the batch being computed before leaving the (daemon) worker
 
 
 @dataclass(eq=False)
@@ -130,7 +131,7 @@ class Batcher:
                 work.fail(ScoringError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down"))
             self._queue.clear()
             self._condition.notify_all()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=CLOSE_SECONDS)
 
     def _take_batch(self) -> list[Work] | None:
         with self._condition:

@@ -89,3 +89,20 @@ def test_a_failing_batch_hook_never_stops_the_worker():
             assert work.result.shape == (8, 8, 3)
     finally:
         batcher.close()
+
+
+def test_close_waits_for_the_running_batch_at_most_close_seconds(monkeypatch):
+    from server import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "CLOSE_SECONDS", 0.2)
+    release = threading.Event()
+    batcher = Batcher(lambda batch: (release.wait(10), np.stack(batch))[1], max_batch=1, max_delay_seconds=0.001,
+                      queue_depth=8)
+    (work,) = batcher.submit(images(1, 8), limits=[1], deadline=None)
+    while not work.started:
+        time.sleep(0.001)
+    started = time.monotonic()
+    batcher.close()
+    assert time.monotonic() - started < 2
+    release.set()
+    assert work.done.wait(5)
