@@ -26,6 +26,8 @@ from server.settings import Settings
 LOG = logging.getLogger(__name__)
 SERVICE_NAME = scoring_pb2.DESCRIPTOR.services_by_name["DenseScoring"].full_name
 HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes need no token
+# A client's own deadline timer may cancel the call a moment before the server's fires.
+DEADLINE_SLACK_SECONDS = 0.05
 POLL_SECONDS = 0.05  # how often a stream's reader, held back by the window, looks whether the call ended
 
 
@@ -65,28 +67,28 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
     def _accounted(self, method: str, context: grpc.ServicerContext) -> Iterator[Call]:
         """Count the call by method and final code, track it in flight, abort on ScoringError."""
         code = grpc.StatusCode.OK
-        call: Call | None = None
         self.metrics.in_flight.inc()
         with self._idle:
             self._active += 1
         try:
             if self.draining.is_set():
                 raise ScoringError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
-            call = Call(context)
-            yield call
+            yield Call(context)
         except ScoringError as error:
             code = error.code
             context.abort(error.code, error.message)
-        except grpc.RpcError:
-            # Reading a stream's requests fails so when the client cancelled or the deadline passed:
-            # the call is over, with no one to answer and no bug to log.
-            expired = call is not None and call.deadline is not None and time.monotonic() >= call.deadline
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+        except (grpc.RpcError, GeneratorExit):
+            # A stream's call ended under it (the client cancelled or the deadline passed): reading its
+            # requests raises RpcError, or gRPC closes the handler's generator before asking for the
+            # next answer. No one to answer, no bug to log.
+            code = ended(context)
         except Exception:
             code = grpc.StatusCode.UNKNOWN  # a bug: gRPC answers UNKNOWN, the log keeps the traceback
             LOG.exception("%s failed", method)
             raise
         finally:
+            if code == grpc.StatusCode.OK and not context.is_active():
+                code = ended(context)  # the call ended before its answer: the request iterator just stopped
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(method, code.name).inc()
             with self._idle:
@@ -126,6 +128,13 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
     def GetModel(self, request: scoring_pb2.GetModelRequest, context: grpc.ServicerContext) -> model_card_pb2.ModelCard:
         with self._accounted("GetModel", context):
             return self.pipeline.card(request.name)
+
+
+def ended(context: grpc.ServicerContext) -> grpc.StatusCode:
+    """How a call that ended before its answer was sent ended: at its deadline, or cancelled."""
+    remaining = context.time_remaining()
+    expired = remaining is not None and remaining <= DEADLINE_SLACK_SECONDS
+    return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
 
 
 class StreamReader:
