@@ -41,6 +41,8 @@ __all__ = [
     "ProfileError",
     "Layer",
     "Profile",
+    "Skeleton",
+    "load_skeleton",
     "profile_model",
     "largest_batch",
     "largest_square_size",
@@ -185,8 +187,9 @@ _KEEP_VALUES_UP_TO = 64
 
 
 @dataclasses.dataclass(frozen=True)
-class _Skeleton:
-    """The graph without its large weights: what shape inference needs, cheap to copy."""
+class Skeleton:
+    """The graph without its large weights: what shape inference needs, cheap to copy. Every
+    profile function takes one in place of a model, so a server keeps this, not the weights."""
 
     model: onnx.ModelProto
     image_input: str
@@ -194,7 +197,7 @@ class _Skeleton:
     dtype: str  # of most weight bytes: an fp16 graph keeps float32 only at its edges
 
 
-def _skeleton(model: onnx.ModelProto) -> _Skeleton:
+def _skeleton(model: onnx.ModelProto) -> Skeleton:
     graph = model.graph
     initializer_names = {init.name for init in graph.initializer}
     inputs = [value for value in graph.input if value.name not in initializer_names]
@@ -231,11 +234,11 @@ def _skeleton(model: onnx.ModelProto) -> _Skeleton:
     )
     skeleton = helper.make_model(skeleton_graph, ir_version=model.ir_version, opset_imports=model.opset_import)
     main_type = max(bytes_by_type, key=bytes_by_type.get) if bytes_by_type else image.type.tensor_type.elem_type
-    return _Skeleton(skeleton, image.name, weights, _dtype_name(main_type))
+    return Skeleton(skeleton, image.name, weights, _dtype_name(main_type))
 
 
 @functools.lru_cache(maxsize=16)
-def _skeleton_from_path(path: str, mtime_ns: int) -> _Skeleton:
+def _skeleton_from_path(path: str, mtime_ns: int) -> Skeleton:
     try:
         model = onnx.load(path, load_external_data=False)
     except DecodeError as error:
@@ -243,7 +246,10 @@ def _skeleton_from_path(path: str, mtime_ns: int) -> _Skeleton:
     return _skeleton(model)
 
 
-def _skeleton_of(model: onnx.ModelProto | str) -> _Skeleton:
+def load_skeleton(model: onnx.ModelProto | str | Skeleton) -> Skeleton:
+    """What the profile of `model` needs, without its large weights (a path is cached by mtime)."""
+    if isinstance(model, Skeleton):
+        return model
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         try:
@@ -254,7 +260,7 @@ def _skeleton_of(model: onnx.ModelProto | str) -> _Skeleton:
     return _skeleton(model)
 
 
-def _resolve_shapes(skeleton: _Skeleton, *, height: int, width: int, batch: int) -> dict[str, tuple[tuple[int, ...], int]]:
+def _resolve_shapes(skeleton: Skeleton, *, height: int, width: int, batch: int) -> dict[str, tuple[tuple[int, ...], int]]:
     """name -> (static shape, elem_type) of every tensor, for this input size."""
     model = onnx.ModelProto()
     model.CopyFrom(skeleton.model)
@@ -296,15 +302,15 @@ def _macs(node: onnx.NodeProto, shapes: dict, out_shape: tuple[int, ...]) -> int
     return 0
 
 
-def profile_model(model: onnx.ModelProto | str, *, height: int, width: int, batch: int = 1) -> Profile:
+def profile_model(model: onnx.ModelProto | str | Skeleton, *, height: int, width: int, batch: int = 1) -> Profile:
     """Per-layer table and predicted peak memory of one run at batch x C x height x width."""
     for label, value in (("height", height), ("width", width), ("batch", batch)):
         if not isinstance(value, int) or value <= 0:
             raise ProfileError(f"{label} must be a positive integer, got {value!r}")
-    return _profile(_skeleton_of(model), height, width, batch)
+    return _profile(load_skeleton(model), height, width, batch)
 
 
-def _profile(skeleton: _Skeleton, height: int, width: int, batch: int) -> Profile:
+def _profile(skeleton: Skeleton, height: int, width: int, batch: int) -> Profile:
     graph = skeleton.model.graph
     shapes = _resolve_shapes(skeleton, height=height, width=width, batch=batch)
     weights = skeleton.weights
@@ -403,13 +409,13 @@ def _reused_buffer(node: onnx.NodeProto, position: int, nbytes: int, index: int,
     return None
 
 
-def _fits(skeleton: _Skeleton, height: int, width: int, batch: int, budget_bytes: int) -> bool:
+def _fits(skeleton: Skeleton, height: int, width: int, batch: int, budget_bytes: int) -> bool:
     return _profile(skeleton, height, width, batch).predicted_peak_bytes <= budget_bytes
 
 
-def largest_batch(model: onnx.ModelProto | str, *, height: int, width: int, budget_bytes: int) -> int:
+def largest_batch(model: onnx.ModelProto | str | Skeleton, *, height: int, width: int, budget_bytes: int) -> int:
     """The largest batch (up to MAX_BATCH) whose predicted peak fits the budget; 0 if none does."""
-    skeleton = _skeleton_of(model)
+    skeleton = load_skeleton(model)
     one = _profile(skeleton, height, width, 1)
     if one.predicted_peak_bytes > budget_bytes:
         return 0
@@ -436,11 +442,11 @@ def largest_batch(model: onnx.ModelProto | str, *, height: int, width: int, budg
     return low
 
 
-def largest_square_size(model: onnx.ModelProto | str, *, budget_bytes: int, batch: int = 1, multiple: int = 32) -> int:
+def largest_square_size(model: onnx.ModelProto | str | Skeleton, *, budget_bytes: int, batch: int = 1, multiple: int = 32) -> int:
     """The largest side (a multiple of `multiple`, up to MAX_SIDE) whose square input fits; 0 if none."""
     if multiple <= 0:
         raise ProfileError(f"multiple must be a positive integer, got {multiple!r}")
-    skeleton = _skeleton_of(model)
+    skeleton = load_skeleton(model)
     steps = MAX_SIDE // multiple
     # Small sizes may be invalid (kernels larger than the feature map): start at the first valid one.
     first = None

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import grpc
 import onnx
 
-from convert.profile import ProfileError, largest_batch, profile_model
+from convert.profile import ProfileError, Skeleton, largest_batch, load_skeleton, profile_model
 from server.errors import ScoringError
 
 LOG = logging.getLogger(__name__)
@@ -46,11 +46,12 @@ class Admission:
     """The memory check for one model: batch limits per input shape, cached.
 
     It profiles the graph it was given at load time, never the file again: a model file replaced
-    or removed while serving must not change (or break) what the server enforces.
+    or removed while serving must not change (or break) what the server enforces. It keeps only
+    the graph's skeleton, not a second copy of the weights the session already holds.
     """
 
-    def __init__(self, model: onnx.ModelProto, *, budget_bytes: int | None) -> None:
-        self.model = model
+    def __init__(self, model: onnx.ModelProto | Skeleton, *, budget_bytes: int | None) -> None:
+        self.model = load_skeleton(model)
         self.budget_bytes = budget_bytes
         self._lock = threading.Lock()
         # Per instance, not functools.lru_cache on the methods: that cache is shared by every

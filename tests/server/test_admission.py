@@ -83,3 +83,16 @@ def test_each_admission_owns_its_cache(tiny_model_path):
     del admission
     gc.collect()
     assert gone() is None  # no cache shared between instances keeps it alive
+
+
+def test_admission_keeps_the_skeleton_not_the_weights(tiny_model_path):
+    import onnx
+
+    from server.admission import Admission
+
+    model = onnx.load(tiny_model_path)
+    heaviest = max(np.prod(init.dims) for init in model.graph.initializer)
+    admission = Admission(model, budget_bytes=None)
+    kept = [init for init in admission.model.model.graph.initializer if np.prod(init.dims) == heaviest]
+    assert heaviest > 64 and not kept  # the 10x3x32x32 conv weights are not held a second time
+    assert admission.predicted_bytes(96, 64) == profile_model(model, height=96, width=64).predicted_peak_bytes
