@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protos.scoring_pb2 import Shift
+from protos.scoring_pb2 import MapGeometry, Shift
 
 
 @dataclass(frozen=True)
@@ -150,19 +150,6 @@ def average_flips(lattices: list[np.ndarray]) -> np.ndarray:
         return np.where(count > 0, total / np.maximum(count, 1), np.nan).astype(np.float32)
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """Cell (i, j) is centred at (center_y + i*stride_y, center_x + j*stride_x) in original pixels."""
-
-    stride_y: float
-    stride_x: float
-    center_y: float
-    center_x: float
-    box_height: float
-    box_width: float
-    scale_factor: float
-
-
 def cell_geometry(
     *,
     original: tuple[int, int],
@@ -170,15 +157,15 @@ def cell_geometry(
     stride: int,
     field_size: int,
     field_center: tuple[float, float],
-) -> Geometry:
-    """Map the lattice from resized-image pixels back to the original image.
+) -> MapGeometry:
+    """Map the lattice from resized-image pixels back to the original image (the contract's message).
 
     Pixel centres are matched the way PIL resizes (pixel k covers [k, k+1)):
     original = (resized + 0.5) / factor - 0.5.
     """
     factor_y = resized[0] / original[0]
     factor_x = resized[1] / original[1]
-    return Geometry(
+    return MapGeometry(
         stride_y=stride / factor_y,
         stride_x=stride / factor_x,
         center_y=(field_center[0] + 0.5) / factor_y - 0.5,
@@ -186,6 +173,8 @@ def cell_geometry(
         box_height=field_size / factor_y,
         box_width=field_size / factor_x,
         scale_factor=min(resized) / min(original),
+        resized_height=resized[0],
+        resized_width=resized[1],
     )
 
 

@@ -341,15 +341,7 @@ class Pipeline:
             original=original, resized=size, stride=plan.stride,
             field_size=field.size, field_center=(field.center_y, field.center_x),
         )
-        scale_map = scoring_pb2.ScaleMap(
-            scale=scale, height=lattice.shape[1], width=lattice.shape[2],
-            geometry=scoring_pb2.MapGeometry(
-                stride_y=geometry.stride_y, stride_x=geometry.stride_x,
-                center_y=geometry.center_y, center_x=geometry.center_x,
-                box_height=geometry.box_height, box_width=geometry.box_width,
-                scale_factor=geometry.scale_factor, resized_height=size[0], resized_width=size[1],
-            ),
-        )
+        scale_map = scoring_pb2.ScaleMap(scale=scale, height=lattice.shape[1], width=lattice.shape[2], geometry=geometry)
         if request.return_maps:
             chosen = lattice[list(request.classes)] if request.classes else lattice
             scale_map.classes.extend(request.classes)
