@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from protos import model_card_pb2 as protos_dot_model__card__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/scoring.proto\x12\x0bscoremap.v1\x1a\x17protos/model_card.proto\"I\n\x08RawImage\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06height\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x04 \x01(\x05\"\xbe\x02\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\x07\x65ncoded\x18\x02 \x01(\x0cH\x00\x12$\n\x03raw\x18\x03 \x01(\x0b\x32\x15.scoremap.v1.RawImageH\x00\x12\x0e\n\x06scales\x18\x04 \x03(\x05\x12\x15\n\routput_stride\x18\x05 \x01(\x05\x12!\n\x05shift\x18\x06 \x01(\x0e\x32\x12.scoremap.v1.Shift\x12\x0c\n\x04\x66lip\x18\x07 \x01(\x08\x12\x13\n\x0breturn_maps\x18\x08 \x01(\x08\x12(\n\tmap_dtype\x18\t \x01(\x0e\x32\x15.scoremap.v1.MapDtype\x12\x0f\n\x07\x63lasses\x18\n \x03(\x05\x12\x12\n\ncell_top_k\x18\x0b \x01(\x05\x12\r\n\x05top_k\x18\x0c \x01(\x05\x12\x12\n\nrequest_id\x18\r \x01(\tB\x07\n\x05image\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xc1\x01\n\x0bMapGeometry\x12\x10\n\x08stride_y\x18\x01 \x01(\x02\x12\x10\n\x08stride_x\x18\x02 \x01(\x02\x12\x10\n\x08\x63\x65nter_y\x18\x03 \x01(\x02\x12\x10\n\x08\x63\x65nter_x\x18\x04 \x01(\x02\x12\x12\n\nbox_height\x18\x05 \x01(\x02\x12\x11\n\tbox_width\x18\x06 \x01(\x02\x12\x14\n\x0cscale_factor\x18\x07 \x01(\x02\x12\x16\n\x0eresized_height\x18\x08 \x01(\x05\x12\x15\n\rresized_width\x18\t \x01(\x05\"\xfb\x01\n\x08ScaleMap\x12\r\n\x05scale\x18\x01 \x01(\x05\x12#\n\x06scores\x18\x02 \x01(\x0b\x32\x13.scoremap.v1.Tensor\x12\x0f\n\x07\x63lasses\x18\x03 \x03(\x05\x12/\n\x12\x63\x65ll_top_k_indices\x18\x04 \x01(\x0b\x32\x13.scoremap.v1.Tensor\x12.\n\x11\x63\x65ll_top_k_scores\x18\x05 \x01(\x0b\x32\x13.scoremap.v1.Tensor\x12*\n\x08geometry\x18\x06 \x01(\x0b\x32\x18.scoremap.v1.MapGeometry\x12\x0e\n\x06height\x18\x07 \x01(\x05\x12\r\n\x05width\x18\x08 \x01(\x05\":\n\x05Label\x12\r\n\x05index\x18\x01 \x01(\x05\x12\r\n\x05label\x18\x02 \x01(\t\x12\x13\n\x0bprobability\x18\x03 \x01(\x02\"r\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x15\n\rpreprocess_ms\x18\x02 \x01(\x01\x12\x14\n\x0cinference_ms\x18\x03 \x01(\x01\x12\x16\n\x0epostprocess_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\"\xa2\x02\n\rScoreResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x14\n\x0cimage_height\x18\x03 \x01(\x05\x12\x13\n\x0bimage_width\x18\x04 \x01(\x05\x12#\n\x04maps\x18\x05 \x03(\x0b\x32\x15.scoremap.v1.ScaleMap\x12!\n\x05top_k\x18\x06 \x03(\x0b\x32\x12.scoremap.v1.Label\x12%\n\x07timings\x18\x07 \x01(\x0b\x32\x14.scoremap.v1.Timings\x12\x1a\n\x12\x65xecution_provider\x18\x08 \x01(\t\x12\x15\n\routput_stride\x18\t \x01(\x05\x12!\n\x05shift\x18\n \x01(\x0e\x32\x12.scoremap.v1.Shift\"\x13\n\x11ListModelsRequest\"e\n\x0cModelSummary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63lasses\x18\x02 \x01(\x05\x12\x15\n\routput_stride\x18\x03 \x01(\x05\x12\x11\n\tprecision\x18\x04 \x01(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\"?\n\x12ListModelsResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.scoremap.v1.ModelSummary\"\x1f\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t*d\n\x05Shift\x12\x15\n\x11SHIFT_UNSPECIFIED\x10\x00\x12\x0e\n\nSHIFT_NONE\x10\x01\x12\x0e\n\nSHIFT_GRID\x10\x02\x12\x12\n\x0eSHIFT_DIAGONAL\x10\x03\x12\x10\n\x0cSHIFT_ATROUS\x10\x04*?\n\x08MapDtype\x12\x19\n\x15MAP_DTYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x32\xa9\x02\n\x0c\x44\x65nseScoring\x12>\n\x05Score\x12\x19.scoremap.v1.ScoreRequest\x1a\x1a.scoremap.v1.ScoreResponse\x12H\n\x0bScoreStream\x12\x19.scoremap.v1.ScoreRequest\x1a\x1a.scoremap.v1.ScoreResponse(\x01\x30\x01\x12M\n\nListModels\x12\x1e.scoremap.v1.ListModelsRequest\x1a\x1f.scoremap.v1.ListModelsResponse\x12@\n\x08GetModel\x12\x1c.scoremap.v1.GetModelRequest\x1a\x16.scoremap.v1.ModelCardb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/scoring.proto\x12\x0bscoremap.v1\x1a\x17protos/model_card.proto\"I\n\x08RawImage\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06height\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x04 \x01(\x05\"\xbe\x02\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\x07\x65ncoded\x18\x02 \x01(\x0cH\x00\x12$\n\x03raw\x18\x03 \x01(\x0b\x32\x15.scoremap.v1.RawImageH\x00\x12\x0e\n\x06scales\x18\x04 \x03(\x05\x12\x15\n\routput_stride\x18\x05 \x01(\x05\x12!\n\x05shift\x18\x06 \x01(\x0e\x32\x12.scoremap.v1.Shift\x12\x0c\n\x04\x66lip\x18\x07 \x01(\x08\x12\x13\n\x0breturn_maps\x18\x08 \x01(\x08\x12(\n\tmap_dtype\x18\t \x01(\x0e\x32\x15.scoremap.v1.MapDtype\x12\x0f\n\x07\x63lasses\x18\n \x03(\x05\x12\x12\n\ncell_top_k\x18\x0b \x01(\x05\x12\r\n\x05top_k\x18\x0c \x01(\x05\x12\x12\n\nrequest_id\x18\r \x01(\tB\x07\n\x05image\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xf9\x01\n\x0bMapGeometry\x12\x10\n\x08stride_y\x18\x01 \x01(\x02\x12\x10\n\x08stride_x\x18\x02 \x01(\x02\x12\x10\n\x08\x63\x65nter_y\x18\x03 \x01(\x02\x12\x10\n\x08\x63\x65nter_x\x18\x04 \x01(\x02\x12\x12\n\nbox_height\x18\x05 \x01(\x02\x12\x11\n\tbox_width\x18\x06 \x01(\x02\x12\x14\n\x0cscale_factor\x18\x07 \x01(\x02\x12\x16\n\x0eresized_height\x18\x08 \x01(\x05\x12\x15\n\rresized_width\x18\t \x01(\x05\x12\x1a\n\x12padded_border_rows\x18\n \x01(\x05\x12\x1a\n\x12padded_border_cols\x18\x0b \x01(\x05\"\xfb\x01\n\x08ScaleMap\x12\r\n\x05scale\x18\x01 \x01(\x05\x12#\n\x06scores\x18\x02 \x01(\x0b\x32\x13.scoremap.v1.Tensor\x12\x0f\n\x07\x63lasses\x18\x03 \x03(\x05\x12/\n\x12\x63\x65ll_top_k_indices\x18\x04 \x01(\x0b\x32\x13.scoremap.v1.Tensor\x12.\n\x11\x63\x65ll_top_k_scores\x18\x05 \x01(\x0b\x32\x13.scoremap.v1.Tensor\x12*\n\x08geometry\x18\x06 \x01(\x0b\x32\x18.scoremap.v1.MapGeometry\x12\x0e\n\x06height\x18\x07 \x01(\x05\x12\r\n\x05width\x18\x08 \x01(\x05\":\n\x05Label\x12\r\n\x05index\x18\x01 \x01(\x05\x12\r\n\x05label\x18\x02 \x01(\t\x12\x13\n\x0bprobability\x18\x03 \x01(\x02\"\x87\x01\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x15\n\rpreprocess_ms\x18\x02 \x01(\x01\x12\x14\n\x0cinference_ms\x18\x03 \x01(\x01\x12\x16\n\x0epostprocess_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\x12\x13\n\x0bplanning_ms\x18\x06 \x01(\x01\"\xb4\x02\n\rScoreResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x14\n\x0cimage_height\x18\x03 \x01(\x05\x12\x13\n\x0bimage_width\x18\x04 \x01(\x05\x12#\n\x04maps\x18\x05 \x03(\x0b\x32\x15.scoremap.v1.ScaleMap\x12!\n\x05top_k\x18\x06 \x03(\x0b\x32\x12.scoremap.v1.Label\x12%\n\x07timings\x18\x07 \x01(\x0b\x32\x14.scoremap.v1.Timings\x12\x1a\n\x12\x65xecution_provider\x18\x08 \x01(\t\x12\x15\n\routput_stride\x18\t \x01(\x05\x12!\n\x05shift\x18\n \x01(\x0e\x32\x12.scoremap.v1.Shift\x12\x10\n\x08warnings\x18\x0b \x03(\t\"\x13\n\x11ListModelsRequest\"e\n\x0cModelSummary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63lasses\x18\x02 \x01(\x05\x12\x15\n\routput_stride\x18\x03 \x01(\x05\x12\x11\n\tprecision\x18\x04 \x01(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\"?\n\x12ListModelsResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.scoremap.v1.ModelSummary\"\x1f\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t*d\n\x05Shift\x12\x15\n\x11SHIFT_UNSPECIFIED\x10\x00\x12\x0e\n\nSHIFT_NONE\x10\x01\x12\x0e\n\nSHIFT_GRID\x10\x02\x12\x12\n\x0eSHIFT_DIAGONAL\x10\x03\x12\x10\n\x0cSHIFT_ATROUS\x10\x04*?\n\x08MapDtype\x12\x19\n\x15MAP_DTYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x32\xa9\x02\n\x0c\x44\x65nseScoring\x12>\n\x05Score\x12\x19.scoremap.v1.ScoreRequest\x1a\x1a.scoremap.v1.ScoreResponse\x12H\n\x0bScoreStream\x12\x19.scoremap.v1.ScoreRequest\x1a\x1a.scoremap.v1.ScoreResponse(\x01\x30\x01\x12M\n\nListModels\x12\x1e.scoremap.v1.ListModelsRequest\x1a\x1f.scoremap.v1.ListModelsResponse\x12@\n\x08GetModel\x12\x1c.scoremap.v1.GetModelRequest\x1a\x16.scoremap.v1.ModelCardb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.scoring_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SHIFT']._serialized_start=1653
-  _globals['_SHIFT']._serialized_end=1753
-  _globals['_MAPDTYPE']._serialized_start=1755
-  _globals['_MAPDTYPE']._serialized_end=1818
+  _globals['_SHIFT']._serialized_start=1749
+  _globals['_SHIFT']._serialized_end=1849
+  _globals['_MAPDTYPE']._serialized_start=1851
+  _globals['_MAPDTYPE']._serialized_end=1914
   _globals['_RAWIMAGE']._serialized_start=62
   _globals['_RAWIMAGE']._serialized_end=135
   _globals['_SCOREREQUEST']._serialized_start=138
@@ -43,23 +43,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=458
   _globals['_TENSOR']._serialized_end=510
   _globals['_MAPGEOMETRY']._serialized_start=513
-  _globals['_MAPGEOMETRY']._serialized_end=706
-  _globals['_SCALEMAP']._serialized_start=709
-  _globals['_SCALEMAP']._serialized_end=960
-  _globals['_LABEL']._serialized_start=962
-  _globals['_LABEL']._serialized_end=1020
-  _globals['_TIMINGS']._serialized_start=1022
-  _globals['_TIMINGS']._serialized_end=1136
-  _globals['_SCORERESPONSE']._serialized_start=1139
-  _globals['_SCORERESPONSE']._serialized_end=1429
-  _globals['_LISTMODELSREQUEST']._serialized_start=1431
-  _globals['_LISTMODELSREQUEST']._serialized_end=1450
-  _globals['_MODELSUMMARY']._serialized_start=1452
-  _globals['_MODELSUMMARY']._serialized_end=1553
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1555
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1618
-  _globals['_GETMODELREQUEST']._serialized_start=1620
-  _globals['_GETMODELREQUEST']._serialized_end=1651
-  _globals['_DENSESCORING']._serialized_start=1821
-  _globals['_DENSESCORING']._serialized_end=2118
+  _globals['_MAPGEOMETRY']._serialized_end=762
+  _globals['_SCALEMAP']._serialized_start=765
+  _globals['_SCALEMAP']._serialized_end=1016
+  _globals['_LABEL']._serialized_start=1018
+  _globals['_LABEL']._serialized_end=1076
+  _globals['_TIMINGS']._serialized_start=1079
+  _globals['_TIMINGS']._serialized_end=1214
+  _globals['_SCORERESPONSE']._serialized_start=1217
+  _globals['_SCORERESPONSE']._serialized_end=1525
+  _globals['_LISTMODELSREQUEST']._serialized_start=1527
+  _globals['_LISTMODELSREQUEST']._serialized_end=1546
+  _globals['_MODELSUMMARY']._serialized_start=1548
+  _globals['_MODELSUMMARY']._serialized_end=1649
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1651
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1714
+  _globals['_GETMODELREQUEST']._serialized_start=1716
+  _globals['_GETMODELREQUEST']._serialized_end=1747
+  _globals['_DENSESCORING']._serialized_start=1917
+  _globals['_DENSESCORING']._serialized_end=2214
 # @@protoc_insertion_point(module_scope)

@@ -83,7 +83,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class MapGeometry(_message.Message):
-    __slots__ = ("stride_y", "stride_x", "center_y", "center_x", "box_height", "box_width", "scale_factor", "resized_height", "resized_width")
+    __slots__ = ("stride_y", "stride_x", "center_y", "center_x", "box_height", "box_width", "scale_factor", "resized_height", "resized_width", "padded_border_rows", "padded_border_cols")
     STRIDE_Y_FIELD_NUMBER: _ClassVar[int]
     STRIDE_X_FIELD_NUMBER: _ClassVar[int]
     CENTER_Y_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,8 @@ class MapGeometry(_message.Message):
     SCALE_FACTOR_FIELD_NUMBER: _ClassVar[int]
     RESIZED_HEIGHT_FIELD_NUMBER: _ClassVar[int]
     RESIZED_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    PADDED_BORDER_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PADDED_BORDER_COLS_FIELD_NUMBER: _ClassVar[int]
     stride_y: float
     stride_x: float
     center_y: float
@@ -102,7 +104,9 @@ class MapGeometry(_message.Message):
     scale_factor: float
     resized_height: int
     resized_width: int
-    def __init__(self, stride_y: _Optional[float] = ..., stride_x: _Optional[float] = ..., center_y: _Optional[float] = ..., center_x: _Optional[float] = ..., box_height: _Optional[float] = ..., box_width: _Optional[float] = ..., scale_factor: _Optional[float] = ..., resized_height: _Optional[int] = ..., resized_width: _Optional[int] = ...) -> None: ...
+    padded_border_rows: int
+    padded_border_cols: int
+    def __init__(self, stride_y: _Optional[float] = ..., stride_x: _Optional[float] = ..., center_y: _Optional[float] = ..., center_x: _Optional[float] = ..., box_height: _Optional[float] = ..., box_width: _Optional[float] = ..., scale_factor: _Optional[float] = ..., resized_height: _Optional[int] = ..., resized_width: _Optional[int] = ..., padded_border_rows: _Optional[int] = ..., padded_border_cols: _Optional[int] = ...) -> None: ...
 
 class ScaleMap(_message.Message):
     __slots__ = ("scale", "scores", "classes", "cell_top_k_indices", "cell_top_k_scores", "geometry", "height", "width")
@@ -135,21 +139,23 @@ class Label(_message.Message):
     def __init__(self, index: _Optional[int] = ..., label: _Optional[str] = ..., probability: _Optional[float] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ms", "preprocess_ms", "inference_ms", "postprocess_ms", "total_ms")
+    __slots__ = ("queue_ms", "preprocess_ms", "inference_ms", "postprocess_ms", "total_ms", "planning_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREPROCESS_MS_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_MS_FIELD_NUMBER: _ClassVar[int]
     POSTPROCESS_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    PLANNING_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     preprocess_ms: float
     inference_ms: float
     postprocess_ms: float
     total_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., inference_ms: _Optional[float] = ..., postprocess_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    planning_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., inference_ms: _Optional[float] = ..., postprocess_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., planning_ms: _Optional[float] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("model", "request_id", "image_height", "image_width", "maps", "top_k", "timings", "execution_provider", "output_stride", "shift")
+    __slots__ = ("model", "request_id", "image_height", "image_width", "maps", "top_k", "timings", "execution_provider", "output_stride", "shift", "warnings")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGE_HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +166,7 @@ class ScoreResponse(_message.Message):
     EXECUTION_PROVIDER_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_STRIDE_FIELD_NUMBER: _ClassVar[int]
     SHIFT_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     model: str
     request_id: str
     image_height: int
@@ -170,7 +177,8 @@ class ScoreResponse(_message.Message):
     execution_provider: str
     output_stride: int
     shift: Shift
-    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., image_height: _Optional[int] = ..., image_width: _Optional[int] = ..., maps: _Optional[_Iterable[_Union[ScaleMap, _Mapping]]] = ..., top_k: _Optional[_Iterable[_Union[Label, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., execution_provider: _Optional[str] = ..., output_stride: _Optional[int] = ..., shift: _Optional[_Union[Shift, str]] = ...) -> None: ...
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., image_height: _Optional[int] = ..., image_width: _Optional[int] = ..., maps: _Optional[_Iterable[_Union[ScaleMap, _Mapping]]] = ..., top_k: _Optional[_Iterable[_Union[Label, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., execution_provider: _Optional[str] = ..., output_stride: _Optional[int] = ..., shift: _Optional[_Union[Shift, str]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

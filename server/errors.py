@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import grpc
 
+# Trailing metadata key telling a client that a refusal is transient (overload) and when to retry;
+# clients decide on it and the status code, never on the message's words.
+RETRY_AFTER_KEY = "scoremap-retry-after-ms"
+
 
 class ScoringError(Exception):
-    """A request the pipeline refuses or cannot finish; the servicer turns it into `context.abort`."""
+    """A request the pipeline refuses or cannot finish; the servicer turns it into `context.abort`.
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    `retry_after_seconds` is set only on transient refusals (a full queue, a wait longer than the
+    deadline): the servicer sends it as `RETRY_AFTER_KEY` trailing metadata.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, retry_after_seconds: float | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_seconds = retry_after_seconds
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
