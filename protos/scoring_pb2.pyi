@@ -185,18 +185,26 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelSummary(_message.Message):
-    __slots__ = ("name", "classes", "output_stride", "precision", "path")
+    __slots__ = ("name", "classes", "output_stride", "precision", "path", "output_strides", "min_scale", "max_scale", "default_scale")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_STRIDE_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_STRIDES_FIELD_NUMBER: _ClassVar[int]
+    MIN_SCALE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SCALE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SCALE_FIELD_NUMBER: _ClassVar[int]
     name: str
     classes: int
     output_stride: int
     precision: str
     path: str
-    def __init__(self, name: _Optional[str] = ..., classes: _Optional[int] = ..., output_stride: _Optional[int] = ..., precision: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    output_strides: _containers.RepeatedScalarFieldContainer[int]
+    min_scale: int
+    max_scale: int
+    default_scale: int
+    def __init__(self, name: _Optional[str] = ..., classes: _Optional[int] = ..., output_stride: _Optional[int] = ..., precision: _Optional[str] = ..., path: _Optional[str] = ..., output_strides: _Optional[_Iterable[int]] = ..., min_scale: _Optional[int] = ..., max_scale: _Optional[int] = ..., default_scale: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
