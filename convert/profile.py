@@ -12,12 +12,12 @@ onnxruntime will need for it:
   to the end. View-like ops (Reshape, Flatten, Squeeze, Unsqueeze, Identity, Dropout) alias their
   input; element-wise ops reuse their input's buffer when that input dies at the op and has the
   same size (what onnxruntime's allocation planner does), so neither is counted twice.
-* allowance: `RUNTIME_BASE_BYTES + ALLOCATION_SLACK * peak_activations`, fitted to the peak RSS
-  measured on onnxruntime's CPU provider with `convert.runtime_memory.predictable_session_options`
-  (no memory pattern, no CPU arena): measured minus (weights + live peak) was a constant 6-9 MiB
-  for a VGG-style and the EfficientNet-Lite0 dense graph at 224-512 px, batch 1-4 (bench_memory).
-  No convolution workspace shows up: on AVX2/AVX-512 machines onnxruntime runs convolutions in its
-  blocked NCHWc layout without im2col buffers.
+* allowance: what the execution provider adds (weight copies, session state, run workspace, and
+  its activation factor over the live peak), fitted per provider in convert.memory_model.
+
+The image input's layout (NCHW or NHWC), channel count and dtype come from the model card when
+the graph carries one (or from the caller, for a graph built at load time such as a server's
+wrapper); a graph without either is read from its fixed dimensions when they leave no doubt.
 
 The per-layer table follows the classic VGG16 breakdown (cs231n): each node's output shape,
 activations (elements of the new buffers it writes; aliasing ops write none), parameters
@@ -37,6 +37,9 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper, shape_inference
 
+from convert.card import METADATA_KEY, CardError, ImageInput, Layout, batch_shape, channel_axis, label, read_card, spatial_axes
+from convert.memory_model import Device, MemoryTerms, predict
+
 __all__ = [
     "ProfileError",
     "Layer",
@@ -47,18 +50,10 @@ __all__ = [
     "largest_batch",
     "largest_square_size",
     "parse_bytes",
-    "RUNTIME_BASE_BYTES",
-    "ALLOCATION_SLACK",
     "MAX_BATCH",
     "MAX_SIDE",
 ]
 
-# Memory onnxruntime's CPU session adds during a run whatever the input (thread-pool work buffers,
-# kernel state, layout reorders at the graph's edges); measured 6-9 MiB, see the module docstring.
-RUNTIME_BASE_BYTES = 8 * 2**20
-# Fraction of the activation peak added for allocation rounding and for layout transforms the
-# graph does not show (onnxruntime's NCHWc reorders pad channels to the SIMD width).
-ALLOCATION_SLACK = 0.05
 # Upper bounds of the searches in largest_batch / largest_square_size.
 MAX_BATCH = 4096
 MAX_SIDE = 16384
@@ -99,7 +94,7 @@ class Layer:
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
-    """The per-layer table and the predicted peak for one (height, width, batch)."""
+    """The per-layer table and the predicted peak for one (height, width, batch) on one device."""
 
     height: int
     width: int
@@ -112,8 +107,20 @@ class Profile:
     naive_activation_bytes: int
     peak_activation_bytes: int
     peak_layer: str
-    allowance_bytes: int
-    predicted_peak_bytes: int
+    terms: MemoryTerms
+
+    @property
+    def device(self) -> Device:
+        return self.terms.device
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.terms.total
+
+    @property
+    def allowance_bytes(self) -> int:
+        """What the provider adds over weights + live peak (copies, session, workspace, factor)."""
+        return self.terms.total - self.weights_bytes - self.peak_activation_bytes
 
     @property
     def params(self) -> int:
@@ -134,6 +141,7 @@ class Profile:
             "width": self.width,
             "batch": self.batch,
             "dtype": self.dtype,
+            "device": self.device.value,
             "layers": [layer.to_dict() for layer in self.layers],
             "params": self.params,
             "activations": self.activations,
@@ -144,13 +152,9 @@ class Profile:
             "peak_activation_bytes": self.peak_activation_bytes,
             "peak_layer": self.peak_layer,
             "allowance_bytes": self.allowance_bytes,
-            "allowance_formula": allowance_formula(),
+            "terms": self.terms.to_dict(),
             "predicted_peak_bytes": self.predicted_peak_bytes,
         }
-
-
-def allowance_formula() -> str:
-    return f"{RUNTIME_BASE_BYTES} B runtime base + {ALLOCATION_SLACK:g} x peak activation bytes"
 
 
 _UNITS = {
@@ -195,9 +199,40 @@ class Skeleton:
     image_input: str
     weights: dict[str, tuple[tuple[int, ...], int]]  # name -> (shape, element size)
     dtype: str  # of most weight bytes: an fp16 graph keeps float32 only at its edges
+    layout: int  # a Layout value: where the channel and spatial axes of the image input are
+    channels: int
 
 
-def _skeleton(model: onnx.ModelProto) -> Skeleton:
+def _image_layout(model: onnx.ModelProto, image: onnx.ValueInfoProto, layout: int | None) -> tuple[int, int]:
+    """(layout, channels) of the image input: the caller's layout, else the card's, else the one
+    the graph's fixed dimensions allow (one of axes 1 and 3 fixed, the other symbolic); the
+    channel count from the graph, else from the card's mean/std."""
+    dims = image.type.tensor_type.shape.dim
+    fixed = [dim.dim_value if dim.HasField("dim_value") else 0 for dim in dims]
+    card_channels = 0
+    if layout is None and any(prop.key == METADATA_KEY for prop in model.metadata_props):
+        try:
+            view = ImageInput.of(read_card(model))
+        except CardError as error:
+            raise ProfileError(f"the model card does not say how the image input is laid out: {error}") from error
+        layout, card_channels = view.layout, view.channels
+    if layout is None:
+        candidates = [choice for choice in (Layout.LAYOUT_NCHW, Layout.LAYOUT_NHWC)
+                      if fixed[channel_axis(choice)] and not any(fixed[axis] for axis in spatial_axes(choice))]
+        if len(candidates) != 1:
+            raise ProfileError(
+                f"input {image.name!r} has shape {[d.dim_value or d.dim_param or '?' for d in dims]} and the graph "
+                "has no model card saying its layout; convert it with scoremap-convert, or give the layout "
+                "(NCHW or NHWC)")
+        layout = candidates[0]
+    channels = fixed[channel_axis(layout)] or card_channels
+    if channels <= 0:
+        raise ProfileError(f"the channel dimension of input {image.name!r} ({label(Layout, layout)}, axis "
+                           f"{channel_axis(layout)}) is not fixed and the model card gives no mean/std to count them")
+    return layout, channels
+
+
+def _skeleton(model: onnx.ModelProto, layout: int | None = None) -> Skeleton:
     graph = model.graph
     initializer_names = {init.name for init in graph.initializer}
     inputs = [value for value in graph.input if value.name not in initializer_names]
@@ -206,8 +241,9 @@ def _skeleton(model: onnx.ModelProto) -> Skeleton:
                            f"{[value.name for value in inputs]}")
     image = inputs[0]
     if len(image.type.tensor_type.shape.dim) != 4:
-        raise ProfileError(f"expected a 4-d NCHW image input, got {image.name!r} with "
+        raise ProfileError(f"expected a 4-d NCHW or NHWC image input, got {image.name!r} with "
                            f"{len(image.type.tensor_type.shape.dim)} dimensions")
+    layout, channels = _image_layout(model, image, layout)
     weights: dict[str, tuple[tuple[int, ...], int]] = {}
     bytes_by_type: dict[int, int] = {}
     kept: list[TensorProto] = []
@@ -234,20 +270,23 @@ def _skeleton(model: onnx.ModelProto) -> Skeleton:
     )
     skeleton = helper.make_model(skeleton_graph, ir_version=model.ir_version, opset_imports=model.opset_import)
     main_type = max(bytes_by_type, key=bytes_by_type.get) if bytes_by_type else image.type.tensor_type.elem_type
-    return Skeleton(skeleton, image.name, weights, _dtype_name(main_type))
+    return Skeleton(skeleton, image.name, weights, _dtype_name(main_type), layout, channels)
 
 
 @functools.lru_cache(maxsize=16)
-def _skeleton_from_path(path: str, mtime_ns: int) -> Skeleton:
+def _skeleton_from_path(path: str, mtime_ns: int, layout: int | None) -> Skeleton:
     try:
         model = onnx.load(path, load_external_data=False)
     except DecodeError as error:
         raise ProfileError(f"{path!r} is not an ONNX model: {error}") from error
-    return _skeleton(model)
+    return _skeleton(model, layout)
 
 
-def load_skeleton(model: onnx.ModelProto | str | Skeleton) -> Skeleton:
-    """What the profile of `model` needs, without its large weights (a path is cached by mtime)."""
+def load_skeleton(model: onnx.ModelProto | str | Skeleton, *, layout: int | None = None) -> Skeleton:
+    """What the profile of `model` needs, without its large weights (a path is cached by mtime).
+
+    `layout` (a Layout value) is for graphs without a model card, e.g. one a server builds at load
+    time around the converted net; a converted graph's card says it."""
     if isinstance(model, Skeleton):
         return model
     if isinstance(model, (str, os.PathLike)):
@@ -256,8 +295,8 @@ def load_skeleton(model: onnx.ModelProto | str | Skeleton) -> Skeleton:
             mtime_ns = os.stat(path).st_mtime_ns
         except OSError as error:
             raise ProfileError(f"cannot read an ONNX model from {path!r}: {error}") from error
-        return _skeleton_from_path(os.path.abspath(path), mtime_ns)
-    return _skeleton(model)
+        return _skeleton_from_path(os.path.abspath(path), mtime_ns, layout)
+    return _skeleton(model, layout)
 
 
 def _resolve_shapes(skeleton: Skeleton, *, height: int, width: int, batch: int) -> dict[str, tuple[tuple[int, ...], int]]:
@@ -266,16 +305,15 @@ def _resolve_shapes(skeleton: Skeleton, *, height: int, width: int, batch: int) 
     model.CopyFrom(skeleton.model)
     image = model.graph.input[0]
     dims = image.type.tensor_type.shape.dim
-    channels = dims[1].dim_value if dims[1].HasField("dim_value") else 0
-    if channels <= 0:
-        raise ProfileError(f"the channel dimension of input {image.name!r} is not fixed")
-    for dim, value in zip(dims, (batch, channels, height, width)):
+    shape = batch_shape(skeleton.layout, batch=batch, channels=skeleton.channels, height=height, width=width)
+    for dim, value in zip(dims, shape):
         dim.Clear()
         dim.dim_value = value
     try:
         inferred = shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
     except Exception as error:  # onnx raises InferenceError (and others) with a useful message
-        raise ProfileError(f"shape inference failed for input {batch}x{channels}x{height}x{width}: "
+        raise ProfileError(f"shape inference failed for input {'x'.join(map(str, shape))} "
+                           f"({label(Layout, skeleton.layout)}): "
                            f"{str(error).strip().splitlines()[-1]}") from error
     shapes: dict[str, tuple[tuple[int, ...], int]] = {}
     for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
@@ -302,15 +340,17 @@ def _macs(node: onnx.NodeProto, shapes: dict, out_shape: tuple[int, ...]) -> int
     return 0
 
 
-def profile_model(model: onnx.ModelProto | str | Skeleton, *, height: int, width: int, batch: int = 1) -> Profile:
-    """Per-layer table and predicted peak memory of one run at batch x C x height x width."""
+def profile_model(model: onnx.ModelProto | str | Skeleton, *, height: int, width: int, batch: int = 1,
+                  device: Device = Device.CPU) -> Profile:
+    """Per-layer table and predicted peak memory of one session running batch images of height x width
+    on `device` (convert.memory_model's terms for that execution provider)."""
     for label, value in (("height", height), ("width", width), ("batch", batch)):
         if not isinstance(value, int) or value <= 0:
             raise ProfileError(f"{label} must be a positive integer, got {value!r}")
-    return _profile(load_skeleton(model), height, width, batch)
+    return _profile(load_skeleton(model), height, width, batch, device)
 
 
-def _profile(skeleton: Skeleton, height: int, width: int, batch: int) -> Profile:
+def _profile(skeleton: Skeleton, height: int, width: int, batch: int, device: Device = Device.CPU) -> Profile:
     graph = skeleton.model.graph
     shapes = _resolve_shapes(skeleton, height=height, width=width, batch=batch)
     weights = skeleton.weights
@@ -382,13 +422,11 @@ def _profile(skeleton: Skeleton, height: int, width: int, batch: int) -> Profile
             live_bytes -= buffer_bytes[buffer]
 
     weights_bytes = sum(math.prod(shape) * size for shape, size in weights.values())
-    allowance = RUNTIME_BASE_BYTES + int(ALLOCATION_SLACK * peak_bytes)
     return Profile(
         height=height, width=width, batch=batch, dtype=skeleton.dtype, layers=tuple(layers),
         input_activations=input_activations, input_bytes=input_bytes, weights_bytes=weights_bytes,
         naive_activation_bytes=naive_bytes, peak_activation_bytes=peak_bytes, peak_layer=peak_layer,
-        allowance_bytes=allowance,
-        predicted_peak_bytes=weights_bytes + peak_bytes + allowance,
+        terms=predict(device, weights_bytes=weights_bytes, peak_activation_bytes=peak_bytes),
     )
 
 
@@ -409,40 +447,42 @@ def _reused_buffer(node: onnx.NodeProto, position: int, nbytes: int, index: int,
     return None
 
 
-def _fits(skeleton: Skeleton, height: int, width: int, batch: int, budget_bytes: int) -> bool:
-    return _profile(skeleton, height, width, batch).predicted_peak_bytes <= budget_bytes
+def _fits(skeleton: Skeleton, height: int, width: int, batch: int, budget_bytes: int, device: Device) -> bool:
+    return _profile(skeleton, height, width, batch, device).predicted_peak_bytes <= budget_bytes
 
 
-def largest_batch(model: onnx.ModelProto | str | Skeleton, *, height: int, width: int, budget_bytes: int) -> int:
+def largest_batch(model: onnx.ModelProto | str | Skeleton, *, height: int, width: int, budget_bytes: int,
+                  device: Device = Device.CPU) -> int:
     """The largest batch (up to MAX_BATCH) whose predicted peak fits the budget; 0 if none does."""
     skeleton = load_skeleton(model)
-    one = _profile(skeleton, height, width, 1)
+    one = _profile(skeleton, height, width, 1, device)
     if one.predicted_peak_bytes > budget_bytes:
         return 0
-    two = _profile(skeleton, height, width, 2)
+    two = _profile(skeleton, height, width, 2, device)
     low, high = 1, MAX_BATCH + 1  # low fits, high does not (or is past the end)
     if two.peak_activation_bytes == 2 * one.peak_activation_bytes and two.weights_bytes == one.weights_bytes:
         # Activations scale with the batch (every buffer is per image): solve for it, then check
         # the answer and its successor, so the search below starts from a two-wide bracket.
-        per_image = one.peak_activation_bytes * (1 + ALLOCATION_SLACK)
-        room = budget_bytes - one.weights_bytes - RUNTIME_BASE_BYTES
+        per_image = one.terms.activations
+        room = budget_bytes - one.terms.fixed
         guess = max(1, min(MAX_BATCH, int(room // per_image) if per_image else MAX_BATCH))
-        if _fits(skeleton, height, width, guess, budget_bytes):
+        if _fits(skeleton, height, width, guess, budget_bytes, device):
             low = guess
-            if guess == MAX_BATCH or not _fits(skeleton, height, width, guess + 1, budget_bytes):
+            if guess == MAX_BATCH or not _fits(skeleton, height, width, guess + 1, budget_bytes, device):
                 return guess
         else:
             high = guess
     while high - low > 1:
         middle = (low + high) // 2
-        if _fits(skeleton, height, width, middle, budget_bytes):
+        if _fits(skeleton, height, width, middle, budget_bytes, device):
             low = middle
         else:
             high = middle
     return low
 
 
-def largest_square_size(model: onnx.ModelProto | str | Skeleton, *, budget_bytes: int, batch: int = 1, multiple: int = 32) -> int:
+def largest_square_size(model: onnx.ModelProto | str | Skeleton, *, budget_bytes: int, batch: int = 1, multiple: int = 32,
+                        device: Device = Device.CPU) -> int:
     """The largest side (a multiple of `multiple`, up to MAX_SIDE) whose square input fits; 0 if none."""
     if multiple <= 0:
         raise ProfileError(f"multiple must be a positive integer, got {multiple!r}")
@@ -453,7 +493,7 @@ def largest_square_size(model: onnx.ModelProto | str | Skeleton, *, budget_bytes
     for step in range(1, steps + 1):
         side = step * multiple
         try:
-            profile = _profile(skeleton, side, side, batch)
+            profile = _profile(skeleton, side, side, batch, device)
         except ProfileError:
             continue
         first = step
@@ -465,7 +505,7 @@ def largest_square_size(model: onnx.ModelProto | str | Skeleton, *, budget_bytes
     low, high = first, steps + 1  # low fits, high does not (or is past the end)
     while high - low > 1:
         middle = (low + high) // 2
-        if _fits(skeleton, middle * multiple, middle * multiple, batch, budget_bytes):
+        if _fits(skeleton, middle * multiple, middle * multiple, batch, budget_bytes, device):
             low = middle
         else:
             high = middle

@@ -5,8 +5,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from convert.card import Layout
 from convert.precision import fp16_graph
-from convert.profile import (ProfileError, largest_batch, largest_square_size, parse_bytes,
+from convert.profile import (ProfileError, largest_batch, largest_square_size, load_skeleton, parse_bytes,
                              profile_model)
 from convert.runtime_memory import MeasurementError, measure_peak, select_device
 
@@ -95,7 +96,7 @@ def test_vgg16_matches_the_classic_breakdown():
     convention): 15,237,608 elements. The notes' total of "24M" (93 MB) is not the sum of their
     own per-layer lines, which is this 15.2M (61 MB).
     """
-    profile = profile_model(vgg_graph(), height=224, width=224)
+    profile = profile_model(load_skeleton(vgg_graph(), layout=Layout.LAYOUT_NCHW), height=224, width=224)
     assert profile.params == 138_357_544
     assert profile.activations == 15_237_608
     assert profile.naive_activation_bytes == 4 * 15_237_608
@@ -218,7 +219,7 @@ def test_unprofilable_requests_raise_profile_error():
 
 def test_a_path_is_profiled_without_loading_its_weights(tmp_path):
     path = tmp_path / "vgg16.onnx"  # its weights.bin does not exist
-    onnx.save(vgg_graph(), path)
+    onnx.save(vgg_graph(dense=True), path)
     assert profile_model(str(path), height=224, width=224).params == 138_357_544
     with pytest.raises(ProfileError, match="cannot read"):
         profile_model(str(tmp_path / "missing.onnx"), height=224, width=224)
@@ -259,7 +260,7 @@ def test_largest_batch_without_per_image_scaling_still_finds_the_last_that_fits(
              helper.make_node("Expand", ["table", "shape"], ["big"]),  # grows with the batch
              helper.make_node("ReduceSum", ["table"], ["fixed"], keepdims=1),  # does not
              helper.make_node("Add", ["big", "fixed"], ["y"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 64, 64])],
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, "H", "W"])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [table])
     model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
     one, two = (profile_model(model, height=64, width=64, batch=b) for b in (1, 2))
@@ -279,3 +280,63 @@ def test_measurement_refuses_an_unknown_device_and_a_missing_model(tmp_path):
     broken.write_text("not a model")
     with pytest.raises(MeasurementError, match="failed"):
         measure_peak(str(broken), height=32, width=32, device="cpu")
+
+
+def nhwc_net(*, dtype: int = TensorProto.FLOAT, dims=("N", "H", "W", 3), card_layout=None) -> onnx.ModelProto:
+    """Keras-style: image [N, H, W, C] (optionally uint8, cast inside), Transpose to NCHW, Conv 3x3, Relu."""
+    weight = numpy_helper.from_array(np.ones((8, 3, 3, 3), np.float32), "w")
+    nodes = []
+    source = "image"
+    if dtype != TensorProto.FLOAT:
+        nodes.append(helper.make_node("Cast", ["image"], ["f"], to=TensorProto.FLOAT, name="cast"))
+        source = "f"
+    nodes += [helper.make_node("Transpose", [source], ["nchw"], perm=[0, 3, 1, 2], name="to_nchw"),
+              helper.make_node("Conv", ["nchw", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+              helper.make_node("Relu", ["c"], ["scores"], name="relu")]
+    graph = helper.make_graph(nodes, "nhwc", [helper.make_tensor_value_info("image", dtype, list(dims))],
+                              [helper.make_tensor_value_info("scores", TensorProto.FLOAT, None)], [weight])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
+    if card_layout is not None:
+        from convert.card import (ChannelOrder, InputDtype, ModelCard, OutputKind, Precision, Preprocessing,
+                                  write_card)
+
+        write_card(model, ModelCard(
+            preprocessing=Preprocessing(input_name="image", layout=card_layout, dtype=InputDtype.INPUT_DTYPE_FLOAT32,
+                                        channel_order=ChannelOrder.CHANNEL_ORDER_RGB, mean=[0.0] * 3, std=[1.0] * 3),
+            output_kind=OutputKind.OUTPUT_KIND_LOGITS, precision=Precision.PRECISION_FP32))
+    return model
+
+
+def test_nhwc_input_sizes_come_from_the_layout():
+    profile = profile_model(nhwc_net(), height=10, width=12, batch=2)
+    by_name = {layer.name: layer for layer in profile.layers}
+    assert by_name["to_nchw"].output_shape == (2, 3, 10, 12)
+    assert by_name["conv"].output_shape == (2, 8, 10, 12)
+    assert profile.input_bytes == 2 * 10 * 12 * 3 * 4
+
+
+def test_uint8_nhwc_input_counts_one_byte_per_value():
+    profile = profile_model(nhwc_net(dtype=TensorProto.UINT8), height=10, width=12)
+    assert profile.input_bytes == 10 * 12 * 3
+    assert {layer.name: layer for layer in profile.layers}["cast"].bytes == 10 * 12 * 3 * 4
+
+
+def test_the_card_says_the_layout_and_channels_when_the_graph_does_not():
+    symbolic = ("N", "H", "W", "C")
+    with pytest.raises(ProfileError, match="no model card saying its layout"):
+        profile_model(nhwc_net(dims=symbolic), height=8, width=8)
+    profile = profile_model(nhwc_net(dims=symbolic, card_layout=Layout.LAYOUT_NHWC), height=8, width=8)
+    assert profile.layers[1].output_shape == (1, 8, 8, 8)
+    # A graph built at load time (a server's wrapper) has no card: its builder says the layout.
+    skeleton = load_skeleton(nhwc_net(dims=(1, 16, 16, 3)), layout=Layout.LAYOUT_NHWC)
+    assert profile_model(skeleton, height=8, width=4).input_bytes == 8 * 4 * 3 * 4
+
+
+def test_the_converted_tf2onnx_graph_is_profiled_as_nhwc():
+    from convert import convert_classifier
+    from tests.convert.test_onnx_families import UNIT_RANGE, tf2onnx_classifier
+
+    converted = convert_classifier(tf2onnx_classifier(), preprocessing=UNIT_RANGE)
+    profile = profile_model(converted, height=34, width=30, batch=2)
+    assert profile.input_bytes == 2 * 34 * 30 * 3 * 4
+    assert profile.layers[-1].output_shape[:2] == (2, 3)

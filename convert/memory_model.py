@@ -1,0 +1,135 @@
+"""What one onnxruntime session needs on a device, term by term, from the graph's profile.
+
+    predicted = weights + weight copies + session state + run workspace + activation factor x live peak
+
+`weights` and `live peak` come from the graph (convert.profile); the other terms are properties of
+the execution provider, each fitted on measurements of that provider and kept here with the
+numbers it was fitted on (issue 14):
+
+* CPU (onnxruntime 1.2x, CPU provider, `convert.runtime_memory.predictable_session_options`, the
+  allocator as `configure_allocator` sets it): peak RSS over the process before the session was
+  weights + live peak + 6-9 MiB on EfficientNet-Lite0 dense and VGG16 dense at 224-512 px, batch
+  1-4 (bench/RESULTS.md, 12 cases, predicted/measured 0.996-1.038). The CPU provider repacks
+  convolution weights in place of the originals (no copy) and keeps no per-session pool; the
+  constant is the run's workspace, the 5% the NCHWc reorders' channel padding.
+* CUDA (H100, onnxruntime-gpu 1.31.1, `arena_extend_strategy=kSameAsRequested`): device memory
+  over the process's baseline, `CUDA_MEASUREMENTS` below. Creating a session costs the weights
+  plus ~76 MiB of CUDA/cuDNN/cuBLAS handles and streams (94 MiB on EfficientNet-Lite0, whose
+  weights are 17.7 MiB); the first runs add a constant ~66 MiB (cuBLAS/cuDNN workspaces), about
+  0.8x the weights again (weights re-laid out for cuDNN's kernels: +524 MiB on VGG16 at 224 px,
+  whose weights are 528 MiB) and 2x the live activations (the arena keeps what it grew to and
+  the kernels' scratch is sized like their outputs). Least squares over the 9 measurements gave
+  copies 0.78, workspace 66.1 MiB, factor 2.01 with the session state held at its measured
+  76 MiB; rounded, every case is within 1% (tests/convert/test_memory_model.py holds it to 25%).
+  `cudnn_conv_use_max_workspace=0` changed nothing.
+
+A server with several plans per model (one session per shape) pays session state, workspace and
+copies once per plan; see server/admission.py, which measures plans instead once they exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+__all__ = ["Device", "ProviderTerms", "MemoryTerms", "PROVIDER_TERMS", "CUDA_MEASUREMENTS", "predict"]
+
+MiB = 2**20
+
+
+class Device(enum.Enum):
+    """Where a session's memory lives: host RAM (CPU provider) or GPU memory (CUDA provider)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProviderTerms:
+    """The fitted, provider-specific part of the model."""
+
+    weight_copies: float      # extra copies of the weights the provider keeps, as a fraction of them
+    session_bytes: int        # per-session state (handles, streams, kernel registries)
+    workspace_bytes: int      # per-run constant workspace
+    activation_factor: float  # bytes held per byte of the graph's live activation peak
+    fitted_on: str
+
+
+PROVIDER_TERMS = {
+    Device.CPU: ProviderTerms(
+        weight_copies=0.0, session_bytes=0, workspace_bytes=8 * MiB, activation_factor=1.05,
+        fitted_on="peak RSS, onnxruntime CPU provider, EfficientNet-Lite0 dense and VGG16 dense at 224/384/512 px, "
+                  "batch 1 and 4 (bench/RESULTS.md): 6-9 MiB over weights + live peak",
+    ),
+    Device.CUDA: ProviderTerms(
+        weight_copies=0.8, session_bytes=76 * MiB, workspace_bytes=66 * MiB, activation_factor=2.0,
+        fitted_on="cudaMemGetInfo, H100, onnxruntime-gpu 1.31.1 CUDA provider, EfficientNet-Lite0 dense and VGG16 "
+                  "dense, 224-1024 px, batch 1-8 (issue 14, CUDA_MEASUREMENTS)",
+    ),
+}
+
+# The CUDA measurements the terms were fitted on (issue 14): model, side, batch, weights MiB,
+# live activation peak MiB (convert.profile at that size), device memory measured MiB.
+CUDA_MEASUREMENTS = (
+    ("efficientnet-lite0 dense", 224, 1, 17.7, 6.3, 186),
+    ("efficientnet-lite0 dense", 384, 1, 17.7, 18.6, 212),
+    ("efficientnet-lite0 dense", 384, 8, 17.7, 148.4, 472),
+    ("efficientnet-lite0 dense", 1024, 1, 17.7, 132.0, 438),
+    ("efficientnet-lite0 dense", 1024, 4, 17.7, 528.0, 1242),
+    ("VGG16 dense", 224, 1, 527.8, 25.1, 1138),
+    ("VGG16 dense", 384, 1, 527.8, 73.7, 1232),
+    ("VGG16 dense", 384, 4, 527.8, 294.8, 1672),
+    ("VGG16 dense", 768, 1, 527.8, 294.8, 1676),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryTerms:
+    """The prediction for one session and input shape, every term in bytes."""
+
+    device: Device
+    weights: int
+    weight_copies: int
+    session_state: int
+    run_workspace: int
+    live_peak: int
+    activations: int  # activation_factor x live_peak
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.weight_copies + self.session_state + self.run_workspace + self.activations
+
+    @property
+    def fixed(self) -> int:
+        """What does not grow with the input: everything but the activations."""
+        return self.total - self.activations
+
+    def rows(self) -> list[tuple[str, int, str]]:
+        """(term, bytes, how it is computed), in the order of the formula."""
+        terms = PROVIDER_TERMS[self.device]
+        return [
+            ("weights", self.weights, "every initializer, at its dtype"),
+            ("weight copies", self.weight_copies, f"{terms.weight_copies:g} x weights"),
+            ("session state", self.session_state, "per session"),
+            ("run workspace", self.run_workspace, "per run, constant"),
+            ("activations", self.activations, f"{terms.activation_factor:g} x live peak"),
+        ]
+
+    def to_dict(self) -> dict:
+        return {"device": self.device.value, **{name.replace(" ", "_"): value for name, value, _ in self.rows()},
+                "live_peak": self.live_peak, "total": self.total,
+                "fitted_on": PROVIDER_TERMS[self.device].fitted_on}
+
+
+def predict(device: Device, *, weights_bytes: int, peak_activation_bytes: int) -> MemoryTerms:
+    """Every term of one session's memory on `device` for a graph with these weights and live peak."""
+    terms = PROVIDER_TERMS[device]
+    return MemoryTerms(
+        device=device,
+        weights=weights_bytes,
+        weight_copies=int(terms.weight_copies * weights_bytes),
+        session_state=terms.session_bytes,
+        run_workspace=terms.workspace_bytes,
+        live_peak=peak_activation_bytes,
+        activations=int(terms.activation_factor * peak_activation_bytes),
+    )
