@@ -1,0 +1,278 @@
+"""The graph a plan runs: pre-processing, shifted passes, the converted net and post-processing on the device.
+
+Built at load time from the converted net and its model card (issue 9, item 3): the host uploads
+one uint8 canvas per image and gets back only the lattice and the image-level probabilities.
+Every dimension is fixed, so an onnxruntime session built on it only ever sees one input shape
+(a CUDA session re-plans its convolutions, 0.35-0.8 s, at every change of shape).
+
+    pixels uint8 [B, H, W, 3] RGB  --cast, channel order, (x*scale - mean)/std, dtype, layout-->
+    passes [B*P, ...] (pass p of image b at b*P + p: the canvas shifted down dy, right dx, 0-filled)
+    --net--> [B*P, K, h, w] --DepthToSpace--> lattice float32 [B, K, f*h, f*w]
+    lattice, valid float32 [B, f*h, f*w] --softmax (logits), masked mean--> probabilities [B, K]
+
+A pass shifted by (dy, dx) sees the whole image moved into the canvas padding, which after
+normalisation is 0 (the mean colour): no pixel of the photo is lost and none is smeared
+(issue 9, item 4). Pass (dy, dx) fills lattice cells (f*i + f-1 - dy/s, f*j + f-1 - dx/s), so cell
+(m, n) is centred at canvas pixel (c_y - (f-1)*s + s*m, c_x - (f-1)*s + s*n).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, compose, helper, numpy_helper, shape_inference, version_converter
+
+from convert.card import ImageInput, ModelCard, batch_shape, is_logits
+
+__all__ = [
+    "PIXELS", "VALID", "LATTICE", "PROBABILITIES", "LATTICE_FP16", "MIN_OPSET", "MAX_IR_VERSION",
+    "DeviceGraphError", "build_plan_graph", "lattice_cells",
+]
+
+PIXELS = "pixels"
+VALID = "valid"
+LATTICE = "lattice"
+PROBABILITIES = "probabilities"
+LATTICE_FP16 = "lattice_fp16"
+MIN_OPSET = 13  # ReduceSum, Unsqueeze, Split take their axes as inputs; Softmax acts on one axis
+MAX_IR_VERSION = 13  # the newest onnxruntime 1.31 loads
+NET_PREFIX = "net/"
+OWN_PREFIX = "plan/"
+
+class DeviceGraphError(ValueError):
+    """The net, its card or the plan's shape cannot make a plan graph; the message says why."""
+
+
+class _Builder:
+    """Nodes and initializers of the wrapper, every name under OWN_PREFIX."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._count = 0
+
+    def const(self, value: np.ndarray | list | float, dtype=np.float32) -> str:
+        name = f"{OWN_PREFIX}c{len(self.initializers)}"
+        self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+        return name
+
+    def ints(self, values) -> str:
+        return self.const(list(values), np.int64)
+
+    def op(self, op_type: str, inputs: list[str], *, output: str | None = None, outputs: int = 0, **attributes):
+        """Append a node; its output name (a list of `outputs` names when that is given)."""
+        self._count += 1
+        name = f"{OWN_PREFIX}{op_type.lower()}{self._count}"
+        names = [f"{name}_{i}" for i in range(outputs)] if outputs else [output or name]
+        self.nodes.append(helper.make_node(op_type, inputs, names, name=name, **attributes))
+        return names if outputs else names[0]
+
+
+def _lattice_slots(offsets, *, factor: int, stride: int) -> list[int | None]:
+    """For each sub-cell (a, c) of a lattice block, row-major, the index of the pass that fills it."""
+    slots: list[int | None] = [None] * factor**2
+    steps = [k * stride for k in range(factor)]
+    for index, (dy, dx) in enumerate(offsets):
+        if dy not in steps or dx not in steps:
+            raise DeviceGraphError(
+                f"offset {(dy, dx)} is not a multiple of the lattice stride {stride} in [0, {(factor - 1) * stride}] "
+                f"(factor {factor}); passes shift by k*stride for k < factor, e.g. {((0, 0), (stride, stride))}"
+            )
+        slot = (factor - 1 - dy // stride) * factor + (factor - 1 - dx // stride)
+        if slots[slot] is not None:
+            raise DeviceGraphError(f"offset {(dy, dx)} is given twice in {offsets}; give each pass once")
+        slots[slot] = index
+    return slots
+
+
+def _net_at_opset(net: onnx.ModelProto) -> onnx.ModelProto:
+    opset = next((o.version for o in net.opset_import if o.domain in ("", "ai.onnx")), None)
+    if opset is None:
+        raise DeviceGraphError("the net imports no default-domain ONNX opset; it is not a converted scoremap graph")
+    if opset < MIN_OPSET:
+        try:
+            return version_converter.convert_version(net, MIN_OPSET)
+        except Exception as error:  # the converter raises assorted types for ops it cannot move
+            raise DeviceGraphError(
+                f"the net uses opset {opset} and could not be upgraded to {MIN_OPSET}: {error}; "
+                f"re-export it at opset >= {MIN_OPSET}"
+            ) from error
+    return net
+
+
+def _scores_shape(net: onnx.ModelProto, *, input_name: str, scores_name: str, input_shape: list[int]):
+    """The net's scores shape [N, K, h, w] and element type at the plan's fixed input shape."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(net)
+    for value in probe.graph.output:
+        value.type.tensor_type.ClearField("shape")
+    for value in probe.graph.input:
+        if value.name == input_name:
+            dims = value.type.tensor_type.shape.dim
+            if len(dims) != len(input_shape):
+                raise DeviceGraphError(f"the net's input {input_name!r} has {len(dims)} dims; expected {len(input_shape)}")
+            for dim, size in zip(dims, input_shape):
+                dim.Clear()
+                dim.dim_value = size
+    del probe.graph.value_info[:]
+    try:
+        inferred = shape_inference.infer_shapes(probe, strict_mode=True, data_prop=True)
+    except Exception as error:  # onnx raises InferenceError, ValidationError or RuntimeError
+        raise DeviceGraphError(f"shape inference of the net at input {input_shape} failed: {error}") from error
+    for value in list(inferred.graph.output) + list(inferred.graph.value_info):
+        if value.name == scores_name:
+            tensor_type = value.type.tensor_type
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
+            if len(dims) != 4 or None in dims:
+                raise DeviceGraphError(
+                    f"the net's scores {scores_name!r} have shape {dims} at input {input_shape}; expected a fixed "
+                    "[N, K, h, w] (convert the classifier with `scoremap-convert`)"
+                )
+            return dims, tensor_type.elem_type
+    raise DeviceGraphError(f"the net has no output {scores_name!r} (the card's scores_name)")
+
+
+def _preprocess(b: _Builder, image: ImageInput) -> str:
+    """uint8 RGB channels-last pixels as the net's input tensor, in its channel order, dtype and layout."""
+    x = PIXELS
+    if image.bgr:
+        x = b.op("Gather", [x, b.ints([2, 1, 0])], axis=3)
+    x = b.op("Cast", [x], to=TensorProto.FLOAT)
+    # The steps of convert.preprocessing.normalize in its order (those that change something), so
+    # the values agree with the host's bit for bit.
+    if image.pixel_scale != 1.0:
+        x = b.op("Mul", [x, b.const(image.pixel_scale)])
+    if any(image.mean):
+        x = b.op("Sub", [x, b.const(image.mean)])
+    if any(s != 1.0 for s in image.std):
+        x = b.op("Div", [x, b.const(image.std)])
+    if image.dtype == np.uint8:
+        x = b.op("Round", [b.op("Clip", [x, b.const(0.0), b.const(255.0)])])
+    if image.dtype != np.float32:
+        x = b.op("Cast", [x], to=helper.np_dtype_to_tensor_dtype(image.dtype))
+    if image.channel_axis == 1:
+        x = b.op("Transpose", [x], perm=[0, 3, 1, 2])
+    return x
+
+
+def _passes(b: _Builder, image: str, offsets, *, spatial: tuple[int, int], shape: list[int], output: str) -> None:
+    """Each pass the image moved down dy and right dx in its canvas, 0-filled; pass p of image b at b*P + p."""
+    shifted = []
+    for dy, dx in offsets:
+        if (dy, dx) == (0, 0):
+            moved = image
+        else:
+            pads = [0, 0, 0, 0, 0, 0, 0, 0]
+            pads[spatial[0]], pads[spatial[1]] = dy, dx
+            padded = b.op("Pad", [image, b.ints(pads)], mode="constant")
+            moved = b.op("Slice", [padded, b.ints([0, 0]), b.ints([shape[spatial[0]], shape[spatial[1]]]),
+                                   b.ints(spatial)])
+        shifted.append(b.op("Unsqueeze", [moved, b.ints([1])]))
+    stacked = b.op("Concat", shifted, axis=1) if len(shifted) > 1 else shifted[0]
+    b.op("Reshape", [stacked, b.ints([shape[0] * len(offsets), *shape[1:]])], output=output)
+
+
+def build_plan_graph(
+    net: onnx.ModelProto,
+    card: ModelCard,
+    *,
+    batch: int,
+    height: int,
+    width: int,
+    offsets: tuple[tuple[int, int], ...],
+    factor: int,
+    stride: int,
+) -> onnx.ModelProto:
+    """The plan graph for `batch` canvases of `height` x `width` pixels, scored by the passes `offsets`.
+
+    `factor` 1: one pass (0, 0), the net's own lattice. `factor` 2: a stride-`stride` lattice from a
+    stride-2*`stride` net; GRID offsets fill every cell, DIAGONAL ((0, 0), (s, s)) leaves the others NaN.
+    Inputs `pixels` uint8 [batch, height, width, 3] and `valid` float32 [batch, HL, WL] (> 0: the cell
+    counts in the image-level mean); outputs `lattice` float32 [batch, K, HL, WL] (the net's own
+    scores, NaN where no pass looked), `probabilities` float32 [batch, K] (the mean over kept cells
+    of the class probabilities, softmax applied when the card says logits; NaN when no cell is kept)
+    and `lattice_fp16`. HL, WL = factor * the net's map size: read them with `lattice_cells`.
+    """
+    if min(batch, height, width, factor, stride) < 1:
+        raise DeviceGraphError(
+            f"batch {batch}, height {height}, width {width}, factor {factor} and stride {stride} must all be >= 1"
+        )
+    if not offsets:
+        raise DeviceGraphError("no pass offsets given; a plan runs at least the pass (0, 0)")
+    slots = _lattice_slots(offsets, factor=factor, stride=stride)
+    ordered = tuple(offsets[slot] for slot in slots if slot is not None)  # the passes in lattice order
+    passes = len(ordered)
+    image = ImageInput.of(card)
+    logits = is_logits(card)
+    net = _net_at_opset(net)
+    names = {value.name for value in net.graph.input}
+    if image.name not in names:
+        raise DeviceGraphError(f"the net has no input {image.name!r} (the card's input_name); its inputs: {sorted(names)}")
+    pass_shape = batch_shape(image.layout, batch=batch, channels=3, height=height, width=width)
+    (_, classes, h, w), scores_type = _scores_shape(net, input_name=image.name, scores_name=card.scores_name,
+                                                    input_shape=[batch * passes, *pass_shape[1:]])
+    cells = [batch, classes, factor * h, factor * w]
+
+    b = _Builder()
+    _passes(b, _preprocess(b, image), ordered, spatial=image.spatial_axes, shape=pass_shape,
+            output=NET_PREFIX + image.name)
+    before_net = len(b.nodes)
+
+    scores = NET_PREFIX + card.scores_name
+    if scores_type != TensorProto.FLOAT:
+        scores = b.op("Cast", [scores], to=TensorProto.FLOAT)
+    if factor == 1:
+        lattice = b.op("Identity", [scores], output=LATTICE)
+    else:
+        # [B*P, K, h, w] -> [B, P*K, h, w]: the passes of an image side by side on the channel axis.
+        by_image = b.op("Reshape", [scores, b.ints([batch, passes * classes, h, w])])
+        if passes < factor**2:
+            parts = iter(b.op("Split", [by_image, b.ints([classes] * passes)], axis=1, outputs=passes))
+            hole = b.op("ConstantOfShape", [b.ints([batch, classes, h, w])],
+                        value=helper.make_tensor("nan", TensorProto.FLOAT, [1], [np.nan]))
+            by_image = b.op("Concat", [hole if slot is None else next(parts) for slot in slots], axis=1)
+        # [B, f*f*K, h, w] -> [B, K, f*h, f*w]: cell (f*i + a, f*j + c) from the pass in slot a*f + c.
+        lattice = b.op("DepthToSpace", [by_image], output=LATTICE, blocksize=factor, mode="DCR")
+    b.op("Cast", [lattice], output=LATTICE_FP16, to=TensorProto.FLOAT16)
+
+    probabilities = lattice
+    if logits:
+        probabilities = b.op("Softmax", [lattice], axis=1)
+    keep = b.op("Greater", [b.op("Unsqueeze", [VALID, b.ints([1])]), b.const(0.0)])
+    covered = np.array([slot is not None for slot in slots]).reshape(factor, factor)
+    if not covered.all():  # the holes are NaN: never counted, whatever `valid` says
+        keep = b.op("And", [keep, b.const(np.tile(covered, (h, w))[None, None], np.bool_)])
+    kept = b.op("Where", [keep, probabilities, b.const(0.0)])
+    total = b.op("ReduceSum", [kept, b.ints([2, 3])], keepdims=0)
+    count = b.op("ReduceSum", [b.op("Cast", [keep], to=TensorProto.FLOAT), b.ints([2, 3])], keepdims=0)
+    b.op("Div", [total, count], output=PROBABILITIES)
+
+    prefixed = compose.add_prefix(net, NET_PREFIX)
+    graph = helper.make_graph(
+        b.nodes[:before_net] + list(prefixed.graph.node) + b.nodes[before_net:],
+        f"{card.name or net.graph.name}-plan-b{batch}-{height}x{width}-p{passes}",
+        [helper.make_tensor_value_info(PIXELS, TensorProto.UINT8, [batch, height, width, 3]),
+         helper.make_tensor_value_info(VALID, TensorProto.FLOAT, [batch, *cells[2:]])],
+        [helper.make_tensor_value_info(LATTICE, TensorProto.FLOAT, cells),
+         helper.make_tensor_value_info(PROBABILITIES, TensorProto.FLOAT, [batch, classes]),
+         helper.make_tensor_value_info(LATTICE_FP16, TensorProto.FLOAT16, cells)],
+        initializer=list(prefixed.graph.initializer) + b.initializers,
+        sparse_initializer=list(prefixed.graph.sparse_initializer),
+    )
+    plan = helper.make_model(
+        graph,
+        opset_imports=list(net.opset_import),
+        ir_version=min(max(net.ir_version, 7), MAX_IR_VERSION),
+        producer_name="scoremap.device_graph",
+    )
+    plan.functions.extend(prefixed.functions)
+    return plan
+
+
+def lattice_cells(plan: onnx.ModelProto) -> tuple[int, int]:
+    """(HL, WL): the lattice size of a plan graph, from its `valid` input."""
+    for value in plan.graph.input:
+        if value.name == VALID:
+            dims = value.type.tensor_type.shape.dim
+            return dims[1].dim_value, dims[2].dim_value
+    raise DeviceGraphError(f"this graph has no input {VALID!r}; it was not made by build_plan_graph")
