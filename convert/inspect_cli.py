@@ -1,8 +1,9 @@
 """`scoremap-inspect`: a converted model's card, per-layer table and predicted peak memory.
 
-    scoremap-inspect MODEL.onnx [--size 384x512] [--batch 4] [--dtype fp16] [--budget 2GiB] [--json]
+    scoremap-inspect MODEL.onnx [--size 384x512] [--batch 4] [--device cpu|cuda] [--dtype fp16] [--budget 2GiB] [--json]
 
 Without --size the table is for the card's default scale (a square), else its training size.
+--device picks the execution provider whose memory terms (convert.memory_model) are printed.
 
 Exit status: 0 printed, 1 the model cannot be read or profiled at that size, 2 bad arguments.
 """
@@ -18,9 +19,10 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 from convert.arguments import size_pair
-from convert.card import CardError, read_card
+from convert.card import CardError, ImageInput, Layout, OutputKind, Precision, label, parse_label, read_card
+from convert.memory_model import PROVIDER_TERMS, Device
 from convert.profile import (Profile, ProfileError, largest_batch, largest_square_size, parse_bytes,
-                             profile_model)
+                             load_skeleton, profile_model)
 
 __all__ = ["main", "format_table"]
 
@@ -56,15 +58,16 @@ def format_table(profile: Profile) -> str:
 
     rule = "  ".join("-" * width for width in widths)
     saving = 1 - profile.peak_activation_bytes / profile.naive_activation_bytes if profile.naive_activation_bytes else 0.0
+    terms = profile.terms
     memory = [
-        f"Predicted peak for batch {profile.batch} at {profile.height}x{profile.width} ({profile.dtype}):",
-        f"  weights                          {_mib(profile.weights_bytes):>14}",
-        f"  activations, naive sum           {_mib(profile.naive_activation_bytes):>14}  (every output kept)",
-        f"  activations, live peak           {_mib(profile.peak_activation_bytes):>14}  "
+        f"Activations of batch {profile.batch} at {profile.height}x{profile.width} ({profile.dtype}):",
+        f"  naive sum                        {_mib(profile.naive_activation_bytes):>14}  (every output kept)",
+        f"  live peak                        {_mib(profile.peak_activation_bytes):>14}  "
         f"(at {profile.peak_layer}; memory planning saves {saving:.0%})",
-        f"  runtime allowance                {_mib(profile.allowance_bytes):>14}  ({profile.to_dict()['allowance_formula']})",
-        f"  predicted peak                   {_mib(profile.predicted_peak_bytes):>14}  "
-        "(weights + live peak + allowance)",
+        f"Predicted peak on {terms.device.value} (one session):",
+        *(f"  {name:<32} {_mib(value):>14}  ({how})" for name, value, how in terms.rows()),
+        f"  {'predicted peak':<32} {_mib(profile.predicted_peak_bytes):>14}  (sum of the terms)",
+        f"Terms fitted on: {PROVIDER_TERMS[terms.device].fitted_on}.",
         "Activations count the input and every new buffer a layer writes; aliasing layers (in-place"
         " element-wise ops, Reshape/Flatten) write none. MACs: Conv, Gemm and MatMul.",
     ]
@@ -72,15 +75,14 @@ def format_table(profile: Profile) -> str:
 
 
 def _card_summary(card) -> str:
-    rf, pre = card.receptive_field, card.preprocessing
+    rf = card.receptive_field
     labels = ", ".join(card.labels[:5]) + (", ..." if len(card.labels) > 5 else "")
     return "\n".join([
-        f"Model {card.name!r}: {len(card.labels)} classes, {card.precision or 'fp32'}, scores {card.scores_name!r} "
-        f"({card.output_kind}), stride {card.output_stride} px, "
+        f"Model {card.name!r}: {len(card.labels)} classes, {label(Precision, card.precision)}, scores {card.scores_name!r} "
+        f"({label(OutputKind, card.output_kind)}), stride {card.output_stride} px, "
         + (f"sizes multiple of {card.size_multiple}" if card.size_multiple else "any input size"),
         f"  labels: {labels}",
-        f"  input {pre.input_name!r}: {pre.layout} {pre.dtype} {pre.channel_order}, "
-        f"(pixel x {pre.pixel_scale:g} - mean {list(pre.mean)}) / std {list(pre.std)}, resized {pre.resize_filter}",
+        f"  input {ImageInput.of(card).describe()}",
         f"  training size {card.training_height}x{card.training_width}, default scale {card.default_scale or 'none'}",
         f"  cell (i, j) centred at ({rf.center_y:g} + {card.output_stride}i, {rf.center_x:g} + {card.output_stride}j) "
         f"input pixels, receptive field {rf.size} px",
@@ -107,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=size_pair,
                         help="input size HxW in pixels, e.g. 384x512 (default: the card's default scale)")
     parser.add_argument("--batch", type=int, default=1, help="images per run (default 1)")
+    parser.add_argument("--device", choices=[device.value for device in Device], default=Device.CPU.value,
+                        help="execution provider whose memory terms to apply (default cpu)")
+    parser.add_argument("--layout", choices=("NCHW", "NHWC"),
+                        help="the image input's layout, for a graph without a model card")
     parser.add_argument("--dtype", choices=("fp32", "fp16"),
                         help="profile as this precision (fp16 of an fp32 graph: converted, unverified, for sizing)")
     parser.add_argument("--budget", type=_budget, help="a memory budget such as 2GiB: largest batch and square size that fit")
@@ -125,23 +131,26 @@ def main(argv: list[str] | None = None) -> int:
     if size is None:
         parser.error(f"{args.model} has no model card naming a size: give --size HxW")
     height, width = size
+    device = Device(args.device)
+    layout = parse_label(Layout, args.layout) if args.layout else None
     try:
-        model: onnx.ModelProto | str = args.model
-        profile = profile_model(model, height=height, width=width, batch=args.batch)
+        model = load_skeleton(args.model, layout=layout)
+        profile = profile_model(model, height=height, width=width, batch=args.batch, device=device)
         if args.dtype and args.dtype != profile.dtype:
             if args.dtype != "fp16":
                 raise ProfileError(f"--dtype {args.dtype} of a {profile.dtype} graph is not supported; convert it again")
             from convert.precision import fp16_graph
 
-            model = fp16_graph(onnx.load(args.model))
-            profile = profile_model(model, height=height, width=width, batch=args.batch)
+            model = load_skeleton(fp16_graph(onnx.load(args.model)), layout=model.layout)
+            profile = profile_model(model, height=height, width=width, batch=args.batch, device=device)
         budget = {}
         if args.budget is not None:
             multiple = (card.size_multiple if card is not None else 0) or DEFAULT_SIZE_MULTIPLE
             budget = {
                 "budget_bytes": args.budget,
-                "largest_batch": largest_batch(model, height=height, width=width, budget_bytes=args.budget),
-                "largest_square_size": largest_square_size(model, budget_bytes=args.budget, multiple=multiple),
+                "largest_batch": largest_batch(model, height=height, width=width, budget_bytes=args.budget, device=device),
+                "largest_square_size": largest_square_size(model, budget_bytes=args.budget, multiple=multiple,
+                                                           device=device),
             }
     except ProfileError as error:
         sys.stderr.write(f"scoremap-inspect: {error}\n")
@@ -156,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     sections.append(format_table(profile))
     if budget:
         sections.append(
-            f"Budget {_mib(budget['budget_bytes'])}: largest batch at {height}x{width} = {budget['largest_batch']}; "
+            f"Budget {_mib(budget['budget_bytes'])} on {device.value}: largest batch at {height}x{width} = "
+            f"{budget['largest_batch']}; "
             f"largest square size at batch 1 = {budget['largest_square_size']} px"
         )
     sys.stdout.write("\n\n".join(sections) + "\n")

@@ -37,7 +37,8 @@ def test_table_lists_every_layer_and_every_term(small_model_path, capsys):
     out = capsys.readouterr().out
     assert "no model card" in out
     for text in ("conv1", "relu1", "classifier", "2x16x32x48", "total", "weights", "naive sum", "live peak",
-                 "runtime allowance", "predicted peak", "memory planning saves"):
+                 "weight copies", "session state", "run workspace", "1.05 x live peak", "predicted peak",
+                 "memory planning saves", "Predicted peak on cpu"):
         assert text in out, text
     profile = profile_model(small_model_path, height=64, width=96, batch=2)
     assert f"{profile.macs:,}" in out and f"{profile.params:,}" in out
@@ -96,8 +97,8 @@ def test_console_script_on_the_converted_default_model(default_model_path):
     done = subprocess.run([sys.executable, "-m", "convert.inspect_cli", default_model_path, "--size", "384x512",
                            "--batch", "2", "--budget", "2GiB"], capture_output=True, text=True, check=True)
     assert "Model 'efficientnet-lite0': 1000 classes" in done.stdout
-    assert "Predicted peak for batch 2 at 384x512 (fp32)" in done.stdout
-    assert "Budget 2,048.0 MiB: largest batch at 384x512 = " in done.stdout
+    assert "Activations of batch 2 at 384x512 (fp32)" in done.stdout
+    assert "Budget 2,048.0 MiB on cpu: largest batch at 384x512 = " in done.stdout
 
 
 def test_without_size_the_card_and_its_default_scale_are_shown(default_model_path, capsys):
@@ -105,4 +106,44 @@ def test_without_size_the_card_and_its_default_scale_are_shown(default_model_pat
     out = capsys.readouterr().out
     assert "labels: tench, goldfish" in out and "input 'image': NCHW float32 RGB" in out
     assert "training size 224x224, default scale 384" in out
-    assert "Predicted peak for batch 1 at 384x384 (fp32)" in out
+    assert "Activations of batch 1 at 384x384 (fp32)" in out
+
+
+def test_device_cuda_prints_the_cuda_terms(small_model_path, capsys):
+    from convert.memory_model import PROVIDER_TERMS, Device
+
+    assert main([small_model_path, "--size", "128", "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "Predicted peak on cuda (one session):" in out and "0.8 x weights" in out and "2 x live peak" in out
+    main([small_model_path, "--size", "128", "--device", "cuda", "--json"])
+    document = json.loads(capsys.readouterr().out)
+    cuda = PROVIDER_TERMS[Device.CUDA]
+    assert document["device"] == "cuda"
+    assert document["terms"]["session_state"] == cuda.session_bytes
+    assert document["terms"]["run_workspace"] == cuda.workspace_bytes
+    assert document["predicted_peak_bytes"] == profile_model(small_model_path, height=128, width=128,
+                                                             device=Device.CUDA).predicted_peak_bytes
+
+
+def test_the_converted_keras_nhwc_graph_is_inspected(tmp_path, capsys):
+    from convert import convert_classifier
+    from tests.convert.test_onnx_families import UNIT_RANGE, tf2onnx_classifier
+
+    path = tmp_path / "keras.onnx"
+    onnx.save(convert_classifier(tf2onnx_classifier(), preprocessing=UNIT_RANGE), path)
+    assert main([str(path), "--size", "34x30", "--batch", "2", "--budget", "64MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "input 'input_1': NHWC float32 RGB" in out
+    assert "2x4x32x28" in out  # the first conv after the Transpose, NCHW inside the graph
+    assert "largest batch at 34x30 = " in out
+
+
+def test_a_graph_without_card_takes_its_layout_from_the_command_line(tmp_path, capsys):
+    image = helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", "H", "W", 3])
+    graph = helper.make_graph([helper.make_node("Transpose", ["image"], ["nchw"], perm=[0, 3, 1, 2], name="t"),
+                               helper.make_node("Relu", ["nchw"], ["y"], name="relu")], "g", [image],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    path = tmp_path / "nhwc.onnx"
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), path)
+    assert main([str(path), "--size", "8x6", "--layout", "NHWC"]) == 0
+    assert "1x3x8x6" in capsys.readouterr().out
