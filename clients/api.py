@@ -1,17 +1,17 @@
 """ScoremapClient: the Python API to a scoremap server.
 
 The client owns its channel (message size, keep-alive and reconnect backoff set explicitly),
-puts a deadline on every call, retries UNAVAILABLE only (the one status meaning nothing happened),
-and raises ScoremapError carrying the gRPC status and the server's message.
+puts a deadline on every call, retries by clients/retry.py (status codes and the server's retry
+hint, within a time budget), stops at once when interrupted, and raises ScoremapError carrying
+the gRPC status and the server's message.
 """
 
 from __future__ import annotations
 
 import collections
 import ipaddress
-import random
+import math
 import threading
-import time
 from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import grpc
@@ -21,6 +21,7 @@ from clients.errors import ScoremapError, from_rpc_error
 from clients.images import ImageLike
 from clients.options import ScoreOptions, build_request
 from clients.results import ScoreResult, result_from_response
+from clients.retry import Backoff, Interrupted, Retrying, Verdict, WaitNotice, call_with_retries
 from clients.settings import ClientSettings
 from protos import model_card_pb2, scoring_pb2, scoring_pb2_grpc
 
@@ -51,7 +52,7 @@ def channel_options(settings: ClientSettings) -> list[tuple[str, int]]:
         ("grpc.initial_reconnect_backoff_ms", settings.initial_reconnect_backoff_ms),
         ("grpc.min_reconnect_backoff_ms", settings.initial_reconnect_backoff_ms),
         ("grpc.max_reconnect_backoff_ms", settings.max_reconnect_backoff_ms),
-        # Retries are ours (UNAVAILABLE only, within a budget); gRPC's transparent ones would double them.
+        # Retries are ours (clients/retry.py, within a budget); gRPC's transparent ones would double them.
         ("grpc.enable_retries", 0),
     ]
 
@@ -97,11 +98,26 @@ class ScoremapClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._stub = scoring_pb2_grpc.DenseScoringStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._in_flight: set[grpc.Future] = set()
+        self._reached = False  # any answer from the server yet, success or refusal
+        self._notice = WaitNotice(target, every_s=self.settings.wait_notice_every_s)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
+        self.interrupt()
         self._channel.close()
+
+    def interrupt(self) -> None:
+        """Stop every call of this client now (from any thread): calls in flight are cancelled,
+        pauses between retries end, and each raises Interrupted."""
+        self._stop.set()
+        with self._lock:
+            calls = list(self._in_flight)
+        for call in calls:
+            call.cancel()
 
     def __enter__(self) -> ScoremapClient:
         return self
@@ -111,25 +127,52 @@ class ScoremapClient:
 
     # -- calls -----------------------------------------------------------------------------
 
-    def _call(self, method: Callable[..., T], request: object, *, timeout: float | None = None) -> T:
-        """One unary call with a deadline, retried with jittered exponential backoff on UNAVAILABLE."""
+    def _retrying(self) -> Retrying:
         s = self.settings
-        deadline = time.monotonic() + s.retry_budget_s
-        delay = s.backoff_initial_s
-        attempt = 1
-        while True:
+        return Retrying(budget_s=s.retry_budget_s, stop=self._stop, budget_for=self._budget_for, on_wait=self._notice,
+                        backoff=Backoff(s.backoff_initial_s, s.backoff_max_s, s.backoff_multiplier))
+
+    def _budget_for(self, verdict: Verdict) -> float:
+        """A server never reached gets `connect_budget_s` (a wrong address fails fast); one that
+        answered before and went away gets the whole budget (a restart is ridden out)."""
+        if verdict is Verdict.RECONNECT and not self._reached:
+            return self.settings.connect_budget_s
+        return math.inf
+
+    def _tracked(self, call: grpc.Future) -> grpc.Future:
+        with self._lock:
+            self._in_flight.add(call)
+        call.add_done_callback(self._untrack)
+        if self._stop.is_set():
+            call.cancel()
+        return call
+
+    def _untrack(self, call: grpc.Future) -> None:
+        with self._lock:
+            self._in_flight.discard(call)
+
+    def _translate(self, error: grpc.RpcError) -> ScoremapError:
+        translated = from_rpc_error(error)
+        if translated.code != grpc.StatusCode.UNAVAILABLE:
+            self._reached = True
+        if self._stop.is_set():
+            return Interrupted()
+        return translated
+
+    def _call(self, method: Callable[..., T], request: object, *, timeout: float | None = None) -> T:
+        """One unary call with a deadline, retried by the shared policy (clients/retry.py)."""
+        def attempt() -> T:
+            call = self._tracked(method.future(request, timeout=self.timeout if timeout is None else timeout,
+                                               metadata=self._metadata))
             try:
-                return method(request, timeout=self.timeout if timeout is None else timeout,
-                              metadata=self._metadata)
+                response = call.result()
+            except grpc.FutureCancelledError:
+                raise Interrupted() from None
             except grpc.RpcError as error:
-                translated = from_rpc_error(error)
-            out_of_attempts = s.max_attempts is not None and attempt >= s.max_attempts
-            remaining = deadline - time.monotonic()
-            if translated.code != grpc.StatusCode.UNAVAILABLE or out_of_attempts or remaining <= 0:
-                raise translated
-            time.sleep(min(random.uniform(delay / 2, delay), remaining))  # the last try comes at the deadline
-            delay = min(delay * s.backoff_multiplier, s.backoff_max_s)
-            attempt += 1
+                raise self._translate(error) from None
+            self._reached = True
+            return response
+        return call_with_retries(attempt, self._retrying())
 
     def score_request(self, request: scoring_pb2.ScoreRequest, *, timeout: float | None = None) -> scoring_pb2.ScoreResponse:
         """Send a prepared ScoreRequest; the raw ScoreResponse (what the CLI and load tester use)."""
@@ -190,27 +233,27 @@ class ScoremapClient:
                     pending.append(request)
                 yield request
 
-        s = self.settings
-        deadline = time.monotonic() + s.retry_budget_s
-        delay = s.backoff_initial_s
+        retrying = self._retrying()
         resend: list[scoring_pb2.ScoreRequest] = []
         while True:
+            retrying.check()
+            stream = self._tracked(self._stub.ScoreStream(outgoing(resend), timeout=self.settings.stream_timeout_s,
+                                                          metadata=self._metadata))
             try:
-                for response in self._stub.ScoreStream(outgoing(resend), timeout=s.stream_timeout_s,
-                                                       metadata=self._metadata):
+                for response in stream:
+                    self._reached = True
                     with lock:
                         pending.popleft()
+                    retrying.progressed()
                     yield result_from_response(response)
                 if bad_input:
                     raise bad_input[0]
                 return
             except grpc.RpcError as error:
-                translated = from_rpc_error(error)
-            pause = random.uniform(delay / 2, delay)
-            if translated.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() + pause > deadline:
-                raise translated
-            time.sleep(pause)
-            delay = min(delay * s.backoff_multiplier, s.backoff_max_s)
+                translated = self._translate(error)
+            finally:
+                stream.cancel()  # a consumer that stops early ends the call
+            retrying.after(translated)
             with lock:
                 resend = list(pending)
 

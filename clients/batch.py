@@ -4,7 +4,8 @@ Outputs (.npz maps, heatmap PNGs) are written atomically before the file's line 
 a line means its files are complete; a re-run skips files that already have a line. Failures of
 one file are recorded with their status and never stop the run; failures of the service itself
 (unreachable beyond the retry budget, credentials refused, unknown model) stop it, recording
-nothing for unscored files, so the next run resumes exactly there.
+nothing for unscored files, so the next run resumes exactly there. Retries are the scorer's
+(clients/retry.py); an interrupted run records nothing for the files it was scoring.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import re
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -28,9 +30,11 @@ from clients.heatmap import heatmap_png
 from clients.images import open_photo
 from clients.options import ScoreOptions, build_request
 from clients.results import result_from_response
+from clients.retry import Interrupted
+from clients.run_options import run_options, settle_options
 from protos import scoring_pb2
 
-__all__ = ["Scorer", "BatchSummary", "RunAborted", "run_batch", "RUN_LEVEL_CODES", "RESULTS_NAME"]
+__all__ = ["Scorer", "BatchSummary", "ErrorKind", "RunAborted", "run_batch", "RUN_LEVEL_CODES", "RESULTS_NAME"]
 
 log = logging.getLogger(__name__)
 
@@ -40,16 +44,6 @@ RUN_LEVEL_CODES = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED,
 })
-# Answers that say "not now" rather than "not this file": the file is sent again, with a doubling
-# pause, this many times before it is recorded as failed. A batch run never cancels its own calls,
-# so CANCELLED means the server dropped the call while shutting down (gRPC core cancels calls caught
-# mid-stop); RESOURCE_EXHAUSTED whose message starts with QUEUE_FULL_PREFIX (server/batcher.py) means
-# the server's queue was full for a moment. RESOURCE_EXHAUSTED from memory admission (the request
-# can never fit) is recorded at once. UNAVAILABLE is retried inside ScoremapClient.
-TRANSIENT_RESENDS = 6
-TRANSIENT_PAUSE_S = 0.5
-TRANSIENT_PAUSE_MAX_S = 4.0
-QUEUE_FULL_PREFIX = "queue full"
 # Files read ahead of the workers: enough to keep them busy, bounded so memory stays flat.
 READ_AHEAD_PER_WORKER = 2
 
@@ -58,6 +52,10 @@ class Scorer(Protocol):
     """What a batch run scores with: ScoremapClient (gRPC) or LocalScorer (in-process)."""
 
     def score_request(self, request: scoring_pb2.ScoreRequest, *, timeout: float | None = None) -> scoring_pb2.ScoreResponse: ...
+
+    def models(self) -> list[scoring_pb2.ModelSummary]: ...
+
+    def interrupt(self) -> None: ...
 
 
 class RunAborted(Exception):
@@ -69,18 +67,38 @@ class RunAborted(Exception):
 
 
 @dataclass
+class ErrorKind:
+    """Records sharing one status and message pattern: how many, and the first one's path and words."""
+
+    status: str
+    count: int
+    example_path: str
+    example: str
+
+
+def _pattern(status: str, message: str, path: str) -> tuple[str, str]:
+    """What makes two messages "the same error": the file's own name and the numbers taken out."""
+    return status, re.sub(r"\d+(\.\d+)?", "#", message.replace(path, "<file>").replace(Path(path).name, "<file>"))
+
+
+@dataclass
 class BatchSummary:
     """Counts of a run: what was scored, failed (by status) and skipped as already recorded.
 
     `still_failed` counts found files whose latest record, of this run or an earlier one, is a
-    failure: the run succeeded only if it is zero.
+    failure: the run succeeded only if it is zero. `errors` and `warnings` group this run's
+    failures and warnings by kind, with an example each; `not_images` counts files found in the
+    folders and skipped because they are not images.
     """
 
     found: int = 0
     still_failed: int = 0
     skipped: int = 0
     scored: int = 0
+    not_images: int = 0
     failures: Counter = field(default_factory=Counter)
+    errors: dict[tuple[str, str], ErrorKind] = field(default_factory=dict)
+    warnings: dict[tuple[str, str], ErrorKind] = field(default_factory=dict)
     aborted: ScoremapError | None = None
     seconds: float = 0.0
 
@@ -89,20 +107,49 @@ class BatchSummary:
         return sum(self.failures.values())
 
     @property
+    def warned(self) -> int:
+        return sum(kind.count for kind in self.warnings.values())
+
+    @property
     def remaining(self) -> int:
         return self.found - self.skipped - self.scored - self.failed
+
+    def add(self, record: dict[str, Any]) -> None:
+        """Count one record written by this run."""
+        path = record.get("path", "")
+        if record["status"] == "OK":
+            self.scored += 1
+        else:
+            self.failures[record["status"]] += 1
+            _tally(self.errors, record["status"], record.get("error", ""), path)
+        for warning in record.get("warnings", ()):
+            _tally(self.warnings, "warning", warning, path)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary for programs (--summary-json)."""
+        def kinds(table: dict[tuple[str, str], ErrorKind]) -> list[dict[str, Any]]:
+            return [dataclasses.asdict(k) for k in sorted(table.values(), key=lambda k: -k.count)]
+        return {"found": self.found, "skipped_recorded": self.skipped, "scored": self.scored,
+                "failed": self.failed, "failed_all_runs": self.still_failed, "not_images": self.not_images,
+                "not_scored": self.remaining if self.aborted is not None else 0,
+                "failures_by_status": dict(sorted(self.failures.items())), "errors": kinds(self.errors),
+                "warned": self.warned, "warnings": kinds(self.warnings),
+                "stopped_by": str(self.aborted) if self.aborted is not None else None,
+                "seconds": round(self.seconds, 3)}
+
+
+def _tally(table: dict[tuple[str, str], ErrorKind], status: str, message: str, path: str) -> None:
+    key = _pattern(status, message, path)
+    if key in table:
+        table[key].count += 1
+    else:
+        table[key] = ErrorKind(status, 1, path, message)
 
 
 def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     buffer = io.BytesIO()
     np.savez_compressed(buffer, **arrays)
     return buffer.getvalue()
-
-
-def _is_transient(error: ScoremapError) -> bool:
-    """Whether the same request may well succeed if sent again shortly."""
-    return error.code == grpc.StatusCode.CANCELLED or (
-        error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.message.startswith(QUEUE_FULL_PREFIX))
 
 
 def _output_files(image: ImageFile, *, maps: bool, heatmaps: bool) -> dict[str, str]:
@@ -134,23 +181,13 @@ def _refuse_shared_outputs(todo: Sequence[ImageFile], recorded: dict[str, dict[s
 
 
 def _score_one(image: ImageFile, scorer: Scorer, options: ScoreOptions, out_dir: Path, *,
-               maps: bool, heatmaps: bool, timeout: float | None) -> dict[str, Any]:
+               maps: bool, heatmaps: bool, timeout: float | None, options_id: str) -> dict[str, Any]:
     """Score one file, write its outputs atomically; its results.jsonl record."""
     started = time.perf_counter()
-    record: dict[str, Any] = {"key": image.key, "path": str(image.path)}
+    record: dict[str, Any] = {"key": image.key, "path": str(image.path), "options": options_id}
     try:
         request = build_request(image.path, options)
-        pause = TRANSIENT_PAUSE_S
-        for resend in range(TRANSIENT_RESENDS + 1):
-            try:
-                response = scorer.score_request(request, timeout=timeout)
-                break
-            except ScoremapError as error:
-                if not _is_transient(error) or resend == TRANSIENT_RESENDS:
-                    raise
-                time.sleep(pause)
-                pause = min(pause * 2, TRANSIENT_PAUSE_MAX_S)
-        result = result_from_response(response)
+        result = result_from_response(scorer.score_request(request, timeout=timeout))
         record.update(result.to_record())
         outputs = _output_files(image, maps=maps, heatmaps=heatmaps)
         if maps:
@@ -159,6 +196,8 @@ def _score_one(image: ImageFile, scorer: Scorer, options: ScoreOptions, out_dir:
             atomic_write(out_dir / outputs["heatmap_file"], heatmap_png(open_photo(image.path), result))
         record.update(outputs)
         record["status"] = "OK"
+    except Interrupted:
+        raise  # nothing is known about this file: left unrecorded, so a re-run scores it
     except ScoremapError as error:
         if error.code in RUN_LEVEL_CODES:
             raise RunAborted(error) from error
@@ -179,13 +218,18 @@ def run_batch(
     maps: bool = False,
     heatmaps: bool = False,
     retry_failed: bool = False,
+    force_new_options: bool = False,
     timeout: float | None = None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> BatchSummary:
     """Score `images` not yet recorded in OUT_DIR/results.jsonl, `concurrency` at a time.
 
-    `on_start(n)` is told how many files will be scored, `on_progress(record)` each record written.
+    The options are checked against those stored in OUT_DIR (clients/run_options.py: OptionsChanged
+    when they differ, unless `force_new_options`, which scores again the files recorded under
+    other options). `on_start(n)` is told how many files will be scored, `on_progress(record)`
+    each record written. On any exception (KeyboardInterrupt included) the scorer is interrupted,
+    so the run ends at once.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency {concurrency} must be at least 1")
@@ -195,6 +239,7 @@ def run_batch(
         log.info("removed %d partial files left by an interrupted run", removed)
     if maps or heatmaps:
         options = dataclasses.replace(options, return_maps=True)
+    options_id = settle_options(out, run_options(options, maps=maps, heatmaps=heatmaps), force=force_new_options)
     summary = BatchSummary()
     started = time.perf_counter()
     with ResultsLog(out / RESULTS_NAME) as results:
@@ -202,7 +247,8 @@ def run_batch(
         unique = list({image.key: image for image in images}.values())
         summary.found = len(unique)
         todo = [image for image in unique
-                if image.key not in recorded or (retry_failed and recorded[image.key].get("status") != "OK")]
+                if image.key not in recorded or recorded[image.key].get("options", options_id) != options_id
+                or (retry_failed and recorded[image.key].get("status") != "OK")]
         summary.skipped = summary.found - len(todo)
         _refuse_shared_outputs(todo, recorded, out, maps=maps, heatmaps=heatmaps)
         if on_start:
@@ -216,13 +262,15 @@ def run_batch(
                     if image is None:
                         return
                     in_flight.add(pool.submit(_score_one, image, scorer, options, out, maps=maps,
-                                              heatmaps=heatmaps, timeout=timeout))
+                                              heatmaps=heatmaps, timeout=timeout, options_id=options_id))
             try:
                 refill()
                 while in_flight:
                     done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
                     for future in done:
                         in_flight.discard(future)
+                        if future.cancelled():
+                            continue
                         try:
                             record = future.result()
                         except RunAborted as aborted:
@@ -233,10 +281,7 @@ def run_batch(
                             continue
                         results.append(record)
                         recorded[record["key"]] = record
-                        if record["status"] == "OK":
-                            summary.scored += 1
-                        else:
-                            summary.failures[record["status"]] += 1
+                        summary.add(record)
                         if on_progress:
                             on_progress(record)
                     in_flight = {f for f in in_flight if not f.cancelled()}
@@ -244,6 +289,7 @@ def run_batch(
             except BaseException:
                 for future in in_flight:
                     future.cancel()
+                scorer.interrupt()  # running calls and retry pauses end now, not after --retry-for
                 raise
     summary.still_failed = sum(recorded.get(image.key, {}).get("status", "OK") != "OK" for image in unique)
     summary.seconds = time.perf_counter() - started

@@ -3,7 +3,8 @@
 A run may be killed at any instant (SIGKILL included) and must leave only complete lines and
 complete files: outputs are written to a temporary file in the same directory, fsynced and
 renamed over the target (os.replace is atomic within a filesystem); results.jsonl gets whole
-lines, each fsynced, and a torn last line is ignored on read-back.
+lines, each fsynced, and a torn last line is ignored on read-back. Outputs get the modes the
+user's umask gives any new file (mkstemp's own 0600 would hide them from the rest of a team).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from clients.images import looks_like_image
 
@@ -26,6 +27,19 @@ SIGNATURE_BYTES = 16
 # Files with these suffixes are kept even when their bytes are not an image: a zero-byte or
 # garbled "photo.jpg" is a failure to record, not a file to skip in silence.
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff"})
+# The mode a new file asks for before the umask takes its bits away (as open() does).
+NEW_FILE_MODE = 0o666
+
+
+def _read_umask() -> int:
+    """The process's umask. Reading it means setting it, which would race with threads creating
+    files, so it is read once, at import, before any worker runs."""
+    current = os.umask(0o077)
+    os.umask(current)
+    return current
+
+
+_UMASK = _read_umask()
 
 
 @dataclass(frozen=True)
@@ -49,13 +63,14 @@ def _is_image(path: Path) -> bool:
         return False
 
 
-def find_images(paths: Iterable[str | os.PathLike]) -> Iterator[ImageFile]:
+def find_images(paths: Iterable[str | os.PathLike], *,
+                on_skip: Callable[[Path], None] | None = None) -> Iterator[ImageFile]:
     """Image files under `paths`: folders walked recursively (sorted), files kept by content.
 
     A file named explicitly is always yielded (the user asked for it; if it is not an image, its
     scoring fails and is recorded); inside folders, files with an image signature or an image
     suffix are (a corrupt "x.jpg" is recorded as failed, a PNG named "x.txt" is scored).
-    Hidden files and folders are skipped.
+    Hidden files and folders are skipped; `on_skip` is told each other file left out (not an image).
 
     With several paths, each file found in a folder is named under that folder's name (made unique
     with a "-2", "-3" suffix), so `a/x.png` and `b/x.png` never share an output name.
@@ -78,10 +93,12 @@ def find_images(paths: Iterable[str | os.PathLike]) -> Iterator[ImageFile]:
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
                 for name in sorted(names):
                     path = Path(folder) / name
-                    if not name.startswith(".") and path.is_file() and (
-                        path.suffix.lower() in IMAGE_SUFFIXES or _is_image(path)
-                    ):
+                    if name.startswith(".") or not path.is_file():
+                        continue
+                    if path.suffix.lower() in IMAGE_SUFFIXES or _is_image(path):
                         yield ImageFile(path, prefix / path.relative_to(root))
+                    elif on_skip:
+                        on_skip(path)
         elif root.exists():
             yield ImageFile(root, Path(root.name))
         else:
@@ -94,6 +111,7 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=PARTIAL_SUFFIX)
     try:
+        os.fchmod(fd, NEW_FILE_MODE & ~_UMASK)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()

@@ -6,14 +6,18 @@ so this is the one place responses become results.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import grpc
 import numpy as np
 
+from clients.errors import ScoremapError
 from protos import scoring_pb2
 
-__all__ = ["Prediction", "Geometry", "ScaleResult", "ScoreResult", "decode_tensor", "result_from_response"]
+__all__ = ["Prediction", "Geometry", "ScaleResult", "ScoreResult", "decode_tensor", "check_finite",
+           "result_from_response"]
 
 _DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "int32": np.dtype("<i4")}
 
@@ -39,6 +43,9 @@ class Geometry:
     scale_factor: float
     resized_height: int
     resized_width: int
+    # Cells of the last rows / columns whose receptive field reaches into the server's padding.
+    padded_border_rows: int = 0
+    padded_border_cols: int = 0
 
     def cell_center(self, i: int, j: int) -> tuple[float, float]:
         """(y, x) of cell (i, j)'s centre in the original image."""
@@ -88,6 +95,7 @@ class ScoreResult:
     output_stride: int = 0
     shift: str = ""
     request_id: str = ""
+    warnings: tuple[str, ...] = ()
 
     def to_record(self) -> dict[str, Any]:
         """A JSON-ready summary (no map values): what results.jsonl stores per image."""
@@ -106,6 +114,7 @@ class ScoreResult:
             "shift": self.shift,
             "execution_provider": self.execution_provider,
             "timings_ms": self.timings,
+            "warnings": list(self.warnings),
         }
 
     def map_arrays(self) -> dict[str, np.ndarray]:
@@ -137,11 +146,35 @@ def _geometry(g: scoring_pb2.MapGeometry) -> Geometry:
         stride_y=g.stride_y, stride_x=g.stride_x, center_y=g.center_y, center_x=g.center_x,
         box_height=g.box_height, box_width=g.box_width, scale_factor=g.scale_factor,
         resized_height=g.resized_height, resized_width=g.resized_width,
+        padded_border_rows=g.padded_border_rows, padded_border_cols=g.padded_border_cols,
     )
 
 
+def _untrustworthy(message: str) -> ScoremapError:
+    return ScoremapError(grpc.StatusCode.INTERNAL,
+                         f"the response carries {message}; it is not used (issue 10: every answer must be finite). "
+                         "Report the image and options to the server's maintainers, and score it again with "
+                         "--retry-failed once the server is fixed")
+
+
+def check_finite(response: scoring_pb2.ScoreResponse, maps: list[ScaleResult]) -> None:
+    """Refuse a response with non-finite values: top-k probabilities and map scores must be finite,
+    except the NaN a diagonal shift leaves where no pass scored a cell."""
+    for label in response.top_k:
+        if not math.isfinite(label.probability):
+            raise _untrustworthy(f"probability {label.probability} for class {label.index} ({label.label!r})")
+    holes_allowed = response.shift == scoring_pb2.SHIFT_DIAGONAL
+    for m in maps:
+        for name, values in (("scores", m.scores), ("cell top-k scores", m.cell_top_k_scores)):
+            if values is None or values.dtype.kind != "f":
+                continue
+            bad = np.isinf(values) if holes_allowed else ~np.isfinite(values)
+            if bad.any():
+                raise _untrustworthy(f"{int(bad.sum())} non-finite {name} in the map at scale {m.scale}")
+
+
 def result_from_response(response: scoring_pb2.ScoreResponse) -> ScoreResult:
-    """The ScoreResult of a ScoreResponse."""
+    """The ScoreResult of a ScoreResponse; ScoremapError (INTERNAL) if it carries non-finite values."""
     maps = [
         ScaleResult(
             scale=m.scale, height=m.height, width=m.width, geometry=_geometry(m.geometry),
@@ -151,6 +184,7 @@ def result_from_response(response: scoring_pb2.ScoreResponse) -> ScoreResult:
         )
         for m in response.maps
     ]
+    check_finite(response, maps)
     t = response.timings
     return ScoreResult(
         model=response.model,
@@ -164,4 +198,5 @@ def result_from_response(response: scoring_pb2.ScoreResponse) -> ScoreResult:
         output_stride=response.output_stride,
         shift=scoring_pb2.Shift.Name(response.shift),
         request_id=response.request_id,
+        warnings=tuple(response.warnings),
     )

@@ -5,8 +5,9 @@
 Exit status (documented in --help and the README):
     0  every file found is scored (in this run or an earlier one)
     1  some files failed, in this run or an earlier one; each is recorded in results.jsonl with its status
-    2  bad command line
-    3  the server stayed unreachable beyond --retry-for; re-run to resume
+    2  bad command line: no images found, options the model cannot take (checked once, before
+       scoring), other options than the ones OUT was scored with (see --force-new-options)
+    3  the server was never reached, or stayed unreachable beyond --retry-for; re-run to resume
     4  the run could not start or was refused (credentials, unknown model, model file, output folder)
   130  interrupted; re-run to resume
 """
@@ -14,6 +15,7 @@ Exit status (documented in --help and the README):
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -24,11 +26,15 @@ from typing import Sequence
 import grpc
 from tqdm import tqdm
 
-from clients.batch import RESULTS_NAME, BatchSummary, run_batch
+from clients.batch import RESULTS_NAME, BatchSummary, ErrorKind, run_batch
 from clients.errors import ScoremapError
-from clients.files import find_images
+from clients.files import atomic_write, find_images
 from clients.options import MAP_DTYPES, SHIFTS, ScoreOptions
+from clients.preflight import RunRefused, check_run
+from clients.retry import Interrupted
+from clients.run_options import OptionsChanged
 from clients.settings import BATCH_RETRY_BUDGET_S, TOKEN_ENV, ClientSettings
+from clients.version import version
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_FAILURES", "EXIT_USAGE", "EXIT_UNAVAILABLE",
            "EXIT_REFUSED", "EXIT_INTERRUPTED"]
@@ -41,6 +47,19 @@ EXIT_REFUSED = 4
 EXIT_INTERRUPTED = 130
 
 log = logging.getLogger("scoremap-score")
+# Errors shown in the end-of-run summary, most frequent first; the rest are in --summary-json.
+SUMMARY_ERROR_KINDS = 10
+
+# What to do about an error that stops the run, by status: re-running helps only when the
+# server was merely away.
+ADVICE = {
+    grpc.StatusCode.UNAVAILABLE: "re-run the same command to resume (files recorded are skipped)",
+    grpc.StatusCode.UNAUTHENTICATED: f"set ${TOKEN_ENV} to the server's token (and use --tls off this machine)",
+    grpc.StatusCode.PERMISSION_DENIED: f"set ${TOKEN_ENV} to a token the server accepts",
+    grpc.StatusCode.NOT_FOUND: "check --model against the server's models (scoremap-serve prints them at start)",
+    grpc.StatusCode.UNIMPLEMENTED: "check that --server names a scoremap-serve of this version",
+    grpc.StatusCode.FAILED_PRECONDITION: "start the server with a model",
+}
 
 
 def _int_list(text: str) -> list[int]:
@@ -58,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(__doc__ or "").split("\n\n", 2)[-1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     parser.add_argument("paths", nargs="+", metavar="PATH", help="image files or folders")
     parser.add_argument("--out", required=True, type=Path, help="output folder (results.jsonl, maps/, heatmaps/)")
     backend = parser.add_mutually_exclusive_group(required=True)
@@ -79,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--retry-for", type=float, default=BATCH_RETRY_BUDGET_S,
                         help=f"keep retrying an unreachable server this many seconds (default {BATCH_RETRY_BUDGET_S:g})")
     parser.add_argument("--retry-failed", action="store_true", help="score again files recorded as failed")
+    parser.add_argument("--force-new-options", action="store_true",
+                        help="OUT was scored with other options: score every file again with these")
+    parser.add_argument("--summary-json", metavar="PATH", type=Path,
+                        help="also write the end-of-run summary as JSON (counts, distinct errors with examples)")
     parser.add_argument("--tls", action="store_true", help="connect with TLS")
     parser.add_argument("--root-cert", type=Path, help="PEM root certificates for --tls")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -87,28 +111,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _open_scorer(args: argparse.Namespace):
+    # Bounded by time alone, so --retry-for is used up however short the backoff pauses are.
+    settings = ClientSettings(timeout_s=args.timeout, retry_budget_s=args.retry_for)
     if args.local:
         from clients.local import LocalScorer  # imports the server package: only for --local
-        return LocalScorer([args.local])
+        return LocalScorer([args.local], client_settings=settings)
     from clients.api import ScoremapClient
-    # Bounded by time alone, so --retry-for is used up however short the backoff pauses are.
-    settings = ClientSettings(timeout_s=args.timeout, retry_budget_s=args.retry_for, max_attempts=None)
     root = args.root_cert.read_bytes() if args.root_cert else None
     return ScoremapClient(args.server, tls=args.tls, root_certificates=root,
                           token=os.environ.get(TOKEN_ENV) or None, settings=settings)
 
 
+def _kinds(table: dict[tuple[str, str], ErrorKind]) -> list[ErrorKind]:
+    return sorted(table.values(), key=lambda kind: -kind.count)
+
+
 def summary_table(summary: BatchSummary, results: Path) -> str:
-    """The end-of-run table printed to stdout."""
+    """The end-of-run table printed to stdout, then the distinct errors and warnings with an example each."""
     rows = [("found", str(summary.found)), ("skipped (already recorded)", str(summary.skipped)),
             ("scored", str(summary.scored)), ("failed", str(summary.failed))]
     rows += [(f"  {status}", str(count)) for status, count in sorted(summary.failures.items())]
     rows.append(("failed, all runs", str(summary.still_failed)))
     if summary.aborted is not None:
         rows.append(("not scored (run stopped)", str(summary.remaining)))
-    rows += [("seconds", f"{summary.seconds:.1f}"), ("results", str(results))]
+    rows += [("not images (skipped)", str(summary.not_images)), ("scored with warnings", str(summary.warned)),
+             ("seconds", f"{summary.seconds:.1f}"), ("results", str(results))]
     width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    for title, table in (("errors", summary.errors), ("warnings", summary.warnings)):
+        kinds = _kinds(table)
+        if kinds:
+            lines.append(f"{title} ({len(kinds)} distinct):")
+            for kind in kinds[:SUMMARY_ERROR_KINDS]:
+                lines.append(f"  {kind.count:>5} x {kind.status}: {kind.example}")
+                lines.append(f"          e.g. {kind.example_path}")
+            if len(kinds) > SUMMARY_ERROR_KINDS:
+                lines.append(f"  ... {len(kinds) - SUMMARY_ERROR_KINDS} more kinds (see --summary-json)")
+    return "\n".join(lines)
+
+
+def _advice(error: ScoremapError) -> str:
+    return f"{error.message}; {ADVICE[error.code]}" if error.code in ADVICE else error.message
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,54 +160,77 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="scoremap-score: %(message)s")
     if args.concurrency < 1:
         parser.error(f"--concurrency {args.concurrency} must be at least 1")
+    not_images: list[Path] = []
     try:
         options = ScoreOptions(model=args.model, scales=tuple(args.scales), stride=args.stride, shift=args.shift,
                                flip=args.flip, map_dtype=args.map_dtype, top_k=args.top_k)
-        images = list(find_images(args.paths))
+        images = list(find_images(args.paths, on_skip=not_images.append))
     except (ScoremapError, FileNotFoundError) as error:
         parser.error(str(error))
+    if not images:
+        skipped = f" ({len(not_images)} other files skipped, e.g. {str(not_images[0])!r})" if not_images else ""
+        log.error("no images (JPEG, PNG, WebP, BMP, TIFF) found under %s%s; check the paths",
+                  ", ".join(repr(p) for p in args.paths), skipped)
+        return EXIT_USAGE
+    target = args.local or args.server
     progress = None
+    scorer = None
     try:
         scorer = _open_scorer(args)
-        try:
-            progress = tqdm(total=0, unit="img", disable=True if args.no_progress else None,
-                            dynamic_ncols=True, desc="scoring")
-            failures = 0
+        options = check_run(scorer.models(), options)
+        progress = tqdm(total=0, unit="img", disable=True if args.no_progress else None,
+                        dynamic_ncols=True, desc="scoring")
+        failures = 0
 
-            def on_start(count: int) -> None:
-                progress.reset(total=count)
+        def on_start(count: int) -> None:
+            progress.reset(total=count)
 
-            def on_progress(record: dict) -> None:
-                nonlocal failures
-                failures += record["status"] != "OK"
-                progress.set_postfix(failed=failures, refresh=False)
-                progress.update(1)
+        def on_progress(record: dict) -> None:
+            nonlocal failures
+            failures += record["status"] != "OK"
+            progress.set_postfix(failed=failures, refresh=False)
+            progress.update(1)
 
-            summary = run_batch(images, scorer, args.out, options=options, concurrency=args.concurrency,
-                                maps=args.maps, heatmaps=args.heatmaps, retry_failed=args.retry_failed,
-                                timeout=args.timeout, on_progress=on_progress, on_start=on_start)
-        finally:
-            if progress is not None:
-                progress.close()
-            scorer.close()
-    except KeyboardInterrupt:
-        log.warning("interrupted; re-run the same command to resume")
+        summary = run_batch(images, scorer, args.out, options=options, concurrency=args.concurrency,
+                            maps=args.maps, heatmaps=args.heatmaps, retry_failed=args.retry_failed,
+                            force_new_options=args.force_new_options, timeout=args.timeout,
+                            on_progress=on_progress, on_start=on_start)
+    except (KeyboardInterrupt, Interrupted):
+        log.warning("interrupted; re-run the same command to resume (files already recorded in %s are skipped)",
+                    args.out / RESULTS_NAME)
         return EXIT_INTERRUPTED
+    except OptionsChanged as error:
+        log.error("%s", error)
+        return EXIT_USAGE
+    except RunRefused as error:
+        log.error("%s", _advice(error) if error.code != grpc.StatusCode.INVALID_ARGUMENT else error.message)
+        return EXIT_USAGE if error.code == grpc.StatusCode.INVALID_ARGUMENT else EXIT_REFUSED
     except ScoremapError as error:
         if args.traceback:
             traceback.print_exc()
-        log.error("%s", error)
-        return EXIT_UNAVAILABLE if error.code == grpc.StatusCode.UNAVAILABLE else EXIT_REFUSED
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            log.error("cannot reach %s: %s; check --server and that scoremap-serve runs there", target, error.message)
+            return EXIT_UNAVAILABLE
+        log.error("%s", _advice(error))
+        return EXIT_REFUSED
     except OSError as error:
         if args.traceback:
             traceback.print_exc()
         log.error("%s", error)
         return EXIT_REFUSED
+    finally:
+        if progress is not None:
+            progress.close()
+        if scorer is not None:
+            scorer.close()
+    summary.not_images = len(not_images)
     sys.stdout.write(summary_table(summary, args.out / RESULTS_NAME) + "\n")
+    if args.summary_json:
+        atomic_write(args.summary_json, (json.dumps(summary.to_dict(), indent=2) + "\n").encode())
     if summary.aborted is not None:
         if args.traceback:
             log.error("run stopped by %r", summary.aborted)
-        log.error("run stopped: %s; re-run the same command to resume", summary.aborted)
+        log.error("run stopped: %s", _advice(summary.aborted))
         return EXIT_UNAVAILABLE if summary.aborted.code == grpc.StatusCode.UNAVAILABLE else EXIT_REFUSED
     return EXIT_FAILURES if summary.still_failed else EXIT_OK
 

@@ -35,10 +35,14 @@ class ClientSettings:
     # up to 120 s, which would turn a two-second restart into a two-minute stall.
     initial_reconnect_backoff_ms: int = 100
     max_reconnect_backoff_ms: int = 2_000
-    # Retries on UNAVAILABLE only (the one status that means "try again, nothing happened"), at most
-    # `max_attempts` calls and `retry_budget_s` seconds; None bounds them by the budget alone.
-    max_attempts: int | None = 8
+    # Retries (clients/retry.py: UNAVAILABLE, a server dropping calls as it stops, refusals the
+    # server marks transient) are bounded by time alone: `retry_budget_s` seconds per call.
     retry_budget_s: float = 30.0
+    # A server never reached at all is more likely a wrong address than a restart: give up on it
+    # after this many seconds, whatever the budget.
+    connect_budget_s: float = 5.0
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 2.0
     backoff_multiplier: float = 2.0
+    # How often (seconds) a client waiting for its server says so.
+    wait_notice_every_s: float = 10.0

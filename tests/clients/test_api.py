@@ -63,7 +63,7 @@ def test_unavailable_is_retried_until_the_server_comes_up(start_server, tiny_mod
 
     thread = threading.Thread(target=start_later)
     thread.start()
-    settings = ClientSettings(retry_budget_s=20, max_attempts=100, backoff_max_s=0.5)
+    settings = ClientSettings(retry_budget_s=20, backoff_max_s=0.5)
     with ScoremapClient(f"127.0.0.1:{port}", settings=settings) as client:
         result = client.score(np.zeros((64, 64, 3), np.uint8))
     thread.join()
@@ -84,14 +84,14 @@ def test_a_stream_opened_before_the_server_is_up_loses_nothing(start_server, pho
 
 
 def test_the_retry_budget_ends_retries():
-    settings = ClientSettings(retry_budget_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.1, max_attempts=1000)
+    settings = ClientSettings(retry_budget_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.1)
     with ScoremapClient("127.0.0.1:1", settings=settings) as client:  # nothing listens on port 1
         began = time.monotonic()
         with pytest.raises(ScoremapError) as caught:
             client.health()
         waited = time.monotonic() - began
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
-    assert 0.2 < waited < 5  # retried for about the budget, not 1000 attempts
+    assert 0.2 < waited < 5  # retried for about the budget
 
 
 def test_bearer_token(start_server):
@@ -152,10 +152,28 @@ def test_a_bad_image_in_a_stream_raises_invalid_argument_after_the_earlier_answe
     assert answered == ["0", "1"]
 
 
-def test_retries_without_an_attempt_bound_use_the_whole_budget():
-    settings = ClientSettings(max_attempts=None, retry_budget_s=1.0, backoff_initial_s=0.02, backoff_max_s=0.02)
+def test_a_server_never_reached_gets_the_connect_budget_not_the_whole_budget():
+    settings = ClientSettings(retry_budget_s=60, connect_budget_s=0.3, backoff_initial_s=0.02, backoff_max_s=0.05)
     started = time.monotonic()
     with ScoremapClient("127.0.0.1:1", settings=settings) as client, pytest.raises(ScoremapError) as caught:
-        client.health()
+        client.models()
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
-    assert 1.0 <= time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 30  # far below the 60 s budget
+
+
+def test_interrupt_ends_a_retry_wait_at_once():
+    settings = ClientSettings(retry_budget_s=60, connect_budget_s=60)
+    outcome = {}
+    with ScoremapClient("127.0.0.1:1", settings=settings) as client:
+        def call() -> None:
+            try:
+                client.models()
+            except ScoremapError as error:
+                outcome["error"] = error
+        thread = threading.Thread(target=call)
+        thread.start()
+        time.sleep(0.3)
+        client.interrupt()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert type(outcome["error"]).__name__ == "Interrupted" and outcome["error"].code == grpc.StatusCode.CANCELLED

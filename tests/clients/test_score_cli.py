@@ -8,6 +8,9 @@ import threading
 import time
 from pathlib import Path
 
+from concurrent import futures
+
+import grpc
 import numpy as np
 import pytest
 from PIL import Image
@@ -15,6 +18,7 @@ from PIL import Image
 from clients import ScoremapClient
 from clients.files import read_records
 from clients.score_cli import EXIT_FAILURES, EXIT_OK, main
+from protos import scoring_pb2, scoring_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -125,12 +129,13 @@ def test_a_server_restart_mid_run_is_ridden_out(start_server, make_photos, tmp_p
     assert len(records) == 40 and all(r["status"] == "OK" for r in records)
 
 
-def test_exit_codes_for_an_unreachable_server_and_bad_arguments(photos, tmp_path):
+def test_exit_codes_for_an_unreachable_server_and_bad_arguments(photos, tmp_path, caplog):
     from clients.score_cli import EXIT_UNAVAILABLE
     out = tmp_path / "out"
     assert main([str(photos), "--out", str(out), "--server", "127.0.0.1:1", "--retry-for", "0.2",
                  "--no-progress"]) == EXIT_UNAVAILABLE
-    assert not (out / "results.jsonl").read_text()  # nothing recorded: a re-run resumes everything
+    assert not out.exists()  # never reached: nothing started, nothing recorded
+    assert "cannot reach 127.0.0.1:1" in caplog.text
     with pytest.raises(SystemExit) as usage:
         main([str(tmp_path / "missing"), "--out", str(out), "--server", "127.0.0.1:1"])
     assert usage.value.code == 2
@@ -175,3 +180,97 @@ def test_a_full_queue_is_waited_out_but_a_request_too_large_is_recorded(start_se
     [record] = lines(out)
     assert record["status"] == "RESOURCE_EXHAUSTED" and "memory budget" in record["error"]
     assert record["elapsed_ms"] < 1000  # recorded at once, not sent again
+
+
+class UnavailableScorer(scoring_pb2_grpc.DenseScoringServicer):
+    """A server that lists its model, then answers every Score with UNAVAILABLE: a run that reached
+    its server and now waits for it to come back, deterministically."""
+
+    def ListModels(self, request, context):
+        return scoring_pb2.ListModelsResponse(models=[scoring_pb2.ModelSummary(name="tiny", classes=10)])
+
+    def Score(self, request, context):
+        context.abort(grpc.StatusCode.UNAVAILABLE, "stopping")
+
+
+def test_ctrl_c_while_waiting_for_the_server_stops_at_once(photos, tmp_path):
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    scoring_pb2_grpc.add_DenseScoringServicer_to_server(UnavailableScorer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        run = subprocess.Popen([sys.executable, "-m", "clients.score_cli", str(photos), "--out", str(tmp_path / "out"),
+                                "--server", f"127.0.0.1:{port}", "--retry-for", "120", "--no-progress"],
+                               cwd=REPO, stderr=subprocess.PIPE, text=True)
+        said: list[str] = []
+        waiting = threading.Event()
+
+        def read() -> None:
+            for line in run.stderr:
+                said.append(line)
+                if "waiting for" in line:
+                    waiting.set()
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert waiting.wait(60), said
+        run.send_signal(signal.SIGINT)
+        interrupted = time.monotonic()
+        code = run.wait(30)
+        stopped_after = time.monotonic() - interrupted
+        reader.join(10)
+    finally:
+        server.stop(0)
+    text = "".join(said)
+    assert code == 130, text
+    assert stopped_after < 2.0, text  # issue 12: within a second or so, not after --retry-for
+    assert f"waiting for 127.0.0.1:{port}, retrying for " in text and "s more" in text
+    assert "re-run the same command to resume" in text and "Traceback" not in text
+    assert not read_records(tmp_path / "out" / "results.jsonl")  # nothing recorded for the files in flight
+
+
+def test_summary_lists_distinct_errors_with_examples_and_skipped_files(server, photos, tmp_path, capsys):
+    for name in ("torn1.jpg", "torn2.jpg"):
+        (photos / name).write_bytes((photos / "photo000.jpg").read_bytes()[:300])
+    (photos / "anim.gif").write_bytes(b"GIF89a" + bytes(40))  # not an image we score: skipped, counted
+    out, summary = tmp_path / "out", tmp_path / "summary.json"
+    assert main([str(photos), "--out", str(out), "--server", server, "--no-progress",
+                 "--summary-json", str(summary)]) == EXIT_FAILURES
+    printed = capsys.readouterr().out
+    assert re.search(r"not images \(skipped\)\s+2\n", printed), printed  # notes.txt and anim.gif
+    assert re.search(r"errors \(1 distinct\):\n\s+2 x INVALID_ARGUMENT: .+\n\s+e\.g\. .+torn\d\.jpg", printed), printed
+    report = json.loads(summary.read_text())
+    assert (report["found"], report["scored"], report["failed"], report["not_images"]) == (8, 6, 2, 2)
+    [kind] = report["errors"]
+    assert kind["status"] == "INVALID_ARGUMENT" and kind["count"] == 2 and "torn" in kind["example_path"]
+
+
+def test_a_folder_without_images_is_an_error(server, tmp_path, caplog):
+    from clients.score_cli import EXIT_USAGE
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "readme.txt").write_text("no photos here")
+    assert main([str(tmp_path / "empty"), "--out", str(tmp_path / "out"), "--server", server]) == EXIT_USAGE
+    assert "no images" in caplog.text and "readme.txt" in caplog.text
+
+
+def test_outputs_follow_the_umask(server, photos, tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "clients.score_cli", str(photos), "--out", str(out), "--server",
+                           server, "--maps", "--heatmaps", "--no-progress"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.umask(0o022))
+    assert done.returncode == EXIT_OK, done.stderr
+    written = [out / "results.jsonl", out / "options.json", *out.rglob("*.npz"), *out.rglob("*.png")]
+    assert len(written) == 2 + 6 + 6
+    assert {oct(path.stat().st_mode & 0o777) for path in written} == {"0o644"}
+
+
+def test_version_and_help_without_the_heavy_imports():
+    from clients.version import version
+    for module in ("clients.score_cli", "clients.loadtest"):
+        shown = subprocess.run([sys.executable, "-m", module, "--version"], cwd=REPO, capture_output=True, text=True)
+        assert shown.returncode == 0 and version() in shown.stdout
+        probe = (f"import sys, runpy; sys.argv = ['x', '--help']\n"
+                 f"try:\n    runpy.run_module('{module}', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+                 "heavy = [m for m in ('torch', 'onnxruntime', 'onnx', 'server') if m in sys.modules]\n"
+                 "sys.stderr.write(repr(heavy))")
+        helped = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True)
+        assert "usage:" in helped.stdout and helped.stderr.strip() == "[]", helped.stderr
