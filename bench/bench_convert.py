@@ -14,7 +14,7 @@ import onnxruntime
 from onnx import TensorProto, helper, numpy_helper
 
 from convert import convert_classifier
-from convert.card import read_card
+from convert.card import Layout, read_card
 from convert.graph import static_shapes
 from convert.preprocessing import to_input
 from convert.sources import load_source
@@ -116,7 +116,7 @@ def run_bench() -> dict:
     fine = convert_classifier("default", output_stride=16)
     card = read_card(dense)
     image = to_input(sample_pixels(count=1, height=SCALE, width=SCALE, channels=3), card.preprocessing)
-    batch = crops(image, layout="NCHW", training_size=(224, 224), stride=32)
+    batch = crops(image, layout=Layout.LAYOUT_NCHW, training_size=(224, 224), stride=32)
     original_session, dense_session = session(source.model), session(dense)
     results["crops"], results["dense"] = best_times(lambda: forward(original_session, batch), lambda: forward(dense_session, image))
     results["crop_flops"] = 36 * conv_macs(dense, 224, 224) / conv_macs(dense, SCALE, SCALE)

@@ -16,14 +16,14 @@ from onnx import helper, numpy_helper
 
 from convert.errors import ConversionError
 from convert.graph import attr, describe, initializers, opset, set_attr, static_shapes, unique_name
-from convert.receptive_field import WINDOWED, explicit_pads, pad_amounts, receptive_fields, spatial_axes, window
+from convert.receptive_field import WINDOWED, explicit_pads, pad_amounts, receptive_fields, tensor_spatial_axes, window
 
 # MaxPool takes dilations from opset 10, AveragePool from opset 19.
 MAXPOOL_DILATION_OPSET = 10
 AVERAGEPOOL_DILATION_OPSET = 19
 
 
-def atrous(model: onnx.ModelProto, *, output_stride: int, input_shape: list[int], layout: str) -> onnx.ModelProto:
+def atrous(model: onnx.ModelProto, *, output_stride: int, input_shape: list[int], layout: int) -> onnx.ModelProto:
     """A copy of the dense graph `model` whose cells are `output_stride` px apart (no change when already that fine)."""
     fields = receptive_fields(model, input_shape=input_shape, layout=layout)
     native = fields[model.graph.output[0].name].jump
@@ -37,7 +37,7 @@ def atrous(model: onnx.ModelProto, *, output_stride: int, input_shape: list[int]
     graph = model.graph
     shapes = static_shapes(model, input_shape)
     constants = initializers(graph)
-    axes = spatial_axes(model, layout=layout)
+    axes = tensor_spatial_axes(model, layout=layout)
     graph_opset = opset(model)
     nodes = []
     for node in graph.node:

@@ -17,7 +17,7 @@ import onnx
 from PIL import Image
 
 from convert.arguments import size_pair
-from convert.card import read_card
+from convert.card import ChannelOrder, OutputKind, label, parse_label, read_card
 from convert.errors import ConversionError
 from convert.pipeline import SUPPORTED_OUTPUT_STRIDES, convert_classifier
 from convert.precision import to_fp16
@@ -65,7 +65,7 @@ def preprocessing_options(args: argparse.Namespace) -> Preprocessing | None:
         return None
     channels = len(args.mean or args.std or [0, 0, 0])
     return Preprocessing(
-        channel_order=args.channel_order or "RGB", pixel_scale=args.pixel_scale if args.pixel_scale is not None else 1.0,
+        channel_order=parse_label(ChannelOrder, args.channel_order or "RGB"), pixel_scale=args.pixel_scale if args.pixel_scale is not None else 1.0,
         mean=args.mean or [0.0] * channels, std=args.std or [1.0] * channels, resize_filter="bilinear",
     )
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONVERSION
     card = read_card(converted)
     sys.stdout.write(
-        f"wrote {args.output}: {card.name}, {len(card.labels)} classes ({card.output_kind}), stride {card.output_stride}, "
+        f"wrote {args.output}: {card.name}, {len(card.labels)} classes ({label(OutputKind, card.output_kind)}), stride {card.output_stride}, "
         f"receptive field {card.receptive_field.size} px, verified max abs diff {card.verification.max_abs_diff:.3g} "
         f"(allowed {card.verification.tolerance:.3g})\n")
     if report:

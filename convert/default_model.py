@@ -13,7 +13,7 @@ from importlib import resources
 
 import torch
 
-from protos.model_card_pb2 import Preprocessing
+from protos.model_card_pb2 import ChannelOrder, InputDtype, Layout, Preprocessing
 
 NAME = "efficientnet-lite0"
 TRAINING_SIZE = 224
@@ -26,9 +26,9 @@ def preprocessing(input_name: str = "image") -> Preprocessing:
     """RGB, (x - 127) / 128, NCHW float32: how the TensorFlow Lite weights were trained."""
     return Preprocessing(
         input_name=input_name,
-        layout="NCHW",
-        dtype="float32",
-        channel_order="RGB",
+        layout=Layout.LAYOUT_NCHW,
+        dtype=InputDtype.INPUT_DTYPE_FLOAT32,
+        channel_order=ChannelOrder.CHANNEL_ORDER_RGB,
         pixel_scale=1.0,
         mean=[127.0, 127.0, 127.0],
         std=[128.0, 128.0, 128.0],

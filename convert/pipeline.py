@@ -7,7 +7,7 @@ import logging
 import onnx
 
 from convert.atrous import atrous
-from convert.card import ModelCard, ReceptiveField, write_card
+from convert.card import ChannelOrder, InputDtype, Layout, ModelCard, Precision, ReceptiveField, batch_shape, channel_axis, spatial_axes, write_card
 from convert.cleanup import cleanup
 from convert.errors import ConversionError
 from convert.graph import input_dims, real_inputs
@@ -25,7 +25,8 @@ DEFAULT_OUTPUT_STRIDE = 32
 SUPPORTED_OUTPUT_STRIDES = (32, 16, 8)
 # default_scale for sources that do not say: the default model's 384/224, rounded to the stride.
 DEFAULT_SCALE_RATIO = 384 / 224
-ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.UINT8: "uint8"}
+ONNX_DTYPES = {onnx.TensorProto.FLOAT: InputDtype.INPUT_DTYPE_FLOAT32, onnx.TensorProto.FLOAT16: InputDtype.INPUT_DTYPE_FLOAT16,
+               onnx.TensorProto.UINT8: InputDtype.INPUT_DTYPE_UINT8}
 
 
 def convert_classifier(
@@ -59,20 +60,22 @@ def convert_classifier(
     dtype = ONNX_DTYPES.get(image.type.tensor_type.elem_type)
     if dtype is None:
         raise ConversionError(f"input {image.name!r} has element type {image.type.tensor_type.elem_type}; expected float32, float16 or uint8")
-    channels = input_dims(image)[1 if layout == "NCHW" else 3]
+    channels = input_dims(image)[channel_axis(layout)]
     if not isinstance(channels, int) or channels <= 0:
         raise ConversionError(f"input {image.name!r} has a symbolic channel count {channels!r}; expected a fixed number of channels")
     prep = Preprocessing()
     prep.CopyFrom(preprocessing or loaded.preprocessing or identity_preprocessing(channels))
     prep.input_name, prep.layout, prep.dtype = image.name, layout, dtype
+    prep.channel_order = prep.channel_order or ChannelOrder.CHANNEL_ORDER_RGB
     for field_name in ("mean", "std"):
         values = list(getattr(prep, field_name))
         if len(values) != channels:
             raise ConversionError(f"preprocessing {field_name} has {len(values)} values {values}; the input has {channels} channels")
-    batch_one = [1, channels, *size] if layout == "NCHW" else [1, *size, channels]
+    batch_one = batch_shape(layout, batch=1, channels=channels, height=size[0], width=size[1])
 
     cleaned = cleanup(original, input_shape=batch_one)
     dense, head = fully_convolutional(cleaned, training_size=size, layout=layout)
+    native = output_field(dense, input_shape=batch_one, layout=layout).jump[0]
     dense = atrous(dense, output_stride=output_stride, input_shape=batch_one, layout=layout)
     field = output_field(dense, input_shape=batch_one, layout=layout)
     check = verify(original, dense, preprocessing=prep, training_size=size, channels=channels)
@@ -89,7 +92,7 @@ def convert_classifier(
         training_height=size[0], training_width=size[1], output_stride=stride,
         receptive_field=ReceptiveField(size=max(field.size), center_y=field.start[0], center_x=field.start[1]),
         scores_name=SCORES, output_kind=head.output_kind, source=loaded.description, verification=check,
-        precision="fp32",
+        precision=Precision.PRECISION_FP32, native_output_stride=native,
         default_scale=default_scale or loaded.default_scale or round_up(max(size) * DEFAULT_SCALE_RATIO, stride),
         size_multiple=size_multiple if size_multiple is not None else (loaded.size_multiple or 0),
     )
@@ -97,23 +100,23 @@ def convert_classifier(
     return write_card(dense, card)
 
 
-def detect_layout(image: onnx.ValueInfoProto) -> str:
+def detect_layout(image: onnx.ValueInfoProto) -> int:
     """NCHW unless the last axis looks like channels (1, 3 or 4) and axis 1 does not."""
     dims = input_dims(image)
     if len(dims) != 4:
         raise ConversionError(f"input {image.name!r} has shape {dims}; expected an image batch [N, C, H, W] or [N, H, W, C]")
     channel_like = (1, 3, 4)
     if dims[3] in channel_like and dims[1] not in channel_like:
-        return "NHWC"
+        return Layout.LAYOUT_NHWC
     if dims[1] in channel_like:
-        return "NCHW"
+        return Layout.LAYOUT_NCHW
     raise ConversionError(f"input {image.name!r} has shape {dims}; cannot tell its channel axis (expected 1, 3 or 4 channels)")
 
 
-def resolve_training_size(image: onnx.ValueInfoProto, *, layout: str, given: tuple[int, int] | None) -> tuple[int, int]:
+def resolve_training_size(image: onnx.ValueInfoProto, *, layout: int, given: tuple[int, int] | None) -> tuple[int, int]:
     """The input's static H, W, or the given size when they are symbolic; a conflict is an error."""
     dims = input_dims(image)
-    spatial = dims[2:4] if layout == "NCHW" else dims[1:3]
+    spatial = [dims[axis] for axis in spatial_axes(layout)]
     static = tuple(spatial) if all(isinstance(d, int) and d > 0 for d in spatial) else None
     if static and given and tuple(given) != static:
         raise ConversionError(f"input {image.name!r} is fixed at {static[0]}x{static[1]} but training size {given[0]}x{given[1]} was given")
@@ -126,7 +129,7 @@ def resolve_training_size(image: onnx.ValueInfoProto, *, layout: str, given: tup
 
 def identity_preprocessing(channels: int) -> Preprocessing:
     """What a bare ONNX file says about preprocessing: nothing, so raw 0..255 values until told otherwise."""
-    return Preprocessing(channel_order="RGB", pixel_scale=1.0, mean=[0.0] * channels, std=[1.0] * channels, resize_filter="bilinear")
+    return Preprocessing(channel_order=ChannelOrder.CHANNEL_ORDER_RGB, pixel_scale=1.0, mean=[0.0] * channels, std=[1.0] * channels, resize_filter="bilinear")
 
 
 def round_up(value: float, multiple: int) -> int:

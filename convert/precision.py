@@ -24,7 +24,7 @@ import onnx
 from onnxconverter_common import float16
 
 from convert import verify
-from convert.card import CardError, read_card, write_card
+from convert.card import CardError, ChannelOrder, ImageInput, InputDtype, Layout, Precision, read_card, write_card
 from convert.errors import ConversionError
 from convert.preprocessing import to_input
 from protos.model_card_pb2 import Preprocessing, Verification
@@ -38,21 +38,22 @@ FP16_TOLERANCE = 2e-2
 FP16_VERIFY_SIZE = 224
 
 
-def _fp32_preprocessing(model: onnx.ModelProto) -> Preprocessing:
+def _fp32_input(model: onnx.ModelProto) -> ImageInput:
     try:
-        return read_card(model).preprocessing
+        return ImageInput.of(read_card(model))
     except CardError:
-        # No card: pixels mapped to [-1, 1], the usual range of image classifiers' inputs.
-        return Preprocessing(layout="NCHW", dtype="float32", pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
+        # No card: an RGB NCHW image mapped to [-1, 1], the usual range of image classifiers' inputs.
+        return ImageInput.of(Preprocessing(
+            layout=Layout.LAYOUT_NCHW, dtype=InputDtype.INPUT_DTYPE_FLOAT32, channel_order=ChannelOrder.CHANNEL_ORDER_RGB,
+            pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3))
 
 
 def verify_fp16(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, height: int, width: int,
                 samples: int = verify.VERIFY_SAMPLES, tolerance: float = FP16_TOLERANCE) -> Verification:
     """Compare an fp16 graph with its fp32 reference on deterministic images; the card's record."""
-    preprocessing = _fp32_preprocessing(reference)
-    channels = len(preprocessing.mean) or int(reference.graph.input[0].type.tensor_type.shape.dim[1].dim_value or 3)
-    pixels = verify.sample_pixels(count=samples, height=height, width=width, channels=channels)
-    inputs = to_input(pixels, preprocessing)
+    image = _fp32_input(reference)
+    pixels = verify.sample_pixels(count=samples, height=height, width=width, channels=image.channels)
+    inputs = to_input(pixels, image)
     expected = verify.run(reference, inputs).astype(np.float64)
     got = verify.run(candidate, inputs).astype(np.float64)
     if expected.shape != got.shape:
@@ -88,7 +89,7 @@ def fp16_graph(model: onnx.ModelProto) -> onnx.ModelProto:
 def to_fp16(model: onnx.ModelProto, *, tolerance: float = FP16_TOLERANCE) -> onnx.ModelProto:
     """An fp16 copy of an fp32 graph (float32 inputs/outputs), checked against it.
 
-    The model card, when there is one, is carried over with precision "fp16" and the check's
+    The model card, when there is one, is carried over with precision FP16 and the check's
     record as its verification. Raises ConversionError when the check fails.
     """
     converted = fp16_graph(model)
@@ -105,7 +106,7 @@ def to_fp16(model: onnx.ModelProto, *, tolerance: float = FP16_TOLERANCE) -> onn
             f"(allowed {record.tolerance:.4g}), argmax agreement {record.argmax_agreement:.3f}; "
             "keep this model in fp32")
     if card is not None:
-        card.precision = "fp16"
+        card.precision = Precision.PRECISION_FP16
         card.verification.CopyFrom(record)
         write_card(converted, card)
     return converted

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import onnx
 
+from convert.card import spatial_axes
 from convert.errors import ConversionError
 from convert.graph import attr, describe, initializers, real_inputs, static_shapes
 
@@ -30,10 +31,10 @@ class Field:
     start: tuple[float, float]
 
 
-def spatial_axes(model: onnx.ModelProto, *, layout: str) -> dict[str, tuple[int, int]]:
+def tensor_spatial_axes(model: onnx.ModelProto, *, layout: int) -> dict[str, tuple[int, int]]:
     """The (y, x) axes of every rank-4 tensor derived from the image, following Transposes."""
     image = real_inputs(model.graph)[0].name
-    axes = {image: (2, 3) if layout == "NCHW" else (1, 2)}
+    axes = {image: spatial_axes(layout)}
     for node in model.graph.node:
         known = [axes[name] for name in node.input if name in axes]
         if not known:
@@ -81,13 +82,13 @@ def window(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> tuple[in
     return kernel[0], kernel[1]
 
 
-def receptive_fields(model: onnx.ModelProto, *, input_shape: list[int], layout: str) -> dict[str, Field]:
+def receptive_fields(model: onnx.ModelProto, *, input_shape: list[int], layout: int) -> dict[str, Field]:
     """The field of every tensor derived from the image, with the image at `input_shape`."""
     shapes = static_shapes(model, input_shape)
     constants = initializers(model.graph)
     image = real_inputs(model.graph)[0].name
     fields = {image: Field(jump=(1, 1), size=(1, 1), start=(0.0, 0.0))}
-    axes = spatial_axes(model, layout=layout)
+    axes = tensor_spatial_axes(model, layout=layout)
     for node in model.graph.node:
         known = [fields[name] for name in node.input if name in fields]
         if not known:
@@ -135,7 +136,7 @@ def pad_amounts(node: onnx.NodeProto, constants: dict) -> list[int]:
     return pads
 
 
-def output_field(model: onnx.ModelProto, *, input_shape: list[int], layout: str) -> Field:
+def output_field(model: onnx.ModelProto, *, input_shape: list[int], layout: int) -> Field:
     """The receptive field of the graph's (single) output."""
     fields = receptive_fields(model, input_shape=input_shape, layout=layout)
     return fields[model.graph.output[0].name]

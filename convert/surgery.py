@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from convert.card import OutputKind, batch_shape, channel_axis
 from convert.errors import ConversionError
 from convert.graph import (
     MAX_IR_VERSION,
@@ -30,7 +31,7 @@ from convert.graph import (
     set_input_dims,
     static_shapes,
 )
-from convert.receptive_field import spatial_axes
+from convert.receptive_field import tensor_spatial_axes
 
 SCORES = "scores"
 # IR 4 lets weights be initializers without being graph inputs (what IR 3 required).
@@ -57,10 +58,10 @@ class Head:
     """What the surgery learnt about the classifier's head."""
 
     num_classes: int
-    output_kind: str  # "logits" or "probabilities"
+    output_kind: int  # an OutputKind value
 
 
-def fully_convolutional(model: onnx.ModelProto, *, training_size: tuple[int, int], layout: str) -> tuple[onnx.ModelProto, Head]:
+def fully_convolutional(model: onnx.ModelProto, *, training_size: tuple[int, int], layout: int) -> tuple[onnx.ModelProto, Head]:
     """The dense version of a cleaned classifier graph, with output `scores` [N, K, h, w] and dynamic N, H, W."""
     model = copy.deepcopy(model)
     graph = model.graph
@@ -77,7 +78,7 @@ def fully_convolutional(model: onnx.ModelProto, *, training_size: tuple[int, int
         raise ConversionError(f"cannot prove the shape of the map {source!r} before the head at {training_size[0]}x{training_size[1]}; "
                               f"shape inference gives {shapes.get(source)}")
     channels, map_h, map_w = shapes[source][1:]
-    refuse_position_mixing(graph, source, made, constants, shapes, spatial_axes(model, layout=layout), opset(model))
+    refuse_position_mixing(graph, source, made, constants, shapes, tensor_spatial_axes(model, layout=layout), opset(model))
     builder = HeadBuilder(graph)
     current = source
     if pool is not None:
@@ -101,7 +102,7 @@ def fully_convolutional(model: onnx.ModelProto, *, training_size: tuple[int, int
     del graph.input[:]
     graph.input.append(image)
     image = graph.input[0]
-    set_input_dims(image, ["N", input_shape[1], "H", "W"] if layout == "NCHW" else ["N", "H", "W", input_shape[3]])
+    set_input_dims(image, batch_shape(layout, batch="N", channels=input_shape[channel_axis(layout)], height="H", width="W"))
     del graph.value_info[:]
     model.ir_version = min(max(model.ir_version, MIN_IR_VERSION), MAX_IR_VERSION)
     try:
@@ -110,20 +111,20 @@ def fully_convolutional(model: onnx.ModelProto, *, training_size: tuple[int, int
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
         raise ConversionError(f"the converted graph does not pass the ONNX checker: {error}") from error
     last = chain[-1].op_type if chain else ""
-    kind = "probabilities" if last in ("Softmax", "Sigmoid") else "logits"
+    kind = OutputKind.OUTPUT_KIND_PROBABILITIES if last in ("Softmax", "Sigmoid") else OutputKind.OUTPUT_KIND_LOGITS
     return model, Head(num_classes=features, output_kind=kind)
 
 
-def batch_one_shape(image: onnx.ValueInfoProto, *, training_size: tuple[int, int], layout: str) -> list[int]:
+def batch_one_shape(image: onnx.ValueInfoProto, *, training_size: tuple[int, int], layout: int) -> list[int]:
     """The image input's shape at batch 1 and the training size."""
     dims = [d.dim_value if d.HasField("dim_value") else 0 for d in image.type.tensor_type.shape.dim]
     if len(dims) != 4:
         raise ConversionError(f"input {image.name!r} has {len(dims)} dims; expected an image batch [N, C, H, W] or [N, H, W, C]")
-    channels = dims[1] if layout == "NCHW" else dims[3]
+    channels = dims[channel_axis(layout)]
     if channels <= 0:
         raise ConversionError(f"input {image.name!r}: its channel count is not static; expected a fixed number of channels")
     height, width = training_size
-    return [1, channels, height, width] if layout == "NCHW" else [1, height, width, channels]
+    return batch_shape(layout, batch=1, channels=channels, height=height, width=width)
 
 
 def per_cell(shape: tuple[int, ...] | None) -> bool:

@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import onnxruntime
 
+from convert.card import spatial_axes
 from convert.errors import ConversionError
 from convert.preprocessing import to_input
 from protos.model_card_pb2 import Preprocessing, Verification
@@ -85,25 +86,28 @@ class CropReport:
     grid: tuple[int, int]
 
 
-def crop_grid(tensor_shape: tuple[int, ...], *, layout: str, training_size: tuple[int, int], stride: int) -> tuple[int, int]:
+def crop_grid(tensor_shape: tuple[int, ...], *, layout: int, training_size: tuple[int, int], stride: int) -> tuple[int, int]:
     """How many full training-size crops fit at the given stride, per axis."""
-    height, width = (tensor_shape[2], tensor_shape[3]) if layout == "NCHW" else (tensor_shape[1], tensor_shape[2])
+    height, width = (tensor_shape[axis] for axis in spatial_axes(layout))
     return (height - training_size[0]) // stride + 1, (width - training_size[1]) // stride + 1
 
 
-def crops(tensor: np.ndarray, *, layout: str, training_size: tuple[int, int], stride: int) -> np.ndarray:
+def crops(tensor: np.ndarray, *, layout: int, training_size: tuple[int, int], stride: int) -> np.ndarray:
     """All training-size crops at the stride (row-major), as one batch; `tensor` holds one image."""
     rows, cols = crop_grid(tensor.shape, layout=layout, training_size=training_size, stride=stride)
     th, tw = training_size
+    y_axis, x_axis = spatial_axes(layout)
     pieces = []
     for i in range(rows):
         for j in range(cols):
             y, x = i * stride, j * stride
-            pieces.append(tensor[:, :, y:y + th, x:x + tw] if layout == "NCHW" else tensor[:, y:y + th, x:x + tw, :])
+            window = [slice(None)] * tensor.ndim
+            window[y_axis], window[x_axis] = slice(y, y + th), slice(x, x + tw)
+            pieces.append(tensor[tuple(window)])
     return np.concatenate(pieces)
 
 
-def compare_with_crops(original: onnx.ModelProto, converted: onnx.ModelProto, tensor: np.ndarray, *, layout: str,
+def compare_with_crops(original: onnx.ModelProto, converted: onnx.ModelProto, tensor: np.ndarray, *, layout: int,
                        training_size: tuple[int, int], stride: int) -> CropReport:
     """Each dense cell (i, j) against the classifier on the crop at (i*stride, j*stride) of one image."""
     rows, cols = crop_grid(tensor.shape, layout=layout, training_size=training_size, stride=stride)

@@ -19,7 +19,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from PIL import Image
 
-from convert.card import CardError, read_card
+from convert.card import CardError, Precision, is_logits, label, read_card
 from protos import model_card_pb2, scoring_pb2
 from server import dense, imaging
 from server.admission import Admission, available_memory_bytes
@@ -163,7 +163,7 @@ class Pipeline:
         return [
             scoring_pb2.ModelSummary(
                 name=m.name, classes=m.classes, output_stride=m.card.output_stride,
-                precision=m.card.precision, path=m.path,
+                precision=label(Precision, m.card.precision), path=m.path,
             )
             for m in self._models.values()
         ]
@@ -229,7 +229,7 @@ class Pipeline:
         for scale in scales:
             mine = [group for group in groups if group.scale == scale]
             lattices = [self._lattice(model, plan, group, scores[group.passes]) for group in mine]
-            logits = model.card.output_kind != "probabilities"
+            logits = is_logits(model.card)
             probabilities.extend(dense.mean_probabilities(lattice, logits=logits) for lattice in lattices)
             lattice = dense.average_flips(lattices)
             response.maps.append(self._scale_map(request, model, plan, scale, original, mine[0].size, lattice))

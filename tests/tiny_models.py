@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from convert.card import ModelCard, Preprocessing, ReceptiveField, read_card, write_card
+from convert.card import ModelCard, OutputKind, Preprocessing, ReceptiveField, parse_label, read_card, write_card
 
 STRIDE = 32
 
@@ -34,12 +34,12 @@ def patch_net(*, classes: int, stride: int = STRIDE, seed: int = 0, name: str = 
         name=name,
         labels=[f"class{i}" for i in range(classes)],
         preprocessing=Preprocessing(
-            input_name="image", layout="NCHW", dtype="float32", channel_order="RGB", pixel_scale=1.0,
+            input_name="image", layout="LAYOUT_NCHW", dtype="INPUT_DTYPE_FLOAT32", channel_order="CHANNEL_ORDER_RGB", pixel_scale=1.0,
             mean=[0.0, 0.0, 0.0], std=[1.0, 1.0, 1.0], resize_filter="bilinear",
         ),
         training_height=stride, training_width=stride, output_stride=stride,
         receptive_field=ReceptiveField(size=stride, center_y=(stride - 1) / 2, center_x=(stride - 1) / 2),
-        scores_name="scores", output_kind=output_kind, precision="fp32",
+        scores_name="scores", output_kind=parse_label(OutputKind, output_kind), precision="PRECISION_FP32",
         default_scale=default_scale, size_multiple=stride,
     )
     return write_card(model, card)

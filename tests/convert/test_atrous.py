@@ -11,13 +11,13 @@ from convert import ConversionError, convert_classifier
 from convert.card import read_card
 from convert.preprocessing import to_input
 from convert.verify import run, sample_pixels, shift_and_stitch
-from protos.model_card_pb2 import Preprocessing
+from protos.model_card_pb2 import CHANNEL_ORDER_RGB, INPUT_DTYPE_FLOAT32, LAYOUT_NCHW, Preprocessing
 
 TRAINING = 64
 IMAGE = 384
 # The bar for à trous vs shift-and-stitch.
 TOLERANCE = 1e-4
-UNIT = Preprocessing(layout="NCHW", pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
+UNIT = Preprocessing(layout=LAYOUT_NCHW, dtype=INPUT_DTYPE_FLOAT32, channel_order=CHANNEL_ORDER_RGB, pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
 
 
 def vgg_style(width: int = 8, classes: int = 5) -> onnx.ModelProto:

@@ -12,12 +12,21 @@ from convert.card import read_card
 from convert.cleanup import cleanup
 from convert.preprocessing import to_input
 from convert.verify import compare_with_crops, run, sample_pixels
-from protos.model_card_pb2 import Preprocessing
+from protos.model_card_pb2 import (
+    CHANNEL_ORDER_RGB,
+    INPUT_DTYPE_FLOAT32,
+    INPUT_DTYPE_UINT8,
+    LAYOUT_NCHW,
+    LAYOUT_NHWC,
+    OUTPUT_KIND_LOGITS,
+    OUTPUT_KIND_PROBABILITIES,
+    Preprocessing,
+)
 
 CROP_TOLERANCE = 1e-5
-UNIT_RANGE = Preprocessing(channel_order="RGB", pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
-UNIT_NHWC = Preprocessing(layout="NHWC", pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
-UNIT_NCHW = Preprocessing(layout="NCHW", pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
+UNIT_RANGE = Preprocessing(channel_order=CHANNEL_ORDER_RGB, pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
+UNIT_NHWC = Preprocessing(layout=LAYOUT_NHWC, dtype=INPUT_DTYPE_FLOAT32, channel_order=CHANNEL_ORDER_RGB, pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
+UNIT_NCHW = Preprocessing(layout=LAYOUT_NCHW, dtype=INPUT_DTYPE_FLOAT32, channel_order=CHANNEL_ORDER_RGB, pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
 rng = np.random.default_rng(0)
 
 
@@ -74,11 +83,11 @@ def test_tf2onnx_graph_converts_keeping_nhwc_input_and_hwc_flatten_order():
     model = tf2onnx_classifier()
     converted = convert_classifier(model, preprocessing=UNIT_RANGE)
     card = read_card(converted)
-    assert card.preprocessing.layout == "NHWC" and card.preprocessing.input_name == "input_1"
-    assert (card.training_height, card.output_stride, card.output_kind) == (18, 4, "probabilities")
+    assert card.preprocessing.layout == LAYOUT_NHWC and card.preprocessing.input_name == "input_1"
+    assert (card.training_height, card.output_stride, card.output_kind) == (18, 4, OUTPUT_KIND_PROBABILITIES)
     assert card.verification.passed
     image = to_input(sample_pixels(count=1, height=34, width=30, channels=3, seed=1), card.preprocessing)
-    report = compare_with_crops(model, converted, image, layout="NHWC", training_size=(18, 18), stride=4)
+    report = compare_with_crops(model, converted, image, layout=LAYOUT_NHWC, training_size=(18, 18), stride=4)
     assert report.grid == (5, 4) and report.max_abs_diff <= CROP_TOLERANCE and report.argmax_agreement == 1.0
 
 
@@ -143,11 +152,11 @@ def test_caffe_era_graph_converts_and_dense_cells_equal_crops():
     onnx.checker.check_model(model)
     converted = convert_classifier(model, preprocessing=UNIT_RANGE)
     card = read_card(converted)
-    assert (card.output_stride, card.output_kind, len(card.labels)) == (4, "probabilities", 5)
+    assert (card.output_stride, card.output_kind, len(card.labels)) == (4, OUTPUT_KIND_PROBABILITIES, 5)
     assert [value.name for value in converted.graph.input] == ["data_0"]  # weights are no longer listed as inputs
     assert card.verification.passed
     image = to_input(sample_pixels(count=1, height=35, width=27, channels=3, seed=2), card.preprocessing)
-    report = compare_with_crops(model, converted, image, layout="NCHW", training_size=(19, 19), stride=4)
+    report = compare_with_crops(model, converted, image, layout=LAYOUT_NCHW, training_size=(19, 19), stride=4)
     assert report.grid == (5, 3) and report.max_abs_diff <= CROP_TOLERANCE and report.argmax_agreement == 1.0
     scores = run(converted, np.concatenate([image, image]))
     np.testing.assert_allclose(scores.sum(axis=1), 1.0, atol=1e-5)  # the softmax acts on the class axis per cell
@@ -191,7 +200,7 @@ def test_batch_norm_folds_into_the_conv_and_identity_goes():
     converted = convert_classifier(model, preprocessing=UNIT_RANGE)
     assert collections.Counter(n.op_type for n in converted.graph.node) == collections.Counter(
         {"Conv": 2, "Relu": 1, "AveragePool": 1})
-    assert read_card(converted).output_kind == "logits"
+    assert read_card(converted).output_kind == OUTPUT_KIND_LOGITS
 
 
 def test_uint8_nhwc_input_with_logsoftmax_head():
@@ -211,11 +220,11 @@ def test_uint8_nhwc_input_with_logsoftmax_head():
     model = helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 13)])
     converted = convert_classifier(model)
     card = read_card(converted)
-    assert (card.preprocessing.dtype, card.preprocessing.layout, card.output_kind) == ("uint8", "NHWC", "logits")
+    assert (card.preprocessing.dtype, card.preprocessing.layout, card.output_kind) == (INPUT_DTYPE_UINT8, LAYOUT_NHWC, OUTPUT_KIND_LOGITS)
     assert card.verification.passed
     pixels = to_input(sample_pixels(count=1, height=14, width=12, channels=3, seed=4), card.preprocessing)
     assert pixels.dtype == np.uint8
-    report = compare_with_crops(model, converted, pixels, layout="NHWC", training_size=(10, 10), stride=1)
+    report = compare_with_crops(model, converted, pixels, layout=LAYOUT_NHWC, training_size=(10, 10), stride=1)
     assert report.grid == (5, 3) and report.max_abs_diff <= CROP_TOLERANCE and report.argmax_agreement == 1.0
     np.testing.assert_allclose(np.exp(run(converted, pixels)).sum(axis=1), 1.0, atol=1e-5)
 
@@ -244,9 +253,9 @@ def test_classifier_ending_in_convolutions_converts(global_pool):
     model = squeezenet_style(global_pool=global_pool)
     converted = convert_classifier(model)
     card = read_card(converted)
-    assert (card.output_stride, card.output_kind, len(card.labels)) == (2, "probabilities", 7)
+    assert (card.output_stride, card.output_kind, len(card.labels)) == (2, OUTPUT_KIND_PROBABILITIES, 7)
     assert card.verification.passed
     pixels = to_input(sample_pixels(count=1, height=15, width=13, channels=3, seed=6), card.preprocessing)
-    report = compare_with_crops(model, converted, pixels, layout="NCHW", training_size=(9, 9), stride=2)
+    report = compare_with_crops(model, converted, pixels, layout=LAYOUT_NCHW, training_size=(9, 9), stride=2)
     assert report.grid == (4, 3) and report.max_abs_diff <= CROP_TOLERANCE and report.argmax_agreement == 1.0
     np.testing.assert_allclose(run(converted, pixels).sum(axis=1), 1.0, atol=1e-5)

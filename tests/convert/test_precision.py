@@ -8,6 +8,7 @@ from convert.card import read_card
 from convert.errors import ConversionError
 from convert.precision import FP16_TOLERANCE, fp16_graph, to_fp16
 from convert.profile import profile_model
+from protos.model_card_pb2 import PRECISION_FP16
 
 
 def scores(model: onnx.ModelProto, image: np.ndarray) -> np.ndarray:
@@ -29,13 +30,13 @@ def test_default_model_in_fp16_keeps_float32_edges_and_records_its_check(default
     assert {init.data_type for init in graph.initializer if init.dims} <= {TensorProto.FLOAT16, TensorProto.INT64}
     assert [node.op_type for node in graph.node].count("Cast") == 2  # one at each edge
     card = read_card(fp16)
-    assert card.precision == "fp16"
+    assert card.precision == PRECISION_FP16
     assert card.labels == read_card(fp32).labels
     record = card.verification
     assert record.passed and 0 < record.max_abs_diff <= record.tolerance
     assert record.argmax_agreement >= 0.9
     assert "fp32" in record.reference
-    assert read_card(fp32).precision != "fp16"  # the source is left alone
+    assert read_card(fp32).precision != PRECISION_FP16  # the source is left alone
 
 
 def test_fp16_scores_agree_with_fp32_on_an_unseen_image(default_pair):

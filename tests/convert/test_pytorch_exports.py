@@ -10,11 +10,11 @@ from convert.card import read_card
 from convert.preprocessing import to_input
 from convert.sources import export_module
 from convert.verify import compare_with_crops, sample_pixels
-from protos.model_card_pb2 import Preprocessing
+from protos.model_card_pb2 import CHANNEL_ORDER_RGB, LAYOUT_NCHW, OUTPUT_KIND_LOGITS, OUTPUT_KIND_PROBABILITIES, Preprocessing
 
 TRAINING = 24
 # Pixels to [-1, 1], so outputs are O(1) and the absolute tolerance means what it says.
-UNIT_RANGE = Preprocessing(channel_order="RGB", pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
+UNIT_RANGE = Preprocessing(channel_order=CHANNEL_ORDER_RGB, pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
 # Dense cells of a pad-free net equal the classifier on each crop to this tolerance (the 1e-5).
 CROP_TOLERANCE = 1e-5
 
@@ -59,10 +59,10 @@ def gap_softmax() -> nn.Module:
 
 
 @pytest.mark.parametrize("build, classes, kind", [
-    (flatten_gemm, 5, "logits"),
-    (ReshapeMatMul, 5, "logits"),
-    (gap_softmax, 3, "probabilities"),
-    (MeanHead, 4, "probabilities"),
+    (flatten_gemm, 5, OUTPUT_KIND_LOGITS),
+    (ReshapeMatMul, 5, OUTPUT_KIND_LOGITS),
+    (gap_softmax, 3, OUTPUT_KIND_PROBABILITIES),
+    (MeanHead, 4, OUTPUT_KIND_PROBABILITIES),
 ], ids=["flatten-gemm-dropout", "reshape-matmul-add", "gap-softmax", "reducemean-softmax"])
 def test_pytorch_family_converts_and_dense_cells_equal_crops(build, classes, kind):
     torch.manual_seed(0)
@@ -74,7 +74,7 @@ def test_pytorch_family_converts_and_dense_cells_equal_crops(build, classes, kin
     assert [o.name for o in converted.graph.output] == ["scores"]
     assert not any(n.op_type in ("Gemm", "MatMul", "Flatten", "Reshape", "Dropout") for n in converted.graph.node)
     image = to_input(sample_pixels(count=1, height=TRAINING + 16, width=TRAINING + 12, channels=3, seed=3), card.preprocessing)
-    report = compare_with_crops(original, converted, image, layout="NCHW", training_size=(TRAINING, TRAINING), stride=4)
+    report = compare_with_crops(original, converted, image, layout=LAYOUT_NCHW, training_size=(TRAINING, TRAINING), stride=4)
     assert report.grid == (5, 4)
     assert report.max_abs_diff <= CROP_TOLERANCE
     assert report.argmax_agreement == 1.0

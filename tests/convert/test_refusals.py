@@ -10,7 +10,7 @@ from torch import nn
 from convert import ConversionError, convert_classifier
 from convert.sources import export_module
 from convert.verify import verify
-from protos.model_card_pb2 import Preprocessing
+from protos.model_card_pb2 import CHANNEL_ORDER_RGB, INPUT_DTYPE_FLOAT32, LAYOUT_NCHW, Preprocessing
 
 rng = np.random.default_rng(0)
 
@@ -115,7 +115,7 @@ def test_verification_reports_a_mismatch():
     model = classifier([], "c0", 4)
     other = classifier([], "c0", 4)  # fresh random weights
     converted = convert_classifier(other)
-    prep = Preprocessing(layout="NCHW", dtype="float32", pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
+    prep = Preprocessing(layout=LAYOUT_NCHW, dtype=INPUT_DTYPE_FLOAT32, channel_order=CHANNEL_ORDER_RGB, pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
     check = verify(model, converted, preprocessing=prep, training_size=(8, 8), channels=3)
     assert not check.passed and check.max_abs_diff > check.tolerance
     assert verify(other, converted, preprocessing=prep, training_size=(8, 8), channels=3).passed

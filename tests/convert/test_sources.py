@@ -12,6 +12,7 @@ from convert import ConversionError, convert_classifier
 from convert.card import read_card
 from convert.preprocessing import to_input
 from convert.verify import run
+from protos.model_card_pb2 import OUTPUT_KIND_PROBABILITIES, PRECISION_FP32
 
 SAMPLES = pathlib.Path(__file__).resolve().parents[2] / "samples"
 FACTORY_MODULE = textwrap.dedent('''
@@ -57,7 +58,7 @@ def test_torchscript_file_converts(tmp_path):
     path = tmp_path / "net.pt"
     torch.jit.script(net).save(str(path))
     card = read_card(convert_classifier(str(path), training_size=12))
-    assert card.source == "torchscript: net.pt" and card.output_kind == "probabilities" and card.verification.passed
+    assert card.source == "torchscript: net.pt" and card.output_kind == OUTPUT_KIND_PROBABILITIES and card.verification.passed
 
 
 def test_unknown_source_says_what_is_expected():
@@ -69,7 +70,7 @@ def test_default_model_card(default_model_path):
     card = read_card(default_model_path)
     assert (card.name, len(card.labels), card.labels[967]) == ("efficientnet-lite0", 1000, "espresso")
     assert (card.training_height, card.training_width, card.output_stride) == (224, 224, 32)
-    assert (card.default_scale, card.size_multiple, card.precision, card.scores_name) == (384, 32, "fp32", "scores")
+    assert (card.default_scale, card.size_multiple, card.precision, card.scores_name) == (384, 32, PRECISION_FP32, "scores")
     assert card.preprocessing.input_name == "image" and list(card.preprocessing.mean) == [127.0] * 3
     assert card.verification.passed and card.verification.max_abs_diff <= card.verification.tolerance
     assert card.receptive_field.size >= 224

@@ -89,7 +89,7 @@ def test_raw_pixels_are_checked_against_their_shape():
 
 
 def test_normalize_and_batch_follow_the_card():
-    card = Preprocessing(layout="NCHW", dtype="float32", channel_order="BGR", pixel_scale=1 / 255,
+    card = Preprocessing(layout="LAYOUT_NCHW", dtype="INPUT_DTYPE_FLOAT32", channel_order="CHANNEL_ORDER_BGR", pixel_scale=1 / 255,
                          mean=[0.5, 0.5, 0.5], std=[0.25, 0.25, 0.25])
     pixels = np.zeros((2, 2, 3), dtype=np.uint8)
     pixels[..., 0] = 255
@@ -97,7 +97,7 @@ def test_normalize_and_batch_follow_the_card():
     np.testing.assert_allclose(values[0, 0], [-2.0, -2.0, 2.0], rtol=1e-6)  # red is now last
     batch = imaging.to_batch([values, values], card)
     assert batch.shape == (2, 3, 2, 2) and batch.dtype == np.float32
-    nhwc = imaging.to_batch([values], Preprocessing(layout="NHWC", dtype="float16"))
+    nhwc = imaging.to_batch([values], Preprocessing(layout="LAYOUT_NHWC", dtype="INPUT_DTYPE_FLOAT16", channel_order="CHANNEL_ORDER_RGB"))
     assert nhwc.shape == (1, 2, 2, 3) and nhwc.dtype == np.float16
 
 

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
 from protos import scoring_pb2
+from protos.model_card_pb2 import OutputKind
 
 RNG = np.random.default_rng(7)
 
@@ -145,7 +146,7 @@ def test_models_cards_health_reflection_and_streams(kit, tiny_model_path, coordi
     with kit.serving([tiny_model_path, coordinate_model_path]) as (_server, port, stub):
         listed = stub.ListModels(scoring_pb2.ListModelsRequest()).models
         assert [(m.name, m.classes, m.output_stride) for m in listed] == [("tiny", 10, 32), ("coords", 2, 32)]
-        assert stub.GetModel(scoring_pb2.GetModelRequest(name="coords")).output_kind == "probabilities"
+        assert stub.GetModel(scoring_pb2.GetModelRequest(name="coords")).output_kind == OutputKind.OUTPUT_KIND_PROBABILITIES
         with pytest.raises(grpc.RpcError) as caught:
             stub.GetModel(scoring_pb2.GetModelRequest(name="nope"))
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND and "loaded: tiny, coords" in caught.value.details()
