@@ -1,0 +1,55 @@
+"""The converted models the benchmarks run, written once per benchmark run into a folder.
+
+The default model at its native stride 32 (shifted passes) and with the à trous rewrite to 16,
+and a null model: a converted stride-32 average-pool head that costs next to nothing, so a
+request's time through it is the host path's own.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from convert import convert_classifier
+
+NULL_CLASSES = 1000  # as many as the default model, so responses are as large
+NULL_TRAINING_SIZE = 32
+
+
+def converted(folder: str | pathlib.Path, *, output_stride: int = 32) -> str:
+    """The default model converted at `output_stride` (32: native, 16: à trous), saved in `folder`."""
+    name = f"default-os{output_stride}"  # distinct names, so one server can load both
+    path = pathlib.Path(folder) / f"{name}.onnx"
+    if not path.exists():
+        onnx.save(convert_classifier("default", output_stride=output_stride, name=name), path)
+    return str(path)
+
+
+def null_classifier() -> onnx.ModelProto:
+    """A 32-px classifier: 32x32 average pool, global pool, a 3 -> 1000 fully connected layer."""
+    weights = np.random.default_rng(0).normal(0, 0.01, (NULL_CLASSES, 3)).astype(np.float32)
+    nodes = [
+        helper.make_node("AveragePool", ["image"], ["pooled"], kernel_shape=[32, 32], strides=[32, 32]),
+        helper.make_node("GlobalAveragePool", ["pooled"], ["global"]),
+        helper.make_node("Flatten", ["global"], ["features"]),
+        helper.make_node("Gemm", ["features", "w", "b"], ["logits"], transB=1),
+    ]
+    size = NULL_TRAINING_SIZE
+    graph = helper.make_graph(
+        nodes, "null", [helper.make_tensor_value_info("image", TensorProto.FLOAT, [1, 3, size, size])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, NULL_CLASSES])],
+        initializer=[numpy_helper.from_array(weights, "w"),
+                     numpy_helper.from_array(np.zeros(NULL_CLASSES, np.float32), "b")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+def null_model(folder: str | pathlib.Path) -> str:
+    """The null classifier through the real converter (a dense stride-32 graph with its card), saved in `folder`."""
+    path = pathlib.Path(folder) / "null.onnx"
+    if not path.exists():
+        onnx.save(convert_classifier(null_classifier(), name="null"), path)
+    return str(path)
