@@ -1,9 +1,11 @@
-"""Dynamic batching: passes of the same shape from concurrent requests run as one batch.
+"""Dynamic batching: items of the same plan group from concurrent requests run as one batch.
 
-As in Triton's dynamic batcher: the first waiting pass waits at most `max_delay` for others of its
-shape, up to a batch limit (the smaller of `max_batch` and what fits the memory budget). The queue
-is bounded (RESOURCE_EXHAUSTED when full); passes whose deadline passed are dropped before compute
-(DEADLINE_EXCEEDED) and a cancelled request's passes leave the queue at once.
+As in Triton's dynamic batcher: the first waiting item waits at most `max_delay` for others of its
+key, up to a batch limit (the smaller of `max_batch` and what fits the memory budget). The queue
+is bounded (RESOURCE_EXHAUSTED when full); as Triton's queue policy, an item that waited longer
+than `max_queue` is refused before compute, and so is a request whose expected wait exceeds it or
+its deadline (`expected_wait`, asked before the image is even decoded). A cancelled request's
+items leave the queue at once.
 """
 
 from __future__ import annotations
@@ -12,24 +14,26 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
-import numpy as np
 
 from server.errors import ScoringError
 
 LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting caller looks at its cancellation flag
 CLOSE_SECONDS = 10.0  # how long close waits for the batch being computed before leaving the (daemon) worker
+SMOOTHING = 0.2  # weight of the newest batch in the moving average of seconds per item
 
 
 @dataclass(eq=False)
 class Work:
-    """One pass: an [H, W, C] image in, its [K, h, w] scores out."""
+    """One item: its plan group `key`, what the runner needs, and what it gave back."""
 
-    image: np.ndarray
+    key: Hashable
+    payload: Any
     limit: int
     deadline: float | None
     enqueued: float = field(default_factory=time.monotonic)
@@ -37,13 +41,9 @@ class Work:
     run_seconds: float = 0.0
     batch_id: int = -1
     batch_size: int = 0
-    result: np.ndarray | None = None
+    result: Any = None
     error: ScoringError | None = None
     done: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.image.shape
 
     def fail(self, error: ScoringError) -> None:
         self.error = error
@@ -51,60 +51,94 @@ class Work:
 
 
 class Batcher:
-    """A bounded queue and one worker thread running batches through `run`."""
+    """A bounded queue and one worker thread running batches through `run`.
+
+    `run(works)` returns one result per work, in order; it runs on the worker thread only.
+    """
 
     def __init__(
         self,
-        run: Callable[[list[np.ndarray]], np.ndarray],
+        run: Callable[[list[Work]], Sequence[Any]],
         *,
         max_batch: int,
         max_delay_seconds: float,
         queue_depth: int,
-        on_batch: Callable[[tuple[int, ...], int], None] | None = None,
+        max_queue_seconds: float,
+        on_batch: Callable[[list[Work]], None] | None = None,
         name: str = "model",
     ) -> None:
         self._run = run
         self._max_batch = max(1, max_batch)
         self._max_delay = max_delay_seconds
         self._queue_depth = queue_depth
+        self._max_queue = max_queue_seconds
         self._on_batch = on_batch
         self._queue: list[Work] = []
         self._condition = threading.Condition()
         self._closed = False
+        self._busy_until = 0.0  # when the running batch is expected to end
+        self._seconds_per_item = 0.0
         self._batch_ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name=f"batcher-{name}", daemon=True)
         self._thread.start()
 
     def depth(self) -> int:
-        """Passes waiting (not yet running)."""
+        """Items waiting (not yet running)."""
         with self._condition:
             return len(self._queue)
 
-    def submit(self, images: Sequence[np.ndarray], *, limits: Sequence[int], deadline: float | None) -> list[Work]:
-        """Queue all passes of one request, or none: RESOURCE_EXHAUSTED when they would overflow the queue."""
-        works = [Work(image, limit, deadline) for image, limit in zip(images, limits)]
+    def expected_wait(self, items: int) -> float:
+        """Seconds until `items` more would be done: the queue ahead and the running batch, at the recent pace."""
+        with self._condition:
+            running = max(0.0, self._busy_until - time.monotonic())
+            return running + (len(self._queue) + items) * self._seconds_per_item
+
+    def check_room(self, items: int, *, deadline: float | None) -> None:
+        """RESOURCE_EXHAUSTED (with a retry hint) when `items` more would overflow the queue or wait too long."""
+        with self._condition:
+            waiting = len(self._queue)
+        if waiting + items > self._queue_depth:
+            raise self._queue_full(waiting, items)
+        wait = self.expected_wait(items)
+        allowed = self._max_queue
+        if deadline is not None:
+            allowed = min(allowed, deadline - time.monotonic())
+        if wait > allowed:
+            limit = "the call's deadline" if deadline is not None and allowed < self._max_queue else "--max-queue-ms"
+            raise ScoringError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"overloaded: the expected wait is {1000 * wait:.0f} ms, beyond {limit} ({1000 * max(allowed, 0):.0f} ms); "
+                "retry with backoff",
+                retry_after_seconds=max(wait - self._max_queue, POLL_SECONDS),
+            )
+
+    def submit(self, works: Sequence[Work]) -> None:
+        """Queue all items of one request, or none: RESOURCE_EXHAUSTED when they would overflow the queue."""
         with self._condition:
             if self._closed:
                 raise ScoringError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
             if len(self._queue) + len(works) > self._queue_depth:
-                raise ScoringError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"queue full: {len(self._queue)} passes waiting, this request adds {len(works)}, the limit "
-                    f"is {self._queue_depth} (--queue-depth); retry with backoff",
-                )
+                raise self._queue_full(len(self._queue), len(works))
             self._queue.extend(works)
             self._condition.notify_all()
-        return works
+
+    def _queue_full(self, waiting: int, adding: int) -> ScoringError:
+        return ScoringError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"queue full: {waiting} items waiting, this request adds {adding}, the limit is {self._queue_depth} "
+            "(--queue-depth); retry with backoff",
+            retry_after_seconds=max(self._seconds_per_item * adding, POLL_SECONDS),
+        )
 
     def cancel(self, works: Sequence[Work]) -> None:
-        """Take the passes that have not started out of the queue."""
+        """Take the items that have not started out of the queue."""
         with self._condition:
             dropped = set(works)
             self._queue = [w for w in self._queue if w not in dropped]
             self._condition.notify_all()
 
-    def wait(self, works: Sequence[Work], *, cancelled: threading.Event | None = None) -> list[np.ndarray]:
-        """The passes' scores, in order; raises their error, or CANCELLED / DEADLINE_EXCEEDED while queued."""
+    def wait(self, works: Sequence[Work], *, cancelled: threading.Event | None = None) -> list[Any]:
+        """The items' results, in order; raises their error, or CANCELLED / DEADLINE_EXCEEDED while queued."""
         for work in works:
             while not work.done.wait(POLL_SECONDS):
                 if cancelled is not None and cancelled.is_set():
@@ -144,7 +178,7 @@ class Batcher:
                     continue
                 first = self._queue[0]
                 limit = max(1, min(self._max_batch, first.limit))
-                same = [w for w in self._queue if w.shape == first.shape][:limit]
+                same = [w for w in self._queue if w.key == first.key][:limit]
                 remaining = first.enqueued + self._max_delay - time.monotonic()
                 if len(same) < limit and remaining > 0:
                     self._condition.wait(remaining)
@@ -152,6 +186,7 @@ class Batcher:
                 taken = set(same)
                 self._queue = [w for w in self._queue if w not in taken]
                 started, batch_id = time.monotonic(), next(self._batch_ids)
+                self._busy_until = started + self._seconds_per_item * len(same)
                 for work in same:  # marked under the lock, so a cancel sees them as started
                     work.started, work.batch_id, work.batch_size = started, batch_id, len(same)
                 return same
@@ -160,10 +195,18 @@ class Batcher:
         now = time.monotonic()
         kept = []
         for work in self._queue:
+            waited = now - work.enqueued
             if work.deadline is not None and now > work.deadline:
                 work.fail(ScoringError(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"the deadline passed after {1000 * (now - work.enqueued):.0f} ms in the queue; dropped before compute",
+                    f"the deadline passed after {1000 * waited:.0f} ms in the queue; dropped before compute",
+                ))
+            elif waited > self._max_queue:
+                work.fail(ScoringError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"overloaded: waited {1000 * waited:.0f} ms in the queue, beyond --max-queue-ms "
+                    f"({1000 * self._max_queue:.0f} ms); dropped before compute, retry with backoff",
+                    retry_after_seconds=self._max_queue,
                 ))
             else:
                 kept.append(work)
@@ -173,18 +216,27 @@ class Batcher:
         while (batch := self._take_batch()) is not None:
             if self._on_batch is not None:
                 try:
-                    self._on_batch(batch[0].shape, len(batch))
+                    self._on_batch(batch)
                 except Exception:  # a failing metrics hook is a bug to log, never a reason to stop serving
                     LOG.exception("the batch hook failed; the batch runs anyway")
             started = time.monotonic()
             try:
-                scores = self._run([work.image for work in batch])
+                results = self._run(batch)
+            except ScoringError as error:  # a refusal found at run time (a plan that cannot be made)
+                for work in batch:
+                    work.fail(error)
+                continue
             except Exception as error:  # a failed run fails its batch, never the worker
+                LOG.exception("inference failed")
                 failure = ScoringError(grpc.StatusCode.INTERNAL, f"inference failed: {error}")
                 for work in batch:
                     work.fail(failure)
                 continue
             elapsed = time.monotonic() - started
-            for work, result in zip(batch, scores):
+            per_item = elapsed / len(batch)
+            with self._condition:
+                self._seconds_per_item = per_item if not self._seconds_per_item else (
+                    SMOOTHING * per_item + (1 - SMOOTHING) * self._seconds_per_item)
+            for work, result in zip(batch, results):
                 work.result, work.run_seconds = result, elapsed
                 work.done.set()

@@ -1,14 +1,19 @@
-"""Dense-scoring geometry in plain numpy: scales, shifted passes, interleaving, flips, cell geometry.
+"""Dense-scoring geometry in plain numpy: scales, passes, lattices, crops, flips, cell geometry.
 
-A network of output stride S scores one cell every S pixels. Two ways to a finer lattice R = S/2
+A network of output stride S scores one cell every S pixels. Two ways to a finer lattice s = S/2
 (OverFeat, Sermanet et al. 2014, sec. 3.3; cs231n "ConvNets in practice"):
-- GRID: run the image shifted by (0|R, 0|R) pixels, 4 passes, and interleave them: the full
-  stride-R lattice.
-- DIAGONAL: 2 passes, (0, 0) and (R, R): only a quincunx (checkerboard) of the stride-R lattice;
+- GRID: 4 passes of the image shifted by (0|s, 0|s) pixels, interleaved: the full stride-s lattice.
+- DIAGONAL: 2 passes, (0, 0) and (s, s): only a quincunx (checkerboard) of the stride-s lattice;
   the cells no pass looked at are NaN in the returned maps.
-- ATROUS: one pass of a model converted with a smaller output stride (its own stride is R).
-Shifted passes keep the image's size: the image is edge-padded by R and a window of the original
-size is cut at the offset, so every pass of a scale has one shape and they batch together.
+- ATROUS: one pass of a model converted with a smaller output stride (its own stride is s).
+
+Every pass sees the whole image: a pass shifted by (dy, dx) puts the image dy pixels down and dx
+right on a canvas of the mean colour (zero once normalised), so nothing is cut off and nothing is
+smeared (issue 9: edge-replicated windows made the grid band by row). The canvas is a fixed plan
+shape at least `slack` larger than the image; the device graph (server/device_graph.py) makes the
+passes and interleaves them. Lattice cell m then lies at c - slack + s*m (c the receptive-field
+centre of cell 0 of an unshifted pass), and the map keeps as many cells per axis as an unpadded
+run of the image gives, factor times over: the cells whose centre lies in the canvas padding go.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from convert.card import ImageInput, ModelCard
 from protos.scoring_pb2 import MapGeometry, Shift
+
+SHIFT_NAMES = ", ".join(Shift.keys())
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,11 @@ class PassPlan:
     shift: int
     offsets: tuple[tuple[int, int], ...]
 
+    @property
+    def slack(self) -> int:
+        """Pixels the canvas needs beyond the image, per axis, so the shifted passes lose nothing."""
+        return (self.factor - 1) * self.stride
+
 
 class PlanError(ValueError):
     """A stride/shift combination the model cannot produce; the message says what can."""
@@ -36,6 +49,8 @@ class PlanError(ValueError):
 
 def plan_passes(*, native_stride: int, output_stride: int, shift: int) -> PassPlan:
     """The passes giving `output_stride` (0: native) from a model of `native_stride`."""
+    if shift not in Shift.values():
+        raise PlanError(f"shift {shift} is not a Shift; use one of {SHIFT_NAMES}")
     stride = output_stride or native_stride
     names = Shift.Name
     if stride == native_stride:
@@ -67,6 +82,11 @@ def plan_passes(*, native_stride: int, output_stride: int, shift: int) -> PassPl
     )
 
 
+def offered_strides(native_stride: int) -> tuple[int, ...]:
+    """The output strides a model of `native_stride` can give: its own, and half of it from 32 up."""
+    return (native_stride, native_stride // 2) if native_stride >= 32 else (native_stride,)
+
+
 def resized_size(height: int, width: int, *, scale: int, multiple: int) -> tuple[int, int]:
     """Shorter side to `scale`, aspect kept, both sides rounded to the nearest `multiple` (at least one)."""
     short = min(height, width)
@@ -79,64 +99,52 @@ def resized_size(height: int, width: int, *, scale: int, multiple: int) -> tuple
     return fit(height), fit(width)
 
 
-def pass_images(image: np.ndarray, plan: PassPlan, *, flip: bool) -> list[np.ndarray]:
-    """One [H, W, C] array per pass of `plan`: the image (mirrored if `flip`) shifted by each offset.
+def mean_colour(card: ModelCard) -> np.ndarray:
+    """[3] uint8 RGB pixel that normalises to (about) zero: what the canvas around an image is filled with."""
+    image = ImageInput.of(card)
+    mean = np.resize(np.asarray(image.mean or (0.0,), dtype=np.float64), 3)
+    colour = mean / image.pixel_scale
+    if image.bgr:
+        colour = colour[::-1]
+    return np.clip(np.rint(colour), 0, 255).astype(np.uint8)
 
-    A mirrored pass is shifted left instead of right, so once its map is mirrored back it lands on
-    the same lattice positions as the unmirrored pass with that offset.
-    """
-    source = image[:, ::-1] if flip else image
-    pad = max(max(dy, dx) for dy, dx in plan.offsets)
-    if pad == 0:
-        return [np.ascontiguousarray(source)]
-    padded = np.pad(source, ((pad, pad), (pad, pad), (0, 0)), mode="edge")
+
+def canvas(image: np.ndarray, size: tuple[int, int], fill: np.ndarray) -> np.ndarray:
+    """[H, W, 3] uint8 of `size`: `image` at the top left, `fill` elsewhere."""
     height, width = image.shape[:2]
-    windows = []
-    for dy, dx in plan.offsets:
-        top, left = pad + dy, pad + (-dx if flip else dx)
-        windows.append(np.ascontiguousarray(padded[top:top + height, left:left + width]))
-    return windows
+    out = np.empty((*size, 3), dtype=np.uint8)
+    out[:height, :width] = image
+    out[height:, :] = fill
+    out[:height, width:] = fill
+    return out
 
 
-def interleave(maps: list[np.ndarray], plan: PassPlan, *, flip: bool) -> np.ndarray:
-    """The [K, factor*h, factor*w] lattice from the passes' [K, h, w] maps; NaN where no pass looked."""
-    if flip:
-        maps = [m[:, :, ::-1] for m in maps]
-    if plan.factor == 1:
-        return np.ascontiguousarray(maps[0], dtype=np.float32)
-    classes, height, width = maps[0].shape
-    lattice = np.full((classes, height * plan.factor, width * plan.factor), np.nan, dtype=np.float32)
-    for (dy, dx), scores in zip(plan.offsets, maps):
-        lattice[:, dy // plan.stride::plan.factor, dx // plan.stride::plan.factor] = scores
-    return lattice
+def valid_cells(lattice: tuple[int, int], kept: tuple[int, int]) -> np.ndarray:
+    """[HL, WL] float32 mask of the plan's lattice: 1 on the `kept` top-left cells, 0 on the padding's."""
+    mask = np.zeros(lattice, dtype=np.float32)
+    mask[:kept[0], :kept[1]] = 1.0
+    return mask
 
 
-def mirror_shift(*, resized_width: int, center_x: float, native_stride: int, pass_width: int, stride: int) -> int:
-    """Lattice cells by which a mirrored-back map must move to line up with the unmirrored one.
+def mirror_back(lattice: np.ndarray, *, resized_width: int, first_center_x: float, stride: int) -> np.ndarray:
+    """A mirrored image's [K, h, w] lattice put back on the unmirrored lattice's columns, NaN where none lands.
 
-    Mirrored-back cell j sits at c' + j*stride with c' = W - 1 - c - S*(w - 1) (W resized width,
-    c the card's centre, S the native stride, w cells per pass): 0 when the receptive field is
-    centred symmetrically (c = (W - 1 - S*(w - 1)) / 2), else a whole number of cells for the
-    asymmetric 'SAME' padding of TensorFlow-trained nets; rounded to the nearest cell otherwise.
+    Mirrored column n lies at x' = c0 + stride*n, i.e. x = W - 1 - x' in the image, which is
+    unmirrored column A - n with A = (W - 1 - 2*c0) / stride: the plain mirror when the receptive
+    field sits symmetrically, a whole-cell offset with TensorFlow's one-sided 'SAME' padding,
+    rounded to the nearest cell otherwise.
     """
-    offset = resized_width - 1 - 2 * center_x - native_stride * (pass_width - 1)
-    return int(round(offset / stride))
-
-
-def align(lattice: np.ndarray, cells: int) -> np.ndarray:
-    """Move a lattice `cells` columns right (negative: left), NaN where nothing moved in."""
-    if cells == 0:
-        return lattice
+    width = lattice.shape[-1]
+    anchor = int(round((resized_width - 1 - 2 * first_center_x) / stride))
+    source = anchor - np.arange(width)
+    inside = (source >= 0) & (source < width)
     moved = np.full_like(lattice, np.nan)
-    if cells > 0:
-        moved[:, :, cells:] = lattice[:, :, :-cells]
-    else:
-        moved[:, :, :cells] = lattice[:, :, -cells:]
+    moved[:, :, inside] = lattice[:, :, source[inside]]
     return moved
 
 
 def average_flips(lattices: list[np.ndarray]) -> np.ndarray:
-    """Cell-wise mean of the unmirrored and aligned mirrored-back lattices (VGG's flip averaging).
+    """Cell-wise mean of the unmirrored and mirrored-back lattices (VGG's flip averaging).
 
     A cell only one of them covers (an edge column after alignment) keeps that one's value.
     """
@@ -154,63 +162,65 @@ def cell_geometry(
     *,
     original: tuple[int, int],
     resized: tuple[int, int],
+    canvas: tuple[int, int],
+    cells: tuple[int, int],
     stride: int,
     field_size: int,
-    field_center: tuple[float, float],
+    first_center: tuple[float, float],
 ) -> MapGeometry:
     """Map the lattice from resized-image pixels back to the original image (the contract's message).
 
     Pixel centres are matched the way PIL resizes (pixel k covers [k, k+1)):
-    original = (resized + 0.5) / factor - 0.5.
+    original = (resized + 0.5) / factor - 0.5. Border cells whose receptive field reaches past the
+    image into the canvas padding are counted, per axis, when the canvas is larger than the image.
     """
     factor_y = resized[0] / original[0]
     factor_x = resized[1] / original[1]
+
+    def padded(axis: int) -> int:
+        if canvas[axis] <= resized[axis]:
+            return 0
+        reach = first_center[axis] + stride * np.arange(cells[axis]) + field_size / 2
+        return int(np.count_nonzero(reach > resized[axis]))
+
     return MapGeometry(
         stride_y=stride / factor_y,
         stride_x=stride / factor_x,
-        center_y=(field_center[0] + 0.5) / factor_y - 0.5,
-        center_x=(field_center[1] + 0.5) / factor_x - 0.5,
+        center_y=(first_center[0] + 0.5) / factor_y - 0.5,
+        center_x=(first_center[1] + 0.5) / factor_x - 0.5,
         box_height=field_size / factor_y,
         box_width=field_size / factor_x,
         scale_factor=min(resized) / min(original),
         resized_height=resized[0],
         resized_width=resized[1],
+        padded_border_rows=padded(0),
+        padded_border_cols=padded(1),
     )
 
 
-def softmax(scores: np.ndarray, *, axis: int = 0) -> np.ndarray:
-    shifted = scores - np.max(scores, axis=axis, keepdims=True)
-    exp = np.exp(shifted)
-    return exp / np.sum(exp, axis=axis, keepdims=True)
-
-
-def mean_probabilities(lattice: np.ndarray, *, logits: bool) -> np.ndarray:
-    """[K] class probabilities averaged over the lattice's scored cells (NaN cells skipped)."""
-    classes = lattice.shape[0]
-    cells = lattice.reshape(classes, -1)
-    cells = cells[:, ~np.isnan(cells).any(axis=0)]
-    probabilities = softmax(cells, axis=0) if logits else cells
-    return probabilities.mean(axis=1)
-
-
 def top_k(probabilities: np.ndarray, k: int) -> list[tuple[int, float]]:
-    """The k largest entries as (index, value), largest first."""
+    """The k largest entries as (index, value), largest first (ties: lower index first)."""
     k = min(k, probabilities.shape[0])
-    order = np.argsort(-probabilities, kind="stable")[:k]
+    candidates = np.argpartition(-probabilities, k - 1)[:k] if k < probabilities.shape[0] else np.arange(k)
+    order = candidates[np.lexsort((candidates, -probabilities[candidates]))]
     return [(int(i), float(probabilities[i])) for i in order]
 
 
 def cell_top_k(lattice: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per cell, the k best classes: ([k, h, w] int32 indices, [k, h, w] float32 scores).
+    """Per cell, the k best classes: ([k, h, w] int32 indices, [k, h, w] float32 scores), best first.
 
-    Unscored cells (NaN) get index -1 and score NaN.
+    Unscored cells (NaN) get index -1 and score NaN. argpartition, then a sort of the k only.
     """
-    k = min(k, lattice.shape[0])
+    classes = lattice.shape[0]
+    k = min(k, classes)
     missing = np.isnan(lattice).any(axis=0)
     filled = np.where(missing[None], -np.inf, lattice)
-    order = np.argsort(-filled, axis=0, kind="stable")[:k]
-    scores = np.take_along_axis(lattice, order, axis=0).astype(np.float32)
-    indices = order.astype(np.int32)
+    candidates = np.argpartition(-filled, k - 1, axis=0)[:k] if k < classes else np.broadcast_to(
+        np.arange(classes)[:, None, None], filled.shape).copy()
+    values = np.take_along_axis(filled, candidates, axis=0)
+    order = np.argsort(-values, axis=0, kind="stable")
+    indices = np.take_along_axis(candidates, order, axis=0).astype(np.int32)
+    scores = np.take_along_axis(values, order, axis=0).astype(np.float32)
     indices[:, missing] = -1
     scores[:, missing] = np.nan
     return indices, scores

@@ -1,7 +1,7 @@
-"""onnxruntime sessions: which execution provider really runs the graph, and running batches on it.
+"""The execution provider: which one really runs, probed once per server, and sessions made on it.
 
 CUDA is asked for only when it can load (provider compiled in AND a CUDA device present), since
-asking for it without CUDA logs a loud error before falling back; after creation the session's
+asking for it without CUDA logs a loud error before falling back; after creation each session's
 own `get_providers()` is the truth reported to callers.
 """
 
@@ -12,17 +12,18 @@ import glob
 import logging
 from dataclasses import dataclass
 
-import grpc
-import numpy as np
 import onnxruntime
 
 from convert.runtime_memory import PREDICTABLE_CUDA_OPTIONS, predictable_session_options
-from server.errors import ScoringError
 from server.settings import Settings
 
 LOG = logging.getLogger(__name__)
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
+
+
+class EngineError(RuntimeError):
+    """The provider asked for cannot run; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,11 @@ class ProviderChoice:
 def choose_providers(
     available: tuple[str, ...] | list[str], *, cuda_device: bool, provider: str = "auto", require_gpu: bool = False
 ) -> ProviderChoice:
-    """Pure provider selection; raises ScoringError(FAILED_PRECONDITION) when a GPU is required but absent."""
+    """Pure provider selection; raises EngineError when a GPU is required but absent."""
     if provider not in ("auto", "cuda", "cpu"):
-        raise ScoringError(grpc.StatusCode.INVALID_ARGUMENT, f"provider must be auto, cuda or cpu; received {provider!r}")
+        raise EngineError(f"provider must be auto, cuda or cpu; received {provider!r}")
     if provider == "cpu" and require_gpu:
-        raise ScoringError(grpc.StatusCode.FAILED_PRECONDITION, "--require-gpu contradicts --provider cpu")
+        raise EngineError("--require-gpu contradicts --provider cpu")
     if provider == "cpu":
         return ProviderChoice((CPU,), "the CPU provider was requested")
     if CUDA not in available:
@@ -50,7 +51,7 @@ def choose_providers(
     else:
         return ProviderChoice((CUDA, CPU), "CUDA is available")
     if require_gpu or provider == "cuda":
-        raise ScoringError(grpc.StatusCode.FAILED_PRECONDITION, f"a GPU is required but {missing}")
+        raise EngineError(f"a GPU is required but {missing}")
     return ProviderChoice((CPU,), f"running on the CPU: {missing}")
 
 
@@ -61,52 +62,51 @@ def cuda_device_present() -> bool:
     return has_device and has_runtime
 
 
-def session_options(settings: Settings) -> onnxruntime.SessionOptions:
-    # The options under which admission's prediction (convert.profile) was validated.
-    options = predictable_session_options()
-    options.intra_op_num_threads = settings.intra_op_threads
-    options.inter_op_num_threads = settings.inter_op_threads
-    options.log_severity_level = 3
-    return options
-
-
 class Engine:
-    """One model's onnxruntime session on the chosen provider."""
+    """The provider every plan of every model runs on, and the options its sessions get."""
 
-    def __init__(self, path: str, *, input_name: str, output_name: str, settings: Settings) -> None:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         choice = choose_providers(
-            onnxruntime.get_available_providers(),
-            cuda_device=cuda_device_present(),
-            provider=settings.provider,
-            require_gpu=settings.require_gpu,
+            onnxruntime.get_available_providers(), cuda_device=cuda_device_present(),
+            provider=settings.provider, require_gpu=settings.require_gpu,
         )
-        providers: list = list(choice.providers)
-        if CUDA in providers:
-            providers[0] = (CUDA, {"cudnn_conv_algo_search": settings.cudnn_conv_algo_search, **PREDICTABLE_CUDA_OPTIONS})
-        self.session = onnxruntime.InferenceSession(path, session_options(settings), providers=providers)
-        self.provider = self.session.get_providers()[0]
-        if CUDA in choice.providers and self.provider != CUDA:
-            if settings.require_gpu:
-                raise ScoringError(grpc.StatusCode.FAILED_PRECONDITION, f"{CUDA} failed to load for {path}")
-            LOG.warning("%s: CUDA was requested but the session runs on %s", path, self.provider)
-        elif CUDA not in choice.providers:
-            LOG.info("%s: %s", path, choice.reason)
-        self.input_name = input_name
-        self.output_name = output_name
+        self._providers: list = list(choice.providers)
+        if CUDA in self._providers:
+            self._providers[0] = (CUDA, {
+                "cudnn_conv_algo_search": settings.cudnn_conv_algo_search, **PREDICTABLE_CUDA_OPTIONS,
+            })
+        else:
+            LOG.info("%s", choice.reason)
+        self.provider = CUDA if CUDA in choice.providers else CPU
 
     @property
     def on_gpu(self) -> bool:
         return self.provider == CUDA
 
-    def run(self, batch: np.ndarray) -> np.ndarray:
-        """Scores [N, K, h, w] for one input batch; on the GPU through IO binding."""
-        if not self.on_gpu:
-            return self.session.run([self.output_name], {self.input_name: batch})[0]
-        binding = self.session.io_binding()
-        binding.bind_cpu_input(self.input_name, batch)
-        binding.bind_output(self.output_name, "cpu")
-        self.session.run_with_iobinding(binding)
-        return binding.copy_outputs_to_cpu()[0]
+    def options(self) -> onnxruntime.SessionOptions:
+        """The options under which admission's prediction (convert.profile) was validated; on the GPU one
+        intra-op thread that does not spin, since the host only launches kernels."""
+        options = predictable_session_options()
+        options.log_severity_level = 3
+        if self.on_gpu:
+            options.intra_op_num_threads = 1
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        else:
+            options.intra_op_num_threads = self.settings.intra_op_threads
+        options.inter_op_num_threads = self.settings.inter_op_threads
+        return options
+
+    def session(self, graph: bytes) -> onnxruntime.InferenceSession:
+        """A session of `graph` on the chosen provider; EngineError when CUDA was chosen but did not load."""
+        session = onnxruntime.InferenceSession(graph, self.options(), providers=self._providers)
+        actual = session.get_providers()[0]
+        if actual != self.provider:
+            if self.settings.require_gpu:
+                raise EngineError(f"{CUDA} failed to load (the session runs on {actual})")
+            LOG.warning("CUDA was requested but the session runs on %s; running on the CPU", actual)
+            self.provider = actual
+        return session
 
     def free_gpu_bytes(self) -> int | None:
         """Free device memory from the CUDA runtime (cudaMemGetInfo), when running on the GPU."""

@@ -1,66 +1,122 @@
 """The in-process scoring pipeline: request in, response out, no gRPC needed.
 
-The servicer is a thin adapter over it and `scoremap-score --local` runs it directly. Per scale:
-decode, resize (card's filter), normalize (card's preprocessing), cut the shifted (and mirrored)
-passes, run them through the model's batcher, interleave, average flips, post-process.
+The servicer is a thin adapter over it and `scoremap-score --local` runs it directly. A request
+flows one way through four stages, each a module it passes through once:
+
+    decode (imaging)  ->  plan (dense, buckets)  ->  run (batcher, plans, device_graph)  ->  assemble
+
+Before any pixel is decoded the image's header gives its size, so the request is checked whole
+first: scales, strides, the canvas bucket of every scale, the response's size, the memory and
+the queue's expected wait. Then the image is decoded and resized in a thread pool, each scale
+(and its mirror) is put on its uint8 canvas and batched with others of the same plan; the device
+graph makes the shifted passes, normalises, runs the net and averages probabilities, so the host
+only stacks uint8 arrays and copies back what the response holds.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
-from PIL import Image
 
-from convert.card import CardError, Precision, is_logits, label, read_card
+from convert.card import CardError, ImageInput, Precision, batch_shape, label, read_card
 from protos import model_card_pb2, scoring_pb2
-from server import dense, imaging
+from server import assemble, buckets, dense, imaging
 from server.admission import Admission, available_memory_bytes
-from server.batcher import Batcher
-from server.engine import Engine
+from server.batcher import Batcher, Work
+from server.device_graph import DeviceGraphError, scores_shape
+from server.engine import Engine, EngineError
 from server.errors import ScoringError
-from server.metrics import Metrics
+from server.metrics import Metrics, Stage
+from server.plans import PlanCache, PlanKey
 from server.settings import Settings
 
 LOG = logging.getLogger(__name__)
 FALLBACK_SCALE = 384  # when a card names no default scale
+CELLS_CACHE_SIZE = 4096  # resized sizes whose cell counts each model remembers
+TINY_IMAGE_FACTOR = 4  # an image enlarged more than this many times is scored with a warning
+
+
+@dataclass(frozen=True)
+class GroupKey:
+    """Items that can share a batch: one canvas shape, one set of passes."""
+
+    height: int
+    width: int
+    passes: dense.PassPlan
+
+
+@dataclass(frozen=True)
+class Item:
+    """One canvas to score: a scale of an image, or its mirror."""
+
+    canvas: np.ndarray
+    cells: tuple[int, int]
+    want_lattice: bool
 
 
 @dataclass
+class Scored:
+    """What the run stage gives back for one item."""
+
+    lattice: np.ndarray | None
+    probabilities: np.ndarray
+    planning_seconds: float
+
+
+@dataclass(eq=False)
 class LoadedModel:
-    """A model ready to score: its card, session, batcher and memory admission."""
+    """A model ready to score: its card, plans, batcher, buckets and memory admission."""
 
     name: str
     path: str
     card: model_card_pb2.ModelCard
-    engine: Engine
-    batcher: Batcher
-    admission: Admission
     classes: int
+    plans: PlanCache
+    admission: Admission
+    buckets: buckets.Buckets
+    fill: np.ndarray
+    batcher: Batcher = field(init=False)
 
     @property
     def default_scale(self) -> int:
         return self.card.default_scale or FALLBACK_SCALE
 
+    @property
+    def training_size(self) -> int:
+        return max(self.card.training_height, self.card.training_width)
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return dense.offered_strides(self.card.output_stride)
+
     def label(self, index: int) -> str:
         return self.card.labels[index] if index < len(self.card.labels) else str(index)
 
+    def __post_init__(self) -> None:
+        # Per instance (functools.lru_cache on the method would be shared, and keep every model alive).
+        self.net_cells = functools.lru_cache(maxsize=CELLS_CACHE_SIZE)(self._net_cells)
 
-@dataclass(frozen=True)
-class PassGroup:
-    """The passes of one scale and one orientation: where they sit in the request's list of passes."""
-
-    scale: int
-    size: tuple[int, int]
-    flip: bool
-    passes: slice
+    def _net_cells(self, height: int, width: int) -> tuple[int, int]:
+        """Cells (rows, columns) the net gives for an unpadded input of this size: what a map keeps per pass.
+        (0, 0) when the input is below what the net can take."""
+        if height < self.card.training_height or width < self.card.training_width:
+            return 0, 0
+        image = ImageInput.of(self.card)
+        shape = batch_shape(image.layout, batch=1, channels=3, height=height, width=width)
+        dims, _type = scores_shape(self.admission.model.model, input_name=image.name,
+                                   scores_name=self.card.scores_name, input_shape=shape)
+        return dims[2], dims[3]
 
 
 def invalid(message: str) -> ScoringError:
@@ -71,25 +127,33 @@ class Pipeline:
     """Loads converted models and scores requests against them."""
 
     def __init__(
-        self, model_paths: Sequence[str], *, settings: Settings | None = None, metrics: Metrics | None = None
+        self, models: Sequence[str] | Mapping[str, str], *, settings: Settings | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
-        if not model_paths:
+        """`models`: converted .onnx paths (each named by its card) or {name: path}."""
+        pairs = list(models.items()) if isinstance(models, Mapping) else [("", str(path)) for path in models]
+        if not pairs:
             raise ScoringError(grpc.StatusCode.INVALID_ARGUMENT, "no model given: pass at least one converted .onnx file")
         self.settings = settings or Settings()
         self.metrics = metrics
         self._models: dict[str, LoadedModel] = {}
+        self._decoder = ThreadPoolExecutor(self.settings.decode_threads or os.cpu_count() or 1,
+                                           thread_name_prefix="decode")
         try:
-            for path in model_paths:
-                model = self._load(str(path), share=len(model_paths))
+            self.engine = Engine(self.settings)
+        except EngineError as error:
+            raise ScoringError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from error
+        try:
+            for name, path in pairs:
+                model = self._load(name, str(path), share=len(pairs))
                 if model.name in self._models:
                     model.batcher.close()
                     raise ScoringError(
                         grpc.StatusCode.INVALID_ARGUMENT,
-                        f"two models are named {model.name!r} ({self._models[model.name].path} and {path})",
+                        f"two models are named {model.name!r} ({self._models[model.name].path} and {path}); "
+                        "name them apart with NAME=PATH",
                     )
                 self._models[model.name] = model
-            if metrics is not None:
-                metrics.track_queue_depth(lambda: sum(m.batcher.depth() for m in self._models.values()))
             if self.settings.warm_up:
                 self.warm_up()
         except BaseException:
@@ -97,73 +161,105 @@ class Pipeline:
             raise
 
     # --- loading ------------------------------------------------------------------------------
-    def _load(self, path: str, *, share: int) -> LoadedModel:
-        """Card, session, batcher and admission for one model; it gets 1/`share` of the memory budget,
+    def _load(self, name: str, path: str, *, share: int) -> LoadedModel:
+        """Card, plans, batcher and admission for one model; it gets 1/`share` of the memory budget,
         since every model's batcher runs its batches concurrently with the others'."""
         try:
-            graph = onnx.load(path, load_external_data=False)  # read once: admission profiles this copy
-            card = read_card(graph)
+            net = onnx.load(path)
+            card = read_card(net)
+            ImageInput.of(card)
         except (CardError, DecodeError, OSError) as error:
             raise ScoringError(grpc.StatusCode.INVALID_ARGUMENT, f"{path}: {error}") from error
         settings = self.settings
-        engine = Engine(path, input_name=card.preprocessing.input_name, output_name=card.scores_name, settings=settings)
         budget = settings.memory_budget_bytes
         if budget is None:
-            budget = engine.free_gpu_bytes()
+            budget = self.engine.free_gpu_bytes()
         if budget is None:
             available = available_memory_bytes()
             budget = int(available * settings.cpu_memory_fraction) if available else None
         if budget is not None:
             budget //= share
-        admission = Admission(graph, budget_bytes=budget)
-        output_shape = engine.session.get_outputs()[0].shape
-        classes = output_shape[1] if isinstance(output_shape[1], int) else len(card.labels)
-        name = card.name or path
-        preprocessing = card.preprocessing
-
-        def run(images: list[np.ndarray]) -> np.ndarray:
-            return engine.run(imaging.to_batch(images, preprocessing))
-
-        def on_batch(shape: tuple[int, ...], size: int) -> None:
-            if self.metrics is not None:
-                self.metrics.batch_size.labels(name).observe(size)
-                self.metrics.batch_memory.labels(name).observe(admission.predicted_bytes(shape[0], shape[1], size))
-
-        batcher = Batcher(
-            run,
-            max_batch=settings.batch_limit(on_gpu=engine.on_gpu),
+        admission = Admission(net, budget_bytes=budget)
+        name = name or card.name or path
+        max_batch = settings.batch_limit(on_gpu=self.engine.on_gpu)
+        multiple = card.size_multiple or card.output_stride
+        plans_of = [dense.plan_passes(native_stride=card.output_stride, output_stride=s, shift=0)
+                    for s in dense.offered_strides(card.output_stride)]
+        if settings.shape_buckets:
+            shape_buckets = buckets.Buckets(settings.shape_buckets, buckets.default_buckets(
+                scales=(), slacks=(), multiple=multiple, max_batch=max_batch).batches)
+        else:
+            shape_buckets = buckets.default_buckets(
+                scales=settings.warm_up_scales or (card.default_scale or FALLBACK_SCALE,),
+                slacks=sorted({p.slack for p in plans_of}), multiple=multiple, max_batch=max_batch,
+            )
+        model = LoadedModel(
+            name=name, path=path, card=card, classes=len(card.labels),
+            plans=PlanCache(net, card, self.engine, max_plans=settings.max_plans),
+            admission=admission, buckets=shape_buckets, fill=dense.mean_colour(card),
+        )
+        model.batcher = Batcher(
+            lambda works: self._run(model, works),
+            max_batch=max_batch,
             max_delay_seconds=settings.max_queue_delay_ms / 1000,
+            max_queue_seconds=settings.max_queue_ms / 1000,
             queue_depth=settings.queue_depth,
-            on_batch=on_batch,
+            on_batch=lambda works: self._on_batch(model, works),
             name=name,
         )
-        LOG.info("loaded %s from %s on %s (memory budget %s bytes)", name, path, engine.provider, budget)
-        return LoadedModel(name, path, card, engine, batcher, admission, classes)
+        if self.metrics is not None:
+            self.metrics.track_queue(name, model.batcher.depth)
+        LOG.info("loaded %s from %s on %s (memory budget %s bytes; canvases %s; batches %s)", name, path,
+                 self.engine.provider, budget, shape_buckets.describe(), shape_buckets.batches)
+        return model
 
     def warm_up(self) -> None:
-        """Run every warm-up scale at every stride each model offers, so first requests pay no set-up."""
+        """Make and run every configured plan of every model, then score a request at each offered stride;
+        ScoringError(UNAVAILABLE) naming every failure, so health never says SERVING over a broken model."""
+        failures = []
         for model in list(self._models.values()):
-            native = model.card.output_stride or 32
-            strides = [native, native // 2] if native >= 32 else [native]
+            for key in self._configured_plans(model):
+                try:
+                    self._run_plan(model, key, [], want_lattice=True)
+                except Exception as error:  # any failure keeps the server NOT_SERVING, and says why
+                    failures.append(f"{model.name} plan {key}: {error}")
+            if failures:
+                continue
+            scale = (self.settings.warm_up_scales or (model.default_scale,))[0]
+            gray = np.full((scale, scale, 3), 128, dtype=np.uint8)
+            for stride in model.strides:
+                request = scoring_pb2.ScoreRequest(
+                    model=model.name, scales=[scale], output_stride=stride, return_maps=True,
+                    raw=scoring_pb2.RawImage(data=gray.tobytes(), height=scale, width=scale, channels=3),
+                )
+                try:
+                    self.score(request, record=False)
+                except ScoringError as error:
+                    failures.append(f"{model.name} at scale {scale} stride {stride}: {error.message}")
+        if failures:
+            raise ScoringError(grpc.StatusCode.UNAVAILABLE, "warm-up failed: " + "; ".join(failures))
+
+    def _configured_plans(self, model: LoadedModel) -> list[PlanKey]:
+        """The plans traffic at the warm-up scales will use: each common aspect x stride x batch bucket."""
+        keys = []
+        for stride in model.strides:
+            passes = dense.plan_passes(native_stride=model.card.output_stride, output_stride=stride, shift=0)
             for scale in self.settings.warm_up_scales or (model.default_scale,):
-                gray = np.full((scale, scale, 3), 128, dtype=np.uint8)
-                for stride in strides:
-                    request = scoring_pb2.ScoreRequest(
-                        model=model.name,
-                        raw=scoring_pb2.RawImage(data=gray.tobytes(), height=scale, width=scale, channels=3),
-                        scales=[scale], output_stride=stride,
-                    )
-                    try:
-                        self.score(request)
-                    except ScoringError as error:
-                        LOG.warning("warm-up of %s at scale %d stride %d skipped: %s", model.name, scale, stride, error)
+                for tall, wide in buckets.COMMON_ASPECTS:
+                    size = dense.resized_size(tall, wide, scale=scale, multiple=model.card.size_multiple)
+                    canvas = model.buckets.canvas_for(*size, slack=passes.slack)
+                    if canvas is not None:
+                        keys.extend(PlanKey(*canvas, batch, passes) for batch in model.buckets.batches)
+        return list(dict.fromkeys(keys))
 
     # --- queries ------------------------------------------------------------------------------
     def models(self) -> list[scoring_pb2.ModelSummary]:
         return [
             scoring_pb2.ModelSummary(
                 name=m.name, classes=m.classes, output_stride=m.card.output_stride,
-                precision=label(Precision, m.card.precision), path=m.path,
+                precision=label(Precision, m.card.precision), path=m.path if self.settings.expose_paths else "",
+                output_strides=m.strides, min_scale=self._min_scale(m), max_scale=self.settings.max_scale,
+                default_scale=m.default_scale,
             )
             for m in self._models.values()
         ]
@@ -172,7 +268,8 @@ class Pipeline:
         return self._model(name).card
 
     def provider(self, name: str = "") -> str:
-        return self._model(name).engine.provider
+        self._model(name)
+        return self.engine.provider
 
     def _model(self, name: str) -> LoadedModel:
         if not name:
@@ -186,6 +283,9 @@ class Pipeline:
                 grpc.StatusCode.NOT_FOUND, f"no model named {name!r}; loaded: {', '.join(self._models)}"
             ) from None
 
+    def _min_scale(self, model: LoadedModel) -> int:
+        return max(self.settings.min_scale or 0, model.training_size)
+
     # --- scoring ------------------------------------------------------------------------------
     def score(
         self,
@@ -193,51 +293,43 @@ class Pipeline:
         *,
         deadline: float | None = None,
         cancelled: threading.Event | None = None,
+        record: bool = True,
     ) -> scoring_pb2.ScoreResponse:
-        """Score one request; `deadline` is a time.monotonic() instant, `cancelled` set when the caller left."""
+        """Score one request; `deadline` is a time.monotonic() instant, `cancelled` set when the caller left,
+        `record` False for the server's own warm-up (not traffic, not in the metrics)."""
         started = time.monotonic()
         model = self._model(request.model)
-        scales, plan = self._validate(request, model)
+        scales, passes = self._validate(request, model)
+        opened = self._open(request)
+        original = (opened.height, opened.width)
+        jobs = [self._plan_scale(model, original, scale, passes) for scale in scales]
+        self._check_response_size(request, model, jobs)
+        flips = (False, True) if request.flip else (False,)
+        model.batcher.check_room(len(jobs) * len(flips), deadline=deadline)
 
-        image = self._decode(request)
-        original = (image.height, image.width)
-        groups: list[PassGroup] = []
-        passes: list[np.ndarray] = []
-        limits: list[int] = []
-        for scale in scales:
-            size = self._size(model, original, scale)
-            limit = model.admission.admit(*size, scale=scale, largest_scale=lambda: self._largest_scale(model, original))
-            pixels = imaging.normalize(
-                imaging.resize(image, size, filter_name=model.card.preprocessing.resize_filter), model.card.preprocessing
-            )
-            for flip in (False, True) if request.flip else (False,):
-                windows = dense.pass_images(pixels, plan, flip=flip)
-                groups.append(PassGroup(scale, size, flip, slice(len(passes), len(passes) + len(windows))))
-                passes.extend(windows)
-                limits.extend([limit] * len(windows))
+        largest = max((job.resized for job in jobs), key=lambda size: size[0] * size[1])
+        try:
+            image = self._decoder.submit(imaging.load, opened, largest=largest).result()
+        except imaging.ImageError as error:
+            raise invalid(str(error)) from error
+        want_lattice = bool(request.return_maps or request.cell_top_k)
+        works = []
+        for job in jobs:
+            pixels = imaging.resize(image, job.resized, filter_name=ImageInput.of(model.card).resize_filter)
+            group = GroupKey(*job.canvas, passes)
+            limit = self._batch_limit(model, job, passes, original)
+            for flip in flips:
+                source = np.ascontiguousarray(pixels[:, ::-1]) if flip else pixels
+                item = Item(dense.canvas(source, job.canvas, model.fill), job.cells, want_lattice)
+                works.append(Work(group, item, limit, deadline))
         preprocessed = time.monotonic()
 
-        works = model.batcher.submit(passes, limits=limits, deadline=deadline)
-        scores = model.batcher.wait(works, cancelled=cancelled)
+        model.batcher.submit(works)
+        scored: list[Scored] = model.batcher.wait(works, cancelled=cancelled)
         computed = time.monotonic()
 
-        response = scoring_pb2.ScoreResponse(
-            model=model.name, request_id=request.request_id, image_height=original[0], image_width=original[1],
-            execution_provider=model.engine.provider, output_stride=plan.stride, shift=plan.shift,
-        )
-        probabilities = []
-        for scale in scales:
-            mine = [group for group in groups if group.scale == scale]
-            lattices = [self._lattice(model, plan, group, scores[group.passes]) for group in mine]
-            logits = is_logits(model.card)
-            probabilities.extend(dense.mean_probabilities(lattice, logits=logits) for lattice in lattices)
-            lattice = dense.average_flips(lattices)
-            response.maps.append(self._scale_map(request, model, plan, scale, original, mine[0].size, lattice))
-        top_k = request.top_k or self.settings.default_top_k
-        for index, probability in dense.top_k(np.mean(probabilities, axis=0), top_k):
-            response.top_k.append(scoring_pb2.Label(index=index, label=model.label(index), probability=probability))
+        response = self._assemble(request, model, passes, original, jobs, flips, scored)
         finished = time.monotonic()
-
         queue = max(w.started - w.enqueued for w in works)
         inference = sum({w.batch_id: w.run_seconds for w in works}.values())
         timings = response.timings
@@ -246,34 +338,25 @@ class Pipeline:
         timings.inference_ms = 1000 * inference
         timings.postprocess_ms = 1000 * (finished - computed)
         timings.total_ms = 1000 * (finished - started)
-        if self.metrics is not None:
-            self.metrics.observe_stages({
-                "queue": queue, "preprocess": preprocessed - started,
-                "inference": inference, "postprocess": finished - computed,
+        timings.planning_ms = 1000 * sum({w.batch_id: s.planning_seconds for w, s in zip(works, scored)}.values())
+        if record and self.metrics is not None:
+            self.metrics.record_stages(model.name, {
+                Stage.QUEUE: queue, Stage.PREPROCESS: preprocessed - started,
+                Stage.INFERENCE: inference, Stage.POSTPROCESS: finished - computed,
             })
         return response
-
-    @staticmethod
-    def _lattice(model: LoadedModel, plan: dense.PassPlan, group: PassGroup, scores: list[np.ndarray]) -> np.ndarray:
-        """One scale's lattice from its passes; a mirrored one moved back onto the unmirrored sites."""
-        lattice = dense.interleave(scores, plan, flip=group.flip)
-        if not group.flip:
-            return lattice
-        return dense.align(lattice, dense.mirror_shift(
-            resized_width=group.size[1], center_x=model.card.receptive_field.center_x,
-            native_stride=model.card.output_stride or 32, pass_width=scores[0].shape[-1], stride=plan.stride,
-        ))
 
     def _validate(self, request: scoring_pb2.ScoreRequest, model: LoadedModel) -> tuple[list[int], dense.PassPlan]:
         settings = self.settings
         scales = list(request.scales) or [model.default_scale]
         if len(scales) > settings.max_scales:
             raise invalid(f"{len(scales)} scales requested; at most {settings.max_scales} are allowed (--max-scales)")
+        low = self._min_scale(model)
         for scale in scales:
-            if not settings.min_scale <= scale <= settings.max_scale:
+            if not low <= scale <= settings.max_scale:
                 raise invalid(
-                    f"scale {scale} is outside [{settings.min_scale}, {settings.max_scale}] "
-                    "(the target shorter side in pixels)"
+                    f"scale {scale} is outside [{low}, {settings.max_scale}] (the target shorter side in pixels; "
+                    f"model {model.name} needs at least its training size {model.training_size})"
                 )
         if len(set(scales)) != len(scales):
             raise invalid(f"scales {scales} repeat a value; give each scale once")
@@ -282,85 +365,186 @@ class Pipeline:
         bad = [c for c in request.classes if not 0 <= c < model.classes]
         if bad:
             raise invalid(f"classes {bad} are out of range: model {model.name} has classes 0..{model.classes - 1}")
-        if request.map_dtype not in (scoring_pb2.MAP_DTYPE_UNSPECIFIED, scoring_pb2.FLOAT32, scoring_pb2.FLOAT16):
-            raise invalid(f"map_dtype {request.map_dtype} is not FLOAT32 or FLOAT16")
+        if request.map_dtype not in scoring_pb2.MapDtype.values():
+            raise invalid(f"map_dtype {request.map_dtype} is not a MapDtype; use one of "
+                          f"{', '.join(scoring_pb2.MapDtype.keys())}")
         if request.output_stride < 0:
             raise invalid(f"output_stride must be 0 (native) or positive; received {request.output_stride}")
         try:
-            plan = dense.plan_passes(
-                native_stride=model.card.output_stride or 32, output_stride=request.output_stride, shift=request.shift
+            passes = dense.plan_passes(
+                native_stride=model.card.output_stride, output_stride=request.output_stride, shift=request.shift
             )
         except dense.PlanError as error:
             raise invalid(f"model {model.name}: {error}") from error
-        return scales, plan
+        return scales, passes
 
-    def _decode(self, request: scoring_pb2.ScoreRequest) -> Image.Image:
+    def _open(self, request: scoring_pb2.ScoreRequest) -> imaging.OpenedImage:
         kind = request.WhichOneof("image")
         try:
             if kind == "encoded":
-                return imaging.decode(request.encoded, max_pixels=self.settings.max_image_pixels)
+                return imaging.open_image(request.encoded, max_pixels=self.settings.max_image_pixels)
             if kind == "raw":
                 return imaging.from_raw(request.raw, max_pixels=self.settings.max_image_pixels)
         except imaging.ImageError as error:
             raise invalid(str(error)) from error
         raise invalid("the request has no image: set `encoded` (JPEG, PNG, WebP, BMP, TIFF bytes) or `raw` pixels")
 
-    def _size(self, model: LoadedModel, original: tuple[int, int], scale: int) -> tuple[int, int]:
-        size = dense.resized_size(*original, scale=scale, multiple=model.card.size_multiple)
+    def _plan_scale(self, model: LoadedModel, original: tuple[int, int], scale: int,
+                    passes: dense.PassPlan) -> assemble.ScaleJob:
+        """Resized size, canvas bucket and kept cells of one scale; INVALID_ARGUMENT when the image cannot take it."""
+        card = model.card
+        size = dense.resized_size(*original, scale=scale, multiple=card.size_multiple)
         if size[0] * size[1] > self.settings.max_resized_pixels:
             raise invalid(
                 f"scale {scale} resizes the {original[0]}x{original[1]} image to {size[0]}x{size[1]} = "
                 f"{size[0] * size[1]} pixels, above the limit of {self.settings.max_resized_pixels} (--max-resized-pixels)"
             )
-        return size
+        cells = tuple(passes.factor * side for side in model.net_cells(*size))
+        if 0 in cells:
+            raise invalid(
+                f"scale {scale} resizes the {original[0]}x{original[1]} image to {size[0]}x{size[1]}, smaller than "
+                f"model {model.name}'s training size {card.training_height}x{card.training_width}; use a larger scale"
+            )
+        canvas = self._canvas(model, size, passes)
+        if canvas is None:
+            raise invalid(
+                f"scale {scale} gives a {size[0]}x{size[1]} image (+{passes.slack} px for shifted passes) that no "
+                f"canvas bucket holds ({model.buckets.describe()}); use a smaller scale, or restart the server "
+                "with a larger --shape-buckets or without --strict-shapes"
+            )
+        return assemble.ScaleJob(scale, size, canvas, cells)
 
-    def _largest_scale(self, model: LoadedModel, original: tuple[int, int]) -> int:
-        """The largest scale of this image whose single pass fits the memory budget (0: none)."""
+    def _canvas(self, model: LoadedModel, size: tuple[int, int], passes: dense.PassPlan) -> tuple[int, int] | None:
+        """The canvas bucket of a resized size; one planned on demand, or None under --strict-shapes."""
+        canvas = model.buckets.canvas_for(*size, slack=passes.slack)
+        if canvas is None and not self.settings.strict_shapes:
+            card = model.card
+            canvas = buckets.on_demand_canvas(*size, slack=passes.slack, multiple=card.size_multiple or card.output_stride)
+        return canvas
+
+    def _check_response_size(self, request: scoring_pb2.ScoreRequest, model: LoadedModel,
+                             jobs: list[assemble.ScaleJob]) -> None:
+        expected = assemble.response_bytes(request, jobs, classes=model.classes)
+        if expected > self.settings.max_message_bytes:
+            raise ScoringError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the response would be about {expected} bytes, above the server's --max-message-bytes "
+                f"{self.settings.max_message_bytes}; ask for fewer `classes`, a smaller `cell_top_k`, "
+                "`map_dtype` FLOAT16, fewer or smaller scales, or no maps",
+            )
+
+    def _batch_limit(self, model: LoadedModel, job: assemble.ScaleJob, passes: dense.PassPlan,
+                     original: tuple[int, int]) -> int:
+        """How many items of this canvas fit one batch in memory (each runs all its passes)."""
+        limit = model.admission.admit(*job.canvas, scale=job.scale,
+                                      largest_scale=lambda: self._largest_scale(model, original, passes))
+        items = limit // len(passes.offsets)
+        if items == 0:
+            raise ScoringError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"scale {job.scale} needs {len(passes.offsets)} passes of {job.canvas[0]}x{job.canvas[1]} at once but "
+                f"only {limit} fit the memory budget; the largest scale that fits is "
+                f"{self._largest_scale(model, original, passes)}",
+            )
+        return items
+
+    def _largest_scale(self, model: LoadedModel, original: tuple[int, int], passes: dense.PassPlan) -> int:
+        """The largest scale of this image whose passes fit the memory budget (0: none)."""
         step = max(model.card.size_multiple, 1)
         low, high = 0, self.settings.max_scale // step + 1  # low*step fits (0: nothing yet), high does not
         while high - low > 1:
             middle = (low + high) // 2
-            if model.admission.fits(*dense.resized_size(*original, scale=middle * step, multiple=step)):
+            canvas = self._canvas(model, dense.resized_size(*original, scale=middle * step, multiple=step), passes)
+            if canvas is not None and model.admission.batch_limit(*canvas) >= len(passes.offsets):
                 low = middle
             else:
                 high = middle
         return low * step
 
-    def _scale_map(
-        self,
-        request: scoring_pb2.ScoreRequest,
-        model: LoadedModel,
-        plan: dense.PassPlan,
-        scale: int,
-        original: tuple[int, int],
-        size: tuple[int, int],
-        lattice: np.ndarray,
-    ) -> scoring_pb2.ScaleMap:
-        field = model.card.receptive_field
-        geometry = dense.cell_geometry(
-            original=original, resized=size, stride=plan.stride,
-            field_size=field.size, field_center=(field.center_y, field.center_x),
+    # --- run (the batcher's thread) -----------------------------------------------------------------
+    def _run(self, model: LoadedModel, works: list[Work]) -> list[Scored]:
+        group: GroupKey = works[0].key
+        key = PlanKey(group.height, group.width, model.buckets.batch_for(len(works)), group.passes)
+        items: list[Item] = [work.payload for work in works]
+        return self._run_plan(model, key, items, want_lattice=any(item.want_lattice for item in items))
+
+    def _run_plan(self, model: LoadedModel, key: PlanKey, items: list[Item], *, want_lattice: bool) -> list[Scored]:
+        """Run `items` (at most key.batch; the rest of the batch is padding) through the plan of `key`."""
+        try:
+            plan, planning = model.plans.get(key)
+        except (DeviceGraphError, EngineError) as error:
+            raise ScoringError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"model {model.name} cannot run {key}: {error}") from error
+        if planning:
+            LOG.info("%s: planned %s in %.0f ms", model.name, key, 1000 * planning)
+        pixels = np.empty((key.batch, key.height, key.width, 3), dtype=np.uint8)
+        pixels[:] = model.fill
+        valid = np.zeros((key.batch, *plan.lattice_shape[2:]), dtype=np.float32)
+        for index, item in enumerate(items):
+            pixels[index] = item.canvas
+            valid[index, :item.cells[0], :item.cells[1]] = 1.0
+        if not items:
+            valid[:, :1, :1] = 1.0  # a warm-up run: one cell each, so the averages are defined
+        lattices, probabilities = plan.run(pixels, valid, lattice=want_lattice)
+        return [
+            Scored(
+                lattices[index, :, :item.cells[0], :item.cells[1]].copy() if item.want_lattice else None,
+                probabilities[index].copy(), planning if index == 0 else 0.0,
+            )
+            for index, item in enumerate(items)
+        ]
+
+    def _on_batch(self, model: LoadedModel, works: list[Work]) -> None:
+        if self.metrics is not None:
+            group: GroupKey = works[0].key
+            passes = len(works) * len(group.passes.offsets)
+            self.metrics.record_batch(model.name, len(works),
+                                      model.admission.predicted_bytes(group.height, group.width, passes))
+
+    # --- assemble ---------------------------------------------------------------------------------
+    def _assemble(self, request: scoring_pb2.ScoreRequest, model: LoadedModel, passes: dense.PassPlan,
+                  original: tuple[int, int], jobs: list[assemble.ScaleJob], flips: tuple[bool, ...],
+                  scored: list[Scored]) -> scoring_pb2.ScoreResponse:
+        response = scoring_pb2.ScoreResponse(
+            model=model.name, request_id=request.request_id, image_height=original[0], image_width=original[1],
+            execution_provider=self.engine.provider, output_stride=passes.stride, shift=passes.shift,
         )
-        scale_map = scoring_pb2.ScaleMap(scale=scale, height=lattice.shape[1], width=lattice.shape[2], geometry=geometry)
-        if request.return_maps:
-            chosen = lattice[list(request.classes)] if request.classes else lattice
-            scale_map.classes.extend(request.classes)
-            dtype = "float16" if request.map_dtype == scoring_pb2.FLOAT16 else "float32"
-            scale_map.scores.CopyFrom(tensor(chosen, dtype))
-        if request.cell_top_k:
-            indices, values = dense.cell_top_k(lattice, request.cell_top_k)
-            scale_map.cell_top_k_indices.CopyFrom(tensor(indices, "int32"))
-            scale_map.cell_top_k_scores.CopyFrom(tensor(values, "float32"))
-        return scale_map
+        field = model.card.receptive_field
+        first = (field.center_y - passes.slack, field.center_x - passes.slack)
+        results = iter(scored)
+        probabilities = []
+        try:
+            for job in jobs:
+                mine = [next(results) for _flip in flips]
+                probabilities.extend(result.probabilities for result in mine)
+                lattices = None
+                if mine[0].lattice is not None:
+                    lattices = [mine[0].lattice] + [
+                        dense.mirror_back(result.lattice, resized_width=job.resized[1], first_center_x=first[1],
+                                          stride=passes.stride)
+                        for result in mine[1:]
+                    ]
+                geometry = dense.cell_geometry(
+                    original=original, resized=job.resized, canvas=job.canvas, cells=job.cells,
+                    stride=passes.stride, field_size=field.size, first_center=first,
+                )
+                response.maps.append(assemble.scale_map(
+                    request, job, lattices, geometry, holes=passes.shift == scoring_pb2.SHIFT_DIAGONAL))
+            response.top_k.extend(assemble.image_top_k(
+                probabilities, request.top_k or self.settings.default_top_k, model.label))
+        except assemble.NonFiniteError as error:
+            raise ScoringError(grpc.StatusCode.INTERNAL, f"model {model.name} gave no usable scores: {error}") from error
+        smallest = min(original)
+        if jobs[0].scale / smallest > TINY_IMAGE_FACTOR and smallest < model.training_size:
+            response.warnings.append(
+                f"the image is {original[0]}x{original[1]}, far below model {model.name}'s training size "
+                f"{model.training_size}: enlarged {jobs[0].scale / smallest:.1f}x, its scores may mean little"
+            )
+        return response
 
     def close(self) -> None:
-        """Stop the batchers (queued work fails with UNAVAILABLE)."""
+        """Stop the batchers (queued work fails with UNAVAILABLE) and the decoding threads."""
         for model in self._models.values():
             model.batcher.close()
         self._models.clear()
-
-
-def tensor(array: np.ndarray, dtype: str) -> scoring_pb2.Tensor:
-    """Packed little-endian bytes with dtype and shape."""
-    packed = np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<"))
-    return scoring_pb2.Tensor(dtype=dtype, shape=list(array.shape), data=packed.tobytes())
+        self._decoder.shutdown(wait=False, cancel_futures=True)

@@ -18,14 +18,19 @@ class Settings:
     """Decoded images above this many pixels are refused (decompression bombs)."""
     max_message_bytes: int = 64 * MiB
     """gRPC send/receive limit; well above gRPC's 4 MB default so a 12-megapixel JPEG fits."""
-    max_scales: int = 8
-    """Scales one request may ask for."""
-    min_scale: int = 32
-    """Smallest target shorter side, in pixels."""
+    max_scales: int = 4
+    """Scales one request may ask for (with the two limits around it, the worst single request
+    fits `max_request_host_bytes`: server/host_memory.py `worst_request`)."""
+    min_scale: int | None = None
+    """Smallest target shorter side, in pixels; None: each model's training size, the least it can take
+    (a smaller setting is raised to it)."""
     max_scale: int = 2048
     """Largest target shorter side, in pixels."""
-    max_resized_pixels: int = 16_000_000
+    max_resized_pixels: int = 2048 * 2048
     """Resized images above this many pixels are refused (a huge scale on a panorama)."""
+    max_request_host_bytes: int = 4 * 1024 * MiB
+    """Host memory one request may hold (decoded image, resized copies, model inputs, maps), estimated
+    from the image header before decoding; above it RESOURCE_EXHAUSTED with every term."""
     default_top_k: int = 5
     """Image-level top-k when a request says 0."""
 
@@ -38,6 +43,10 @@ class Settings:
     """How long the first pass of a batch waits for others of its shape."""
     queue_depth: int = 128
     """Passes waiting per model; beyond it new requests get RESOURCE_EXHAUSTED."""
+    max_queue_ms: float = 1000.0
+    """Longest a pass may wait in the queue (Triton's queue policy): a request whose expected wait is
+    longer is refused before its image is decoded, and a pass that waited longer is dropped; both
+    RESOURCE_EXHAUSTED with a retry hint."""
     stream_window: int = 4
     """Requests of one ScoreStream scored concurrently (answers stay in order)."""
 
@@ -46,6 +55,18 @@ class Settings:
         if self.max_batch is not None:
             return self.max_batch
         return GPU_DEFAULT_MAX_BATCH if on_gpu else 1
+
+    # --- plans (shape-stable execution) ------------------------------------------------------
+    shape_buckets: tuple[tuple[int, int], ...] = ()
+    """Canvas sizes (height, width) images are padded to; empty: every warm-up scale x common aspect
+    ratio, with and without the shifted passes' slack (server/buckets.py)."""
+    strict_shapes: bool = False
+    """Refuse (INVALID_ARGUMENT, naming the buckets) an image no bucket holds, instead of planning
+    its shape on demand."""
+    max_plans: int = 64
+    """Plans (sessions of one shape) each model keeps; beyond it the least recently used goes."""
+    decode_threads: int = 0
+    """Threads decoding and resizing images; 0: one per CPU core."""
 
     # --- memory ---------------------------------------------------------------------------
     memory_budget_bytes: int | None = None
@@ -79,9 +100,35 @@ class Settings:
     beyond it gRPC answers RESOURCE_EXHAUSTED at once instead of holding calls, each with its request
     of up to `max_message_bytes`, in an unbounded backlog. Twice `grpc_workers`: a short backlog
     absorbs bursts while the threads feed the model queues (`queue_depth`)."""
+    reserved_workers: int = 2
+    """Worker threads scoring calls may never take, so health probes are answered (and excess calls
+    refused at once) while every other worker is busy: at most `grpc_workers - reserved_workers`
+    calls run at once, beyond that RESOURCE_EXHAUSTED with a retry hint (issue 10, item 4)."""
+    max_calls_per_peer: int = 16
+    """Calls one client address may have running at once (0: no limit), so one peer cannot hold
+    every worker; beyond it RESOURCE_EXHAUSTED with a retry hint."""
+    stream_idle_seconds: float = 60.0
+    """A ScoreStream with every answer sent and no new request for this long is ended
+    (DEADLINE_EXCEEDED), so idle streams give their worker back."""
+    connection_idle_seconds: float = 300.0
+    """A connection with no call for this long is closed (GOAWAY; clients reconnect on their next call)."""
+    connection_age_seconds: float = 3600.0
+    """Connections are closed after this long (GOAWAY), so clients spread over new replicas."""
+    connection_age_grace_seconds: float = 3600.0
+    """Calls still running when their connection reaches its age get this long to finish: as long
+    as the clients' own stream deadline (clients.ClientSettings.stream_timeout_s)."""
+    keepalive_seconds: float = 60.0
+    """The server pings each connection this often, so a vanished client's calls end."""
+    keepalive_timeout_seconds: float = 20.0
+    """An unanswered ping closes the connection after this long."""
+    min_client_ping_seconds: float = 10.0
+    """Clients pinging more often than this (while no data flows) are told to go away; the
+    scoremap clients ping every 30 s, gRPC's own default (5 min) would refuse them."""
     grace_seconds: float = 10.0
     """On SIGTERM, in-flight calls get this long to finish."""
     metrics_port: int | None = None
     """Prometheus port (0: pick a free one); None: no metrics endpoint."""
     metrics_address: str = "127.0.0.1"
     """Address the metrics endpoint binds."""
+    expose_paths: bool = False
+    """ListModels tells callers each model's file path (off: paths are the server's business)."""

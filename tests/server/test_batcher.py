@@ -1,4 +1,4 @@
-"""The batcher and the pipeline's queue rules, on a real onnxruntime session."""
+"""The batcher's queue rules, with a runner held by an event: nothing here depends on how fast a model is."""
 
 import dataclasses
 import threading
@@ -8,85 +8,155 @@ import grpc
 import numpy as np
 import pytest
 
-from server.batcher import Batcher
-from server.engine import Engine
+from server.batcher import Batcher, Work
 from server.errors import ScoringError
-from server.imaging import to_batch
 from server.metrics import Metrics
 from server.pipeline import Pipeline
 from server.settings import Settings
-from convert.card import read_card
+
+
+class GatedRunner:
+    """Runs each batch when `gate` is open; records the batches it saw."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.batches: list[list[Work]] = []
+
+    def __call__(self, works: list[Work]) -> list:
+        self.batches.append(works)
+        assert self.gate.wait(10), "the test never opened the gate"
+        return [work.payload * 2 for work in works]
 
 
 @pytest.fixture
-def heavy_batcher(heavy_model_path):
-    card = read_card(heavy_model_path)
-    engine = Engine(heavy_model_path, input_name="image", output_name="scores", settings=Settings(intra_op_threads=1))
-    batcher = Batcher(lambda images: engine.run(to_batch(images, card.preprocessing)),
-                      max_batch=4, max_delay_seconds=0.001, queue_depth=16)
-    yield batcher
+def gated():
+    runner = GatedRunner()
+    batcher = Batcher(runner, max_batch=4, max_delay_seconds=0.001, queue_depth=8, max_queue_seconds=60)
+    yield runner, batcher
+    runner.gate.set()
     batcher.close()
 
 
-def images(count: int, side: int = 160) -> list[np.ndarray]:
-    return [np.zeros((side, side, 3), dtype=np.float32) for _ in range(count)]
+def works(count: int, key="a", *, limit: int = 4, deadline: float | None = None) -> list[Work]:
+    return [Work(key, index, limit, deadline) for index in range(count)]
 
 
-def test_same_shapes_share_a_batch_and_other_shapes_wait_their_turn(heavy_batcher):
-    first = heavy_batcher.submit(images(4), limits=[4] * 4, deadline=None)
-    mixed = heavy_batcher.submit(images(2, 64) + images(1, 96), limits=[4] * 3, deadline=None)
-    results = heavy_batcher.wait(first + mixed)
-    assert [r.shape for r in results] == [(4, 5, 5)] * 4 + [(4, 2, 2)] * 2 + [(4, 3, 3)]
-    assert {w.batch_size for w in first} == {4}
-    assert [w.batch_size for w in mixed] == [2, 2, 1]
-
-
-def test_cancelled_calls_free_their_place(heavy_batcher):
-    running = heavy_batcher.submit(images(4), limits=[4] * 4, deadline=None)
-    while not running[0].started:
+def wait_until_running(work: Work) -> None:
+    while not work.started:
         time.sleep(0.001)
-    queued = heavy_batcher.submit(images(12), limits=[4] * 12, deadline=None)
-    with pytest.raises(ScoringError, match="queue full") as caught:
-        heavy_batcher.submit(images(8), limits=[4] * 8, deadline=None)
-    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_same_keys_share_a_batch_and_other_keys_wait_their_turn(gated):
+    runner, batcher = gated
+    first = works(4)
+    batcher.submit(first)
+    wait_until_running(first[0])
+    mixed = works(2, "b") + works(1, "c") + works(1, "b")
+    batcher.submit(mixed)
+    runner.gate.set()
+    assert batcher.wait(first + mixed) == [0, 2, 4, 6, 0, 2, 0, 0]
+    assert [len(batch) for batch in runner.batches] == [4, 3, 1]
+    assert [w.key for w in runner.batches[1]] == ["b", "b", "b"]
+
+
+def test_a_batch_takes_no_more_than_the_memory_limit_of_its_first_item(gated):
+    runner, batcher = gated
+    runner.gate.set()
+    limited = works(3, limit=2)
+    batcher.submit(limited)
+    batcher.wait(limited)
+    assert [len(batch) for batch in runner.batches] == [2, 1]
+
+
+def test_a_full_queue_refuses_with_a_retry_hint_and_cancelled_calls_free_their_place(gated):
+    runner, batcher = gated
+    running = works(4)
+    batcher.submit(running)
+    wait_until_running(running[0])
+    queued = works(8)
+    batcher.submit(queued)
+    for refuse in (lambda: batcher.submit(works(1)), lambda: batcher.check_room(1, deadline=None)):
+        with pytest.raises(ScoringError, match="queue full") as caught:
+            refuse()
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
     cancelled = threading.Event()
     cancelled.set()
     with pytest.raises(ScoringError) as caught:
-        heavy_batcher.wait(queued, cancelled=cancelled)
+        batcher.wait(queued, cancelled=cancelled)
     assert caught.value.code == grpc.StatusCode.CANCELLED
-    assert heavy_batcher.depth() == 0
-    assert len(heavy_batcher.submit(images(8), limits=[4] * 8, deadline=None)) == 8  # room again
-    heavy_batcher.wait(running)
+    assert batcher.depth() == 0
+    batcher.check_room(8, deadline=None)  # room again
+    runner.gate.set()
+    assert batcher.wait(running) == [0, 2, 4, 6]
 
 
-def test_expired_work_is_dropped_before_compute(heavy_model_path, kit):
+def test_expected_wait_beyond_the_deadline_or_the_queue_limit_is_refused_before_queueing():
+    runner = GatedRunner()
+    runner.gate.set()
+    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.0, queue_depth=100, max_queue_seconds=0.5)
+    try:
+        paced = works(1)
+        batcher.submit(paced)
+        batcher.wait(paced)
+        batcher._seconds_per_item = 0.2  # the recent pace: 0.2 s per item
+        batcher.check_room(2, deadline=None)  # 0.4 s: within --max-queue-ms
+        with pytest.raises(ScoringError, match="--max-queue-ms") as caught:
+            batcher.check_room(3, deadline=None)
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
+        with pytest.raises(ScoringError, match="deadline"):
+            batcher.check_room(1, deadline=time.monotonic() + 0.1)
+    finally:
+        batcher.close()
+
+
+def test_items_waiting_longer_than_the_queue_limit_are_dropped_before_compute():
+    runner = GatedRunner()
+    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.0, queue_depth=8, max_queue_seconds=0.05)
+    try:
+        blocker, late = works(1), works(1, "b")
+        batcher.submit(blocker)
+        wait_until_running(blocker[0])
+        batcher.submit(late)
+        time.sleep(0.1)
+        runner.gate.set()
+        with pytest.raises(ScoringError, match="max-queue-ms") as caught:
+            batcher.wait(late)
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert [len(batch) for batch in runner.batches] == [1]  # the late item never ran
+    finally:
+        runner.gate.set()
+        batcher.close()
+
+
+def test_expired_work_is_dropped_before_compute(tiny_model_path, kit):
     settings = dataclasses.replace(Settings(), warm_up=False, intra_op_threads=1)
     metrics = Metrics()
-    pipeline = Pipeline([heavy_model_path], settings=settings, metrics=metrics)
+    pipeline = Pipeline([tiny_model_path], settings=settings, metrics=metrics)
     try:
         model = pipeline._model("")
-        request = kit.raw_request(np.zeros((64, 64, 3), dtype=np.uint8), scales=[64])
-        with pytest.raises(ScoringError, match="deadline passed") as caught:
+        request = kit.raw_request(np.zeros((64, 64, 3), dtype=np.uint8), scales=[64], return_maps=True)
+        with pytest.raises(ScoringError, match="deadline") as caught:
             pipeline.score(request, deadline=time.monotonic() - 0.001)
-        assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert caught.value.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
         assert model.batcher.depth() == 0
-        assert metrics.registry.get_sample_value("scoremap_batch_size_count", {"model": "heavy"}) is None  # never ran
+        assert metrics.registry.get_sample_value("scoremap_batch_size_count", {"model": "tiny"}) is None  # never ran
         assert pipeline.score(request, deadline=time.monotonic() + 30).maps
     finally:
         pipeline.close()
 
 
 def test_a_failing_batch_hook_never_stops_the_worker():
-    def broken_hook(shape, size):
+    def broken_hook(batch):
         raise RuntimeError("metrics broke")
 
-    batcher = Batcher(lambda batch: np.stack(batch), max_batch=2, max_delay_seconds=0.001, queue_depth=8,
-                      on_batch=broken_hook)
+    batcher = Batcher(lambda batch: [w.payload for w in batch], max_batch=2, max_delay_seconds=0.001, queue_depth=8,
+                      max_queue_seconds=60, on_batch=broken_hook)
     try:
         for _ in range(2):
-            (work,) = batcher.submit(images(1, 8), limits=[2], deadline=None)
+            (work,) = works(1)
+            batcher.submit([work])
             assert work.done.wait(5), "the worker stopped"
-            assert work.result.shape == (8, 8, 3)
+            assert work.result == 0
     finally:
         batcher.close()
 
@@ -95,14 +165,13 @@ def test_close_waits_for_the_running_batch_at_most_close_seconds(monkeypatch):
     from server import batcher as batcher_module
 
     monkeypatch.setattr(batcher_module, "CLOSE_SECONDS", 0.2)
-    release = threading.Event()
-    batcher = Batcher(lambda batch: (release.wait(10), np.stack(batch))[1], max_batch=1, max_delay_seconds=0.001,
-                      queue_depth=8)
-    (work,) = batcher.submit(images(1, 8), limits=[1], deadline=None)
-    while not work.started:
-        time.sleep(0.001)
+    runner = GatedRunner()
+    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.001, queue_depth=8, max_queue_seconds=60)
+    (work,) = works(1)
+    batcher.submit([work])
+    wait_until_running(work)
     started = time.monotonic()
     batcher.close()
     assert time.monotonic() - started < 2
-    release.set()
+    runner.gate.set()
     assert work.done.wait(5)

@@ -41,42 +41,38 @@ def test_resized_size_keeps_aspect_and_rounds_to_the_multiple():
     assert dense.resized_size(100, 150, scale=50, multiple=0) == (50, 75)
 
 
-def test_shifted_passes_are_windows_of_the_edge_padded_image():
-    image = np.arange(64 * 64 * 3, dtype=np.float32).reshape(64, 64, 3)
-    plan = dense.plan_passes(native_stride=32, output_stride=16, shift=Shift.SHIFT_GRID)
-    windows = dense.pass_images(image, plan, flip=False)
-    assert all(w.shape == image.shape for w in windows)
-    by_offset = dict(zip(plan.offsets, windows))
-    np.testing.assert_array_equal(by_offset[(16, 16)][:48, :48], image[16:, 16:])
-    np.testing.assert_array_equal(by_offset[(0, 16)][:, 48:], np.repeat(image[:, 63:64], 16, axis=1))
-    mirrored = dict(zip(plan.offsets, dense.pass_images(image, plan, flip=True)))
-    np.testing.assert_array_equal(mirrored[(0, 16)][:, 16:], image[:, ::-1][:, :48])
+def test_unknown_shift_values_are_refused_with_the_allowed_names():
+    with pytest.raises(dense.PlanError, match="shift 99 is not a Shift; use one of SHIFT_UNSPECIFIED, SHIFT_NONE"):
+        dense.plan_passes(native_stride=32, output_stride=0, shift=99)
+    with pytest.raises(dense.PlanError, match="shift 99"):
+        dense.plan_passes(native_stride=32, output_stride=16, shift=99)
 
 
-def test_interleave_places_each_pass_on_its_lattice_sites():
-    plan = dense.plan_passes(native_stride=32, output_stride=16, shift=Shift.SHIFT_GRID)
-    maps = [np.full((1, 2, 3), 10 * dy + dx, dtype=np.float32) for dy, dx in plan.offsets]
-    lattice = dense.interleave(maps, plan, flip=False)
-    assert lattice.shape == (1, 4, 6)
-    np.testing.assert_array_equal(lattice[0, :2, :2], [[0, 16], [160, 176]])
+def test_shifted_passes_need_slack_on_the_canvas():
+    grid = dense.plan_passes(native_stride=32, output_stride=16, shift=Shift.SHIFT_GRID)
+    single = dense.plan_passes(native_stride=32, output_stride=0, shift=Shift.SHIFT_UNSPECIFIED)
+    assert (grid.slack, single.slack) == (16, 0)
 
 
-def test_diagonal_is_a_quincunx_with_nan_holes():
-    plan = dense.plan_passes(native_stride=32, output_stride=16, shift=Shift.SHIFT_DIAGONAL)
-    lattice = dense.interleave([np.ones((2, 3, 3), np.float32), 2 * np.ones((2, 3, 3), np.float32)], plan, flip=False)
-    assert np.isnan(lattice[:, 0::2, 1::2]).all() and np.isnan(lattice[:, 1::2, 0::2]).all()
-    assert (lattice[:, 0::2, 0::2] == 1).all() and (lattice[:, 1::2, 1::2] == 2).all()
-    probabilities = dense.mean_probabilities(lattice, logits=True)
-    np.testing.assert_allclose(probabilities, [0.5, 0.5], atol=1e-6)
-    indices, scores = dense.cell_top_k(lattice, 1)
-    assert (indices[:, 0::2, 1::2] == -1).all() and np.isnan(scores[:, 0::2, 1::2]).all()
+def test_the_canvas_holds_the_image_top_left_and_the_mean_colour_elsewhere():
+    image = np.full((2, 3, 3), 7, dtype=np.uint8)
+    fill = np.array([1, 2, 3], dtype=np.uint8)
+    canvas = dense.canvas(image, (4, 4), fill)
+    assert canvas.shape == (4, 4, 3)
+    assert (canvas[:2, :3] == 7).all() and (canvas[2:] == fill).all() and (canvas[:2, 3] == fill).all()
 
 
-def test_mean_probabilities_softmaxes_logits_per_cell_then_averages():
-    lattice = np.zeros((2, 1, 2), dtype=np.float32)
-    lattice[0, 0, 0] = np.log(3.0)  # cell 0: [0.75, 0.25]; cell 1: [0.5, 0.5]
-    np.testing.assert_allclose(dense.mean_probabilities(lattice, logits=True), [0.625, 0.375], rtol=1e-6)
-    np.testing.assert_allclose(dense.mean_probabilities(lattice, logits=False), [np.log(3.0) / 2, 0.0], rtol=1e-6)
+def test_mirror_back_is_the_plain_mirror_when_the_field_is_centred():
+    lattice = np.arange(4, dtype=np.float32).reshape(1, 1, 4)
+    # 128 px, centres 15.5 + 32 j: symmetric.
+    np.testing.assert_array_equal(
+        dense.mirror_back(lattice, resized_width=128, first_center_x=15.5, stride=32), [[[3, 2, 1, 0]]])
+    # One-sided 'SAME' padding, centres 0 + 32 j on 128 px: mirrored column n sits at x = 127 - 32 n,
+    # unmirrored column n0 at 32 n0, so n0 = 4 - n (rounded): one column over.
+    moved = dense.mirror_back(lattice, resized_width=128, first_center_x=0.0, stride=32)
+    np.testing.assert_array_equal(moved, [[[np.nan, 3, 2, 1]]])
+    averaged = dense.average_flips([lattice, moved])
+    np.testing.assert_array_equal(averaged, [[[0, 2, 2, 2]]])
 
 
 def test_cell_and_image_top_k():
@@ -88,21 +84,30 @@ def test_cell_and_image_top_k():
 
 
 def test_geometry_maps_the_lattice_back_to_original_pixels():
-    geometry = dense.cell_geometry(original=(240, 320), resized=(384, 512), stride=16,
-                                   field_size=32, field_center=(15.5, 15.5))
+    geometry = dense.cell_geometry(original=(240, 320), resized=(384, 512), canvas=(384, 512), cells=(12, 16),
+                                   stride=16, field_size=32, first_center=(15.5, 15.5))
     assert geometry.scale_factor == pytest.approx(1.6)
     assert geometry.stride_y == pytest.approx(10.0) and geometry.stride_x == pytest.approx(10.0)
     assert geometry.center_y == pytest.approx(16 / 1.6 - 0.5)
     assert geometry.box_width == pytest.approx(20.0)
+    assert (geometry.padded_border_rows, geometry.padded_border_cols) == (0, 0)  # no canvas padding
 
 
-def test_mirrored_maps_are_aligned_by_the_receptive_field_offset():
-    assert dense.mirror_shift(resized_width=128, center_x=15.5, native_stride=32, pass_width=4, stride=32) == 0
-    # 'SAME' padding at the end only: one more cell, centres still at 15.5 + 32 j.
-    assert dense.mirror_shift(resized_width=128, center_x=15.5, native_stride=32, pass_width=5, stride=32) == -1
-    assert dense.mirror_shift(resized_width=128, center_x=15.5, native_stride=32, pass_width=5, stride=16) == -2
-    lattice = np.arange(4, dtype=np.float32).reshape(1, 1, 4)
-    np.testing.assert_array_equal(dense.align(lattice, -1), [[[1, 2, 3, np.nan]]])
-    np.testing.assert_array_equal(dense.align(lattice, 2), [[[np.nan, np.nan, 0, 1]]])
-    averaged = dense.average_flips([lattice, dense.align(lattice, -1)])
-    np.testing.assert_array_equal(averaged, [[[0.5, 1.5, 2.5, 3]]])
+def test_geometry_counts_the_border_cells_whose_field_reaches_into_the_canvas_padding():
+    # Cells centred at 15.5 + 32 m with a 64-px field on a 128-px image padded to a 192-px canvas:
+    # the last cell (centre 111.5) reaches 143.5 > 128.
+    geometry = dense.cell_geometry(original=(128, 128), resized=(128, 128), canvas=(192, 128), cells=(4, 4),
+                                   stride=32, field_size=64, first_center=(15.5, 15.5))
+    assert (geometry.padded_border_rows, geometry.padded_border_cols) == (1, 0)
+
+
+def test_top_k_agree_with_a_full_sort_and_mark_unscored_cells():
+    rng = np.random.default_rng(0)
+    lattice = rng.normal(size=(50, 3, 4)).astype(np.float32)
+    lattice[:, 0, 0] = np.nan
+    indices, scores = dense.cell_top_k(lattice, 5)
+    full = np.argsort(-np.nan_to_num(lattice, nan=-np.inf), axis=0, kind="stable")[:5]
+    np.testing.assert_array_equal(indices[:, 1:, :], full[:, 1:, :])
+    assert (indices[:, 0, 0] == -1).all() and np.isnan(scores[:, 0, 0]).all()
+    probabilities = rng.random(1000)
+    assert [i for i, _ in dense.top_k(probabilities, 7)] == list(np.argsort(-probabilities)[:7])

@@ -4,8 +4,7 @@ import onnx
 import onnxruntime
 import pytest
 
-from server.engine import CPU, CUDA, Engine, choose_providers
-from server.errors import ScoringError
+from server.engine import CPU, CUDA, Engine, EngineError, choose_providers
 from server.settings import GPU_DEFAULT_MAX_BATCH, Settings
 
 
@@ -24,10 +23,9 @@ def test_cpu_fallback_says_why(available, device, words):
 
 
 def test_require_gpu_refuses_without_cuda():
-    with pytest.raises(ScoringError, match="a GPU is required but no CUDA device") as caught:
+    with pytest.raises(EngineError, match="a GPU is required but no CUDA device"):
         choose_providers((CUDA, CPU), cuda_device=False, require_gpu=True)
-    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    with pytest.raises(ScoringError, match="GPU is required"):
+    with pytest.raises(EngineError, match="GPU is required"):
         choose_providers((CPU,), cuda_device=True, provider="cuda")
 
 
@@ -35,22 +33,26 @@ def test_cpu_can_be_forced():
     assert choose_providers((CUDA, CPU), cuda_device=True, provider="cpu").providers == (CPU,)
 
 
-def test_engine_reports_what_its_session_really_runs_on(tiny_model_path):
-    engine = Engine(tiny_model_path, input_name="image", output_name="scores", settings=Settings(intra_op_threads=1))
-    assert engine.provider == engine.session.get_providers()[0]
+def test_engine_reports_what_its_sessions_really_run_on(tiny_model_path):
+    engine = Engine(Settings(intra_op_threads=1))
+    session = engine.session(onnx.load(tiny_model_path).SerializeToString())
+    assert engine.provider == session.get_providers()[0]
     batch = np.random.default_rng(0).normal(size=(2, 3, 64, 96)).astype(np.float32)
     direct = onnxruntime.InferenceSession(tiny_model_path, providers=[CPU]).run(None, {"image": batch})[0]
-    np.testing.assert_allclose(engine.run(batch), direct, rtol=1e-6, atol=1e-6)
-    assert engine.run(batch).shape == (2, 10, 2, 3)
+    np.testing.assert_allclose(session.run(None, {"image": batch})[0], direct, rtol=1e-6, atol=1e-6)
 
 
 def test_require_gpu_refuses_to_start_on_this_machine_without_cuda(tiny_model_path):
     from server.engine import cuda_device_present
+    from server.errors import ScoringError
+    from server.pipeline import Pipeline
 
     if cuda_device_present():
         pytest.skip("this machine has a CUDA device")
+    with pytest.raises(EngineError, match="a GPU is required"):
+        Engine(Settings(require_gpu=True))
     with pytest.raises(ScoringError, match="a GPU is required") as caught:
-        Engine(tiny_model_path, input_name="image", output_name="scores", settings=Settings(require_gpu=True))
+        Pipeline([tiny_model_path], settings=Settings(require_gpu=True, warm_up=False))
     assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from protos.model_card_pb2 import Preprocessing
 from protos.scoring_pb2 import RawImage
 from server import imaging
 
@@ -65,7 +64,7 @@ def test_bad_bytes_say_what_was_received(data, words):
 
 def test_truncated_image_is_refused():
     data = encode(gradient(200, 200), "PNG")
-    with pytest.raises(imaging.ImageError, match="could not be decoded"):
+    with pytest.raises(imaging.ImageError, match="cannot decode the PNG image"):
         imaging.decode(data[: len(data) // 2], max_pixels=LIMIT)
 
 
@@ -78,8 +77,8 @@ def test_decompression_bomb_is_refused_before_decoding():
 
 def test_raw_pixels_are_checked_against_their_shape():
     pixels = np.arange(2 * 3 * 4, dtype=np.uint8)
-    image = imaging.from_raw(RawImage(data=pixels.tobytes(), height=2, width=3, channels=4), max_pixels=LIMIT)
-    np.testing.assert_array_equal(np.asarray(image), pixels.reshape(2, 3, 4)[:, :, :3])
+    opened = imaging.from_raw(RawImage(data=pixels.tobytes(), height=2, width=3, channels=4), max_pixels=LIMIT)
+    np.testing.assert_array_equal(np.asarray(opened.image), pixels.reshape(2, 3, 4)[:, :, :3])
     with pytest.raises(imaging.ImageError, match="has 24 bytes; shape \\[2, 3, 3\\] of uint8 needs 18"):
         imaging.from_raw(RawImage(data=pixels.tobytes(), height=2, width=3, channels=3), max_pixels=LIMIT)
     with pytest.raises(imaging.ImageError, match="channels must be 1, 3 or 4; received 2"):
@@ -88,17 +87,28 @@ def test_raw_pixels_are_checked_against_their_shape():
         imaging.from_raw(RawImage(data=b"", height=0, width=3, channels=3), max_pixels=LIMIT)
 
 
-def test_normalize_and_batch_follow_the_card():
-    card = Preprocessing(layout="LAYOUT_NCHW", dtype="INPUT_DTYPE_FLOAT32", channel_order="CHANNEL_ORDER_BGR", pixel_scale=1 / 255,
-                         mean=[0.5, 0.5, 0.5], std=[0.25, 0.25, 0.25])
-    pixels = np.zeros((2, 2, 3), dtype=np.uint8)
-    pixels[..., 0] = 255
-    values = imaging.normalize(pixels, card)
-    np.testing.assert_allclose(values[0, 0], [-2.0, -2.0, 2.0], rtol=1e-6)  # red is now last
-    batch = imaging.to_batch([values, values], card)
-    assert batch.shape == (2, 3, 2, 2) and batch.dtype == np.float32
-    nhwc = imaging.to_batch([values], Preprocessing(layout="LAYOUT_NHWC", dtype="INPUT_DTYPE_FLOAT16", channel_order="CHANNEL_ORDER_RGB"))
-    assert nhwc.shape == (1, 2, 2, 3) and nhwc.dtype == np.float16
+def test_opening_reads_the_upright_size_without_decoding():
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 40 wide, shown 30 wide
+    opened = imaging.open_image(encode(gradient(40, 30), "JPEG", exif=exif), max_pixels=LIMIT)
+    assert (opened.height, opened.width) == (40, 30)
+    assert opened.image._im is None  # header only: no pixel decoded yet
+    assert imaging.load(opened, largest=(40, 30)).size == (30, 40)
+
+
+def test_a_large_jpeg_is_draft_decoded_no_smaller_than_needed():
+    opened = imaging.open_image(encode(gradient(1600, 1200), "JPEG", quality=90), max_pixels=LIMIT)
+    image = imaging.load(opened, largest=(300, 400))
+    assert image.size == (400, 300)  # decoded at 1/4: the DCT scaling PIL offers, still >= what is needed
+    full = imaging.load(imaging.open_image(encode(gradient(1600, 1200), "JPEG", quality=90), max_pixels=LIMIT),
+                        largest=(1200, 1600))
+    assert full.size == (1600, 1200)
+
+
+def test_a_broken_image_of_a_known_format_says_cannot_decode():
+    tiff = encode(gradient(64, 64), "TIFF")
+    with pytest.raises(imaging.ImageError, match="cannot decode the TIFF image"):
+        imaging.decode(tiff[:12] + b"\x00" * 40, max_pixels=LIMIT)
 
 
 def test_resize_uses_the_named_filter():

@@ -1,0 +1,91 @@
+"""Stage 4, assemble: the plans' outputs of one request into its response.
+
+Per scale: the kept lattices (the mirrored one moved back), averaged over flips, as maps, per-cell
+top-k and geometry; over everything: the image-level top-k from the mean of the device's
+per-image probabilities (VGG's dense evaluation). Tensors are written as bytes once. A response
+is finite or an error: the only NaN allowed is a diagonal shift's unscored cell, which the
+contract documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from protos import scoring_pb2
+from server import dense
+
+FLOAT16_BYTES, FLOAT32_BYTES, INT32_BYTES = 2, 4, 4
+OVERHEAD_BYTES = 4096  # geometry, top-k, timings and framing of a response, generously
+
+
+class NonFiniteError(ArithmeticError):
+    """The net produced NaN or infinity where a score belongs; the message says where."""
+
+
+@dataclass(frozen=True)
+class ScaleJob:
+    """One scale of a request as planned: sizes, the canvas bucket and the cells kept."""
+
+    scale: int
+    resized: tuple[int, int]
+    canvas: tuple[int, int]
+    cells: tuple[int, int]
+
+
+def response_bytes(request: scoring_pb2.ScoreRequest, jobs: list[ScaleJob], *, classes: int) -> int:
+    """An upper estimate of the response's size, known before any compute."""
+    total = OVERHEAD_BYTES
+    for job in jobs:
+        cells = job.cells[0] * job.cells[1]
+        if request.return_maps:
+            width = FLOAT16_BYTES if request.map_dtype == scoring_pb2.FLOAT16 else FLOAT32_BYTES
+            total += cells * (len(request.classes) or classes) * width
+        total += cells * min(request.cell_top_k, classes) * (INT32_BYTES + FLOAT32_BYTES)
+    return total
+
+
+def scale_map(
+    request: scoring_pb2.ScoreRequest, job: ScaleJob, lattices: list[np.ndarray] | None, geometry: scoring_pb2.MapGeometry,
+    *, holes: bool,
+) -> scoring_pb2.ScaleMap:
+    """One scale's map message; `lattices` (unmirrored first, mirrored-back next) only when maps or cell top-k are asked."""
+    scale_map = scoring_pb2.ScaleMap(scale=job.scale, height=job.cells[0], width=job.cells[1], geometry=geometry)
+    if lattices is None:
+        return scale_map
+    lattice = dense.average_flips(lattices)
+    if not holes:
+        require_finite(lattice, f"the score map at scale {job.scale}")
+    if request.return_maps:
+        chosen = lattice[list(request.classes)] if request.classes else lattice
+        scale_map.classes.extend(request.classes)
+        dtype = "float16" if request.map_dtype == scoring_pb2.FLOAT16 else "float32"
+        scale_map.scores.CopyFrom(tensor(chosen, dtype))
+    if request.cell_top_k:
+        indices, values = dense.cell_top_k(lattice, request.cell_top_k)
+        scale_map.cell_top_k_indices.CopyFrom(tensor(indices, "int32"))
+        scale_map.cell_top_k_scores.CopyFrom(tensor(values, "float32"))
+    return scale_map
+
+
+def image_top_k(probabilities: list[np.ndarray], k: int, labels) -> list[scoring_pb2.Label]:
+    """The k most probable classes over every scale and flip; labels[i] names class i."""
+    mean = np.mean(probabilities, axis=0)
+    require_finite(mean, "the image-level probabilities")
+    return [
+        scoring_pb2.Label(index=index, label=labels(index), probability=probability)
+        for index, probability in dense.top_k(mean, k)
+    ]
+
+
+def require_finite(values: np.ndarray, what: str) -> None:
+    if not np.isfinite(values).all():
+        bad = int(np.count_nonzero(~np.isfinite(values)))
+        raise NonFiniteError(f"{what} holds {bad} NaN or infinite values out of {values.size}")
+
+
+def tensor(array: np.ndarray, dtype: str) -> scoring_pb2.Tensor:
+    """Packed little-endian bytes with dtype and shape."""
+    packed = np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<"))
+    return scoring_pb2.Tensor(dtype=dtype, shape=list(array.shape), data=packed.tobytes())

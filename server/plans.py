@@ -1,0 +1,126 @@
+"""Plans: one onnxruntime session pinned to one input shape, made once, kept while memory allows.
+
+A plan runs the device graph (server/device_graph.py) of one model for one (canvas height x
+width, batch size, passes): uint8 canvases in, lattices and image-level probabilities out. Its
+buffers are bound once (IO binding on the GPU), so a run is: copy the canvases in, run, copy back
+what the responses hold. A model's plans are made on first use or at warm-up and dropped least
+recently used when a new one would not fit the memory budget (issue 9, items 1 and 5).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnxruntime
+
+from protos.model_card_pb2 import ModelCard
+from server.dense import PassPlan
+from server.device_graph import LATTICE, PIXELS, PROBABILITIES, VALID, build_plan_graph
+from server.engine import Engine
+
+LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """The one shape a plan runs: canvas, batch size and passes."""
+
+    height: int
+    width: int
+    batch: int
+    passes: PassPlan
+
+    def __str__(self) -> str:
+        return f"{self.batch}x{self.height}x{self.width}x{len(self.passes.offsets)} passes"
+
+
+class Plan:
+    """One session of one fixed shape, with its input and output buffers bound once."""
+
+    def __init__(self, key: PlanKey, session: onnxruntime.InferenceSession, *, on_gpu: bool) -> None:
+        self.key = key
+        self.session = session
+        shapes = {output.name: tuple(output.shape) for output in session.get_outputs()}
+        self.lattice_shape, self.probabilities_shape = shapes[LATTICE], shapes[PROBABILITIES]
+        self._binding = None
+        if on_gpu:
+            self._binding = session.io_binding()
+            self._inputs = {
+                PIXELS: self._device((key.batch, key.height, key.width, 3), np.uint8),
+                VALID: self._device((key.batch, *self.lattice_shape[2:]), np.float32),
+            }
+            self._outputs = {
+                LATTICE: self._device(self.lattice_shape, np.float32),
+                PROBABILITIES: self._device(self.probabilities_shape, np.float32),
+            }
+            for name, value in self._inputs.items():
+                self._binding.bind_ortvalue_input(name, value)
+            for name, value in self._outputs.items():
+                self._binding.bind_ortvalue_output(name, value)
+
+    @staticmethod
+    def _device(shape: tuple[int, ...], dtype: type) -> onnxruntime.OrtValue:
+        return onnxruntime.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", 0)
+
+    def run(self, pixels: np.ndarray, valid: np.ndarray, *, lattice: bool) -> tuple[np.ndarray | None, np.ndarray]:
+        """(lattice [B, K, HL, WL] or None when not asked for, probabilities [B, K]) of one full batch."""
+        if self._binding is None:
+            names = [LATTICE, PROBABILITIES] if lattice else [PROBABILITIES]
+            outputs = self.session.run(names, {PIXELS: pixels, VALID: valid})
+            return (outputs[0] if lattice else None), outputs[-1]
+        self._inputs[PIXELS].update_inplace(pixels)
+        self._inputs[VALID].update_inplace(valid)
+        self.session.run_with_iobinding(self._binding)
+        maps = self._outputs[LATTICE].numpy() if lattice else None
+        return maps, self._outputs[PROBABILITIES].numpy()
+
+
+class PlanCache:
+    """A model's plans by key, made on demand and evicted least recently used to stay in `max_plans`.
+
+    `make_room(key)` (admission) is asked before a plan is made and returns the keys to evict;
+    `made(key, seconds)` is told after. Only the batcher thread runs plans, warm-up included.
+    """
+
+    def __init__(self, net: onnx.ModelProto, card: ModelCard, engine: Engine, *, max_plans: int) -> None:
+        self._net = net
+        self._card = card
+        self._engine = engine
+        self._max_plans = max(1, max_plans)
+        self._plans: collections.OrderedDict[PlanKey, Plan] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.made = 0
+
+    def keys(self) -> list[PlanKey]:
+        with self._lock:
+            return list(self._plans)
+
+    def get(self, key: PlanKey) -> tuple[Plan, float]:
+        """The plan of `key` and the seconds spent making it (0 when it existed)."""
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                return plan, 0.0
+            while len(self._plans) >= self._max_plans:
+                evicted, _plan = self._plans.popitem(last=False)
+                LOG.info("%s: plan %s evicted (least recently used)", self._card.name, evicted)
+            started = time.monotonic()
+            plan = self._make(key)
+            self._plans[key] = plan
+            self.made += 1
+            return plan, time.monotonic() - started
+
+    def _make(self, key: PlanKey) -> Plan:
+        graph = build_plan_graph(
+            self._net, self._card, batch=key.batch, height=key.height, width=key.width,
+            offsets=key.passes.offsets, factor=key.passes.factor, stride=key.passes.stride,
+        )
+        session = self._engine.session(graph.SerializeToString())
+        return Plan(key, session, on_gpu=self._engine.on_gpu)

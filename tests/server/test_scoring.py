@@ -1,0 +1,209 @@
+"""The data path end to end on real onnxruntime sessions: plans of one shape each, canvases, passes, crops, flips."""
+
+import dataclasses
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import onnx
+import pytest
+
+from protos import scoring_pb2
+from server import plans
+from server.errors import ScoringError
+from server.pipeline import Pipeline
+from server.settings import Settings
+from tests.tiny_models import coordinate_image, coordinate_net, heavy_net, patch_net, tolerance
+
+SETTINGS = Settings(warm_up=False, intra_op_threads=1)
+
+
+def decode(tensor) -> np.ndarray:
+    return np.frombuffer(tensor.data, dtype=np.dtype(tensor.dtype).newbyteorder("<")).reshape(tuple(tensor.shape))
+
+
+def raw(pixels: np.ndarray, **fields) -> scoring_pb2.ScoreRequest:
+    height, width, channels = pixels.shape
+    image = scoring_pb2.RawImage(data=pixels.tobytes(), height=height, width=width, channels=channels)
+    return scoring_pb2.ScoreRequest(raw=image, **fields)
+
+
+@pytest.fixture
+def pipeline_of(tmp_path):
+    made = []
+
+    def make(net: onnx.ModelProto, **settings) -> Pipeline:
+        path = tmp_path / f"model{len(made)}.onnx"
+        onnx.save(net, path)
+        pipeline = Pipeline([str(path)], settings=dataclasses.replace(SETTINGS, **settings))
+        made.append(pipeline)
+        return pipeline
+
+    yield make
+    for pipeline in made:
+        pipeline.close()
+
+
+def test_grid_passes_see_the_whole_image_and_interleave_on_the_stride_16_lattice(pipeline_of):
+    """The coordinate net scores each cell with the mean x (channel 0) and y (channel 1) of its patch."""
+    pipeline = pipeline_of(coordinate_net())
+    response = pipeline.score(raw(coordinate_image(256), scales=[256], output_stride=16, return_maps=True))
+    lattice = decode(response.maps[0].scores)
+    assert response.shift == scoring_pb2.SHIFT_GRID and lattice.shape == (2, 16, 16)
+    geometry = response.maps[0].geometry
+    # Cell (m, n) lies at c - 16 + 16 (m, n): the first row and column come from the passes shifted by 16.
+    assert (geometry.stride_x, geometry.center_x, geometry.box_width) == (16, -0.5, 32)
+    centres = -0.5 + 16 * np.arange(16)
+    np.testing.assert_allclose(lattice[0, 1:, 1:], np.broadcast_to(centres[1:], (15, 15)), **tolerance(pipeline))
+    np.testing.assert_allclose(lattice[1, 1:, 1:], np.broadcast_to(centres[1:, None], (15, 15)), **tolerance(pipeline))
+    # The shifted passes put the mean colour (0 here) where the image is not: half of cell (m, 0) is fill.
+    np.testing.assert_allclose(lattice[0, 1:, 0], np.arange(16).sum() * 32 / 1024, **tolerance(pipeline))
+    # No row bands: the last row reads the image's own last pixels, not replicated ones.
+    np.testing.assert_allclose(lattice[1, 15, 1:], 239.5, **tolerance(pipeline))
+
+
+def test_diagonal_shift_returns_a_quincunx(pipeline_of):
+    pipeline = pipeline_of(coordinate_net())
+    response = pipeline.score(raw(coordinate_image(128), scales=[128], output_stride=16,
+                                  shift=scoring_pb2.SHIFT_DIAGONAL, return_maps=True, cell_top_k=1))
+    lattice = decode(response.maps[0].scores)
+    assert response.shift == scoring_pb2.SHIFT_DIAGONAL and lattice.shape == (2, 8, 8)
+    scored = ~np.isnan(lattice[0])
+    assert scored.sum() == 32 and (scored == ((np.add.outer(np.arange(8), np.arange(8)) % 2) == 0)).all()
+    np.testing.assert_allclose(lattice[0, 2, 4], -0.5 + 16 * 4, **tolerance(pipeline))
+    np.testing.assert_allclose(lattice[1, 3, 5], -0.5 + 16 * 3, **tolerance(pipeline))
+    indices = decode(response.maps[0].cell_top_k_indices)
+    assert (indices[0][~scored] == -1).all() and (indices[0][scored] >= 0).all()
+    assert np.isfinite([label.probability for label in response.top_k]).all()
+
+
+@pytest.mark.parametrize("stride", [32, 16])
+def test_flip_averaging_lines_up_off_centre_receptive_fields(pipeline_of, stride):
+    """Bottom/right-only padding ('SAME'): the mirrored map is a cell off until aligned; aligned, x reads true."""
+    pipeline = pipeline_of(coordinate_net(end_pad=32))
+    pixels = coordinate_image(128)
+    plain = decode(pipeline.score(raw(pixels, scales=[128], output_stride=stride, return_maps=True)).maps[0].scores)
+    flipped = decode(pipeline.score(raw(pixels, scales=[128], output_stride=stride, flip=True,
+                                        return_maps=True)).maps[0].scores)
+    assert plain.shape == flipped.shape == ((2, 5, 5) if stride == 32 else (2, 10, 10))
+    interior = slice(1, 4) if stride == 32 else slice(2, 7)
+    np.testing.assert_allclose(flipped[1, interior, interior], plain[1, interior, interior], atol=1e-3)
+    # x of the mirrored image mirrored back: the mean of x and the mirror of 127 - x, which is x itself.
+    np.testing.assert_allclose(flipped[0, interior, interior], plain[0, interior, interior], atol=1e-3)
+
+
+def test_padding_to_a_canvas_keeps_the_unpadded_cells_and_reports_the_border(pipeline_of):
+    """An image padded into a larger canvas: cells whose field stays inside the image equal the unpadded run."""
+    net = heavy_net(classes=3, depth=2)  # two 3x3 convs: a cell's field is its 32-px patch plus 2 px around it
+    unpadded = pipeline_of(net, shape_buckets=((96, 128),))
+    padded = pipeline_of(net, shape_buckets=((160, 192),))
+    pixels = np.random.default_rng(0).integers(0, 256, (96, 128, 3), dtype=np.uint8)
+    request = raw(pixels, scales=[96], return_maps=True)
+    a, b = unpadded.score(request), padded.score(request)
+    first, second = decode(a.maps[0].scores), decode(b.maps[0].scores)
+    assert first.shape == second.shape == (3, 3, 4)  # the padding's own cells are cropped
+    assert (b.maps[0].geometry.padded_border_rows, b.maps[0].geometry.padded_border_cols) == (1, 1)
+    assert (a.maps[0].geometry.padded_border_rows, a.maps[0].geometry.padded_border_cols) == (0, 0)
+    np.testing.assert_allclose(second[:, :2, :3], first[:, :2, :3], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(second[:, 2, :], first[:, 2, :], atol=1e-6)  # the border row saw the canvas
+
+
+def test_no_session_ever_sees_two_input_shapes_under_mixed_concurrent_traffic(pipeline_of, monkeypatch):
+    seen: dict[object, set] = {}  # keyed by the session itself: kept alive, so no id is reused
+    lock = threading.Lock()
+    run = plans.Plan.run
+
+    def recording(self, pixels, valid, *, lattice):
+        with lock:
+            seen.setdefault(self.session, set()).add((pixels.shape, valid.shape))
+        return run(self, pixels, valid, lattice=lattice)
+
+    monkeypatch.setattr(plans.Plan, "run", recording)
+    pipeline = pipeline_of(patch_net(classes=5), max_batch=4, max_queue_delay_ms=20, max_plans=4)
+    rng = np.random.default_rng(1)
+    requests = []
+    for index in range(24):
+        height, width = [(64, 64), (64, 100), (90, 64), (70, 130)][index % 4]
+        requests.append(raw(rng.integers(0, 256, (height, width, 3), dtype=np.uint8),
+                            scales=[[64], [96], [64, 128]][index % 3], output_stride=[32, 16][index % 2],
+                            flip=index % 5 == 0, return_maps=index % 2 == 0))
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(pipeline.score, requests))
+    assert all(len(r.maps) == len(q.scales) for r, q in zip(responses, requests))
+    assert len(seen) > 4  # plans were made, evicted (max_plans 4) and made again
+    assert all(len(shapes) == 1 for shapes in seen.values()), seen
+
+
+@pytest.mark.parametrize("side", [32, 33, 48, 64, 65, 96])
+@pytest.mark.parametrize("stride, shift", [(32, 0), (16, scoring_pb2.SHIFT_GRID), (16, scoring_pb2.SHIFT_DIAGONAL)])
+@pytest.mark.parametrize("flip", [False, True])
+def test_every_response_is_finite_or_an_error(pipeline_of, side, stride, shift, flip):
+    """Issue 10 item 1: a one-cell-wide map with flip gave a NaN top-k."""
+    pipeline = pipeline_of(patch_net(classes=4, end_pad=16))
+    pixels = np.random.default_rng(side).integers(0, 256, (side, side + 7, 3), dtype=np.uint8)
+    request = raw(pixels, scales=[32, 64], output_stride=stride, shift=shift, flip=flip, return_maps=True, cell_top_k=2)
+    response = pipeline.score(request)
+    assert np.isfinite([label.probability for label in response.top_k]).all()
+    assert abs(sum(label.probability for label in response.top_k) - 1) < 1e-3  # 4 classes: top-5 holds all
+    for scale_map in response.maps:
+        scores = decode(scale_map.scores)
+        holes = np.isnan(scores)
+        if shift != scoring_pb2.SHIFT_DIAGONAL:
+            assert not holes.any()
+        assert np.isfinite(scores[~holes]).all()
+
+
+@pytest.mark.parametrize("fields, code, words", [
+    (dict(shift=99), grpc.StatusCode.INVALID_ARGUMENT, "use one of SHIFT_UNSPECIFIED"),
+    (dict(shift=99, output_stride=16), grpc.StatusCode.INVALID_ARGUMENT, "use one of SHIFT_UNSPECIFIED"),
+    (dict(map_dtype=7), grpc.StatusCode.INVALID_ARGUMENT, "use one of MAP_DTYPE_UNSPECIFIED, FLOAT32, FLOAT16"),
+    (dict(scales=[16]), grpc.StatusCode.INVALID_ARGUMENT, "needs at least its training size 32"),
+    (dict(scales=[2048], return_maps=True), grpc.StatusCode.RESOURCE_EXHAUSTED, "--max-message-bytes"),
+])
+def test_bad_requests_are_refused_before_any_compute(pipeline_of, fields, code, words):
+    pipeline = pipeline_of(patch_net(classes=1000), max_message_bytes=4 << 20, max_resized_pixels=10**8)
+    with pytest.raises(ScoringError, match=words) as caught:
+        pipeline.score(raw(np.zeros((64, 64, 3), dtype=np.uint8), **fields))
+    assert caught.value.code == code
+    assert pipeline._model("").plans.made == 0  # refused before a plan was made or run
+
+
+def test_a_full_queue_is_refused_before_the_image_is_decoded(pipeline_of):
+    pipeline = pipeline_of(patch_net(classes=3), queue_depth=1)
+    model = pipeline._model("")
+    gate, entered = threading.Event(), threading.Event()
+    run = model.batcher._run
+
+    def held(works):
+        entered.set()
+        gate.wait(10)
+        return run(works)
+
+    model.batcher._run = held
+    pixels = np.zeros((64, 64, 3), dtype=np.uint8)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(pipeline.score, raw(pixels))
+        assert entered.wait(10)
+        second = pool.submit(pipeline.score, raw(pixels))  # waits in the queue (depth 1)
+        while model.batcher.depth() == 0:
+            entered.wait(0.01)
+        bomb = scoring_pb2.ScoreRequest(encoded=b"\x89PNG\r\n\x1a\n" + b"\x00" * 64)  # would fail to decode
+        with pytest.raises(ScoringError, match="cannot decode"):
+            pipeline.score(bomb)  # a broken header is still found first...
+        with pytest.raises(ScoringError, match="queue full") as caught:
+            pipeline.score(raw(pixels))  # ...but a good one is refused before decoding, with a retry hint
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
+        gate.set()
+        assert first.result().top_k and second.result().top_k
+
+
+def test_a_warm_up_failure_names_the_model_and_what_failed(tmp_path):
+    net = patch_net(classes=3)
+    net.graph.node[0].attribute[0].ints[:] = [3, 3]  # a kernel the card's stride no longer matches: [.. h, w] off
+    del net.graph.initializer[0]  # and its weight gone: no session can be made
+    path = tmp_path / "broken.onnx"
+    onnx.save(net, path)
+    with pytest.raises(ScoringError, match="warm-up failed: tiny") as caught:
+        Pipeline([str(path)], settings=dataclasses.replace(SETTINGS, warm_up=True))
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
