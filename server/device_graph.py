@@ -26,7 +26,7 @@ from convert.card import ImageInput, ModelCard, batch_shape, is_logits
 
 __all__ = [
     "PIXELS", "VALID", "LATTICE", "PROBABILITIES", "LATTICE_FP16", "MIN_OPSET", "MAX_IR_VERSION",
-    "DeviceGraphError", "build_plan_graph", "lattice_cells",
+    "DeviceGraphError", "build_plan_graph", "lattice_cells", "scores_shape",
 ]
 
 PIXELS = "pixels"
@@ -100,8 +100,9 @@ def _net_at_opset(net: onnx.ModelProto) -> onnx.ModelProto:
     return net
 
 
-def _scores_shape(net: onnx.ModelProto, *, input_name: str, scores_name: str, input_shape: list[int]):
-    """The net's scores shape [N, K, h, w] and element type at the plan's fixed input shape."""
+def scores_shape(net: onnx.ModelProto, *, input_name: str, scores_name: str,
+                 input_shape: list[int]) -> tuple[list[int], int]:
+    """The net's scores shape [N, K, h, w] and ONNX element type when its input has the fixed `input_shape`."""
     probe = onnx.ModelProto()
     probe.CopyFrom(net)
     for value in probe.graph.output:
@@ -209,7 +210,7 @@ def build_plan_graph(
     if image.name not in names:
         raise DeviceGraphError(f"the net has no input {image.name!r} (the card's input_name); its inputs: {sorted(names)}")
     pass_shape = batch_shape(image.layout, batch=batch, channels=3, height=height, width=width)
-    (_, classes, h, w), scores_type = _scores_shape(net, input_name=image.name, scores_name=card.scores_name,
+    (_, classes, h, w), scores_type = scores_shape(net, input_name=image.name, scores_name=card.scores_name,
                                                     input_shape=[batch * passes, *pass_shape[1:]])
     cells = [batch, classes, factor * h, factor * w]
 
@@ -235,16 +236,25 @@ def build_plan_graph(
         lattice = b.op("DepthToSpace", [by_image], output=LATTICE, blocksize=factor, mode="DCR")
     b.op("Cast", [lattice], output=LATTICE_FP16, to=TensorProto.FLOAT16)
 
-    probabilities = lattice
+    # The image-level mean straight from the passes' scores [B*P, K, h, w], with `valid` taken back
+    # to each pass's cells: no NaN holes to step around, nothing computed twice. Classes go last:
+    # onnxruntime's CPU Softmax on axis 1 took 6-8x as long as a Transpose plus Softmax on the last
+    # axis (3.2 vs 0.54 ms at 1000 x 12 x 18).
+    probabilities = b.op("Transpose", [scores], perm=[0, 2, 3, 1])
     if logits:
-        probabilities = b.op("Softmax", [lattice], axis=1)
-    keep = b.op("Greater", [b.op("Unsqueeze", [VALID, b.ints([1])]), b.const(0.0)])
-    covered = np.array([slot is not None for slot in slots]).reshape(factor, factor)
-    if not covered.all():  # the holes are NaN: never counted, whatever `valid` says
-        keep = b.op("And", [keep, b.const(np.tile(covered, (h, w))[None, None], np.bool_)])
-    kept = b.op("Where", [keep, probabilities, b.const(0.0)])
-    total = b.op("ReduceSum", [kept, b.ints([2, 3])], keepdims=0)
-    count = b.op("ReduceSum", [b.op("Cast", [keep], to=TensorProto.FLOAT), b.ints([2, 3])], keepdims=0)
+        probabilities = b.op("Softmax", [probabilities], axis=-1)
+    valid = VALID
+    if factor > 1:  # [B, f*h, f*w] -> [B, f*f, h, w], slot a*f + c holding cells (f*i + a, f*j + c)
+        valid = b.op("Reshape", [valid, b.ints([batch, h, factor, w, factor])])
+        valid = b.op("Reshape", [b.op("Transpose", [valid], perm=[0, 2, 4, 1, 3]), b.ints([batch, factor**2, h, w])])
+        if passes < factor**2:
+            valid = b.op("Gather", [valid, b.ints([slot for slot, index in enumerate(slots) if index is not None])],
+                         axis=1)
+    keep = b.op("Greater", [b.op("Reshape", [valid, b.ints([batch, passes, h, w, 1])]), b.const(0.0)])
+    kept = b.op("Where", [keep, b.op("Reshape", [probabilities, b.ints([batch, passes, h, w, classes])]),
+                          b.const(0.0)])
+    total = b.op("ReduceSum", [kept, b.ints([1, 2, 3])], keepdims=0)
+    count = b.op("ReduceSum", [b.op("Cast", [keep], to=TensorProto.FLOAT), b.ints([1, 2, 3])], keepdims=0)
     b.op("Div", [total, count], output=PROBABILITIES)
 
     prefixed = compose.add_prefix(net, NET_PREFIX)
