@@ -157,17 +157,22 @@ def _preprocess(b: _Builder, image: ImageInput) -> str:
 
 
 def _passes(b: _Builder, image: str, offsets, *, spatial: tuple[int, int], shape: list[int], output: str) -> None:
-    """Each pass the image moved down dy and right dx in its canvas, 0-filled; pass p of image b at b*P + p."""
+    """Each pass the image moved down dy and right dx in its canvas, 0-filled; pass p of image b at b*P + p.
+
+    One Pad by the largest shift at the top and left, then each pass a window of it."""
+    top, left = max(dy for dy, _ in offsets), max(dx for _, dx in offsets)
+    y, x = spatial
+    padded = image
+    if top or left:
+        pads = [0] * 8
+        pads[y], pads[x] = top, left
+        padded = b.op("Pad", [image, b.ints(pads)], mode="constant")
     shifted = []
     for dy, dx in offsets:
-        if (dy, dx) == (0, 0):
-            moved = image
-        else:
-            pads = [0, 0, 0, 0, 0, 0, 0, 0]
-            pads[spatial[0]], pads[spatial[1]] = dy, dx
-            padded = b.op("Pad", [image, b.ints(pads)], mode="constant")
-            moved = b.op("Slice", [padded, b.ints([0, 0]), b.ints([shape[spatial[0]], shape[spatial[1]]]),
-                                   b.ints(spatial)])
+        moved = image
+        if (dy, dx) != (0, 0):
+            moved = b.op("Slice", [padded, b.ints([top - dy, left - dx]),
+                                   b.ints([top - dy + shape[y], left - dx + shape[x]]), b.ints(spatial)])
         shifted.append(b.op("Unsqueeze", [moved, b.ints([1])]))
     stacked = b.op("Concat", shifted, axis=1) if len(shifted) > 1 else shifted[0]
     b.op("Reshape", [stacked, b.ints([shape[0] * len(offsets), *shape[1:]])], output=output)
