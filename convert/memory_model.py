@@ -52,17 +52,18 @@ class ProviderTerms:
     session_bytes: int        # per-session state (handles, streams, kernel registries)
     workspace_bytes: int      # per-run constant workspace
     activation_factor: float  # bytes held per byte of the graph's live activation peak
+    keeps_run_memory: bool    # the provider's arena keeps what a run grew it to (else freed after the run)
     fitted_on: str
 
 
 PROVIDER_TERMS = {
     Device.CPU: ProviderTerms(
-        weight_copies=0.0, session_bytes=0, workspace_bytes=8 * MiB, activation_factor=1.05,
+        weight_copies=0.0, session_bytes=0, workspace_bytes=8 * MiB, activation_factor=1.05, keeps_run_memory=False,
         fitted_on="peak RSS, onnxruntime CPU provider, EfficientNet-Lite0 dense and VGG16 dense at 224/384/512 px, "
                   "batch 1 and 4 (bench/RESULTS.md): 6-9 MiB over weights + live peak",
     ),
     Device.CUDA: ProviderTerms(
-        weight_copies=0.8, session_bytes=76 * MiB, workspace_bytes=66 * MiB, activation_factor=2.0,
+        weight_copies=0.8, session_bytes=76 * MiB, workspace_bytes=66 * MiB, activation_factor=2.0, keeps_run_memory=True,
         fitted_on="cudaMemGetInfo, H100, onnxruntime-gpu 1.31.1 CUDA provider, EfficientNet-Lite0 dense and VGG16 "
                   "dense, 224-1024 px, batch 1-8 (issue 14, CUDA_MEASUREMENTS)",
     ),
@@ -103,6 +104,19 @@ class MemoryTerms:
     def fixed(self) -> int:
         """What does not grow with the input: everything but the activations."""
         return self.total - self.activations
+
+    @property
+    def transient(self) -> int:
+        """What a run needs and gives back when it returns: workspace and activations on the CPU
+        (no arena), nothing on CUDA (its arena keeps what the first runs grew it to)."""
+        if PROVIDER_TERMS[self.device].keeps_run_memory:
+            return 0
+        return self.run_workspace + self.activations
+
+    @property
+    def resident(self) -> int:
+        """What the session holds between runs once warmed up: what a footprint measures."""
+        return self.total - self.transient
 
     def rows(self) -> list[tuple[str, int, str]]:
         """(term, bytes, how it is computed), in the order of the formula."""

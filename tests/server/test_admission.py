@@ -96,3 +96,129 @@ def test_admission_keeps_the_skeleton_not_the_weights(tiny_model_path):
     kept = [init for init in admission.model.model.graph.initializer if np.prod(init.dims) == heaviest]
     assert heaviest > 64 and not kept  # the 10x3x32x32 conv weights are not held a second time
     assert admission.predicted_bytes(96, 64) == profile_model(model, height=96, width=64).predicted_peak_bytes
+
+
+# --- plans: one budget for every model's plans ------------------------------------------------
+
+def plan_admissions(tiny_model_path, coordinate_model_path, *, total_bytes):
+    import onnx
+
+    from convert.memory_model import Device
+    from server.admission import Admission, MemoryBudget
+
+    budget = MemoryBudget(total_bytes, device=Device.CPU)
+    tiny = Admission(onnx.load(tiny_model_path), name="tiny", shared=budget)
+    coords = Admission(onnx.load(coordinate_model_path), name="coords", shared=budget)
+    return budget, tiny, coords
+
+
+def test_plans_of_every_model_share_one_budget_and_the_least_recently_used_go(tiny_model_path, coordinate_model_path):
+    from convert.profile import profile_model
+
+    one = profile_model(tiny_model_path, height=256, width=256).predicted_peak_bytes
+    budget, tiny, coords = plan_admissions(tiny_model_path, coordinate_model_path, total_bytes=int(2.5 * one))
+    evicted_elsewhere = []
+    coords.on_evict = evicted_elsewhere.append
+    assert tiny.make_room("a", height=256, width=256, batch=1) == []
+    assert coords.make_room("b", height=256, width=256, batch=1) == []
+    tiny.plan_used("a")  # "b" is now the least recently used
+    assert tiny.make_room("c", height=256, width=256, batch=1) == []
+    assert evicted_elsewhere == ["b"]  # another model's plan, handed to its cache
+    assert [record.key for record in budget.plans()] == ["a", "c"]
+    assert tiny.make_room("d", height=256, width=256, batch=1) == ["a"]  # this model's own, for the caller to drop
+    assert budget.used_bytes() <= budget.total_bytes
+    tiny.plan_evicted("c")
+    assert [record.key for record in budget.plans()] == ["d"]
+
+
+def test_a_plan_that_cannot_fit_alone_is_refused_with_the_numbers(tiny_model_path, coordinate_model_path):
+    import grpc
+
+    from server.errors import ScoringError
+
+    budget, tiny, _coords = plan_admissions(tiny_model_path, coordinate_model_path, total_bytes=predicted(tiny_model_path, 256))
+    tiny.make_room("small", height=128, width=128, batch=1)
+    with pytest.raises(ScoringError) as caught:
+        tiny.make_room("big", height=512, width=512, batch=1, scale=512, largest_scale=lambda: 256)
+    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    needed = predicted(tiny_model_path, 512)
+    assert f"plan big for scale 512 needs a predicted {needed} bytes" in caught.value.message
+    assert f"the memory budget is {budget.total_bytes} bytes" in caught.value.message
+    assert "the largest scale that fits is 256" in caught.value.message
+    assert [record.key for record in budget.plans()] == ["small"]  # nothing evicted for a refusal
+
+
+def test_a_measured_plan_is_accounted_at_its_measurement_and_a_bad_prediction_is_logged(
+        tiny_model_path, coordinate_model_path, caplog):
+    from server.metrics import Metrics
+
+    budget, tiny, _coords = plan_admissions(tiny_model_path, coordinate_model_path, total_bytes=None)
+    tiny.metrics = Metrics()
+    terms = tiny.terms(256, 256, 1)
+    tiny.make_room("a", height=256, width=256, batch=1)
+    assert budget.used_bytes() == terms.total
+    with caplog.at_level("WARNING", logger="server.admission"):
+        tiny.plan_created("a", 10 * terms.resident)
+    assert "plan a measured" in caplog.text and "(10.00x)" in caplog.text
+    # On the CPU the run's activations come back after each run: the measurement plus them.
+    assert budget.used_bytes() == 10 * terms.resident + terms.transient
+    registry = tiny.metrics.registry
+    assert registry.get_sample_value("scoremap_plan_bytes", {"model": "tiny", "plan": "a", "kind": "measured"}) == 10 * terms.resident
+    tiny.plan_evicted("a")
+    assert registry.get_sample_value("scoremap_plan_bytes", {"model": "tiny", "plan": "a", "kind": "measured"}) is None
+    # Made again later, the plan is reserved at what it measured, not at the prediction.
+    tiny.make_room("a", height=256, width=256, batch=1)
+    assert budget.used_bytes() == 10 * terms.resident + terms.transient
+
+
+def test_admission_predicts_for_the_device_the_model_runs_on(tiny_model_path):
+    import onnx
+
+    from convert.memory_model import Device
+    from server.admission import Admission
+
+    graph = onnx.load(tiny_model_path)
+    cpu, cuda = Admission(graph, device=Device.CPU), Admission(graph, device=Device.CUDA)
+    assert cpu.predicted_bytes(256, 256) == predicted(tiny_model_path, 256)
+    assert cuda.predicted_bytes(256, 256) == profile_model(graph, height=256, width=256, device=Device.CUDA).predicted_peak_bytes
+    assert cuda.predicted_bytes(256, 256) > cpu.predicted_bytes(256, 256) + 100 * 2**20  # session state + workspace
+
+
+# --- host memory ------------------------------------------------------------------------------
+
+def test_the_default_limits_let_no_request_past_the_host_budget():
+    from server.host_memory import DEVICE_PASSES, HOST_PASSES, worst_request
+    from server.settings import Settings
+
+    settings = Settings()
+    for path in (HOST_PASSES, DEVICE_PASSES):
+        worst = worst_request(max_image_pixels=settings.max_image_pixels, max_scales=settings.max_scales,
+                              max_resized_pixels=settings.max_resized_pixels, path=path)
+        assert worst.total <= settings.max_request_host_bytes, (path.name, worst.describe())
+
+
+def test_a_request_too_large_for_host_memory_is_refused_before_decoding():
+    import io
+
+    import grpc
+    from PIL import Image
+
+    from server.admission import admit_host
+    from server.errors import ScoringError
+    from server.host_memory import estimate_request, image_header
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4000, 3000)).save(buffer, format="PNG")
+    assert image_header(buffer.getvalue()) == (3000, 4000)
+    assert image_header(b"not an image") is None
+    sizes = [(1536, 2048), (2304, 3072)]
+    estimate = estimate_request(encoded_bytes=len(buffer.getvalue()), image_size=(3000, 4000), resized_sizes=sizes,
+                                passes=4, flip=True, classes=1000, native_stride=32, output_stride=16)
+    inputs = sum(h * w for h, w in sizes) * 3 * 4 * 8  # float32 RGB, 4 passes x 2 orientations
+    assert estimate.inputs == inputs and estimate.decoded == 3000 * 4000 * 7
+    with pytest.raises(ScoringError) as caught:
+        admit_host(estimate, limit_bytes=inputs)
+    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"needs an estimated {estimate.total} bytes of host memory" in caught.value.message
+    assert f"inputs {inputs / 2**20:,.0f} MiB" in caught.value.message
+    admit_host(estimate, limit_bytes=estimate.total)

@@ -1,0 +1,125 @@
+"""Host memory of one request, budgeted from the image header before anything is decoded.
+
+A dense request multiplies its image: decoded once, resized per scale, cut into passes (shifts x
+flips) and turned into model inputs, each pass answered by a score map. At the old defaults one
+request could need ~10 GB of host memory (issue 14: a 2432x640 PNG at 8 scales, stride 16 and flip
+took ~1 GB each), while admission only budgeted the model's run. `estimate_request` counts every
+copy the pipeline holds at once; admission refuses, with the numbers, a request whose estimate
+exceeds `Settings.max_request_host_bytes` (server.admission.admit_host). The request limits' defaults (`max_image_pixels`,
+`max_scales`, `max_resized_pixels`) are set so that the worst single request fits: `worst_request`.
+
+How a pipeline holds a scale is a `HostPath`: `HOST_PASSES` is the path that normalises and cuts
+passes on the host (float32 inputs, a score map per pass), `DEVICE_PASSES` the one that sends one
+uint8 canvas per scale and makes passes, lattice and probabilities on the device (issue 9).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import warnings
+from collections.abc import Sequence
+
+from PIL import Image
+
+__all__ = ["HostPath", "HOST_PASSES", "DEVICE_PASSES", "HostEstimate", "image_header", "estimate_request",
+           "worst_request"]
+
+FLOAT32 = 4
+RGB = 3
+# Bytes per pixel of the largest decoded mode PIL hands over before the RGB conversion (RGBA, CMYK,
+# 32-bit integer grey); the RGB copy comes on top.
+DECODED_BYTES_PER_PIXEL = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPath:
+    """What a pipeline keeps in host memory per scale, in copies of the resized image."""
+
+    name: str
+    input_itemsize: int   # bytes per value of the model inputs built on the host
+    inputs_per_pass: bool  # one input per pass (shifts x flips) on the host, else one per scale
+    maps_per_pass: bool    # a score map per pass comes back to the host, else one lattice per flip
+
+
+HOST_PASSES = HostPath("host passes (float32 inputs, a map per pass)", FLOAT32, True, True)
+DEVICE_PASSES = HostPath("device passes (one uint8 canvas per scale)", 1, False, False)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostEstimate:
+    """Bytes one request holds on the host at its peak, term by term."""
+
+    encoded: int   # the request's image bytes
+    decoded: int   # the decoded image and its RGB copy
+    resized: int   # one uint8 RGB image per scale
+    inputs: int    # model inputs built on the host
+    maps: int      # score maps back from the model, the lattices, their flip average and the response
+
+    @property
+    def total(self) -> int:
+        return self.encoded + self.decoded + self.resized + self.inputs + self.maps
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{field.name} {getattr(self, field.name) / 2**20:,.0f} MiB"
+                          for field in dataclasses.fields(self))
+        return f"{self.total / 2**20:,.0f} MiB ({parts})"
+
+
+def image_header(data: bytes) -> tuple[int, int] | None:
+    """(height, width) from an encoded image's header (PIL reads no pixels for this); None when the
+    bytes are not an image PIL knows, which decoding then reports."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                return image.height, image.width
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return None
+
+
+def estimate_request(
+    *,
+    encoded_bytes: int,
+    image_size: tuple[int, int],
+    resized_sizes: Sequence[tuple[int, int]],
+    passes: int,
+    flip: bool,
+    classes: int,
+    native_stride: int,
+    output_stride: int,
+    path: HostPath = HOST_PASSES,
+) -> HostEstimate:
+    """The host memory of one request, from what is known before decoding.
+
+    `resized_sizes`: (height, width) per scale; `passes`: shifted passes per scale and orientation;
+    `classes`: the model's output channels; strides in pixels per cell of one pass and of the lattice."""
+    height, width = image_size
+    orientations = 2 if flip else 1
+    pixels = [h * w for h, w in resized_sizes]
+    per_pass_inputs = passes * orientations if path.inputs_per_pass else 1
+    inputs = sum(p * RGB * path.input_itemsize * per_pass_inputs for p in pixels)
+    # A lattice per orientation, their average, and the response's bytes of it.
+    lattices = sum(classes * FLOAT32 * math.ceil(p / output_stride**2) for p in pixels) * (orientations + 2)
+    pass_maps = (sum(classes * FLOAT32 * math.ceil(p / native_stride**2) for p in pixels) * passes * orientations
+                 if path.maps_per_pass else 0)
+    return HostEstimate(
+        encoded=encoded_bytes,
+        decoded=height * width * (DECODED_BYTES_PER_PIXEL + RGB),
+        resized=sum(p * RGB for p in pixels),
+        inputs=inputs,
+        maps=pass_maps + lattices,
+    )
+
+
+def worst_request(*, max_image_pixels: int, max_scales: int, max_resized_pixels: int, classes: int = 1000,
+                  native_stride: int = 32, path: HostPath = HOST_PASSES) -> HostEstimate:
+    """The largest request the limits let through: the largest image, every scale at the largest
+    resized size, 4 shifted passes (stride 16 from a stride-32 net) and flip."""
+    side = int(math.isqrt(max_resized_pixels))
+    return estimate_request(
+        encoded_bytes=max_image_pixels * RGB,  # an uncompressed BMP or raw pixels
+        image_size=(1, max_image_pixels), resized_sizes=[(side, side)] * max_scales, passes=4, flip=True,
+        classes=classes, native_stride=native_stride, output_stride=native_stride // 2, path=path,
+    )
