@@ -1,42 +1,69 @@
-"""`scoremap-serve MODEL.onnx [MODEL2.onnx ...]`: the dense scoring server.
+"""`scoremap-serve [NAME=]MODEL.onnx ...`: the dense scoring server.
 
 `create_server` is the factory tests and demos use (port 0 picks a free port); `main` adds flags,
 TLS, the bearer token, the metrics endpoint and SIGTERM draining: health goes NOT_SERVING, new
 calls get UNAVAILABLE, in-flight calls get `--grace-seconds` to finish, then the process exits 0.
+Nothing heavy (grpc, onnxruntime, numpy) is imported before the command line is parsed, so
+`--help` and usage errors answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
+import ipaddress
 import logging
 import os
+import re
 import signal
+import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
+from importlib import metadata
+from typing import TYPE_CHECKING
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
-from convert.profile import ProfileError, parse_bytes
-from protos import scoring_pb2_grpc
-from server.errors import ScoringError
-from server.metrics import Metrics
-from server.pipeline import Pipeline
-from server.service import SERVICE_NAME, DenseScoringServicer, TokenInterceptor
 from server.settings import Settings
+
+if TYPE_CHECKING:
+    import grpc
+    from grpc_health.v1 import health
+
+    from server.errors import ScoringError
+    from server.metrics import Metrics
+    from server.pipeline import Pipeline
+    from server.service import DenseScoringServicer
 
 LOG = logging.getLogger("scoremap.serve")
 DEFAULT_PORT = 50051
 TOKEN_ENV = "SCOREMAP_TOKEN"
+# gRPC cuts off requests above its receive limit with its own words, before any code of ours runs;
+# set this many times above --max-message-bytes, the servicer refuses the requests in between with
+# a message that names the flag (issue 10, item 8). Larger ones still get gRPC's message.
+RECEIVE_LIMIT_FACTOR = 2
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+DESCRIPTION = """\
+Serve converted models (scoremap-convert) over gRPC: scoremap.v1.DenseScoring, the standard
+health service and reflection. Give each model as a path, or as NAME=PATH to serve it under another
+name than its card's (two versions of one model side by side). Binds 127.0.0.1 unless --host says
+otherwise; beyond loopback it wants TLS or a token (or --insecure).
+
+exit status: 0 stopped by SIGTERM/SIGINT after draining; 2 refused to start (bad command line,
+unreadable or empty token, port in use, unloadable model); 3 a warm-up pass failed, so the server
+could never report SERVING."""
+
+
+class StartRefused(Exception):
+    """Why the server will not start, in one line for the user (exit status 2)."""
 
 
 class ScoringServer:
-    """A started gRPC server with its pipeline, health, metrics; `stop` drains and releases them all."""
+    """A started gRPC server with its pipeline, health, metrics; `stop` drains and releases them all.
+
+    `warm_up_error` is set when a warm-up pass failed: health then stays NOT_SERVING for good.
+    """
 
     def __init__(self, grpc_server: grpc.Server, *, pipeline: Pipeline, servicer: DenseScoringServicer,
                  health_servicer: health.HealthServicer, metrics: Metrics, metrics_port: int | None) -> None:
@@ -46,6 +73,7 @@ class ScoringServer:
         self.health = health_servicer
         self.metrics = metrics
         self.metrics_port = metrics_port
+        self.warm_up_error: ScoringError | None = None
 
     def stop(self, grace: float | None = None) -> threading.Event:
         """New calls UNAVAILABLE, in-flight ones get `grace` seconds; returns an event set when all is closed.
@@ -75,8 +103,27 @@ class ScoringServer:
         return self.grpc_server.wait_for_termination(timeout)
 
 
+def server_options(settings: Settings) -> list[tuple[str, int]]:
+    """gRPC channel arguments: message limits, connection lifetimes, keep-alive and its enforcement."""
+
+    def ms(seconds: float) -> int:
+        return int(1000 * seconds)
+
+    return [
+        ("grpc.max_receive_message_length", RECEIVE_LIMIT_FACTOR * settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.so_reuseport", 0),  # a port already in use is an error, not silently shared
+        ("grpc.max_connection_idle_ms", ms(settings.connection_idle_seconds)),
+        ("grpc.max_connection_age_ms", ms(settings.connection_age_seconds)),
+        ("grpc.max_connection_age_grace_ms", ms(settings.connection_age_grace_seconds)),
+        ("grpc.keepalive_time_ms", ms(settings.keepalive_seconds)),
+        ("grpc.keepalive_timeout_ms", ms(settings.keepalive_timeout_seconds)),
+        ("grpc.http2.min_ping_interval_without_data_ms", ms(settings.min_client_ping_seconds)),
+    ]
+
+
 def create_server(
-    model_paths: Sequence[str],
+    models: Sequence[str] | Mapping[str, str],
     *,
     address: str = "127.0.0.1:0",
     settings: Settings | None = None,
@@ -84,26 +131,37 @@ def create_server(
     tls: tuple[bytes, bytes] | None = None,
     wait_until_ready: bool = True,
 ) -> tuple[ScoringServer, int]:
-    """Load the models and serve on `address` (port 0: a free one); returns (server, port).
+    """Load the models (paths, or {name: path}) and serve on `address` (port 0: a free one); returns (server, port).
 
     `tls` is (certificate chain PEM, private key PEM); `token` turns on the bearer-token check.
-    Health reports NOT_SERVING until every model has run its warm-up passes, then SERVING; with
-    `wait_until_ready=False` the warm-up runs in the background after the port is open, so probes
-    can watch it.
+    Health reports NOT_SERVING until every model has run its warm-up passes, then SERVING; if a
+    warm-up pass fails it stays NOT_SERVING, the log says why and `server.warm_up_error` holds the
+    error. With `wait_until_ready=False` the warm-up runs in the background after the port is
+    open, so probes can watch it.
     """
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    from protos import scoring_pb2_grpc
+    from server.errors import ScoringError
+    from server.metrics import Metrics
+    from server.pipeline import Pipeline
+    from server.service import SERVICE_NAME, CallLimits, DenseScoringServicer, TokenInterceptor
+
     settings = settings or Settings()
     metrics = Metrics()
-    pipeline = Pipeline(model_paths, settings=dataclasses.replace(settings, warm_up=False), metrics=metrics)
+    pipeline = Pipeline(models, settings=dataclasses.replace(settings, warm_up=False), metrics=metrics)
     try:
-        options = [
-            ("grpc.max_receive_message_length", settings.max_message_bytes),
-            ("grpc.max_send_message_length", settings.max_message_bytes),
-            ("grpc.so_reuseport", 0),  # a port already in use is an error, not silently shared
-        ]
-        interceptors = [TokenInterceptor(token)] if token else []
+        limits = CallLimits(total=max(1, settings.grpc_workers - settings.reserved_workers),
+                            per_peer=settings.max_calls_per_peer, metrics=metrics)
+        interceptors = [TokenInterceptor(token), limits] if token else [limits]
         grpc_server = grpc.server(
             ThreadPoolExecutor(max_workers=settings.grpc_workers, thread_name_prefix="rpc"),
-            options=options, interceptors=interceptors, maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+            options=server_options(settings), interceptors=interceptors,
+            maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
         )
         servicer = DenseScoringServicer(pipeline, settings=settings, metrics=metrics)
         scoring_pb2_grpc.add_DenseScoringServicer_to_server(servicer, grpc_server)
@@ -132,7 +190,12 @@ def create_server(
 
     def become_ready() -> None:
         if settings.warm_up:
-            pipeline.warm_up()
+            try:
+                pipeline.warm_up()
+            except ScoringError as error:
+                server.warm_up_error = error
+                LOG.error("warm-up failed, health stays NOT_SERVING: %s", error.message)
+                return
         if not servicer.draining.is_set():
             for service in ("", SERVICE_NAME):
                 health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -145,101 +208,285 @@ def create_server(
     return server, port
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+# --- command line ---------------------------------------------------------------------------------
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Each default printed once: not for flags whose help already speaks of it, nor empty ones."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        empty = action.default is None or action.default is False or action.default in ([], ())
+        if empty or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def version() -> str:
+    try:
+        return metadata.version("scoremap")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
     defaults = Settings()
-    parser = argparse.ArgumentParser(prog="scoremap-serve", description=__doc__,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("models", nargs="+", help="converted .onnx files (scoremap-convert)")
+    parser = argparse.ArgumentParser(prog="scoremap-serve", description=DESCRIPTION, formatter_class=HelpFormatter)
+    parser.add_argument("models", nargs="+", metavar="[NAME=]MODEL.onnx",
+                        help="converted .onnx files; NAME=PATH serves one under NAME instead of its card's name "
+                             "(name every model or none)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     net = parser.add_argument_group("network and security")
-    net.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
+    net.add_argument("--host", default="127.0.0.1",
+                     help="address to bind; beyond loopback (e.g. 0.0.0.0) it needs TLS or a token, or --insecure")
     net.add_argument("--port", type=int, default=DEFAULT_PORT, help="port; 0 picks a free one and prints it")
     net.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key serves TLS")
     net.add_argument("--tls-key", help="PEM private key")
-    net.add_argument("--token-file", help=f"file holding the bearer token callers must send (or set ${TOKEN_ENV})")
-    net.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes)
-    net.add_argument("--grpc-workers", type=int, default=defaults.grpc_workers)
+    net.add_argument("--token-file", help=f"file holding the bearer token callers must send (or set ${TOKEN_ENV}); "
+                                          "an empty or unreadable one refuses to start")
+    net.add_argument("--insecure", action="store_true",
+                     help="allow a --host beyond loopback with neither TLS nor a token (your own network only)")
+    net.add_argument("--expose-paths", action="store_true", help="ListModels tells callers each model's file path")
+    net.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes,
+                     help="largest request or response; larger requests are refused naming this flag")
+    net.add_argument("--grpc-workers", type=int, default=defaults.grpc_workers,
+                     help="threads answering calls (each waits on its batch, so more than cores)")
+    net.add_argument("--reserved-workers", type=int, default=defaults.reserved_workers,
+                     help="workers kept from scoring calls so health probes are always answered")
     net.add_argument("--max-concurrent-rpcs", type=int, default=defaults.max_concurrent_rpcs,
                      help="calls running or waiting for a worker thread; beyond it RESOURCE_EXHAUSTED")
+    net.add_argument("--max-calls-per-peer", type=int, default=defaults.max_calls_per_peer,
+                     help="calls one client address may have running at once (0: no limit)")
+    net.add_argument("--stream-idle-seconds", type=float, default=defaults.stream_idle_seconds,
+                     help="a ScoreStream with no request (and every answer sent) for this long is ended")
+    net.add_argument("--connection-idle-seconds", type=float, default=defaults.connection_idle_seconds,
+                     help="a connection with no call for this long is closed (clients reconnect)")
+    net.add_argument("--connection-age-seconds", type=float, default=defaults.connection_age_seconds,
+                     help="connections are closed after this long, so clients spread over replicas")
+    net.add_argument("--connection-age-grace-seconds", type=float, default=defaults.connection_age_grace_seconds,
+                     help="calls still running when their connection reaches its age get this long")
+    net.add_argument("--keepalive-seconds", type=float, default=defaults.keepalive_seconds,
+                     help="the server pings each connection this often, so vanished clients' calls end")
+    net.add_argument("--keepalive-timeout-seconds", type=float, default=defaults.keepalive_timeout_seconds,
+                     help="an unanswered ping closes its connection after this long")
+    net.add_argument("--min-client-ping-seconds", type=float, default=defaults.min_client_ping_seconds,
+                     help="clients pinging more often (while no data flows) are told to go away")
     net.add_argument("--grace-seconds", type=float, default=defaults.grace_seconds,
                      help="on SIGTERM, how long in-flight calls get to finish")
     net.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
                      help="Prometheus /metrics port (0: a free one); off when not given")
-    net.add_argument("--metrics-address", default=defaults.metrics_address)
+    net.add_argument("--metrics-address", default=defaults.metrics_address, help="address the metrics endpoint binds")
     requests = parser.add_argument_group("request limits")
     requests.add_argument("--max-image-pixels", type=int, default=defaults.max_image_pixels,
                           help="decoded images above this many pixels are refused (decompression bombs)")
-    requests.add_argument("--max-resized-pixels", type=int, default=defaults.max_resized_pixels)
-    requests.add_argument("--max-scales", type=int, default=defaults.max_scales)
-    requests.add_argument("--min-scale", type=int, default=defaults.min_scale)
-    requests.add_argument("--max-scale", type=int, default=defaults.max_scale)
+    requests.add_argument("--max-resized-pixels", type=int, default=defaults.max_resized_pixels,
+                          help="resized images above this many pixels are refused (a huge scale on a panorama)")
+    requests.add_argument("--max-scales", type=int, default=defaults.max_scales, help="scales one request may ask for")
+    requests.add_argument("--min-scale", type=int, default=defaults.min_scale,
+                          help="smallest target shorter side, in pixels (default: each model's training size, "
+                               "the least it can take)")
+    requests.add_argument("--max-scale", type=int, default=defaults.max_scale,
+                          help="largest target shorter side, in pixels")
     batching = parser.add_argument_group("batching and memory")
     batching.add_argument("--max-batch", type=int, default=defaults.max_batch,
-                          help="1 turns batching off (default: 8 on a GPU, 1 on the CPU)")
-    batching.add_argument("--max-queue-delay-ms", type=float, default=defaults.max_queue_delay_ms)
+                          help="passes of one shape run together, up to this many; 1 turns batching off "
+                               "(default: 8 on a GPU, 1 on the CPU)")
+    batching.add_argument("--max-queue-delay-ms", type=float, default=defaults.max_queue_delay_ms,
+                          help="how long the first pass of a batch waits for others of its shape")
     batching.add_argument("--queue-depth", type=int, default=defaults.queue_depth,
                           help="passes waiting per model before RESOURCE_EXHAUSTED")
-    batching.add_argument("--stream-window", type=int, default=defaults.stream_window)
+    batching.add_argument("--max-queue-ms", type=float, default=defaults.max_queue_ms,
+                          help="longest a pass may wait in the queue; a request expected to wait longer is "
+                               "refused before decoding")
+    batching.add_argument("--stream-window", type=int, default=defaults.stream_window,
+                          help="requests of one ScoreStream scored at once (answers stay in order)")
     batching.add_argument("--memory-budget", help="predicted peak memory allowed per batch, e.g. 2GiB "
                           "(default: the GPU's free memory, or half the available RAM on the CPU)")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--provider", choices=("auto", "cuda", "cpu"), default=defaults.provider)
+    engine.add_argument("--provider", choices=("auto", "cuda", "cpu"), default=defaults.provider,
+                        help="auto: CUDA when it really loads, else the CPU")
     engine.add_argument("--require-gpu", action="store_true", help="refuse to start unless CUDA really loads")
     engine.add_argument("--cudnn-conv-algo-search", choices=("HEURISTIC", "EXHAUSTIVE", "DEFAULT"),
-                        default=defaults.cudnn_conv_algo_search)
-    engine.add_argument("--intra-op-threads", type=int, default=defaults.intra_op_threads)
-    engine.add_argument("--inter-op-threads", type=int, default=defaults.inter_op_threads)
+                        default=defaults.cudnn_conv_algo_search,
+                        help="CUDA convolution algorithm search (EXHAUSTIVE re-tunes per shape)")
+    engine.add_argument("--intra-op-threads", type=int, default=defaults.intra_op_threads,
+                        help="onnxruntime threads inside one op (0: onnxruntime chooses)")
+    engine.add_argument("--inter-op-threads", type=int, default=defaults.inter_op_threads,
+                        help="onnxruntime threads across ops (0: onnxruntime chooses)")
+    engine.add_argument("--shape-buckets", type=shape_buckets, default=defaults.shape_buckets, metavar="HxW,...",
+                        help="canvas sizes images are padded to, e.g. 384x512,512x384 "
+                             "(default: the warm-up scales at common aspect ratios)")
+    engine.add_argument("--strict-shapes", action="store_true",
+                        help="refuse an image no bucket holds instead of planning its shape on demand")
+    engine.add_argument("--max-plans", type=int, default=defaults.max_plans,
+                        help="plans (sessions of one shape) each model keeps; the least recently used goes")
+    engine.add_argument("--decode-threads", type=int, default=defaults.decode_threads,
+                        help="threads decoding and resizing images (0: one per CPU core)")
     engine.add_argument("--no-warm-up", action="store_true", help="report SERVING without warm-up passes")
-    engine.add_argument("--warm-up-scales", type=int, nargs="*", default=list(defaults.warm_up_scales))
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    return parser.parse_args(argv)
+    engine.add_argument("--warm-up-scales", type=int, nargs="*", default=list(defaults.warm_up_scales),
+                        help="scales to warm up before SERVING (default: each model's default scale)")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="how much the log on stderr says")
+    return parser
+
+
+def shape_buckets(text: str) -> tuple[tuple[int, int], ...]:
+    """ "384x512,512x384" -> ((384, 512), (512, 384))."""
+    try:
+        sizes = tuple(tuple(int(side) for side in item.lower().split("x")) for item in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or any(len(size) != 2 or min(size) <= 0 for size in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected sizes HEIGHTxWIDTH separated by commas, e.g. 384x512,512x384")
+    return sizes
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.models = model_sources(args.models)
+    except ValueError as error:
+        parser.error(str(error))
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    return args
+
+
+def model_sources(values: Sequence[str]) -> list[str] | dict[str, str]:
+    """The model arguments: paths, or {name: path} when each is NAME=PATH (an existing file is always a path)."""
+    named: dict[str, str] = {}
+    for value in values:
+        name, equals, path = value.partition("=")
+        if equals and MODEL_NAME.fullmatch(name) and path and not os.path.exists(value):
+            if name in named:
+                raise ValueError(f"two models are named {name!r} ({named[name]} and {path}): give each its own NAME")
+            named[name] = path
+    if not named:
+        return list(values)
+    if len(named) != len(values):
+        unnamed = [value for value in values if value.partition("=")[0] not in named]
+        raise ValueError(f"name every model or none: {', '.join(unnamed)} has no NAME= while others do")
+    return named
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    budget = None
+    """The flags as Settings: every flag named after a field sets it; the others are converted here."""
+    fields = {field.name for field in dataclasses.fields(Settings)}
+    values = {name: value for name, value in vars(args).items() if name in fields}
     if args.memory_budget:
+        from convert.profile import ProfileError, parse_bytes  # imports onnx: only once the flags are read
+
         try:
-            budget = parse_bytes(args.memory_budget)
+            values["memory_budget_bytes"] = parse_bytes(args.memory_budget)
         except (ProfileError, ValueError) as error:
-            raise SystemExit(f"scoremap-serve: --memory-budget: {error}") from error
-    return dataclasses.replace(
-        Settings(),
-        max_image_pixels=args.max_image_pixels, max_message_bytes=args.max_message_bytes,
-        max_scales=args.max_scales, min_scale=args.min_scale, max_scale=args.max_scale,
-        max_resized_pixels=args.max_resized_pixels, max_batch=args.max_batch,
-        max_queue_delay_ms=args.max_queue_delay_ms, queue_depth=args.queue_depth, stream_window=args.stream_window,
-        memory_budget_bytes=budget, provider=args.provider, require_gpu=args.require_gpu,
-        cudnn_conv_algo_search=args.cudnn_conv_algo_search, intra_op_threads=args.intra_op_threads,
-        inter_op_threads=args.inter_op_threads, warm_up=not args.no_warm_up,
-        warm_up_scales=tuple(args.warm_up_scales), grpc_workers=args.grpc_workers,
-        max_concurrent_rpcs=args.max_concurrent_rpcs,
-        grace_seconds=args.grace_seconds, metrics_port=args.metrics_port, metrics_address=args.metrics_address,
-    )
+            raise StartRefused(f"--memory-budget: {error}") from error
+    values.update(warm_up=not args.no_warm_up, warm_up_scales=tuple(args.warm_up_scales))
+    return dataclasses.replace(Settings(), **values)
 
 
-def read_token(args: argparse.Namespace) -> str | None:
-    if args.token_file:
-        with open(args.token_file) as handle:
-            return handle.read().strip() or None
-    return os.environ.get(TOKEN_ENV) or None
+def read_token(token_file: str | None, environ: Mapping[str, str]) -> str | None:
+    """The bearer token from `--token-file` or `$SCOREMAP_TOKEN`; None when neither is given.
+
+    An empty, blank or unreadable source refuses to start rather than turning authentication off.
+    """
+    if token_file:
+        try:
+            with open(token_file, encoding="utf-8") as handle:
+                token = handle.read().strip()
+        except (OSError, UnicodeDecodeError) as error:
+            reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+            raise StartRefused(f"--token-file {token_file}: cannot read it ({reason}); give a readable file "
+                               "holding the token, or leave the flag out to serve without one") from error
+        source = f"--token-file {token_file}"
+    elif TOKEN_ENV in environ:
+        token = environ[TOKEN_ENV].strip()
+        source = f"${TOKEN_ENV}"
+    else:
+        return None
+    if not token:
+        raise StartRefused(f"{source} is empty: that would turn authentication off; put the token in it, "
+                           f"or remove it ({'the flag' if token_file else 'unset the variable'}) to serve without one")
+    if not token.isascii() or any(char.isspace() or not char.isprintable() for char in token):
+        raise StartRefused(f"{source} holds {len(token)} characters with spaces, line breaks or non-ASCII ones: "
+                           "a token is one word of printable ASCII (it travels in an HTTP/2 header)")
+    return token
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address `host` names is on this machine only."""
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def check_exposure(host: str, *, tls: bool, token: bool, insecure: bool) -> None:
+    """Refuse to listen beyond loopback with neither TLS nor a token unless --insecure says so (issue 10, item 3)."""
+    if is_loopback(host):
+        return
+    if not tls and not token:
+        if not insecure:
+            raise StartRefused(
+                f"--host {host} reaches beyond this machine, and with neither TLS nor a token anyone who can "
+                f"reach it may use it: give --tls-cert/--tls-key and --token-file (or ${TOKEN_ENV}), or --insecure "
+                "if the network is yours alone"
+            )
+        LOG.warning("INSECURE: serving on %s without TLS or a token (--insecure): anyone who can reach it may use it",
+                    host)
+    elif token and not tls:
+        LOG.warning("the bearer token travels in clear text on %s: add --tls-cert/--tls-key", host)
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """Refuse at once (before models load) when `port` is taken; port 0 always has a free one."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise StartRefused(f"--host {host}: cannot resolve it ({error.strerror})") from error
+    for family, kind, protocol, _name, address in infos:
+        with socket.socket(family, kind, protocol) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no obstacle
+            try:
+                probe.bind(address)
+            except OSError as error:
+                raise StartRefused(f"{flag} {port}: {host}:{port} is {'in use' if error.errno == errno.EADDRINUSE else error.strerror}; "
+                                   f"stop what holds it or choose another ({flag} 0 picks a free one)") from error
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    settings = settings_from(args)
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise SystemExit("scoremap-serve: --tls-cert and --tls-key go together")
-    tls = None
-    if args.tls_cert:
-        with open(args.tls_cert, "rb") as cert, open(args.tls_key, "rb") as key:
-            tls = (cert.read(), key.read())
     try:
-        server, port = create_server(
-            args.models, address=f"{args.host}:{args.port}", settings=settings, token=read_token(args), tls=tls,
-            wait_until_ready=False,
-        )
+        settings = settings_from(args)
+        token = read_token(args.token_file, os.environ)
+        check_exposure(args.host, tls=bool(args.tls_cert), token=token is not None, insecure=args.insecure)
+        tls = None
+        if args.tls_cert:
+            try:
+                with open(args.tls_cert, "rb") as cert, open(args.tls_key, "rb") as key:
+                    tls = (cert.read(), key.read())
+            except OSError as error:
+                raise StartRefused(f"--tls-cert/--tls-key: cannot read {error.filename} ({error.strerror})") from error
+        check_port_free(args.host, args.port, "--port")
+        if settings.metrics_port is not None:
+            check_port_free(settings.metrics_address, settings.metrics_port, "--metrics-port")
+    except StartRefused as refused:
+        sys.stderr.write(f"scoremap-serve: {refused}\n")
+        return 2
+
+    from server.errors import ScoringError
+
+    try:
+        server, port = create_server(args.models, address=f"{args.host}:{args.port}", settings=settings, token=token,
+                                     tls=tls, wait_until_ready=False)
     except ScoringError as error:
-        LOG.error("cannot start: %s", error.message)
+        sys.stderr.write(f"scoremap-serve: cannot start: {error.message}\n")
         return 2
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -248,10 +495,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if server.metrics_port is not None:
         sys.stdout.write(f"scoremap-serve metrics on http://{settings.metrics_address}:{server.metrics_port}/metrics\n")
     sys.stdout.flush()
-    LOG.info("serving %s on %s:%d (%s)", ", ".join(m.name for m in server.pipeline.models()), args.host, port,
-             server.pipeline.provider(server.pipeline.models()[0].name))
+    names = [summary.name for summary in server.pipeline.models()]
+    LOG.info("serving %s on %s:%d (%s)", ", ".join(names), args.host, port, server.pipeline.provider(names[0]))
     while not stop.wait(0.1):
-        pass
+        if server.warm_up_error is not None:
+            sys.stderr.write(f"scoremap-serve: warm-up failed, the server could never be SERVING: "
+                             f"{server.warm_up_error.message}\n")
+            server.stop(0).wait()
+            return 3
     LOG.info("draining: new calls get UNAVAILABLE, %d in-flight calls have %.1f s",
              server.servicer.active, settings.grace_seconds)
     server.stop(settings.grace_seconds).wait()

@@ -1,27 +1,42 @@
-"""Prometheus metrics of one server, in their own registry (several servers may share a process)."""
+"""Prometheus metrics of one server, in their own registry (several servers may share a process).
+
+Every series that belongs to a model carries a `model` label (the served name), so two models on one
+server are told apart. Only traffic is recorded: the pipeline does not report its warm-up passes.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 MEMORY_BUCKETS = tuple(2.0**power for power in range(20, 37))  # 1 MiB .. 64 GiB
-STAGES = ("queue", "preprocess", "inference", "postprocess")
+NO_MODEL = ""  # the `model` label of calls that concern no single model (ListModels, streams, refusals)
+
+
+class Stage(enum.Enum):
+    """The stages of a request, as in the response's timings."""
+
+    QUEUE = "queue"
+    PREPROCESS = "preprocess"
+    INFERENCE = "inference"
+    POSTPROCESS = "postprocess"
 
 
 class Metrics:
-    """Requests by method and status, stage latencies, batch sizes, queue depth, in-flight, memory."""
+    """Requests by method, status and model; per-model stage latencies, batches and queue depth; in-flight."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "scoremap_requests", "RPCs answered, by method and status code", ["method", "code"], registry=self.registry
+            "scoremap_requests", "RPCs answered, by method, status code and model", ["method", "code", "model"],
+            registry=self.registry,
         )
         self.latency = Histogram(
-            "scoremap_stage_seconds", "Time per request in each stage", ["stage"],
+            "scoremap_stage_seconds", "Time per request in each stage", ["stage", "model"],
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )
         self.batch_size = Histogram(
@@ -31,17 +46,32 @@ class Metrics:
             "scoremap_batch_predicted_bytes", "Predicted peak memory of each batch", ["model"],
             buckets=MEMORY_BUCKETS, registry=self.registry,
         )
-        self.in_flight = Gauge("scoremap_in_flight", "Requests being scored", registry=self.registry)
-        self.queue_depth = Gauge("scoremap_queue_depth", "Passes waiting for a batch", registry=self.registry)
+        self.plan_memory = Gauge(
+            "scoremap_plan_bytes", "Memory of each plan: measured after warm-up, and predicted (server/admission.py)",
+            ["model", "plan", "kind"], registry=self.registry,
+        )
+        self.in_flight = Gauge("scoremap_in_flight", "Calls in the servicer", registry=self.registry)
+        self.queue_depth = Gauge("scoremap_queue_depth", "Passes waiting for a batch", ["model"], registry=self.registry)
         self._http = None
 
-    def track_queue_depth(self, depth: Callable[[], float]) -> None:
-        self.queue_depth.set_function(depth)
+    def count_request(self, method: str, code: str, model: str = NO_MODEL) -> None:
+        """One answered RPC; `model` only when it is a loaded model's name (never a caller's free text)."""
+        self.requests.labels(method, code, model).inc()
 
-    def observe_stages(self, seconds: dict[str, float]) -> None:
-        for stage in STAGES:
-            if stage in seconds:
-                self.latency.labels(stage).observe(seconds[stage])
+    def record_stages(self, model: str, seconds: Mapping[Stage, float]) -> None:
+        """One request's time in each stage it went through."""
+        for stage, value in seconds.items():
+            self.latency.labels(stage.value, model).observe(value)
+
+    def record_batch(self, model: str, size: int, predicted_bytes: int | None = None) -> None:
+        """One batch run: how many passes, and the memory admission predicted for it."""
+        self.batch_size.labels(model).observe(size)
+        if predicted_bytes is not None:
+            self.batch_memory.labels(model).observe(predicted_bytes)
+
+    def track_queue(self, model: str, depth: Callable[[], float]) -> None:
+        """Read `depth()` (passes waiting for `model`) at each scrape."""
+        self.queue_depth.labels(model).set_function(depth)
 
     def serve(self, *, port: int, address: str) -> int:
         """Expose /metrics over HTTP; returns the bound port (port 0 picks a free one)."""

@@ -1,12 +1,15 @@
-"""The gRPC adapter: a thin servicer over the Pipeline, plus health, reflection and the token check.
+"""The gRPC adapter: a thin servicer over the Pipeline, plus the token check and the call limits.
 
 Each method turns the call's deadline and cancellation into plain values, calls the pipeline and
-maps its ScoringError to a status with `context.abort` (gRPC's route_guide / errors examples).
+maps its ScoringError to a status with `context.abort` (gRPC's route_guide / errors examples); a
+transient refusal also carries a retry hint in trailing metadata (`RETRY_AFTER_KEY`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import hmac
 import logging
 import queue
@@ -18,8 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 
 from protos import model_card_pb2, scoring_pb2, scoring_pb2_grpc
-from server.errors import ScoringError
-from server.metrics import Metrics
+from server.errors import RETRY_AFTER_KEY, ScoringError
+from server.metrics import NO_MODEL, Metrics
 from server.pipeline import Pipeline
 from server.settings import Settings
 
@@ -29,6 +32,8 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes need no token
 # A client's own deadline timer may cancel the call a moment before the server's fires.
 DEADLINE_SLACK_SECONDS = 0.05
 POLL_SECONDS = 0.05  # how often a stream's reader, held back by the window, looks whether the call ended
+# When a client refused by the call limits may try again: calls here last about a request's compute.
+BUSY_RETRY_AFTER_SECONDS = 1.0
 
 
 class Call:
@@ -49,6 +54,7 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
         self.settings = settings
         self.metrics = metrics
         self.draining = threading.Event()
+        self._names = [summary.name for summary in pipeline.models()]
         self._active = 0
         self._idle = threading.Condition()
 
@@ -64,8 +70,8 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
             return self._idle.wait_for(lambda: self._active == 0, timeout)
 
     @contextlib.contextmanager
-    def _accounted(self, method: str, context: grpc.ServicerContext) -> Iterator[Call]:
-        """Count the call by method and final code, track it in flight, abort on ScoringError."""
+    def _accounted(self, method: str, context: grpc.ServicerContext, model: str = NO_MODEL) -> Iterator[Call]:
+        """Count the call by method, final code and model, track it in flight, abort on ScoringError."""
         code = grpc.StatusCode.OK
         self.metrics.in_flight.inc()
         with self._idle:
@@ -76,7 +82,7 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
             yield Call(context)
         except ScoringError as error:
             code = error.code
-            context.abort(error.code, error.message)
+            refuse(context, error)
         except (grpc.RpcError, GeneratorExit):
             # A stream's call ended under it (the client cancelled or the deadline passed): reading its
             # requests raises RpcError, or gRPC closes the handler's generator before asking for the
@@ -90,14 +96,24 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
             if code == grpc.StatusCode.OK and not context.is_active():
                 code = ended(context)  # the call ended before its answer: the request iterator just stopped
             self.metrics.in_flight.dec()
-            self.metrics.requests.labels(method, code.name).inc()
+            self.metrics.count_request(method, code.name, model)
             with self._idle:
                 self._active -= 1
                 self._idle.notify_all()
 
     def Score(self, request: scoring_pb2.ScoreRequest, context: grpc.ServicerContext) -> scoring_pb2.ScoreResponse:
-        with self._accounted("Score", context) as call:
-            return self.pipeline.score(request, deadline=call.deadline, cancelled=call.cancelled)
+        with self._accounted("Score", context, self._model_label(request)) as call:
+            return self._score(request, call)
+
+    def _score(self, request: scoring_pb2.ScoreRequest, call: Call) -> scoring_pb2.ScoreResponse:
+        check_size(request, self.settings.max_message_bytes)
+        return self.pipeline.score(request, deadline=call.deadline, cancelled=call.cancelled)
+
+    def _model_label(self, request: scoring_pb2.ScoreRequest) -> str:
+        """The loaded model a request names (or the only one); never the caller's text, which could be anything."""
+        if request.model in self._names:
+            return request.model
+        return self._names[0] if not request.model and len(self._names) == 1 else NO_MODEL
 
     def ScoreStream(
         self, request_iterator: Iterator[scoring_pb2.ScoreRequest], context: grpc.ServicerContext
@@ -106,12 +122,14 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
 
         Requests are read in a helper thread, so each answer is sent as soon as it and those before
         it are done: a client that waits for answer 1 before sending request 2 is served. A failing
-        request ends the stream with its status; the message names its request_id.
+        request ends the stream with its status; the message names its request_id. A stream with
+        every answer sent and no request for `stream_idle_seconds` is ended, giving its worker back.
         """
         with self._accounted("ScoreStream", context) as call:
             window = max(1, self.settings.stream_window)
             with ThreadPoolExecutor(window, thread_name_prefix="stream") as pool:
-                reader = StreamReader(request_iterator, pool, self.pipeline, call, window=window)
+                reader = StreamReader(request_iterator, pool, functools.partial(self._score, call=call), call,
+                                      window=window, idle_seconds=self.settings.stream_idle_seconds)
                 try:
                     for request_id, future in reader.submitted():
                         yield answer(request_id, future)
@@ -123,11 +141,34 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
         self, request: scoring_pb2.ListModelsRequest, context: grpc.ServicerContext
     ) -> scoring_pb2.ListModelsResponse:
         with self._accounted("ListModels", context):
-            return scoring_pb2.ListModelsResponse(models=self.pipeline.models())
+            response = scoring_pb2.ListModelsResponse(models=self.pipeline.models())  # copies: ours to edit
+            if not self.settings.expose_paths:
+                for summary in response.models:
+                    summary.ClearField("path")  # where files live is the server's business (--expose-paths)
+            return response
 
     def GetModel(self, request: scoring_pb2.GetModelRequest, context: grpc.ServicerContext) -> model_card_pb2.ModelCard:
         with self._accounted("GetModel", context):
             return self.pipeline.card(request.name)
+
+
+def refuse(context: grpc.ServicerContext, error: ScoringError) -> None:
+    """Abort the call with the error's status; a transient refusal also says when to retry."""
+    if error.retry_after_seconds is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(round(1000 * error.retry_after_seconds))),))
+    context.abort(error.code, error.message)
+
+
+def check_size(request: scoring_pb2.ScoreRequest, limit: int) -> None:
+    """Refuse a request over `--max-message-bytes`, naming the flag (gRPC's own cut-off, set above it, cannot)."""
+    size = request.ByteSize()
+    if size > limit:
+        raise ScoringError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the request is {size} bytes, over this server's limit of {limit} bytes: send a smaller image "
+            "(re-encoded, or resized to the largest scale you ask for), or start the server with a larger "
+            "--max-message-bytes",
+        )
 
 
 def ended(context: grpc.ServicerContext) -> grpc.StatusCode:
@@ -144,33 +185,48 @@ class StreamReader:
     be served; at most `window` submitted requests wait to be answered, which holds reading back.
     """
 
-    def __init__(self, requests: Iterator[scoring_pb2.ScoreRequest], pool: ThreadPoolExecutor, pipeline: Pipeline,
-                 call: Call, *, window: int) -> None:
+    def __init__(self, requests: Iterator[scoring_pb2.ScoreRequest], pool: ThreadPoolExecutor,
+                 score: Callable[[scoring_pb2.ScoreRequest], scoring_pb2.ScoreResponse], call: Call, *,
+                 window: int, idle_seconds: float) -> None:
         self._pending: queue.Queue[tuple[str, Future]] = queue.Queue(maxsize=window)
         self._finished = threading.Event()
         self._error: Exception | None = None
         self._call = call
-        thread = threading.Thread(target=self._read, args=(requests, pool, pipeline), name="stream-reader", daemon=True)
+        self._idle_seconds = idle_seconds
+        self._active_at = time.monotonic()  # the last request read or answer handed over
+        thread = threading.Thread(target=self._read, args=(requests, pool, score), name="stream-reader", daemon=True)
         thread.start()
 
     def submitted(self) -> Iterator[tuple[str, Future]]:
-        """(request_id, future) in request order; raises what reading raised (cancelled, deadline)."""
+        """(request_id, future) in request order; raises what reading raised (cancelled, deadline), or
+        DEADLINE_EXCEEDED once the stream has been idle for `idle_seconds`."""
         while True:
             try:
                 yield self._pending.get(timeout=POLL_SECONDS)
+                self._active_at = time.monotonic()
             except queue.Empty:
                 if self._finished.is_set() and self._pending.empty():  # put happens before finished is set
                     if self._error is not None:
                         raise self._error from None
                     return
+                idle = time.monotonic() - self._active_at
+                if idle > self._idle_seconds:
+                    raise ScoringError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no request for {idle:.0f} s on this stream, whose answers were all sent: the server "
+                        f"ends streams idle for {self._idle_seconds:g} s (--stream-idle-seconds); open a new "
+                        "stream when you have more to send",
+                    )
 
-    def _read(self, requests: Iterator[scoring_pb2.ScoreRequest], pool: ThreadPoolExecutor, pipeline: Pipeline) -> None:
+    def _read(self, requests: Iterator[scoring_pb2.ScoreRequest], pool: ThreadPoolExecutor,
+              score: Callable[[scoring_pb2.ScoreRequest], scoring_pb2.ScoreResponse]) -> None:
         call = self._call
         try:
             for request in requests:
+                self._active_at = time.monotonic()
                 if call.cancelled.is_set():
                     return
-                future = pool.submit(pipeline.score, request, deadline=call.deadline, cancelled=call.cancelled)
+                future = pool.submit(score, request)
                 while not call.cancelled.is_set():
                     with contextlib.suppress(queue.Full):
                         self._pending.put((request.request_id, future), timeout=POLL_SECONDS)
@@ -187,7 +243,7 @@ def answer(request_id: str, future: Future) -> scoring_pb2.ScoreResponse:
         return future.result()
     except ScoringError as error:
         message = f"request {request_id!r}: {error.message}" if request_id else error.message
-        raise ScoringError(error.code, message) from error
+        raise ScoringError(error.code, message, retry_after_seconds=error.retry_after_seconds) from error
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -210,27 +266,105 @@ class TokenInterceptor(grpc.ServerInterceptor):
             received = received.encode()
         if hmac.compare_digest(received, self._expected):
             return handler
-        return denied(handler, "missing or wrong bearer token: send metadata `authorization: Bearer <token>`")
+        return guarded(handler, denied)
 
 
-def denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that answers UNAUTHENTICATED."""
+@contextlib.contextmanager
+def denied(context: grpc.ServicerContext) -> Iterator[None]:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token: send metadata "
+                  "`authorization: Bearer <token>`")
+    yield  # never reached: abort raises
 
-    def refuse(_request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    def refuse_stream(_request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # a generator, as streaming handlers must be
+class CallLimits(grpc.ServerInterceptor):
+    """At most `total` calls running at once, and `per_peer` from one client address (0: no such limit).
 
+    gRPC runs every call on one thread pool: idle streams from one client, or from many, could hold
+    every worker, and health probes would wait behind them (issue 10, item 4). Calls beyond a limit
+    are refused as soon as they reach a worker, RESOURCE_EXHAUSTED with a retry hint, so the workers
+    `total` leaves free always answer health probes (exempt here) and refusals at once. The client's
+    address is known only inside the call (`context.peer()`), hence the check there, not here.
+    """
+
+    def __init__(self, *, total: int, per_peer: int, metrics: Metrics) -> None:
+        self._total = total
+        self._per_peer = per_peer
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._running = 0
+        self._by_peer: collections.Counter[str] = collections.Counter()
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+            return handler
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        return guarded(handler, functools.partial(self._slot, method=method))
+
+    @contextlib.contextmanager
+    def _slot(self, context: grpc.ServicerContext, *, method: str) -> Iterator[None]:
+        peer = client_address(context.peer())
+        with self._lock:
+            refusal = None
+            if self._running >= self._total:
+                refusal = (f"the server is running {self._running} calls, as many as it takes at once "
+                           "(--grpc-workers less --reserved-workers); retry with backoff")
+            elif self._per_peer and self._by_peer[peer] >= self._per_peer:
+                refusal = (f"{peer} already has {self._by_peer[peer]} calls running, the limit for one client "
+                           "address (--max-calls-per-peer); retry with backoff, or close idle streams")
+            else:
+                self._running += 1
+                self._by_peer[peer] += 1
+        if refusal is not None:
+            self._metrics.count_request(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+            refuse(context, ScoringError(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal,
+                                         retry_after_seconds=BUSY_RETRY_AFTER_SECONDS))
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+                self._by_peer[peer] -= 1
+                if not self._by_peer[peer]:
+                    del self._by_peer[peer]
+
+
+def client_address(peer: str) -> str:
+    """The client's address without its port: "ipv4:10.0.0.7:53211" -> "10.0.0.7", "ipv6:[::1]:5" -> "::1"."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6" and rest.startswith("["):
+        return rest[1:rest.index("]")]
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    return peer  # unix sockets and the like: the whole string
+
+
+def guarded(
+    handler: grpc.RpcMethodHandler, guard: Callable[[grpc.ServicerContext], contextlib.AbstractContextManager]
+) -> grpc.RpcMethodHandler:
+    """`handler` with its behaviour run inside `guard(context)`, which may abort the call on entry."""
     serializers = {
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
     }
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(refuse, **serializers)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, **serializers)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(refuse, **serializers)
-    return grpc.stream_stream_rpc_method_handler(refuse_stream, **serializers)
+    if not handler.response_streaming:
+        behaviour = handler.unary_unary or handler.stream_unary
+
+        def unary(request, context):
+            with guard(context):
+                return behaviour(request, context)
+
+        factory = grpc.stream_unary_rpc_method_handler if handler.request_streaming else grpc.unary_unary_rpc_method_handler
+        return factory(unary, **serializers)
+    behaviour = handler.unary_stream or handler.stream_stream
+
+    def streaming(request, context):
+        with guard(context):
+            yield from behaviour(request, context)
+
+    factory = grpc.stream_stream_rpc_method_handler if handler.request_streaming else grpc.unary_stream_rpc_method_handler
+    return factory(streaming, **serializers)

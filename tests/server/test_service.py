@@ -197,7 +197,7 @@ BAD_REQUESTS = {
     "no image": (scoring_pb2.ScoreRequest(), "has no image"),
     "empty bytes": (scoring_pb2.ScoreRequest(encoded=b""), "the image is empty (0 bytes)"),
     "non-image bytes": (scoring_pb2.ScoreRequest(encoded=b"GIF89a-no-thanks"), "not a JPEG, PNG"),
-    "truncated": (scoring_pb2.ScoreRequest(encoded=encoded((300, 300))[:200]), "could not be decoded"),
+    "truncated": (scoring_pb2.ScoreRequest(encoded=encoded((300, 300))[:200]), "cannot decode"),
     "bomb": (scoring_pb2.ScoreRequest(encoded=bomb()), "exceeds the limit of 20000000 pixels"),
     "zero scale": (scoring_pb2.ScoreRequest(encoded=encoded(), scales=[0]), "scale 0 is outside"),
     "absurd scale": (scoring_pb2.ScoreRequest(encoded=encoded(), scales=[10**6]), "scale 1000000 is outside"),
@@ -226,19 +226,30 @@ def test_every_bad_input_is_invalid_argument_and_the_server_stays_up(kit, tiny_m
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
         assert stub.Score(scoring_pb2.ScoreRequest(encoded=encoded(), model="tiny")).top_k
         counted = server.metrics.registry.get_sample_value
-        assert counted("scoremap_requests_total", {"method": "Score", "code": "INVALID_ARGUMENT"}) == len(BAD_REQUESTS)
-        assert counted("scoremap_requests_total", {"method": "Score", "code": "NOT_FOUND"}) == 1
-        assert counted("scoremap_requests_total", {"method": "Score", "code": "OK"}) == 1
+        # The one model is the label even when a request leaves `model` empty; an unknown name is never one.
+        assert counted("scoremap_requests_total", {"method": "Score", "code": "INVALID_ARGUMENT", "model": "tiny"}) == len(BAD_REQUESTS)
+        assert counted("scoremap_requests_total", {"method": "Score", "code": "NOT_FOUND", "model": ""}) == 1
+        assert counted("scoremap_requests_total", {"method": "Score", "code": "OK", "model": "tiny"}) == 1
 
 
-def test_message_limit_is_configurable_and_above_grpc_default(kit, tiny_model_path):
+def test_a_request_over_the_message_limit_names_the_flag_that_raises_it(kit, tiny_model_path):
     five_megabytes = b"\xff\xd8" + bytes(5 << 20)  # above gRPC's 4 MB default; reaches the decoder
     with kit.serving([tiny_model_path]) as (_server, _port, stub):
         with pytest.raises(grpc.RpcError) as caught:
             stub.Score(scoring_pb2.ScoreRequest(encoded=five_megabytes))
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    over = scoring_pb2.ScoreRequest(encoded=b"\xff\xd8" + bytes(3 << 19))  # 1.5 MiB
     with kit.serving([tiny_model_path], max_message_bytes=1 << 20) as (_server, _port, stub):
         with pytest.raises(grpc.RpcError) as caught:
+            stub.Score(over)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"is {over.ByteSize()} bytes" in caught.value.details()
+        assert "--max-message-bytes" in caught.value.details() and "1048576" in caught.value.details()
+        with pytest.raises(grpc.RpcError) as caught:  # in a stream too, named by its request_id
+            list(stub.ScoreStream(iter([scoring_pb2.ScoreRequest(encoded=encoded()), over]), timeout=30))
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-message-bytes" in caught.value.details()
+        with pytest.raises(grpc.RpcError) as caught:  # beyond twice the limit gRPC cuts it off itself
             stub.Score(scoring_pb2.ScoreRequest(encoded=five_megabytes))
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "larger than max" in caught.value.details()
@@ -289,92 +300,49 @@ def test_concurrent_clients_are_batched(kit, tiny_model_path):
     batches = samples['scoremap_batch_size_count{model="tiny"}']
     passes = samples['scoremap_batch_size_sum{model="tiny"}']
     assert passes == 8 and batches < 8, samples  # some batch held more than one request
-    assert samples['scoremap_requests_total{code="OK",method="Score"}'] == 8
-    assert samples['scoremap_stage_seconds_count{stage="inference"}'] == 8
+    assert samples['scoremap_requests_total{code="OK",method="Score",model="tiny"}'] == 8
+    assert samples['scoremap_stage_seconds_count{model="tiny",stage="inference"}'] == 8
     assert samples['scoremap_batch_predicted_bytes_count{model="tiny"}'] == batches
-    assert "scoremap_queue_depth" in samples and "scoremap_in_flight" in samples
+    assert 'scoremap_queue_depth{model="tiny"}' in samples and "scoremap_in_flight" in samples
 
 
-def test_full_queue_gives_resource_exhausted_then_recovers(kit, heavy_model_path):
-    pixels = RNG.integers(0, 256, (128, 128, 3), dtype=np.uint8)
-    request = kit.raw_request(pixels, scales=[128], output_stride=16, flip=True)  # 8 passes
-    with kit.serving([heavy_model_path], queue_depth=8, max_batch=8, max_queue_delay_ms=1) as (_server, _port, stub):
-        codes, barrier = [], threading.Barrier(6)
-
-        def client():
-            barrier.wait()
-            try:
-                stub.Score(request)
-                codes.append(grpc.StatusCode.OK)
-            except grpc.RpcError as error:
-                codes.append(error.code())
-                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    assert "queue full" in error.details() and "the limit is 8" in error.details()
-
-        threads = [threading.Thread(target=client) for _ in range(6)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.OK in codes, codes
-        assert set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OK}
-        assert stub.Score(request).maps  # recovered
+def test_metrics_tell_models_apart_and_leave_out_the_warm_up(kit, tiny_model_path, tmp_path):
+    other = tmp_path / "other.onnx"
+    onnx.save(kit.patch_net(classes=3, name="other"), other)
+    pixels = RNG.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    with kit.serving([tiny_model_path, str(other)], warm_up=True) as (server, _port, stub):
+        counted = server.metrics.registry.get_sample_value
+        for model in ("tiny", "other"):  # warmed up, yet nothing counted
+            assert counted("scoremap_stage_seconds_count", {"stage": "inference", "model": model}) is None
+            assert counted("scoremap_batch_size_count", {"model": model}) is None
+        for _ in range(2):
+            stub.Score(kit.raw_request(pixels, model="other", scales=[64]))
+        stub.Score(kit.raw_request(pixels, model="tiny", scales=[64]))
+        assert counted("scoremap_stage_seconds_count", {"stage": "inference", "model": "other"}) == 2
+        assert counted("scoremap_stage_seconds_count", {"stage": "inference", "model": "tiny"}) == 1
+        assert counted("scoremap_requests_total", {"method": "Score", "code": "OK", "model": "other"}) == 2
+        assert counted("scoremap_batch_size_count", {"model": "tiny"}) >= 1
+        assert counted("scoremap_queue_depth", {"model": "other"}) == 0
 
 
-def test_deadlines_drop_queued_work_before_compute(kit, heavy_model_path):
-    pixels = RNG.integers(0, 256, (128, 128, 3), dtype=np.uint8)
-    slow = kit.raw_request(pixels, scales=[128], output_stride=16, flip=True)
-    with kit.serving([heavy_model_path], metrics_port=0, max_batch=8) as (server, _port, stub):
-        busy = threading.Thread(target=stub.Score, args=(slow,))
-        busy.start()
-        while 'scoremap_batch_size_count{model="heavy"}' not in metric_samples(server.metrics_port):
-            time.sleep(0.01)  # until the slow batch is computing
+def test_a_full_queue_is_resource_exhausted_with_a_retry_hint(kit, tiny_model_path):
+    """No room at all (--queue-depth 0): deterministic on any device, however fast the model."""
+    from server.errors import RETRY_AFTER_KEY
+
+    pixels = RNG.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    with kit.serving([tiny_model_path], queue_depth=0) as (_server, _port, stub):
         with pytest.raises(grpc.RpcError) as caught:
-            stub.Score(kit.raw_request(pixels, scales=[128]), timeout=0.05)
-        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        busy.join()
-        samples = metric_samples(server.metrics_port)
-        assert samples['scoremap_batch_size_sum{model="heavy"}'] == 8  # the late pass never ran
-        assert stub.Score(kit.raw_request(pixels, scales=[128]), timeout=30).maps
-
-
-def test_a_cancelled_call_leaves_the_queue_at_once(kit, heavy_model_path):
-    pixels = RNG.integers(0, 256, (192, 192, 3), dtype=np.uint8)
-    slow = kit.raw_request(pixels, scales=[192], output_stride=16, flip=True)
-    with kit.serving([heavy_model_path], max_batch=8) as (server, _port, stub):
-        running = stub.Score.future(slow)
-        while server.metrics.registry.get_sample_value("scoremap_batch_size_count", {"model": "heavy"}) is None:
-            time.sleep(0.01)  # the slow batch is computing
-        queued = stub.Score.future(slow)
-        while server.metrics.registry.get_sample_value("scoremap_queue_depth") < 8:
-            time.sleep(0.01)
-        queued.cancel()
-        deadline = time.monotonic() + 5
-        while server.metrics.registry.get_sample_value("scoremap_queue_depth") > 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert server.metrics.registry.get_sample_value("scoremap_queue_depth") == 0
-        assert not running.done()  # freed while the batch ahead was still computing
-        assert running.result().maps
-        assert server.metrics.registry.get_sample_value("scoremap_batch_size_sum", {"model": "heavy"}) == 8
-
-
-def test_calls_beyond_max_concurrent_rpcs_get_resource_exhausted_then_recover(kit, heavy_model_path):
-    from server.main import parse_args, settings_from
-
-    assert settings_from(parse_args(["m.onnx", "--max-concurrent-rpcs", "5"])).max_concurrent_rpcs == 5
-    pixels = RNG.integers(0, 256, (128, 128, 3), dtype=np.uint8)
-    slow = kit.raw_request(pixels, scales=[128])  # one pass each: never "queue full"
-    with kit.serving([heavy_model_path], grpc_workers=2, max_concurrent_rpcs=3) as (_server, _port, stub):
-        calls = [stub.Score.future(slow, timeout=60) for _ in range(12)]
-        codes = []
-        for call in calls:
-            try:
-                call.result()
-                codes.append(grpc.StatusCode.OK)
-            except grpc.RpcError as error:
-                codes.append(error.code())
-        assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
-        assert stub.Score(slow, timeout=60).maps  # still serving
+            stub.Score(kit.raw_request(pixels, scales=[64]))
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--queue-depth" in caught.value.details()
+        hint = dict(caught.value.trailing_metadata())[RETRY_AFTER_KEY]
+        assert int(hint) > 0
+        with pytest.raises(grpc.RpcError) as caught:  # a stream's request carries its hint too
+            list(stub.ScoreStream(iter([kit.raw_request(pixels, scales=[64], request_id="r7")]), timeout=30))
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "'r7'" in caught.value.details()
+        assert int(dict(caught.value.trailing_metadata())[RETRY_AFTER_KEY]) > 0
+        with pytest.raises(grpc.RpcError) as caught:  # a refusal that is not transient has none
+            stub.Score(scoring_pb2.ScoreRequest(encoded=b"junk"))
+        assert RETRY_AFTER_KEY not in dict(caught.value.trailing_metadata() or ())
 
 
 def test_a_lockstep_stream_gets_each_answer_before_sending_the_next(kit, tiny_model_path):
@@ -408,6 +376,7 @@ def test_a_stream_the_client_abandons_is_counted_cancelled_or_expired_not_a_bug(
     with kit.serving([tiny_model_path]) as (server, _port, stub):
         counted = server.metrics.registry.get_sample_value
         for timeout, expected in ((None, "CANCELLED"), (1.0, "DEADLINE_EXCEEDED")):
+            labels = {"method": "ScoreStream", "code": expected, "model": ""}
             outbox: queue.Queue = queue.Queue()
             answers = stub.ScoreStream(lockstep(outbox), timeout=timeout)
             outbox.put(kit.raw_request(pixels, scales=[64]))
@@ -415,11 +384,11 @@ def test_a_stream_the_client_abandons_is_counted_cancelled_or_expired_not_a_bug(
             if timeout is None:
                 answers.cancel()
             deadline = time.monotonic() + 10
-            while not counted("scoremap_requests_total", {"method": "ScoreStream", "code": expected}):
+            while not counted("scoremap_requests_total", labels):
                 assert time.monotonic() < deadline, f"no {expected} counted"
                 time.sleep(0.02)
             outbox.put(None)
-        assert counted("scoremap_requests_total", {"method": "ScoreStream", "code": "UNKNOWN"}) is None
+        assert counted("scoremap_requests_total", {"method": "ScoreStream", "code": "UNKNOWN", "model": ""}) is None
     assert "ScoreStream failed" not in caplog.text
 
 
