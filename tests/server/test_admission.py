@@ -29,18 +29,20 @@ def test_oversized_request_is_refused_with_the_numbers(kit, tiny_model_path):
 
 
 def test_batches_are_cut_to_what_fits(kit, tiny_model_path):
-    budget = predicted(tiny_model_path, 64, batch=2)
-    assert largest_batch(tiny_model_path, height=64, width=64, budget_bytes=budget) == 2
+    """Scale 64 at stride 16 runs 4 shifted passes of a 96x96 canvas (64 + the passes' 16 px slack,
+    rounded to the stride) per orientation: a budget of 4 such inputs runs one orientation at a time."""
+    budget = predicted(tiny_model_path, 96, batch=4)
+    assert largest_batch(tiny_model_path, height=96, width=96, budget_bytes=budget) == 4
     pixels = np.zeros((64, 64, 3), dtype=np.uint8)
     with kit.serving([tiny_model_path], memory_budget_bytes=budget, metrics_port=0, max_batch=8,
                      max_queue_delay_ms=50) as (server, _port, stub):
-        stub.Score(kit.raw_request(pixels, scales=[64], output_stride=16, flip=True))  # 8 passes of one shape
+        stub.Score(kit.raw_request(pixels, scales=[64], output_stride=16, flip=True))  # 2 items of 4 passes
         registry = server.metrics.registry
         count = registry.get_sample_value("scoremap_batch_size_count", {"model": "tiny"})
         total = registry.get_sample_value("scoremap_batch_size_sum", {"model": "tiny"})
         largest = registry.get_sample_value("scoremap_batch_predicted_bytes_sum", {"model": "tiny"})
-    assert total == 8 and count == 4  # four batches of two, never the eight at once
-    assert largest == 4 * budget
+    assert total == 2 and count == 2  # two batches of one item, never both at once
+    assert largest == 2 * budget
 
 
 def test_the_budget_is_split_between_models(tiny_model_path, coordinate_model_path):
@@ -222,3 +224,45 @@ def test_a_request_too_large_for_host_memory_is_refused_before_decoding():
     assert f"needs an estimated {estimate.total} bytes of host memory" in caught.value.message
     assert f"inputs {inputs / 2**20:,.0f} MiB" in caught.value.message
     admit_host(estimate, limit_bytes=estimate.total)
+
+
+# --- NHWC (Keras-style) models ----------------------------------------------------------------
+
+def nhwc_patch_net(classes: int = 10):
+    """tests.tiny_models.patch_net with a channels-last input and a Transpose in front, as tf2onnx writes."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from convert.card import Layout, read_card, write_card
+    from tests.tiny_models import patch_net
+
+    model = patch_net(classes=classes)
+    graph = model.graph
+    graph.node.insert(0, helper.make_node("Transpose", ["image"], ["image_nchw"], perm=[0, 3, 1, 2]))
+    graph.node[1].input[0] = "image_nchw"
+    del graph.input[:]
+    graph.input.append(helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", "H", "W", 3]))
+    card = read_card(model)
+    card.preprocessing.layout = Layout.LAYOUT_NHWC
+    onnx.checker.check_model(write_card(model, card))
+    return model
+
+
+def test_an_nhwc_model_is_admitted_and_scored_like_its_nchw_twin(kit, tmp_path, tiny_model_path):
+    import onnx
+
+    from server.admission import Admission
+
+    path = tmp_path / "tiny_nhwc.onnx"
+    onnx.save(nhwc_patch_net(), path)
+    nhwc = Admission(onnx.load(path), budget_bytes=None)
+    # The same net plus the Transpose's NCHW copy of the input.
+    assert nhwc.predicted_bytes(96, 64) > Admission(onnx.load(tiny_model_path)).predicted_bytes(96, 64)
+    pixels = np.random.default_rng(0).integers(0, 255, (96, 64, 3), dtype=np.uint8)
+    request = kit.raw_request(pixels, scales=[64], return_maps=True, output_stride=16)
+    with kit.serving([str(path)]) as (_server, _port, stub):
+        answer = stub.Score(request, timeout=30)
+    with kit.serving([tiny_model_path]) as (_server, _port, stub):
+        twin = stub.Score(request, timeout=30)
+    np.testing.assert_allclose(kit.decode_tensor(answer.maps[0].scores), kit.decode_tensor(twin.maps[0].scores),
+                               rtol=1e-5, atol=1e-5)
