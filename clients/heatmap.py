@@ -1,21 +1,26 @@
 """Heatmaps: the photo with its top class's score map overlaid, and a legend, readable at a glance.
 
-Each map cell is painted as a stride-sized box centred where the response's geometry puts it
-(MapGeometry: centre = center + i * stride), so the overlay lines up with the photo at any scale,
-shift or stride. The colormap is viridis, interpolated from nine stops: perceptually uniform and
+Every pixel takes the colour of the cell whose centre is nearest (MapGeometry: centre = center +
+i * stride), so each cell covers the stride-sized box around its centre and the border cells
+reach out to the photo's edges: the whole photo is coloured, where painting only the boxes
+around the centres would leave a band of half a receptive field uncoloured on every side (issue
+12), and the overlay lines up with the photo at any scale, shift or stride. The legend says so.
+Small photos are enlarged (by a whole factor, nearest neighbour) so the legend stays readable.
+The colormap is viridis, interpolated from nine stops: perceptually uniform and
 readable by colour-blind viewers, and not worth a matplotlib dependency for one lookup table.
 """
 
 from __future__ import annotations
 
 import io
+import math
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from clients.results import ScaleResult, ScoreResult
 
-__all__ = ["render_heatmap", "heatmap_png", "colormap", "HeatmapError"]
+__all__ = ["render_heatmap", "heatmap_png", "colormap", "canvas_scale", "HeatmapError"]
 
 # matplotlib's viridis sampled at 0, 1/8, ..., 1.
 _VIRIDIS = np.array([
@@ -27,6 +32,8 @@ OVERLAY_ALPHA = 0.55
 # Legend text height as a fraction of the photo's shorter side (bounded below for small photos).
 LEGEND_TEXT_FRACTION = 1 / 22
 LEGEND_MIN_TEXT_PX = 12
+# Photos whose shorter side is below this many pixels are drawn enlarged by a whole factor.
+MIN_CANVAS_SIDE = 256
 
 
 class HeatmapError(ValueError):
@@ -75,8 +82,20 @@ def _cell_probabilities(scale: ScaleResult, index: int) -> np.ndarray:
     return scale.class_map(index)
 
 
+def canvas_scale(width: int, height: int) -> int:
+    """The whole factor a width x height photo is enlarged by, so its shorter side reaches MIN_CANVAS_SIDE."""
+    return max(1, math.ceil(MIN_CANVAS_SIDE / max(1, min(width, height))))
+
+
+def _nearest_cells(size: int, factor: int, center: float, stride: float, cells: int) -> np.ndarray:
+    """For each canvas pixel along one axis, the index of the cell whose centre is nearest."""
+    photo_pixels = (np.arange(size) + 0.5) / factor - 0.5  # pixel i is centred at i (README)
+    return np.clip(np.round((photo_pixels - center) / stride), 0, cells - 1).astype(np.intp)
+
+
 def render_heatmap(photo: Image.Image, result: ScoreResult) -> Image.Image:
-    """`photo` (the scored image, original size) with the top class's map overlaid and a legend."""
+    """`photo` (the scored image, original size) with the top class's map overlaid and a legend,
+    enlarged by canvas_scale() when it is small."""
     if (photo.height, photo.width) != (result.image_height, result.image_width):
         raise HeatmapError(
             f"photo is {photo.width}x{photo.height} but the scored image was "
@@ -90,35 +109,43 @@ def render_heatmap(photo: Image.Image, result: ScoreResult) -> Image.Image:
         raise HeatmapError(f"the maps carry classes {list(scale.classes)}, not the top class {top.index}")
     values, low, high = _normalise(_cell_probabilities(scale, top.index))
     g = scale.geometry
-    colours = Image.fromarray(colormap(values), "RGB")
-    width = max(1, round(scale.width * g.stride_x))
-    height = max(1, round(scale.height * g.stride_y))
-    cells = colours.resize((width, height), Image.Resampling.NEAREST)
-    overlay = photo.convert("RGB").copy()
-    overlay.paste(cells, (round(g.center_x - g.stride_x / 2), round(g.center_y - g.stride_y / 2)))
-    blended = Image.blend(photo.convert("RGB"), overlay, OVERLAY_ALPHA)
-    _draw_legend(blended, f"{top.label}  p={top.probability:.2f}", low, high)
+    factor = canvas_scale(photo.width, photo.height)
+    canvas = photo.convert("RGB")
+    if factor > 1:
+        canvas = canvas.resize((photo.width * factor, photo.height * factor), Image.Resampling.NEAREST)
+    rows = _nearest_cells(canvas.height, factor, g.center_y, g.stride_y, scale.height)
+    cols = _nearest_cells(canvas.width, factor, g.center_x, g.stride_x, scale.width)
+    colours = colormap(values)[rows][:, cols].astype(np.float64)
+    pixels = np.asarray(canvas).astype(np.float64)
+    blended = Image.fromarray(np.round(pixels * (1 - OVERLAY_ALPHA) + colours * OVERLAY_ALPHA).astype(np.uint8), "RGB")
+    notes = (f"{g.stride_x:g} px cells, each sees {g.box_width:g} px", "a pixel shows its nearest cell")
+    _draw_legend(blended, f"{top.label}  p={top.probability:.2f}", low, high, notes)
     return blended
 
 
-def _draw_legend(image: Image.Image, title: str, low: float, high: float) -> None:
+def _draw_legend(image: Image.Image, title: str, low: float, high: float, notes: tuple[str, ...]) -> None:
     size = max(LEGEND_MIN_TEXT_PX, round(min(image.size) * LEGEND_TEXT_FRACTION))
     font = ImageFont.load_default(size=size)
     draw = ImageDraw.Draw(image, "RGBA")
     pad = max(2, size // 3)
     bar_width = max(size * 6, draw.textlength(title, font=font))
-    box = (pad, pad, pad * 3 + bar_width, pad * 4 + size * 2 + size // 2)
+    small = ImageFont.load_default(size=max(LEGEND_MIN_TEXT_PX - 2, size * 3 // 4))
+    note_top = pad * 4 + size * 2 + size // 2
+    line = small.size + pad
+    widest = max([bar_width] + [draw.textlength(note, font=small) for note in notes])
+    box = (pad, pad, pad * 3 + widest, note_top + line * len(notes))
     draw.rectangle(box, fill=(0, 0, 0, 170))
     draw.text((pad * 2, pad * 2), title, font=font, fill=(255, 255, 255, 255))
     bar_top = pad * 3 + size
     ramp = colormap(np.linspace(0.0, 1.0, int(bar_width))[None, :].repeat(max(1, size // 2), axis=0))
     image.paste(Image.fromarray(ramp, "RGB"), (pad * 2, bar_top))
-    small = ImageFont.load_default(size=max(LEGEND_MIN_TEXT_PX - 2, size * 3 // 4))
     label_top = bar_top + size // 2 + 1
     draw.text((pad * 2, label_top), f"{low:.2g}", font=small, fill=(255, 255, 255, 255))
     high_text = f"{high:.2g}"
     draw.text((pad * 2 + bar_width - draw.textlength(high_text, font=small), label_top), high_text,
               font=small, fill=(255, 255, 255, 255))
+    for n, note in enumerate(notes):
+        draw.text((pad * 2, note_top + n * line), note, font=small, fill=(255, 255, 255, 255))
 
 
 def heatmap_png(photo: Image.Image, result: ScoreResult) -> bytes:

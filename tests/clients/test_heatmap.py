@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clients.heatmap import HeatmapError, colormap, render_heatmap
+from clients.heatmap import MIN_CANVAS_SIDE, HeatmapError, canvas_scale, colormap, render_heatmap
 from clients.results import Geometry, Prediction, ScaleResult, ScoreResult
 
 
@@ -12,23 +12,48 @@ def result(height: int, width: int, scores: np.ndarray, geometry: Geometry) -> S
 
 
 def test_cells_are_painted_where_the_geometry_puts_them():
-    photo = Image.new("RGB", (128, 96), (128, 128, 128))
+    photo = Image.new("RGB", (384, 288), (128, 128, 128))
     scores = np.zeros((2, 3, 4), np.float32)
     scores[1, 2, 3] = 1.0  # class 1 lights up only in the bottom-right cell
-    geometry = Geometry(32, 32, 16, 16, 32, 32, 1.0, 96, 128)
-    pixels = np.asarray(render_heatmap(photo, result(96, 128, scores, geometry))).astype(int)
-    hot, cold = pixels[80, 112], pixels[48, 48]  # centres of cells (2, 3) and (1, 1)
+    geometry = Geometry(96, 96, 48, 48, 96, 96, 1.0, 288, 384)
+    pixels = np.asarray(render_heatmap(photo, result(288, 384, scores, geometry))).astype(int)
+    hot, cold = pixels[240, 336], pixels[144, 144]  # centres of cells (2, 3) and (1, 1)
     yellow, purple = colormap(np.array(1.0)).astype(int), colormap(np.array(0.0)).astype(int)
     assert np.abs(hot - (0.45 * 128 + 0.55 * yellow)).max() <= 2
     assert np.abs(cold - (0.45 * 128 + 0.55 * purple)).max() <= 2
 
 
+def test_the_whole_photo_is_coloured_by_its_nearest_cell():
+    # Cell centres span only the middle (a receptive field of 256 px centred at 127.5 + 32 i):
+    # the pixels beyond them take the colour of the nearest (border) cell.
+    photo = Image.new("RGB", (320, 320), (0, 0, 0))
+    scores = np.zeros((2, 3, 3), np.float32)
+    scores[1, 0, 0] = scores[1, 2, 2] = 1.0
+    geometry = Geometry(32, 32, 127.5, 127.5, 256, 256, 1.0, 320, 320)
+    pixels = np.asarray(render_heatmap(photo, result(320, 320, scores, geometry))).astype(int)
+    yellow, purple = colormap(np.array([1.0, 0.0])) * 0.55
+    assert np.abs(pixels[150, 20] - purple).max() <= 2  # left edge, row of cell (0..1, 0): cell (1, 0)
+    assert np.abs(pixels[319, 319] - yellow).max() <= 2  # bottom-right corner: cell (2, 2)
+    assert np.abs(pixels[100, 5] - yellow).max() <= 2  # far left of the top rows: cell (0, 0)
+
+
 def test_legend_is_drawn_and_the_size_is_the_photos():
-    photo = Image.new("RGB", (200, 150), (255, 255, 255))
+    photo = Image.new("RGB", (400, 300), (255, 255, 255))
     scores = np.random.default_rng(0).normal(size=(2, 4, 6)).astype(np.float32)  # logits: softmaxed
-    image = render_heatmap(photo, result(150, 200, scores, Geometry(32, 32, 16, 16, 32, 32, 1.0, 150, 200)))
-    assert image.size == (200, 150)
+    image = render_heatmap(photo, result(300, 400, scores, Geometry(64, 64, 32, 32, 64, 64, 1.0, 300, 400)))
+    assert image.size == (400, 300)
     assert np.asarray(image)[2:8, 2:60].mean() < 120  # the dark legend box in the top-left corner
+
+
+def test_a_tiny_photo_is_enlarged_so_the_legend_stays_readable():
+    photo = Image.new("RGB", (10, 12), (255, 255, 255))
+    scores = np.ones((2, 1, 1), np.float32) / 2
+    image = render_heatmap(photo, result(12, 10, scores, Geometry(32, 32, 4.5, 5.5, 224, 224, 22.4, 224, 224)))
+    factor = canvas_scale(10, 12)
+    assert factor == 26 and image.size == (10 * factor, 12 * factor) and min(image.size) >= MIN_CANVAS_SIDE
+    legend = np.asarray(image.convert("L"))[:80, :200]
+    assert (legend > 200).sum() > 100  # white legend text, not a strip of the 10-pixel photo
+    assert canvas_scale(640, 480) == 1
 
 
 def test_a_photo_that_is_not_the_scored_image_is_refused():
@@ -43,20 +68,20 @@ def test_colormap_runs_dark_to_bright():
 
 
 def test_logits_are_drawn_as_cell_probabilities():
-    photo = Image.new("RGB", (256, 128), (0, 0, 0))
+    photo = Image.new("RGB", (512, 256), (0, 0, 0))
     scores = np.zeros((2, 1, 2), np.float32)
     scores[1, 0, 0] = 50.0  # class 1 certain in cell (0, 0), a coin toss in cell (0, 1)
-    geometry = Geometry(128, 128, 64, 64, 128, 128, 1.0, 128, 256)
-    image = np.asarray(render_heatmap(photo, result(128, 256, scores, geometry))).astype(float)
+    geometry = Geometry(256, 256, 128, 128, 256, 256, 1.0, 256, 512)
+    image = np.asarray(render_heatmap(photo, result(256, 512, scores, geometry))).astype(float)
     expected = colormap(np.array([1.0, 0.5])) * 0.55
-    assert np.abs(image[100, 64] - expected[0]).max() <= 2 and np.abs(image[100, 192] - expected[1]).max() <= 2
+    assert np.abs(image[200, 128] - expected[0]).max() <= 2 and np.abs(image[200, 384] - expected[1]).max() <= 2
 
 
 def test_a_modest_probability_peak_is_stretched_from_zero_to_the_brightest_colour():
-    photo = Image.new("RGB", (256, 128), (0, 0, 0))
+    photo = Image.new("RGB", (512, 256), (0, 0, 0))
     scores = np.zeros((2, 1, 2), np.float32)
     scores[1] = [[0.3, 0.15]]  # probabilities: the peak 0.3 draws yellow, half of it mid-scale
-    geometry = Geometry(128, 128, 64, 64, 128, 128, 1.0, 128, 256)
-    image = np.asarray(render_heatmap(photo, result(128, 256, scores, geometry))).astype(float)
+    geometry = Geometry(256, 256, 128, 128, 256, 256, 1.0, 256, 512)
+    image = np.asarray(render_heatmap(photo, result(256, 512, scores, geometry))).astype(float)
     expected = colormap(np.array([1.0, 0.5])) * 0.55
-    assert np.abs(image[100, 64] - expected[0]).max() <= 2 and np.abs(image[100, 192] - expected[1]).max() <= 2
+    assert np.abs(image[200, 128] - expected[0]).max() <= 2 and np.abs(image[200, 384] - expected[1]).max() <= 2

@@ -58,3 +58,38 @@ def test_a_truncated_tensor_is_refused():
     bad = scoring_pb2.Tensor(dtype="float32", shape=[2, 2], data=b"\0" * 12)
     with pytest.raises(ValueError, match="has 12 bytes; expected 16"):
         decode_tensor(bad)
+
+
+def test_a_response_with_non_finite_values_is_never_a_success():
+    import grpc
+
+    from clients.errors import ScoremapError
+    nan_top = response()
+    nan_top.top_k[0].probability = float("nan")
+    with pytest.raises(ScoremapError, match=r"probability nan for class 1 \('b'\)") as refused:
+        result_from_response(nan_top)
+    assert refused.value.code == grpc.StatusCode.INTERNAL and "--retry-failed" in refused.value.message
+    nan_map = response()
+    values = np.zeros((2, 3, 4), np.float32)
+    values[0, 1, 1] = np.nan
+    nan_map.maps[0].scores.CopyFrom(tensor(values))
+    with pytest.raises(ScoremapError, match="1 non-finite scores in the map at scale 96"):
+        result_from_response(nan_map)
+    nan_map.shift = scoring_pb2.SHIFT_DIAGONAL  # the lattice cells no pass scored are NaN by contract
+    assert np.isnan(result_from_response(nan_map).maps[0].scores).sum() == 1
+
+
+def test_warnings_are_recorded_and_counted():
+    from clients.batch import BatchSummary
+    warned = response()
+    warned.warnings.append("the image (10x10) is far below the training size 224: enlarged 22x")
+    record = {"key": "k", "path": "/p/x.png", "status": "OK", **result_from_response(warned).to_record()}
+    assert record["warnings"] == ["the image (10x10) is far below the training size 224: enlarged 22x"]
+    summary = BatchSummary()
+    summary.add(record)
+    summary.add({**record, "key": "k2", "path": "/p/y.png",
+                 "warnings": ["the image (12x9) is far below the training size 224: enlarged 25x"]})
+    assert summary.scored == 2 and summary.warned == 2
+    [kind] = summary.warnings.values()  # one kind of warning, with its first example
+    assert kind.count == 2 and kind.example_path == "/p/x.png"
+    assert summary.to_dict()["warnings"][0]["count"] == 2

@@ -67,12 +67,14 @@ def test_a_corrupt_image_is_recorded_and_the_rest_scored(server, photos, tmp_pat
 
 
 def test_heatmaps_are_pngs_of_the_photo_size(server, photos, tmp_path):
+    from clients.heatmap import canvas_scale
     out = tmp_path / "out"
     assert main([str(photos), "--out", str(out), "--server", server, "--heatmaps", "--stride", "16",
                  "--no-progress"]) == EXIT_OK
     for record in lines(out):
         with Image.open(record["path"]) as photo, Image.open(out / record["heatmap_file"]) as heatmap:
-            assert heatmap.format == "PNG" and heatmap.size == photo.size
+            factor = canvas_scale(*photo.size)  # these photos are small: enlarged for a readable legend
+            assert heatmap.format == "PNG" and heatmap.size == (photo.width * factor, photo.height * factor)
             assert record["image_size"] == [photo.height, photo.width]
             assert np.asarray(heatmap.convert("RGB")).std() > 0
 
