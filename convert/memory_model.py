@@ -10,8 +10,9 @@ numbers it was fitted on (issue 14):
   allocator as `configure_allocator` sets it): peak RSS over the process before the session was
   weights + live peak + 6-9 MiB on EfficientNet-Lite0 dense and VGG16 dense at 224-512 px, batch
   1-4 (bench/RESULTS.md, 12 cases, predicted/measured 0.996-1.038). The CPU provider repacks
-  convolution weights in place of the originals (no copy) and keeps no per-session pool; the
-  constant is the run's workspace, the 5% the NCHWc reorders' channel padding.
+  convolution weights in place of the originals (no copy); of the 8 MiB constant, ~1 MiB stays with
+  the session between runs (the resident set a warmed-up plan of a 0.1 MiB net left: 0.6-0.9 MiB)
+  and the rest is the run's workspace; the 5% is the NCHWc reorders' channel padding.
 * CUDA (H100, onnxruntime-gpu 1.31.1, `arena_extend_strategy=kSameAsRequested`): device memory
   over the process's baseline, `CUDA_MEASUREMENTS` below. Creating a session costs the weights
   plus ~76 MiB of CUDA/cuDNN/cuBLAS handles and streams (94 MiB on EfficientNet-Lite0, whose
@@ -58,7 +59,7 @@ class ProviderTerms:
 
 PROVIDER_TERMS = {
     Device.CPU: ProviderTerms(
-        weight_copies=0.0, session_bytes=0, workspace_bytes=8 * MiB, activation_factor=1.05, keeps_run_memory=False,
+        weight_copies=0.0, session_bytes=1 * MiB, workspace_bytes=7 * MiB, activation_factor=1.05, keeps_run_memory=False,
         fitted_on="peak RSS, onnxruntime CPU provider, EfficientNet-Lite0 dense and VGG16 dense at 224/384/512 px, "
                   "batch 1 and 4 (bench/RESULTS.md): 6-9 MiB over weights + live peak",
     ),

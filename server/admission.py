@@ -49,7 +49,8 @@ from server.host_memory import HostEstimate
 
 LOG = logging.getLogger(__name__)
 PROFILE_CACHE_SIZE = 1024  # input sizes (and batch sizes) whose predictions each model remembers
-PREDICTION_TOLERANCE = 0.25  # a plan measured further than this from its prediction is logged
+PREDICTION_TOLERANCE = 0.25  # a plan measured further than this from its prediction is logged ...
+MEASUREMENT_RESOLUTION_BYTES = 4 * 2**20  # ... and by more than this: RSS moves by a few MiB on its own
 
 __all__ = ["Admission", "MemoryBudget", "PlanRecord", "admit_host", "available_memory_bytes", "format_bytes"]
 
@@ -272,7 +273,7 @@ class Admission:
             return
         expected = record.predicted.resident
         ratio = measured_bytes / expected if expected else float("inf")
-        if abs(ratio - 1) > PREDICTION_TOLERANCE:
+        if abs(ratio - 1) > PREDICTION_TOLERANCE and abs(measured_bytes - expected) > MEASUREMENT_RESOLUTION_BYTES:
             LOG.warning("%s: plan %s measured %s on %s, predicted %s (%.2fx): the memory model is off for this "
                         "model; admission uses the measurement", self.name, key, format_bytes(measured_bytes),
                         self.device.value, format_bytes(expected), ratio)
