@@ -2,7 +2,8 @@
 
 Each module measures ratios within one run (never absolute timings against a fixed bar) and
 returns a Markdown section; this runner adds the machine it ran on. Running a subset replaces
-only those modules' sections, each stamped with its own machine line.
+only those modules' sections, each stamped with its own machine line. GPU-only modules run only
+when named (`make bench-gpu`), so a CPU run never replaces their section.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import re
 import onnxruntime
 
 HERE = pathlib.Path(__file__).resolve().parent
+GPU_ONLY = ("bench_gpu",)
 
 
 def machine_line() -> str:
@@ -43,21 +45,27 @@ def read_sections(path: pathlib.Path) -> dict[str, str]:
     return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2])}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("names", nargs="*", help="bench modules to run (default: all), e.g. bench_dense")
-    parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
-    args = parser.parse_args()
-    names = args.names or sorted(p.stem for p in HERE.glob("bench_*.py"))
-    out = pathlib.Path(args.out)
+def record(new_sections: dict[str, str], out: pathlib.Path) -> None:
+    """Replace (or add) these modules' sections in `out`, each stamped with this machine."""
     sections = read_sections(out)
-    for name in names:
-        print(f"running {name} ...", flush=True)
-        section = importlib.import_module(f"bench.{name}").run()
-        print(section, flush=True)
+    for name, section in new_sections.items():
         sections[name] = f"{section.strip()}\n\nMachine: {machine_line()}"
     body = "\n\n".join(f"<!-- {name} -->\n{sections[name]}" for name in sorted(sections))
     out.write_text("# Benchmark results\n\n" + body + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("names", nargs="*", help="bench modules to run (default: all but GPU-only), e.g. bench_server")
+    parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    args = parser.parse_args()
+    names = args.names or sorted(p.stem for p in HERE.glob("bench_*.py") if p.stem not in GPU_ONLY)
+    sections = {}
+    for name in names:
+        print(f"running {name} ...", flush=True)
+        sections[name] = importlib.import_module(f"bench.{name}").run()
+        print(sections[name], flush=True)
+    record(sections, pathlib.Path(args.out))
     print(f"wrote {args.out}")
 
 

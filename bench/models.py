@@ -14,6 +14,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from convert import convert_classifier
+from convert.card import Preprocessing
 
 NULL_CLASSES = 1000  # as many as the default model, so responses are as large
 NULL_TRAINING_SIZE = 32
@@ -47,9 +48,13 @@ def null_classifier() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
 
 
-def null_model(folder: str | pathlib.Path) -> str:
-    """The null classifier through the real converter (a dense stride-32 graph with its card), saved in `folder`."""
-    path = pathlib.Path(folder) / "null.onnx"
+def null_model(folder: str | pathlib.Path, *, output_stride: int = 32) -> str:
+    """The null classifier through the real converter (a dense graph with its card), saved in `folder`."""
+    name = f"null-os{output_stride}"
+    path = pathlib.Path(folder) / f"{name}.onnx"
     if not path.exists():
-        onnx.save(convert_classifier(null_classifier(), name="null"), path)
+        # The default model's normalisation, so the device graph does the same work as for it.
+        preprocessing = Preprocessing(mean=[127.0] * 3, std=[128.0] * 3)
+        onnx.save(convert_classifier(null_classifier(), name=name, output_stride=output_stride,
+                                     preprocessing=preprocessing), path)
     return str(path)

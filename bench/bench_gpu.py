@@ -1,0 +1,341 @@
+"""`make bench-gpu`: the GPU engine against issue 9's targets, on the machine it runs on.
+
+Runs only where onnxruntime's CUDAExecutionProvider really loads (a session is made and its
+providers read back); elsewhere it says why and exits 0 without touching bench/RESULTS.md.
+`--dry-run` runs every measurement on the CPU with null models and short levels, so the
+benchmark is known to work on a machine without a GPU; it prints the section and writes nothing.
+
+Measured (default model, samples/cat.jpg, scale 384):
+- device-bound images/s per plan: the server's Plan (server/plans.py: uint8 canvases copied in,
+  probabilities copied back, IO binding) in a tight loop, against a bare onnxruntime loop on the
+  same graph whose inputs and outputs stay on the device; target >= 80%.
+- requests/s, p50, p99 and the longest request at 1/4/16/64 clients, 4-pass grid and à trous,
+  batching on (the GPU default) and off (max batch 1), through gRPC (create_server and
+  clients.loadtest's closed loop) and in-process (Pipeline.score from as many threads).
+Targets on an H100: >= 500 req/s at 16 clients, >= 100 req/s at 1 client with p50 <= 10 ms,
+p99 <= 50 ms at 16 clients, no request over 100 ms after warm-up, batching on never slower than off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+import numpy as np
+import onnx
+import onnxruntime
+from onnx import TensorProto, helper
+
+from bench.__main__ import record
+from bench.bench_memory import gpu_section
+from bench.models import converted, null_model
+from clients.latency import LevelReport, Sample, summarise
+from clients.loadtest import LevelPlan, LoadLimits, closed_loop
+from convert.card import read_card
+from protos import scoring_pb2, scoring_pb2_grpc
+from server import buckets, dense
+from server.device_graph import LATTICE, PIXELS, PROBABILITIES, VALID, build_plan_graph, lattice_cells
+from server.engine import Engine, cuda_device_present
+from server.errors import ScoringError
+from server.main import create_server
+from server.pipeline import Pipeline
+from server.plans import Plan, PlanKey
+from server.settings import Settings
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "samples" / "cat.jpg"
+CUDA = "CUDAExecutionProvider"
+SCALE = 384
+RESIZED = (384, 576)  # cat.jpg (300 x 451) at scale 384, sides multiples of 32
+TIMEOUT_S = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """How long and how hard to measure; `--dry-run` shrinks it to seconds on the CPU."""
+
+    clients: tuple[int, ...] = (1, 4, 16, 64)
+    level_seconds: float = 5.0
+    batches: tuple[int, ...] = (1, 8, 32)
+    device_seconds: float = 2.0
+    max_requests: int = 100_000
+    warm_up: bool = True  # False only to check the benchmark itself quickly: plans are then made on first use
+
+
+DRY_RUN = Config(clients=(1, 4), level_seconds=0.3, batches=(1, 2), device_seconds=0.2, max_requests=200)
+TARGETS = {"device_ratio": 0.8, "rps_16": 500.0, "rps_1": 100.0, "p50_1_ms": 10.0, "p99_16_ms": 50.0, "max_ms": 100.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """One way to a stride-16 map: the model file and what a request asks of it."""
+
+    name: str
+    model: str
+    shift: int
+
+
+def cuda_unavailable() -> str | None:
+    """Why this machine cannot run the GPU benchmark, or None when a CUDA session really runs."""
+    available = onnxruntime.get_available_providers()
+    if CUDA not in available:
+        return (f"onnxruntime {onnxruntime.__version__} has no {CUDA} (available: {', '.join(available)}); "
+                "install onnxruntime-gpu on a machine with an NVIDIA GPU")
+    if not cuda_device_present():  # asking for CUDA without one logs a loud error before falling back
+        return f"no CUDA device or CUDA runtime library on this machine ({CUDA} is compiled in)"
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "probe",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 4
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=[CUDA])
+    if session.get_providers()[0] != CUDA:
+        return (f"{CUDA} is compiled in but a session runs on {session.get_providers()[0]}: no CUDA device, or a "
+                "CUDA/cuDNN library failed to load (`python -c 'import onnxruntime; onnxruntime.print_debug_info()'`)")
+    return None
+
+
+def machine() -> str:
+    """The GPU, its driver and onnxruntime, in one line."""
+    try:
+        query = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30, check=True)
+        gpu = "; ".join(line.strip() for line in query.stdout.splitlines() if line.strip())
+    except (OSError, subprocess.SubprocessError) as error:
+        gpu = f"no nvidia-smi ({error.__class__.__name__})"
+    return f"GPU: {gpu} (name, driver); onnxruntime {onnxruntime.__version__} from {onnxruntime.__file__}"
+
+
+# --- device-bound images/s per plan ------------------------------------------------------------
+def loop_rate(step: Callable[[], None], *, seconds: float) -> float:
+    """Calls per second of `step` in a tight loop for about `seconds`, after one untimed call."""
+    step()
+    calls, started = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - started) < seconds or calls < 3:
+        step()
+        calls += 1
+    return calls / elapsed
+
+
+def bare_step(graph: onnx.ModelProto, feeds: dict[str, np.ndarray], *, on_gpu: bool) -> Callable[[], None]:
+    """A plain onnxruntime session of `graph`: on the GPU inputs and outputs stay on the device."""
+    providers = [CUDA] if on_gpu else ["CPUExecutionProvider"]
+    session = onnxruntime.InferenceSession(graph.SerializeToString(), providers=providers)
+    if not on_gpu:
+        return lambda: session.run([PROBABILITIES], feeds)
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        binding.bind_ortvalue_input(name, onnxruntime.OrtValue.ortvalue_from_numpy(value, "cuda", 0))
+    for name in (LATTICE, PROBABILITIES):
+        binding.bind_output(name, "cuda")
+    return lambda: session.run_with_iobinding(binding)
+
+
+def device_bound(scheme: Scheme, *, batch: int, engine: Engine, seconds: float) -> tuple[str, float, float]:
+    """(plan, images/s through the server's Plan, images/s of the bare loop) for one plan shape."""
+    net = onnx.load(scheme.model)
+    card = read_card(net)
+    passes = dense.plan_passes(native_stride=card.output_stride, output_stride=16, shift=scheme.shift)
+    height, width = buckets.on_demand_canvas(*RESIZED, slack=passes.slack, multiple=card.size_multiple)
+    graph = build_plan_graph(net, card, batch=batch, height=height, width=width, offsets=passes.offsets,
+                             factor=passes.factor, stride=passes.stride)
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (batch, height, width, 3), dtype=np.uint8)
+    valid = np.ones((batch, *lattice_cells(graph)), dtype=np.float32)
+    plan = Plan(PlanKey(height, width, batch, passes), engine.session(graph.SerializeToString()), on_gpu=engine.on_gpu)
+    served = loop_rate(lambda: plan.run(pixels, valid, lattice=False), seconds=seconds)
+    bare = loop_rate(bare_step(graph, {PIXELS: pixels, VALID: valid}, on_gpu=engine.on_gpu), seconds=seconds)
+    label = f"{scheme.name}: batch {batch} x {height}x{width} x {len(passes.offsets)} passes"
+    return label, batch * served, batch * bare
+
+
+# --- requests/s under concurrency -----------------------------------------------------------
+def in_process_loop(pipeline: Pipeline, request: scoring_pb2.ScoreRequest, *, concurrency: int,
+                    seconds: float, max_requests: int) -> LevelReport:
+    """clients.loadtest's closed loop, with Pipeline.score in place of the gRPC stub."""
+    samples: list[Sample] = []
+    lock = threading.Lock()
+    sent = 0
+    started = time.perf_counter()
+
+    def caller() -> None:
+        nonlocal sent
+        while True:
+            with lock:
+                if sent >= max_requests or time.perf_counter() - started >= seconds:
+                    return
+                sent += 1
+            began = time.perf_counter()
+            try:
+                pipeline.score(request, deadline=time.monotonic() + TIMEOUT_S)
+                status = "OK"
+            except ScoringError as error:
+                status = error.code.name
+            done = time.perf_counter()
+            with lock:
+                samples.append(Sample(done, done - began, status))
+
+    threads = [threading.Thread(target=caller) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return summarise("in-process", concurrency, samples, sent=sent, start_s=started, end_s=time.perf_counter())
+
+
+def score_request(scheme: Scheme) -> scoring_pb2.ScoreRequest:
+    """cat.jpg at scale 384, stride 16 by the scheme's passes, image-level top-5 only."""
+    return scoring_pb2.ScoreRequest(encoded=SAMPLE.read_bytes(), scales=[SCALE], output_stride=16, shift=scheme.shift)
+
+
+def served(scheme: Scheme, settings: Settings, config: Config) -> list[LevelReport]:
+    """Every concurrency level through gRPC, then in-process, on one warmed-up server."""
+    request = score_request(scheme)
+    server, port = create_server([scheme.model], settings=settings)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)])
+    stub = scoring_pb2_grpc.DenseScoringStub(channel)
+    try:
+        level = LevelPlan(duration_s=config.level_seconds, max_requests=config.max_requests, timeout_s=TIMEOUT_S)
+        reports = [closed_loop(stub, [request], concurrency=clients, plan=level, limits=LoadLimits())
+                   for clients in config.clients]
+        reports += [in_process_loop(server.pipeline, request, concurrency=clients, seconds=config.level_seconds,
+                                    max_requests=config.max_requests) for clients in config.clients]
+    finally:
+        channel.close()
+        server.stop(0).wait(30)
+    return reports
+
+
+# --- the section ----------------------------------------------------------------------------
+PATHS = {"closed": "gRPC", "in-process": "in-process"}  # a LevelReport's mode -> the path it measured
+
+
+def report_rows(scheme: str, batching: str, reports: Sequence[LevelReport]) -> list[str]:
+    rows = []
+    for r in reports:
+        errors = ", ".join(f"{code} {count}" for code, count in r.errors.items()) or "-"
+        rows.append(f"| {scheme} | {batching} | {PATHS[r.mode]} | {r.level:g} | {r.throughput_rps:.1f} | {r.p50_ms:.1f} | "
+                    f"{r.p99_ms:.1f} | {r.max_ms:.1f} | {errors} |")
+    return rows
+
+
+def verdicts(device: list[tuple[str, float, float]], results: dict[tuple[str, str], list[LevelReport]]) -> list[str]:
+    """One line per issue 9 target: measured value, met or missed."""
+    def grpc_level(scheme: str, batching: str, clients: int) -> LevelReport | None:
+        return next((r for r in results.get((scheme, batching), []) if r.mode == "closed" and r.level == clients), None)
+
+    def line(text: str, ok: bool) -> str:
+        return f"- {text}: {'met' if ok else 'missed'}"
+
+    lines = []
+    worst = min(plan / bare for _, plan, bare in device)
+    lines.append(line(f"device-bound plan >= {TARGETS['device_ratio']:.0%} of the bare loop (worst {worst:.0%})",
+                      worst >= TARGETS["device_ratio"]))
+    for scheme in sorted({s for s, _ in results}):
+        on16, off16 = grpc_level(scheme, "on", 16), grpc_level(scheme, "off", 16)
+        one = grpc_level(scheme, "on", 1)
+        if on16:
+            lines.append(line(f"{scheme}: >= {TARGETS['rps_16']:.0f} req/s at 16 clients ({on16.throughput_rps:.0f})",
+                              on16.throughput_rps >= TARGETS["rps_16"]))
+            lines.append(line(f"{scheme}: p99 <= {TARGETS['p99_16_ms']:.0f} ms at 16 clients ({on16.p99_ms:.1f})",
+                              on16.p99_ms <= TARGETS["p99_16_ms"]))
+        if one:
+            lines.append(line(f"{scheme}: >= {TARGETS['rps_1']:.0f} req/s at 1 client with p50 <= "
+                              f"{TARGETS['p50_1_ms']:.0f} ms ({one.throughput_rps:.0f} req/s, p50 {one.p50_ms:.1f} ms)",
+                              one.throughput_rps >= TARGETS["rps_1"] and one.p50_ms <= TARGETS["p50_1_ms"]))
+        longest = max(r.max_ms for b in ("on", "off") for r in results.get((scheme, b), []))
+        lines.append(line(f"{scheme}: no request over {TARGETS['max_ms']:.0f} ms after warm-up (longest {longest:.1f})",
+                          longest <= TARGETS["max_ms"]))
+        pairs = [(grpc_level(scheme, "on", c), grpc_level(scheme, "off", c)) for c in sorted({r.level for r in
+                 results.get((scheme, "on"), [])})]
+        slower = [int(on.level) for on, off in pairs if on and off and on.throughput_rps < off.throughput_rps]
+        lines.append(line(f"{scheme}: batching on never slower than off (slower at clients: {slower or 'none'})",
+                          not slower))
+    return lines
+
+
+def measure(folder: str, config: Config, *, dry_run: bool) -> str:
+    if dry_run:
+        schemes = [Scheme("grid", null_model(folder), scoring_pb2.SHIFT_GRID),
+                   Scheme("à trous", null_model(folder, output_stride=16), scoring_pb2.SHIFT_ATROUS)]
+    else:
+        schemes = [Scheme("grid", converted(folder, output_stride=32), scoring_pb2.SHIFT_GRID),
+                   Scheme("à trous", converted(folder, output_stride=16), scoring_pb2.SHIFT_ATROUS)]
+    base = Settings(warm_up=config.warm_up, warm_up_scales=(SCALE,), provider="cpu" if dry_run else "cuda",
+                    require_gpu=not dry_run)
+    engine = Engine(base)
+    device = [device_bound(s, batch=b, engine=engine, seconds=config.device_seconds)
+              for s in schemes for b in config.batches]
+    modes = {"on": base, "off": dataclasses.replace(base, max_batch=1)}
+    results = {(s.name, mode): served(s, settings, config) for s in schemes for mode, settings in modes.items()}
+    title = "## GPU engine (bench_gpu)" + (" — DRY RUN on the CPU with null models, not a measurement" if dry_run else "")
+    lines = [
+        title,
+        "",
+        machine(),
+        "",
+        f"{'Null models' if dry_run else 'EfficientNet-Lite0 (stride 32 for the grid, --output-stride 16 for à trous)'}, "
+        f"samples/cat.jpg at scale {SCALE} ({RESIZED[0]}x{RESIZED[1]}), stride 16, top-5 only.",
+        "",
+        "Device-bound images/s per plan (the server's Plan with uint8 in and probabilities back, vs a bare "
+        "onnxruntime loop on the same graph with inputs and outputs on the device):",
+        "",
+        "| plan | Plan img/s | bare img/s | Plan / bare |",
+        "|---|---|---|---|",
+        *[f"| {label} | {plan:.0f} | {bare:.0f} | {plan / bare:.0%} |" for label, plan, bare in device],
+        "",
+        f"Closed loop, {config.level_seconds:g} s per level, after the server reported SERVING (its warm-up done); "
+        "gRPC on localhost (clients.loadtest's closed loop, its own warm-up requests first) and in-process "
+        "(Pipeline.score from as many threads); max = the longest request:",
+        "",
+        "| scheme | batching | path | clients | req/s | p50 ms | p99 ms | max ms | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *[row for (scheme, mode), reports in results.items() for row in report_rows(scheme, mode, reports)],
+        "",
+        "Issue 9 targets:",
+        "",
+        *verdicts(device, results),
+        "",
+        gpu_section(),
+    ]
+    return "\n".join(lines)
+
+
+def run(*, dry_run: bool = False, config: Config | None = None) -> str:
+    """The section (GPU, or dry run on the CPU); raises RuntimeError when no GPU run is possible."""
+    if not dry_run and (reason := cuda_unavailable()):
+        raise RuntimeError(reason)
+    with tempfile.TemporaryDirectory() as folder:
+        return measure(folder, config or (DRY_RUN if dry_run else Config()), dry_run=dry_run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run every step on the CPU with null models and short levels; print, write nothing")
+    parser.add_argument("--level-seconds", type=float, default=Config.level_seconds, help="seconds per load level")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "RESULTS.md"), help="results file to update")
+    args = parser.parse_args(argv)
+    if not args.dry_run and (reason := cuda_unavailable()):
+        print(f"bench-gpu: not run: {reason}")
+        return 0
+    config = DRY_RUN if args.dry_run else dataclasses.replace(Config(), level_seconds=args.level_seconds)
+    section = run(dry_run=args.dry_run, config=config)
+    print(section)
+    if not args.dry_run:
+        record({"bench_gpu": section}, pathlib.Path(args.out))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
