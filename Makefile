@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL := models/default.onnx
 
-.PHONY: setup protos test demo bench clean
+.PHONY: setup protos test demo bench bench-gpu clean
 
 setup: $(BIN)/scoremap-convert
 
@@ -28,6 +28,11 @@ demo: setup
 
 bench: setup
 	$(BIN)/python -m bench
+
+# Needs onnxruntime's CUDA provider really loading; elsewhere it says why and exits 0.
+# `$(BIN)/python -m bench.bench_gpu --dry-run` checks it on the CPU in seconds.
+bench-gpu: setup
+	$(BIN)/python -m bench.bench_gpu
 
 clean:
 	rm -rf $(VENV) models out *.egg-info
