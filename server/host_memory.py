@@ -8,9 +8,10 @@ copy the pipeline holds at once; admission refuses, with the numbers, a request 
 exceeds `Settings.max_request_host_bytes` (server.admission.admit_host). The request limits' defaults (`max_image_pixels`,
 `max_scales`, `max_resized_pixels`) are set so that the worst single request fits: `worst_request`.
 
-How a pipeline holds a scale is a `HostPath`: `HOST_PASSES` is the path that normalises and cuts
-passes on the host (float32 inputs, a score map per pass), `DEVICE_PASSES` the one that sends one
-uint8 canvas per scale and makes passes, lattice and probabilities on the device (issue 9).
+How a pipeline holds a scale is a `HostPath`: `DEVICE_PASSES` is the server's (one uint8 canvas per
+scale and orientation; passes, lattice and probabilities made on the device, issue 9);
+`HOST_PASSES` the pipeline before it (float32 inputs and a score map per shifted pass on the host),
+which the default limits would let reach 5 GiB: what the device path saves.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ RGB = 3
 # Bytes per pixel of the largest decoded mode PIL hands over before the RGB conversion (RGBA, CMYK,
 # 32-bit integer grey); the RGB copy comes on top.
 DECODED_BYTES_PER_PIXEL = 4
+INPUT_COPIES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +41,7 @@ class HostPath:
 
     name: str
     input_itemsize: int   # bytes per value of the model inputs built on the host
-    inputs_per_pass: bool  # one input per pass (shifts x flips) on the host, else one per scale
+    inputs_per_pass: bool  # one input per pass (shift) on the host, else one per scale (and orientation)
     maps_per_pass: bool    # a score map per pass comes back to the host, else one lattice per flip
 
 
@@ -53,7 +55,7 @@ class HostEstimate:
 
     encoded: int   # the request's image bytes
     decoded: int   # the decoded image and its RGB copy
-    resized: int   # one uint8 RGB image per scale
+    resized: int   # one uint8 RGB image per scale and orientation
     inputs: int    # model inputs built on the host
     maps: int      # score maps back from the model, the lattices, their flip average and the response
 
@@ -89,7 +91,7 @@ def estimate_request(
     classes: int,
     native_stride: int,
     output_stride: int,
-    path: HostPath = HOST_PASSES,
+    path: HostPath = DEVICE_PASSES,
 ) -> HostEstimate:
     """The host memory of one request, from what is known before decoding.
 
@@ -98,8 +100,9 @@ def estimate_request(
     height, width = image_size
     orientations = 2 if flip else 1
     pixels = [h * w for h, w in resized_sizes]
-    per_pass_inputs = passes * orientations if path.inputs_per_pass else 1
-    inputs = sum(p * RGB * path.input_itemsize * per_pass_inputs for p in pixels)
+    # Each input is held twice: as built (a window, a canvas) and stacked into its batch.
+    per_scale_inputs = INPUT_COPIES * orientations * (passes if path.inputs_per_pass else 1)
+    inputs = sum(p * RGB * path.input_itemsize * per_scale_inputs for p in pixels)
     # A lattice per orientation, their average, and the response's bytes of it.
     lattices = sum(classes * FLOAT32 * math.ceil(p / output_stride**2) for p in pixels) * (orientations + 2)
     pass_maps = (sum(classes * FLOAT32 * math.ceil(p / native_stride**2) for p in pixels) * passes * orientations
@@ -107,14 +110,14 @@ def estimate_request(
     return HostEstimate(
         encoded=encoded_bytes,
         decoded=height * width * (DECODED_BYTES_PER_PIXEL + RGB),
-        resized=sum(p * RGB for p in pixels),
+        resized=sum(p * RGB for p in pixels) * orientations,  # and its mirror image
         inputs=inputs,
         maps=pass_maps + lattices,
     )
 
 
 def worst_request(*, max_image_pixels: int, max_scales: int, max_resized_pixels: int, classes: int = 1000,
-                  native_stride: int = 32, path: HostPath = HOST_PASSES) -> HostEstimate:
+                  native_stride: int = 32, path: HostPath = DEVICE_PASSES) -> HostEstimate:
     """The largest request the limits let through: the largest image, every scale at the largest
     resized size, 4 shifted passes (stride 16 from a stride-32 net) and flip."""
     side = int(math.isqrt(max_resized_pixels))

@@ -193,10 +193,11 @@ def test_the_default_limits_let_no_request_past_the_host_budget():
     from server.settings import Settings
 
     settings = Settings()
-    for path in (HOST_PASSES, DEVICE_PASSES):
-        worst = worst_request(max_image_pixels=settings.max_image_pixels, max_scales=settings.max_scales,
-                              max_resized_pixels=settings.max_resized_pixels, path=path)
-        assert worst.total <= settings.max_request_host_bytes, (path.name, worst.describe())
+    limits = dict(max_image_pixels=settings.max_image_pixels, max_scales=settings.max_scales,
+                  max_resized_pixels=settings.max_resized_pixels)
+    worst = worst_request(**limits, path=DEVICE_PASSES)  # the server's path: passes made on the device
+    assert worst.total <= settings.max_request_host_bytes, worst.describe()
+    assert worst_request(**limits, path=HOST_PASSES).total > settings.max_request_host_bytes  # cut on the host
 
 
 def test_a_request_too_large_for_host_memory_is_refused_before_decoding():
@@ -207,7 +208,7 @@ def test_a_request_too_large_for_host_memory_is_refused_before_decoding():
 
     from server.admission import admit_host
     from server.errors import ScoringError
-    from server.host_memory import estimate_request, image_header
+    from server.host_memory import HOST_PASSES, estimate_request, image_header
 
     buffer = io.BytesIO()
     Image.new("RGB", (4000, 3000)).save(buffer, format="PNG")
@@ -215,8 +216,9 @@ def test_a_request_too_large_for_host_memory_is_refused_before_decoding():
     assert image_header(b"not an image") is None
     sizes = [(1536, 2048), (2304, 3072)]
     estimate = estimate_request(encoded_bytes=len(buffer.getvalue()), image_size=(3000, 4000), resized_sizes=sizes,
-                                passes=4, flip=True, classes=1000, native_stride=32, output_stride=16)
-    inputs = sum(h * w for h, w in sizes) * 3 * 4 * 8  # float32 RGB, 4 passes x 2 orientations
+                                passes=4, flip=True, classes=1000, native_stride=32, output_stride=16,
+                                path=HOST_PASSES)
+    inputs = sum(h * w for h, w in sizes) * 3 * 4 * 8 * 2  # float32 RGB, 4 passes x 2 orientations, each stacked
     assert estimate.inputs == inputs and estimate.decoded == 3000 * 4000 * 7
     with pytest.raises(ScoringError) as caught:
         admit_host(estimate, limit_bytes=inputs)
