@@ -118,7 +118,7 @@ def render_heatmap(photo: Image.Image, result: ScoreResult) -> Image.Image:
     colours = colormap(values)[rows][:, cols].astype(np.float64)
     pixels = np.asarray(canvas).astype(np.float64)
     blended = Image.fromarray(np.round(pixels * (1 - OVERLAY_ALPHA) + colours * OVERLAY_ALPHA).astype(np.uint8), "RGB")
-    notes = (f"{g.stride_x:g} px cells, each sees {g.box_width:g} px", "a pixel shows its nearest cell")
+    notes = (f"{g.stride_x:.3g} px cells, each sees {g.box_width:.3g} px", "a pixel shows its nearest cell")
     _draw_legend(blended, f"{top.label}  p={top.probability:.2f}", low, high, notes)
     return blended
 
