@@ -21,10 +21,12 @@ from convert.preprocessing import normalize, to_layout
 from server.device_graph import (
     LATTICE, LATTICE_FP16, PIXELS, PROBABILITIES, VALID, DeviceGraphError, build_plan_graph, lattice_cells,
 )
+from server.engine import cuda_device_present
 from tests.tiny_models import coordinate_net, heavy_net, patch_net
 
 CUDA = "CUDAExecutionProvider"
-PROVIDERS = [CUDA, "CPUExecutionProvider"] if CUDA in onnxruntime.get_available_providers() else ["CPUExecutionProvider"]
+ON_GPU = CUDA in onnxruntime.get_available_providers() and cuda_device_present()
+PROVIDERS = [CUDA, "CPUExecutionProvider"] if ON_GPU else ["CPUExecutionProvider"]
 S = 16  # the lattice stride of a stride-32 net's factor-2 plans
 GRID = ((0, 0), (0, S), (S, 0), (S, S))
 DIAGONAL = ((0, 0), (S, S))
@@ -235,3 +237,15 @@ def test_a_card_naming_an_input_the_net_lacks_is_refused():
     card.preprocessing.input_name = "images"
     with pytest.raises(DeviceGraphError, match="no input 'images'"):
         build_plan_graph(net, card, batch=1, height=64, width=64, offsets=((0, 0),), factor=1, stride=32)
+
+
+@pytest.mark.parametrize("fixture, offsets, factor", [
+    ("default_model_path", GRID, 2), ("default_model_os16_path", ((0, 0),), 1),
+], ids=["default-grid", "default-atrous"])
+def test_the_default_model(request, fixture, offsets, factor):
+    """EfficientNet-Lite0 (BatchNorm folded, 'SAME' pads, 1000 logits) wrapped as the server runs it."""
+    net = onnx.load(request.getfixturevalue(fixture))
+    outputs, (lattice, probabilities, _), running, _ = run_plan(
+        net, batch=1, height=256, width=288, offsets=offsets, factor=factor, stride=S, drop=0.2)
+    assert_close(outputs[LATTICE], lattice, on=running)
+    assert_close(outputs[PROBABILITIES], probabilities, on=running)
