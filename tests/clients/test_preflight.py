@@ -66,3 +66,12 @@ def test_a_run_wide_mistake_stops_the_run_before_any_record(two_models, photos, 
     assert not read_records(out / "results.jsonl")
     assert main([str(photos), "--out", str(out), "--server", two_models, "--model", "tiny2", "--no-progress"]) == 0
     assert {r["model"] for r in read_records(out / "results.jsonl").values()} == {"tiny2"}
+
+
+@pytest.mark.parametrize("option, value, words", [("--stride", "8", "gives strides"), ("--scales", "99999", "takes scales")])
+def test_a_stride_or_scale_the_model_cannot_take_is_one_message(server, photos, tmp_path, caplog, option, value, words):
+    out = tmp_path / "out"
+    assert main([str(photos), "--out", str(out), "--server", server, option, value, "--no-progress"]) == EXIT_USAGE
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and words in errors[0], errors
+    assert not read_records(out / "results.jsonl")

@@ -276,3 +276,16 @@ def test_version_and_help_without_the_heavy_imports():
                  "sys.stderr.write(repr(heavy))")
         helped = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True)
         assert "usage:" in helped.stdout and helped.stderr.strip() == "[]", helped.stderr
+
+
+def test_server_warnings_are_recorded_and_counted(server, tmp_path, capsys):
+    photos = tmp_path / "tiny"
+    photos.mkdir()
+    for n in range(2):
+        Image.new("RGB", (4 + n, 4), (200, 100, 50)).save(photos / f"speck{n}.png")
+    out = tmp_path / "out"
+    assert main([str(photos), "--out", str(out), "--server", server, "--no-progress"]) == EXIT_OK
+    records = lines(out)
+    assert all(r["status"] == "OK" and "far below" in r["warnings"][0] for r in records)
+    printed = capsys.readouterr().out
+    assert re.search(r"scored with warnings\s+2\n", printed) and "warnings (1 distinct):" in printed, printed
