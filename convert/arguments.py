@@ -1,10 +1,15 @@
-"""argparse value types shared by the convert package's command lines."""
+"""Option values the convert package accepts, and argparse types for them (light: `--help` imports only this)."""
 
 from __future__ import annotations
 
 import argparse
 
-__all__ = ["size_pair"]
+__all__ = ["DEFAULT_OUTPUT_STRIDE", "SUPPORTED_OUTPUT_STRIDES", "size_pair"]
+
+# Native stride when a caller asks for none finer: one cell per 32 px, the classic dense evaluation.
+DEFAULT_OUTPUT_STRIDE = 32
+# The strides the à trous rewrite can produce (each halving dilates everything after it by 2).
+SUPPORTED_OUTPUT_STRIDES = (32, 16, 8)
 
 
 def size_pair(text: str) -> tuple[int, int]:

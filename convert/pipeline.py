@@ -1,4 +1,4 @@
-"""convert_classifier: source → ONNX → cleanup → surgery → (à trous) → verification → model card."""
+"""convert_classifier: source → ONNX → normalisation → surgery → (à trous) → verification → model card."""
 
 from __future__ import annotations
 
@@ -6,11 +6,24 @@ import logging
 
 import onnx
 
+from convert.arguments import DEFAULT_OUTPUT_STRIDE, SUPPORTED_OUTPUT_STRIDES
 from convert.atrous import atrous
-from convert.card import ChannelOrder, InputDtype, Layout, ModelCard, Precision, ReceptiveField, batch_shape, channel_axis, spatial_axes, write_card
-from convert.cleanup import cleanup
-from convert.errors import ConversionError
+from convert.card import (
+    ChannelOrder,
+    InputDtype,
+    Layout,
+    ModelCard,
+    Precision,
+    ReceptiveField,
+    batch_shape,
+    channel_axis,
+    spatial_axes,
+    write_card,
+)
+from convert.errors import ConversionError, UsageError
 from convert.graph import input_dims, real_inputs
+from convert.normalize import normalize, runnable
+from convert.presets import PRESETS
 from convert.receptive_field import output_field
 from convert.sources import load_source
 from convert.surgery import SCORES, fully_convolutional
@@ -19,10 +32,6 @@ from protos.model_card_pb2 import Preprocessing
 
 log = logging.getLogger(__name__)
 
-# Native stride when a caller asks for none finer: one cell per 32 px, the classic dense evaluation.
-DEFAULT_OUTPUT_STRIDE = 32
-# The strides the à trous rewrite can produce (each halving dilates everything after it by 2).
-SUPPORTED_OUTPUT_STRIDES = (32, 16, 8)
 # default_scale for sources that do not say: the default model's 384/224, rounded to the stride.
 DEFAULT_SCALE_RATIO = 384 / 224
 ONNX_DTYPES = {onnx.TensorProto.FLOAT: InputDtype.INPUT_DTYPE_FLOAT32, onnx.TensorProto.FLOAT16: InputDtype.INPUT_DTYPE_FLOAT16,
@@ -44,13 +53,15 @@ def convert_classifier(
     """The classifier `source` as a verified dense scorer with its model card; raises ConversionError.
 
     `output_stride` is the finest spacing of cells wanted: a net whose native stride is coarser
-    gets the à trous rewrite (16 or 8), a net already finer keeps its own.
+    gets the à trous rewrite (16 or 8), a net already finer keeps its own. `preprocessing` is
+    required unless the source carries its own (the default model) or the input is uint8 pixels:
+    see convert.presets; a single mean or std value stands for every channel.
     """
     if output_stride not in SUPPORTED_OUTPUT_STRIDES:
-        raise ConversionError(f"output stride {output_stride} is not supported; expected one of {SUPPORTED_OUTPUT_STRIDES}")
+        raise UsageError(f"output stride {output_stride} is not supported; expected one of {SUPPORTED_OUTPUT_STRIDES}")
     size = None if training_size is None else (training_size, training_size) if isinstance(training_size, int) else tuple(training_size)
     loaded = load_source(source, training_size=size, state_dict=state_dict)
-    original = loaded.model
+    original = runnable(loaded.model)
     images = real_inputs(original.graph)
     if len(images) != 1:
         raise ConversionError(f"expected a classifier with one image input, got {len(images)}: {[v.name for v in images]}")
@@ -63,18 +74,11 @@ def convert_classifier(
     channels = input_dims(image)[channel_axis(layout)]
     if not isinstance(channels, int) or channels <= 0:
         raise ConversionError(f"input {image.name!r} has a symbolic channel count {channels!r}; expected a fixed number of channels")
-    prep = Preprocessing()
-    prep.CopyFrom(preprocessing or loaded.preprocessing or identity_preprocessing(channels))
-    prep.input_name, prep.layout, prep.dtype = image.name, layout, dtype
-    prep.channel_order = prep.channel_order or ChannelOrder.CHANNEL_ORDER_RGB
-    for field_name in ("mean", "std"):
-        values = list(getattr(prep, field_name))
-        if len(values) != channels:
-            raise ConversionError(f"preprocessing {field_name} has {len(values)} values {values}; the input has {channels} channels")
+    prep = image_preprocessing(preprocessing or loaded.preprocessing, image=image, layout=layout, dtype=dtype, channels=channels)
     batch_one = batch_shape(layout, batch=1, channels=channels, height=size[0], width=size[1])
 
-    cleaned = cleanup(original, input_shape=batch_one)
-    dense, head = fully_convolutional(cleaned, training_size=size, layout=layout)
+    model = normalize(original, input_shape=batch_one)
+    dense, head = fully_convolutional(model, training_size=size, layout=layout)
     native = output_field(dense, input_shape=batch_one, layout=layout).jump[0]
     dense = atrous(dense, output_stride=output_stride, input_shape=batch_one, layout=layout)
     field = output_field(dense, input_shape=batch_one, layout=layout)
@@ -127,9 +131,31 @@ def resolve_training_size(image: onnx.ValueInfoProto, *, layout: int, given: tup
     raise ConversionError(f"input {image.name!r} has symbolic size {spatial}: cannot prove the training size; pass it (--training-size)")
 
 
-def identity_preprocessing(channels: int) -> Preprocessing:
-    """What a bare ONNX file says about preprocessing: nothing, so raw 0..255 values until told otherwise."""
-    return Preprocessing(channel_order=ChannelOrder.CHANNEL_ORDER_RGB, pixel_scale=1.0, mean=[0.0] * channels, std=[1.0] * channels, resize_filter="bilinear")
+def image_preprocessing(given: Preprocessing | None, *, image: onnx.ValueInfoProto, layout: int, dtype: int,
+                        channels: int) -> Preprocessing:
+    """The card's preprocessing: the given one completed with the input's name, layout and dtype.
+
+    A float input with none given is refused: raw pixels into a net trained on normalised input
+    score confidently and wrongly. uint8 pixels take none (the graph normalises them itself)."""
+    if given is None and dtype != InputDtype.INPUT_DTYPE_UINT8:
+        raise UsageError(
+            f"input {image.name!r} takes floats, and the classifier does not say how pixels were normalised in training; "
+            f"choose a preprocessing: one of {sorted(PRESETS)} (--preprocessing NAME), or --mean/--std/--pixel-scale "
+            "(--preprocessing raw keeps 0..255)")
+    prep = Preprocessing(channel_order=ChannelOrder.CHANNEL_ORDER_RGB, pixel_scale=1.0, resize_filter="bilinear")
+    if given is not None:
+        prep.MergeFrom(given)
+    prep.input_name, prep.layout, prep.dtype = image.name, layout, dtype
+    for field_name, neutral in (("mean", 0.0), ("std", 1.0)):
+        values = list(getattr(prep, field_name)) or [neutral]
+        if len(values) == 1:
+            values *= channels
+        if len(values) != channels:
+            raise UsageError(f"preprocessing {field_name} has {len(values)} values {values}; the input has {channels} channels "
+                             "(give one value per channel, or one for all)")
+        prep.ClearField(field_name)
+        getattr(prep, field_name).extend(values)
+    return prep
 
 
 def round_up(value: float, multiple: int) -> int:

@@ -6,19 +6,20 @@ exported with torch.onnx's dynamo exporter, so there is one surgery implementati
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import functools
 import importlib
 import io
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import onnx
 
 from convert import default_model
-from convert.errors import ConversionError
+from convert.errors import ConversionError, UsageError
 from protos.model_card_pb2 import Preprocessing
 
 if TYPE_CHECKING:
@@ -50,8 +51,8 @@ class Source:
 
 def load_source(source: str | onnx.ModelProto | object, *, training_size: tuple[int, int] | None = None, state_dict: str | None = None) -> Source:
     """The classifier named by `source`: "default", an .onnx path, a TorchScript path, "pkg.module:factory", a ModelProto or an nn.Module."""
-    if isinstance(source, onnx.ModelProto):
-        return Source(model=copy.deepcopy(source), description="onnx model", name=source.graph.name or "classifier")
+    if isinstance(source, onnx.ModelProto):  # read only: normalisation makes the one copy that is rewritten
+        return Source(model=source, description="onnx model", name=source.graph.name or "classifier")
     if isinstance(source, str) and source == "default":
         size = (default_model.TRAINING_SIZE, default_model.TRAINING_SIZE)
         return Source(
@@ -75,19 +76,19 @@ def load_source(source: str | onnx.ModelProto | object, *, training_size: tuple[
         return Source(model=export_module(module, training_size=require_size(training_size, source)),
                       description=f"pytorch: {source}", name=source.rsplit(":", 1)[1])
     if isinstance(source, str) and source.endswith((".onnx", ".pt", ".pth", ".ts")):
-        raise ConversionError(f"{source!r}: no such file; expected a path to an existing .onnx or TorchScript file")
-    torch = _torch()
-    if isinstance(source, torch.nn.Module):
+        raise UsageError(f"{source!r}: no such file; expected a path to an existing .onnx or TorchScript file")
+    torch = _torch() if not isinstance(source, str) else None
+    if torch is not None and isinstance(source, torch.nn.Module):
         return Source(model=export_module(source, training_size=require_size(training_size, type(source).__name__)),
                       description=f"pytorch module: {type(source).__name__}", name=type(source).__name__)
-    raise ConversionError(
+    raise UsageError(
         f"unknown source {source!r}: expected 'default', a path to an .onnx or TorchScript file, "
         "'package.module:factory', an onnx.ModelProto or a torch.nn.Module")
 
 
 def require_size(training_size: tuple[int, int] | None, what: str) -> tuple[int, int]:
     if training_size is None:
-        raise ConversionError(f"{what}: a PyTorch model has no fixed input size; pass the training size (--training-size)")
+        raise UsageError(f"{what}: a PyTorch model has no fixed input size; pass the training size (--training-size)")
     return training_size
 
 
@@ -107,12 +108,13 @@ def load_torchscript(path: str) -> torch.jit.ScriptModule:
 
 def build_from_factory(spec: str, *, state_dict: str | None) -> torch.nn.Module:
     """`package.module:factory` called with no arguments, its state dict loaded strictly when given."""
-    torch = _torch()
     module_name, _, factory_name = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), factory_name)
     except (ImportError, AttributeError) as error:
-        raise ConversionError(f"cannot import {spec!r}: {error}; expected 'package.module:factory'") from error
+        raise UsageError(f"cannot import {spec!r}: {error}; expected 'package.module:factory' importable from "
+                         "the current folder or the Python path") from error
+    torch = _torch()
     module = factory()
     if not isinstance(module, torch.nn.Module):
         raise ConversionError(f"{spec!r} returned {type(module).__name__}; expected a torch.nn.Module")
@@ -126,26 +128,51 @@ def build_from_factory(spec: str, *, state_dict: str | None) -> torch.nn.Module:
 
 
 def export_module(module: torch.nn.Module, *, training_size: tuple[int, int]) -> onnx.ModelProto:
-    """`module` as ONNX at the training size with a dynamic batch (dynamo exporter, weights inside)."""
+    """`module` as ONNX at the training size with a dynamic batch (dynamo exporter, weights inside).
+
+    The exporter's warnings (FutureWarnings, "torchvision is not installed") go to the debug log,
+    its log records to the application's logging (scoremap-convert shows them with --verbose)."""
     torch = _torch()
     height, width = training_size
     example = torch.rand(EXPORT_BATCH, EXPORT_CHANNELS, height, width)
     module.eval()
     try:
-        if isinstance(module, torch.jit.ScriptModule):
-            # torch.export cannot trace TorchScript; the TorchScript exporter reads it directly.
-            buffer = io.BytesIO()
-            torch.onnx.export(module, (example,), buffer, dynamo=False, opset_version=EXPORT_OPSET,
-                              input_names=["image"], output_names=["output"], dynamic_axes={"image": {0: "N"}})
-            return onnx.load_from_string(buffer.getvalue())
-        batch = torch.export.Dim("batch", min=1)
-        program = torch.onnx.export(module, (example,), dynamo=True, external_data=False, opset_version=EXPORT_OPSET,
-                                    input_names=["image"], dynamic_shapes=({0: batch},), verbose=False)
-    except ConversionError:
-        raise
+        with warnings.catch_warnings(record=True) as caught, torch_logs_to_application():
+            warnings.simplefilter("always")
+            if isinstance(module, torch.jit.ScriptModule):
+                # torch.export cannot trace TorchScript; the TorchScript exporter reads it directly.
+                buffer = io.BytesIO()
+                torch.onnx.export(module, (example,), buffer, dynamo=False, opset_version=EXPORT_OPSET,
+                                  input_names=["image"], output_names=["output"], dynamic_axes={"image": {0: "N"}})
+                return onnx.load_from_string(buffer.getvalue())
+            batch = torch.export.Dim("batch", min=1)
+            program = torch.onnx.export(module, (example,), dynamo=True, external_data=False, opset_version=EXPORT_OPSET,
+                                        input_names=["image"], dynamic_shapes=({0: batch},), verbose=False)
     except Exception as error:
         raise ConversionError(f"torch.onnx.export failed for {type(module).__name__} at {height}x{width}: {error}") from error
+    finally:
+        for warning in caught:
+            log.debug("torch.onnx.export: %s: %s", warning.category.__name__, warning.message)
     return program.model_proto
+
+
+@contextlib.contextmanager
+def torch_logs_to_application():
+    """torch's loggers ("torch", "torch.onnx", ...) print to stderr through their own handlers; for the
+    export they go through the root logger instead, where the application decides what reaches the user."""
+    own = [logger for name, logger in logging.root.manager.loggerDict.items()
+           if (name == "torch" or name.startswith("torch.")) and isinstance(logger, logging.Logger)
+           and (logger.handlers or not logger.propagate)]
+    saved = [(logger, list(logger.handlers), logger.propagate) for logger in own]
+    for logger in own:
+        logger.handlers.clear()
+        logger.propagate = True
+    try:
+        yield
+    finally:
+        for logger, handlers, propagate in saved:
+            logger.handlers[:] = handlers
+            logger.propagate = propagate
 
 
 @functools.lru_cache(maxsize=1)

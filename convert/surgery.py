@@ -9,7 +9,6 @@ applied to one window of the input.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +18,6 @@ from onnx import helper, numpy_helper
 from convert.card import OutputKind, batch_shape, channel_axis
 from convert.errors import ConversionError
 from convert.graph import (
-    MAX_IR_VERSION,
     attr,
     data_inputs,
     describe,
@@ -34,8 +32,6 @@ from convert.graph import (
 from convert.receptive_field import tensor_spatial_axes
 
 SCORES = "scores"
-# IR 4 lets weights be initializers without being graph inputs (what IR 3 required).
-MIN_IR_VERSION = 4
 LINEAR = frozenset({"Gemm", "MatMul"})
 PER_FEATURE = frozenset({"Add", "Sub", "Mul", "Div", "PRelu"})
 # Elementwise activations: they act on each feature alone, so they carry over to a map unchanged.
@@ -62,8 +58,9 @@ class Head:
 
 
 def fully_convolutional(model: onnx.ModelProto, *, training_size: tuple[int, int], layout: int) -> tuple[onnx.ModelProto, Head]:
-    """The dense version of a cleaned classifier graph, with output `scores` [N, K, h, w] and dynamic N, H, W."""
-    model = copy.deepcopy(model)
+    """The dense version of a normalised classifier graph, with output `scores` [N, K, h, w] and dynamic N, H, W.
+
+    Rewrites `model` in place and returns it."""
     graph = model.graph
     if len(graph.output) != 1:
         raise ConversionError(f"expected a classifier with one output, got {len(graph.output)}: {[o.name for o in graph.output]}")
@@ -97,14 +94,9 @@ def fully_convolutional(model: onnx.ModelProto, *, training_size: tuple[int, int
     graph.node.extend(builder.nodes)
     graph.initializer.extend(builder.initializers)
     prune(graph)
-    # Old exporters list weights as inputs too; a server should see one input, the image.
-    image = copy.deepcopy(real_inputs(graph)[0])
-    del graph.input[:]
-    graph.input.append(image)
     image = graph.input[0]
     set_input_dims(image, batch_shape(layout, batch="N", channels=input_shape[channel_axis(layout)], height="H", width="W"))
     del graph.value_info[:]
-    model.ir_version = min(max(model.ir_version, MIN_IR_VERSION), MAX_IR_VERSION)
     try:
         onnx.checker.check_model(model)
         onnx.shape_inference.infer_shapes(model, strict_mode=True)

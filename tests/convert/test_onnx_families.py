@@ -9,9 +9,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from convert import convert_classifier
 from convert.card import read_card
-from convert.cleanup import cleanup
+from convert.normalize import normalize, runnable
 from convert.preprocessing import to_input
 from convert.verify import compare_with_crops, run, sample_pixels
+from convert.presets import preset
 from protos.model_card_pb2 import (
     CHANNEL_ORDER_RGB,
     INPUT_DTYPE_FLOAT32,
@@ -28,6 +29,8 @@ UNIT_RANGE = Preprocessing(channel_order=CHANNEL_ORDER_RGB, pixel_scale=1.0, mea
 UNIT_NHWC = Preprocessing(layout=LAYOUT_NHWC, dtype=INPUT_DTYPE_FLOAT32, channel_order=CHANNEL_ORDER_RGB, pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
 UNIT_NCHW = Preprocessing(layout=LAYOUT_NCHW, dtype=INPUT_DTYPE_FLOAT32, channel_order=CHANNEL_ORDER_RGB, pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
 rng = np.random.default_rng(0)
+
+RAW = preset("raw")
 
 
 def weight(name: str, *shape: int, scale: float = 0.2) -> onnx.TensorProto:
@@ -101,9 +104,9 @@ def test_nhwc_graph_matches_the_classifier_at_the_training_size():
     assert np.abs(expected - expected.mean(axis=0)).max() > 1e-3  # the two samples differ: the check can fail
 
 
-def test_cleanup_folds_the_computed_flatten_shape():
+def test_normalisation_folds_the_computed_flatten_shape():
     model = tf2onnx_classifier()
-    counts = collections.Counter(n.op_type for n in cleanup(model, input_shape=[1, 18, 18, 3]).graph.node)
+    counts = collections.Counter(n.op_type for n in normalize(model, input_shape=[1, 18, 18, 3]).graph.node)
     assert not {"Shape", "Gather", "Slice", "Concat", "ReduceProd"} & set(counts)
     assert counts["Reshape"] == 1
 
@@ -162,10 +165,10 @@ def test_caffe_era_graph_converts_and_dense_cells_equal_crops():
     np.testing.assert_allclose(scores.sum(axis=1), 1.0, atol=1e-5)  # the softmax acts on the class axis per cell
 
 
-def test_cleanup_of_caffe_graph_by_node_counts():
+def test_normalisation_of_caffe_graph_by_node_counts():
     model = caffe_classifier()
     before = collections.Counter(n.op_type for n in model.graph.node)
-    after = collections.Counter(n.op_type for n in cleanup(model, input_shape=[1, 3, 19, 19]).graph.node)
+    after = collections.Counter(n.op_type for n in normalize(runnable(model), input_shape=[1, 3, 19, 19]).graph.node)
     assert before["Constant"] == 5 and before["Dropout"] == 1 and before["Mul"] == 1 and before["Reshape"] == 2
     assert after["Constant"] == 0 and after["Dropout"] == 0 and after["Mul"] == 0 and after["Reshape"] == 1
     assert sum(after.values()) == sum(before.values()) - 5 - 1 - 1 - 1
@@ -192,10 +195,10 @@ def conv_bn_identity() -> onnx.ModelProto:
 
 def test_batch_norm_folds_into_the_conv_and_identity_goes():
     model = conv_bn_identity()
-    cleaned = cleanup(model, input_shape=[1, 3, 8, 8])
+    cleaned = normalize(model, input_shape=[1, 3, 8, 8])
     counts = collections.Counter(n.op_type for n in cleaned.graph.node)
     assert counts == collections.Counter({"Conv": 1, "Relu": 1, "GlobalAveragePool": 1, "Flatten": 1, "Gemm": 1})
-    image = to_input(sample_pixels(count=2, height=8, width=8, channels=3), UNIT_NCHW)
+    image = to_input(sample_pixels(count=1, height=8, width=8, channels=3), UNIT_NCHW)  # normalised at batch 1
     np.testing.assert_allclose(run(cleaned, image), run(model, image), atol=1e-5)
     converted = convert_classifier(model, preprocessing=UNIT_RANGE)
     assert collections.Counter(n.op_type for n in converted.graph.node) == collections.Counter(
@@ -218,7 +221,7 @@ def test_uint8_nhwc_input_with_logsoftmax_head():
     graph = helper.make_graph(nodes, "uint8_net", [helper.make_tensor_value_info("pixels", TensorProto.UINT8, [None, 10, 10, 3])],
                               [helper.make_tensor_value_info("log_probs", TensorProto.FLOAT, [None, 6])], inits)
     model = helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 13)])
-    converted = convert_classifier(model)
+    converted = convert_classifier(model, preprocessing=RAW)
     card = read_card(converted)
     assert (card.preprocessing.dtype, card.preprocessing.layout, card.output_kind) == (INPUT_DTYPE_UINT8, LAYOUT_NHWC, OUTPUT_KIND_LOGITS)
     assert card.verification.passed
@@ -251,7 +254,7 @@ def squeezenet_style(*, global_pool: bool) -> onnx.ModelProto:
 @pytest.mark.parametrize("global_pool", [False, True], ids=["pool-as-large-as-the-map", "global-average-pool"])
 def test_classifier_ending_in_convolutions_converts(global_pool):
     model = squeezenet_style(global_pool=global_pool)
-    converted = convert_classifier(model)
+    converted = convert_classifier(model, preprocessing=RAW)
     card = read_card(converted)
     assert (card.output_stride, card.output_kind, len(card.labels)) == (2, OUTPUT_KIND_PROBABILITIES, 7)
     assert card.verification.passed

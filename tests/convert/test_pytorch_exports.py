@@ -10,6 +10,7 @@ from convert.card import read_card
 from convert.preprocessing import to_input
 from convert.sources import export_module
 from convert.verify import compare_with_crops, sample_pixels
+from convert.presets import preset
 from protos.model_card_pb2 import CHANNEL_ORDER_RGB, LAYOUT_NCHW, OUTPUT_KIND_LOGITS, OUTPUT_KIND_PROBABILITIES, Preprocessing
 
 TRAINING = 24
@@ -17,6 +18,8 @@ TRAINING = 24
 UNIT_RANGE = Preprocessing(channel_order=CHANNEL_ORDER_RGB, pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
 # Dense cells of a pad-free net equal the classifier on each crop to this tolerance (the 1e-5).
 CROP_TOLERANCE = 1e-5
+
+RAW = preset("raw")
 
 
 def features() -> nn.Sequential:
@@ -82,7 +85,7 @@ def test_pytorch_family_converts_and_dense_cells_equal_crops(build, classes, kin
 
 def test_receptive_field_follows_the_layers():
     torch.manual_seed(0)
-    card = read_card(convert_classifier(flatten_gemm().eval(), training_size=TRAINING))
+    card = read_card(convert_classifier(flatten_gemm().eval(), training_size=TRAINING, preprocessing=RAW))
     # conv3 → 3, pool2 → 4, conv3 → 8, pool2 → 10 (the last pool drops row 9), FC 4x4 at jump 4 → 22;
     # the first window spans pixels 0..21, centred at 10.5 (pixel indices).
     assert card.receptive_field.size == 22
@@ -98,7 +101,7 @@ def test_pytorch_module_without_training_size_is_refused():
 
 def test_dense_map_grows_with_the_image():
     torch.manual_seed(0)
-    converted = convert_classifier(gap_softmax().eval(), training_size=TRAINING)
+    converted = convert_classifier(gap_softmax().eval(), training_size=TRAINING, preprocessing=RAW)
     image = np.zeros((2, 3, 64, 48), np.float32)
     from convert.verify import run
 

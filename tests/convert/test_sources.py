@@ -12,6 +12,7 @@ from convert import ConversionError, convert_classifier
 from convert.card import read_card
 from convert.preprocessing import to_input
 from convert.verify import run
+from convert.presets import preset
 from protos.model_card_pb2 import OUTPUT_KIND_PROBABILITIES, PRECISION_FP32
 
 SAMPLES = pathlib.Path(__file__).resolve().parents[2] / "samples"
@@ -21,6 +22,8 @@ FACTORY_MODULE = textwrap.dedent('''
     def tiny():
         return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 7 * 7, 3))
 ''')
+
+RAW = preset("raw")
 
 
 @pytest.fixture
@@ -36,7 +39,7 @@ def test_factory_with_state_dict_converts_with_those_weights(factory_module, tmp
     torch.manual_seed(1)
     net = scoremap_test_factory.tiny().eval()
     torch.save(net.state_dict(), tmp_path / "weights.pt")
-    converted = convert_classifier(factory_module, training_size=16, state_dict=str(tmp_path / "weights.pt"))
+    converted = convert_classifier(factory_module, training_size=16, state_dict=str(tmp_path / "weights.pt"), preprocessing=RAW)
     card = read_card(converted)
     assert card.source == f"pytorch: {factory_module}" and card.verification.passed
     image = torch.rand(1, 3, 16, 16) * 255
@@ -48,7 +51,7 @@ def test_factory_with_state_dict_converts_with_those_weights(factory_module, tmp
 def test_state_dict_that_does_not_fit_is_refused(factory_module, tmp_path):
     torch.save({"unexpected.weight": torch.zeros(1)}, tmp_path / "bad.pt")
     with pytest.raises(ConversionError, match="does not match"):
-        convert_classifier(factory_module, training_size=16, state_dict=str(tmp_path / "bad.pt"))
+        convert_classifier(factory_module, training_size=16, state_dict=str(tmp_path / "bad.pt"), preprocessing=RAW)
 
 
 def test_torchscript_file_converts(tmp_path):
@@ -57,7 +60,7 @@ def test_torchscript_file_converts(tmp_path):
                               torch.nn.Flatten(), torch.nn.Linear(4, 2), torch.nn.Softmax(dim=1)).eval()
     path = tmp_path / "net.pt"
     torch.jit.script(net).save(str(path))
-    card = read_card(convert_classifier(str(path), training_size=12))
+    card = read_card(convert_classifier(str(path), training_size=12, preprocessing=RAW))
     assert card.source == "torchscript: net.pt" and card.output_kind == OUTPUT_KIND_PROBABILITIES and card.verification.passed
 
 

@@ -1,0 +1,105 @@
+"""Import normalisation: every ONNX source in one canonical form before cleanup and surgery.
+
+Exporters of every era leave their own quirks: the ONNX model zoo's Caffe-era files are IR 3
+(weights listed as graph inputs, which onnx shape inference needs below IR 4), opset 3-9 (Dropout's
+`is_test`, Gemm's `broadcast`), with weights in Constant nodes or computed by ConstantOfShape and
+constant arithmetic; tf2onnx computes flatten shapes from Shape chains. One step removes them all
+with the well-kept tools, so later stages see one form and patch nothing:
+
+- opsets below TARGET_OPSET are upgraded by onnx's version converter (anything it can upgrade is
+  accepted: in practice opsets 1-11; newer opsets are kept as they are);
+- the IR version is raised to at least 4 and capped at what onnxruntime loads (IR_VERSIONS);
+- initializers leave the graph inputs, Constant nodes become initializers, constant subgraphs
+  (ConstantOfShape, arithmetic on constants, Shape-derived chains at the training size) are folded
+  by onnxscript's constant folder, inference no-ops (Identity, Dropout) go, BatchNormalization
+  after a Conv or Gemm is folded into its weights (onnxscript's rewrite rules), names are made
+  unique, nodes sorted and shapes inferred (onnx_ir passes).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import version_converter
+from onnx_ir.passes import common as passes
+from onnxscript import rewriter
+from onnxscript.optimizer import _constant_folding as constant_folding
+from onnxscript.rewriter.rules.common import fuse_batchnorm_into_conv_rule, fuse_batchnorm_into_gemm_rule
+
+from convert.errors import ConversionError
+from convert.graph import opset, real_inputs
+
+log = logging.getLogger(__name__)
+
+# Older opsets are upgraded to this one. 12 and not later: opset 13 changed Softmax from "flatten
+# from the axis" to "one axis", and the converter then wraps a Caffe-era Softmax over [N, K, 1, 1]
+# in Flatten/Reshape; 12 already has MaxPool dilations (à trous) and Dropout as a no-op input.
+TARGET_OPSET = 12
+# IR 4 lets initializers be absent from the graph inputs; onnxruntime 1.31 loads up to IR 13
+# (onnx 1.23 writes 14 by default).
+IR_VERSIONS = range(4, 14)
+# Largest constant (elements) folding may create: an FC layer's weights computed by ConstantOfShape
+# and arithmetic are folded (AlexNet's fc6 has 38M), a Tile or Expand cannot blow the file up.
+MAX_FOLDED_ELEMENTS = 64 * 1024 * 1024
+
+
+def runnable(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` at an opset and IR version onnxruntime runs: the reference the conversion is verified against.
+
+    Returns a new model when anything changes, `model` itself (not a copy) when nothing does."""
+    version = opset(model)
+    ir_version = min(max(model.ir_version, IR_VERSIONS.start), IR_VERSIONS.stop - 1)
+    if version >= TARGET_OPSET and ir_version == model.ir_version:
+        return model
+    upgraded = onnx.ModelProto()
+    upgraded.CopyFrom(model)
+    upgraded.ir_version = ir_version
+    if version < TARGET_OPSET:
+        try:
+            upgraded = version_converter.convert_version(upgraded, TARGET_OPSET)
+        except Exception as error:  # the converter raises bare RuntimeErrors naming the op
+            raise ConversionError(
+                f"the graph's opset {version} cannot be upgraded to opset {TARGET_OPSET} by onnx's version converter: "
+                f"{error}; expected a graph onnx.version_converter upgrades, or one at opset {TARGET_OPSET} or later") from error
+        upgraded.ir_version = ir_version
+        log.info("upgraded the graph from opset %d to %d", version, TARGET_OPSET)
+    return upgraded
+
+
+def fold_constant_of_shape(node: ir.Node) -> bool | None:
+    """onnxscript's folder keeps ConstantOfShape (to keep files small), but Caffe-era graphs compute
+    their weights from it: fold it when its shape is constant and the result not too large."""
+    if node.op_type != "ConstantOfShape" or node.domain not in ("", "ai.onnx"):
+        return None  # the folder's own rules
+    shape = node.inputs[0].const_value if node.inputs and node.inputs[0] is not None else None
+    return shape is not None and int(np.prod(shape.numpy())) <= MAX_FOLDED_ELEMENTS
+
+
+def normalize(model: onnx.ModelProto, *, input_shape: list[int]) -> onnx.ModelProto:
+    """A new, canonical copy of a runnable classifier with its image input fixed at `input_shape` (batch 1, training size)."""
+    graph_ir = ir.from_proto(model)
+    image = real_inputs(model.graph)[0].name
+    for value in graph_ir.graph.inputs:
+        if value.name == image:
+            value.shape = ir.Shape(input_shape)
+    passes.RemoveInitializersFromInputsPass()(graph_ir)
+    passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(graph_ir)
+    constant_folding.FoldConstantsPass(shape_inference=True, input_size_limit=MAX_FOLDED_ELEMENTS,
+                                       output_size_limit=MAX_FOLDED_ELEMENTS, should_fold=fold_constant_of_shape)(graph_ir)
+    rewriter.rewrite(graph_ir, [fuse_batchnorm_into_conv_rule, fuse_batchnorm_into_gemm_rule])
+    for step in (
+        passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        passes.IdentityEliminationPass(),
+        passes.RemoveUnusedNodesPass(),
+        passes.NameFixPass(),
+        passes.TopologicalSortPass(),
+    ):
+        step(graph_ir)
+    normalized = ir.to_proto(graph_ir)
+    try:
+        return onnx.shape_inference.infer_shapes(normalized, data_prop=True)
+    except onnx.shape_inference.InferenceError as error:
+        raise ConversionError(f"shape inference fails at input shape {input_shape}: {error}") from error
