@@ -8,7 +8,7 @@ from clients.preflight import RunRefused, check_run
 from clients.score_cli import EXIT_REFUSED, EXIT_USAGE, main
 from protos import scoring_pb2
 from server.main import create_server
-from tests.clients.conftest import SERVER_SETTINGS
+from server.settings import Settings
 from tests.tiny_models import patch_net
 
 
@@ -48,7 +48,7 @@ def two_models(tmp_path):
     for name in ("tiny", "tiny2"):
         paths.append(str(tmp_path / f"{name}.onnx"))
         onnx.save(patch_net(classes=10, name=name), paths[-1])
-    started, port = create_server(paths, settings=SERVER_SETTINGS)
+    started, port = create_server(paths, settings=Settings(warm_up=False))
     yield f"127.0.0.1:{port}"
     started.stop(0).wait(10)
 
