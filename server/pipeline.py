@@ -29,14 +29,17 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
+from convert.memory_model import Device
+from convert.runtime_memory import configure_allocator, release_free_memory
 from convert.card import CardError, ImageInput, Precision, batch_shape, label, read_card
 from protos import model_card_pb2, scoring_pb2
 from server import assemble, buckets, dense, imaging
-from server.admission import Admission, available_memory_bytes
+from server.admission import Admission, MemoryBudget, admit_host, available_memory_bytes
 from server.batcher import Batcher, Work
 from server.device_graph import DeviceGraphError, scores_shape
 from server.engine import Engine, EngineError
 from server.errors import ScoringError
+from server.host_memory import DEVICE_PASSES, estimate_request
 from server.metrics import Metrics, Stage
 from server.plans import PlanCache, PlanKey
 from server.settings import Settings
@@ -44,6 +47,8 @@ from server.settings import Settings
 LOG = logging.getLogger(__name__)
 FALLBACK_SCALE = 384  # when a card names no default scale
 CELLS_CACHE_SIZE = 4096  # resized sizes whose cell counts each model remembers
+LARGE_REQUEST_BYTES = 256 * 2**20  # after a request holding more host memory, freed memory goes back at once
+WARM_UP_FAILURES_SHOWN = 3  # failed plans named in the warm-up error (the log line stays readable)
 TINY_IMAGE_FACTOR = 4  # an image enlarged more than this many times is scored with a warning
 
 
@@ -63,6 +68,7 @@ class Item:
     canvas: np.ndarray
     cells: tuple[int, int]
     want_lattice: bool
+    traffic: bool  # False for the server's own warm-up, which the metrics leave out
 
 
 @dataclass
@@ -119,6 +125,12 @@ class LoadedModel:
         return dims[2], dims[3]
 
 
+def one_line(error: Exception, limit: int = 300) -> str:
+    """An error's message on one line, cut to `limit` characters (onnxruntime's span several)."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def invalid(message: str) -> ScoringError:
     return ScoringError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
@@ -143,6 +155,8 @@ class Pipeline:
             self.engine = Engine(self.settings)
         except EngineError as error:
             raise ScoringError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from error
+        configure_allocator()
+        self.budget = MemoryBudget(self._budget_bytes(), device=Device.CUDA if self.engine.on_gpu else Device.CPU)
         try:
             for name, path in pairs:
                 model = self._load(name, str(path), share=len(pairs))
@@ -171,16 +185,9 @@ class Pipeline:
         except (CardError, DecodeError, OSError) as error:
             raise ScoringError(grpc.StatusCode.INVALID_ARGUMENT, f"{path}: {error}") from error
         settings = self.settings
-        budget = settings.memory_budget_bytes
-        if budget is None:
-            budget = self.engine.free_gpu_bytes()
-        if budget is None:
-            available = available_memory_bytes()
-            budget = int(available * settings.cpu_memory_fraction) if available else None
-        if budget is not None:
-            budget //= share
-        admission = Admission(net, budget_bytes=budget)
         name = name or card.name or path
+        admission = Admission(net, budget_bytes=self.budget.total_bytes // share if self.budget.total_bytes else None,
+                              device=self.budget.device, name=name, shared=self.budget, metrics=self.metrics)
         max_batch = settings.batch_limit(on_gpu=self.engine.on_gpu)
         multiple = card.size_multiple or card.output_stride
         plans_of = [dense.plan_passes(native_stride=card.output_stride, output_stride=s, shift=0)
@@ -195,7 +202,7 @@ class Pipeline:
             )
         model = LoadedModel(
             name=name, path=path, card=card, classes=len(card.labels),
-            plans=PlanCache(net, card, self.engine, max_plans=settings.max_plans),
+            plans=PlanCache(net, card, self.engine, admission, max_plans=settings.max_plans),
             admission=admission, buckets=shape_buckets, fill=dense.mean_colour(card),
         )
         model.batcher = Batcher(
@@ -209,9 +216,19 @@ class Pipeline:
         )
         if self.metrics is not None:
             self.metrics.track_queue(name, model.batcher.depth)
-        LOG.info("loaded %s from %s on %s (memory budget %s bytes; canvases %s; batches %s)", name, path,
-                 self.engine.provider, budget, shape_buckets.describe(), shape_buckets.batches)
+        LOG.info("loaded %s from %s on %s (memory budget %s bytes, shared; canvases %s; batches %s)", name, path,
+                 self.engine.provider, self.budget.total_bytes, shape_buckets.describe(), shape_buckets.batches)
         return model
+
+    def _budget_bytes(self) -> int | None:
+        """--memory-budget, else the GPU's free memory, else a share of the available RAM."""
+        if self.settings.memory_budget_bytes is not None:
+            return self.settings.memory_budget_bytes
+        free = self.engine.free_gpu_bytes()
+        if free is not None:
+            return free
+        available = available_memory_bytes()
+        return int(available * self.settings.cpu_memory_fraction) if available else None
 
     def warm_up(self) -> None:
         """Make and run every configured plan of every model, then score a request at each offered stride;
@@ -222,7 +239,7 @@ class Pipeline:
                 try:
                     self._run_plan(model, key, [], want_lattice=True)
                 except Exception as error:  # any failure keeps the server NOT_SERVING, and says why
-                    failures.append(f"{model.name} plan {key}: {error}")
+                    failures.append(f"{model.name} plan {key}: {one_line(error)}")
             if failures:
                 continue
             scale = (self.settings.warm_up_scales or (model.default_scale,))[0]
@@ -237,7 +254,9 @@ class Pipeline:
                 except ScoringError as error:
                     failures.append(f"{model.name} at scale {scale} stride {stride}: {error.message}")
         if failures:
-            raise ScoringError(grpc.StatusCode.UNAVAILABLE, "warm-up failed: " + "; ".join(failures))
+            shown = failures[:WARM_UP_FAILURES_SHOWN]
+            more = f"; and {len(failures) - len(shown)} more" if len(failures) > len(shown) else ""
+            raise ScoringError(grpc.StatusCode.UNAVAILABLE, "warm-up failed: " + "; ".join(shown) + more)
 
     def _configured_plans(self, model: LoadedModel) -> list[PlanKey]:
         """The plans traffic at the warm-up scales will use: each common aspect x stride x batch bucket."""
@@ -305,6 +324,12 @@ class Pipeline:
         jobs = [self._plan_scale(model, original, scale, passes) for scale in scales]
         self._check_response_size(request, model, jobs)
         flips = (False, True) if request.flip else (False,)
+        host = estimate_request(
+            encoded_bytes=opened.encoded_bytes, image_size=original, resized_sizes=[job.canvas for job in jobs],
+            passes=len(passes.offsets), flip=request.flip, classes=model.classes,
+            native_stride=model.card.output_stride, output_stride=passes.stride, path=DEVICE_PASSES,
+        )
+        admit_host(host, limit_bytes=self.settings.max_request_host_bytes)
         model.batcher.check_room(len(jobs) * len(flips), deadline=deadline)
 
         largest = max((job.resized for job in jobs), key=lambda size: size[0] * size[1])
@@ -320,25 +345,29 @@ class Pipeline:
             limit = self._batch_limit(model, job, passes, original)
             for flip in flips:
                 source = np.ascontiguousarray(pixels[:, ::-1]) if flip else pixels
-                item = Item(dense.canvas(source, job.canvas, model.fill), job.cells, want_lattice)
+                item = Item(dense.canvas(source, job.canvas, model.fill), job.cells, want_lattice, record)
                 works.append(Work(group, item, limit, deadline))
         preprocessed = time.monotonic()
 
         model.batcher.submit(works)
         scored: list[Scored] = model.batcher.wait(works, cancelled=cancelled)
         computed = time.monotonic()
-
-        response = self._assemble(request, model, passes, original, jobs, flips, scored)
-        finished = time.monotonic()
         queue = max(w.started - w.enqueued for w in works)
         inference = sum({w.batch_id: w.run_seconds for w in works}.values())
+        planning = sum({w.batch_id: s.planning_seconds for w, s in zip(works, scored)}.values())
+
+        response = self._assemble(request, model, passes, original, jobs, flips, scored)
+        del image, works, scored
+        if host.total > LARGE_REQUEST_BYTES:
+            release_free_memory()  # glibc would keep the freed arenas: idle RSS ratcheted up (issue 14)
+        finished = time.monotonic()
         timings = response.timings
         timings.queue_ms = 1000 * queue
         timings.preprocess_ms = 1000 * (preprocessed - started)
         timings.inference_ms = 1000 * inference
         timings.postprocess_ms = 1000 * (finished - computed)
         timings.total_ms = 1000 * (finished - started)
-        timings.planning_ms = 1000 * sum({w.batch_id: s.planning_seconds for w, s in zip(works, scored)}.values())
+        timings.planning_ms = 1000 * planning
         if record and self.metrics is not None:
             self.metrics.record_stages(model.name, {
                 Stage.QUEUE: queue, Stage.PREPROCESS: preprocessed - started,
@@ -495,7 +524,7 @@ class Pipeline:
         ]
 
     def _on_batch(self, model: LoadedModel, works: list[Work]) -> None:
-        if self.metrics is not None:
+        if self.metrics is not None and any(work.payload.traffic for work in works):
             group: GroupKey = works[0].key
             passes = len(works) * len(group.passes.offsets)
             self.metrics.record_batch(model.name, len(works),

@@ -3,8 +3,8 @@
 A plan runs the device graph (server/device_graph.py) of one model for one (canvas height x
 width, batch size, passes): uint8 canvases in, lattices and image-level probabilities out. Its
 buffers are bound once (IO binding on the GPU), so a run is: copy the canvases in, run, copy back
-what the responses hold. A model's plans are made on first use or at warm-up and dropped least
-recently used when a new one would not fit the memory budget (issue 9, items 1 and 5).
+what the responses hold. A model's plans are made on first use or at warm-up, measured, and dropped
+least recently used when a new one would not fit the memory budget (issues 9 and 14).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import numpy as np
 import onnx
 import onnxruntime
 
+from convert.runtime_memory import measure_footprint
 from protos.model_card_pb2 import ModelCard
+from server.admission import Admission
 from server.dense import PassPlan
 from server.device_graph import LATTICE, PIXELS, PROBABILITIES, VALID, build_plan_graph
 from server.engine import Engine
@@ -82,45 +84,76 @@ class Plan:
 
 
 class PlanCache:
-    """A model's plans by key, made on demand and evicted least recently used to stay in `max_plans`.
+    """A model's plans by key, made on demand, dropped least recently used when the memory budget needs room
+    or the model has `max_plans`.
 
-    `make_room(key)` (admission) is asked before a plan is made and returns the keys to evict;
-    `made(key, seconds)` is told after. Only the batcher thread runs plans, warm-up included.
+    Admission (server/admission.py) accounts every plan of every model in one budget: it reserves a
+    new plan's predicted bytes (evicting what it must, here or in other models' caches through
+    `drop`), then gets the plan's measured footprint. Only the batcher thread runs plans.
     """
 
-    def __init__(self, net: onnx.ModelProto, card: ModelCard, engine: Engine, *, max_plans: int) -> None:
+    def __init__(self, net: onnx.ModelProto, card: ModelCard, engine: Engine, admission: Admission, *,
+                 max_plans: int) -> None:
         self._net = net
         self._card = card
         self._engine = engine
+        self._admission = admission
         self._max_plans = max(1, max_plans)
         self._plans: collections.OrderedDict[PlanKey, Plan] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.made = 0
+        admission.on_evict = self.drop
 
     def keys(self) -> list[PlanKey]:
         with self._lock:
             return list(self._plans)
 
-    def get(self, key: PlanKey) -> tuple[Plan, float]:
-        """The plan of `key` and the seconds spent making it (0 when it existed)."""
+    def drop(self, key: PlanKey) -> None:
+        """Forget a plan (its session goes once no batch runs it)."""
+        with self._lock:
+            self._plans.pop(key, None)
+
+    def get(self, key: PlanKey, *, scale: int | None = None, largest_scale=None) -> tuple[Plan, float]:
+        """The plan of `key` and the seconds spent making it (0 when it existed); ScoringError
+        (RESOURCE_EXHAUSTED, with the numbers) when it cannot fit the memory budget."""
         with self._lock:
             plan = self._plans.get(key)
             if plan is not None:
                 self._plans.move_to_end(key)
-                return plan, 0.0
-            while len(self._plans) >= self._max_plans:
-                evicted, _plan = self._plans.popitem(last=False)
-                LOG.info("%s: plan %s evicted (least recently used)", self._card.name, evicted)
-            started = time.monotonic()
-            plan = self._make(key)
+            oldest = next(iter(self._plans)) if plan is None and len(self._plans) >= self._max_plans else None
+        if plan is not None:
+            self._admission.plan_used(key)
+            return plan, 0.0
+        if oldest is not None:  # --max-plans: sessions (and their threads) per model stay bounded
+            LOG.info("%s: plan %s dropped (least recently used; --max-plans %d)", self._card.name, oldest,
+                     self._max_plans)
+            self.drop(oldest)
+            self._admission.plan_evicted(oldest)
+        started = time.monotonic()
+        for evicted in self._admission.make_room(key, height=key.height, width=key.width,
+                                                 batch=key.batch * len(key.passes.offsets), scale=scale,
+                                                 largest_scale=largest_scale):
+            LOG.info("%s: plan %s evicted (least recently used)", self._card.name, evicted)
+            self.drop(evicted)
+        try:
+            plan, footprint = measure_footprint(lambda: self._make(key), on_gpu=self._engine.on_gpu)
+        except BaseException:
+            self._admission.plan_evicted(key)
+            raise
+        self._admission.plan_created(key, footprint.device_bytes if self._engine.on_gpu else footprint.host_bytes)
+        with self._lock:
             self._plans[key] = plan
-            self.made += 1
-            return plan, time.monotonic() - started
+        self.made += 1
+        return plan, time.monotonic() - started
 
     def _make(self, key: PlanKey) -> Plan:
+        """A plan's session, run once (so its footprint includes what the first run allocates)."""
         graph = build_plan_graph(
             self._net, self._card, batch=key.batch, height=key.height, width=key.width,
             offsets=key.passes.offsets, factor=key.passes.factor, stride=key.passes.stride,
         )
-        session = self._engine.session(graph.SerializeToString())
-        return Plan(key, session, on_gpu=self._engine.on_gpu)
+        plan = Plan(key, self._engine.session(graph.SerializeToString()), on_gpu=self._engine.on_gpu)
+        valid = np.zeros((key.batch, *plan.lattice_shape[2:]), dtype=np.float32)
+        valid[:, 0, 0] = 1.0
+        plan.run(np.zeros((key.batch, key.height, key.width, 3), dtype=np.uint8), valid, lattice=True)
+        return plan

@@ -57,7 +57,8 @@ def serving(paths, *, token=None, tls=None, **settings):
 
     options = dict(intra_op_threads=1, warm_up=False, grpc_workers=24)
     options.update(settings)
-    server, port = create_server(list(paths), settings=dataclasses.replace(Settings(), **options), token=token, tls=tls)
+    models = paths if isinstance(paths, dict) else list(paths)
+    server, port = create_server(models, settings=dataclasses.replace(Settings(), **options), token=token, tls=tls)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)])
     try:
         yield server, port, scoring_pb2_grpc.DenseScoringStub(channel)

@@ -1,20 +1,24 @@
-"""`scoremap-serve` as users run it: a subprocess, --port 0, SIGTERM drains."""
+"""`scoremap-serve` as users run it: a subprocess, --port 0, SIGTERM drains; refusals before models load."""
 
 import os
+import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
-import threading
-import time
 import urllib.request
 
 import grpc
 import numpy as np
+import onnx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import scoring_pb2, scoring_pb2_grpc
-from server.main import parse_args, settings_from
+from server.main import main, model_sources, parse_args, settings_from
+
+PIXELS = np.random.default_rng(5).integers(0, 256, (64, 64, 3), dtype=np.uint8)
 
 
 def serve_command() -> list[str]:
@@ -29,17 +33,67 @@ def in_flight_calls(metrics_url: str) -> float:
 
 def test_flags_become_settings():
     settings = settings_from(parse_args(["m.onnx", "--memory-budget", "2GiB", "--max-batch", "1", "--no-warm-up",
-                                         "--warm-up-scales", "224", "384", "--max-image-pixels", "1000"]))
+                                         "--warm-up-scales", "224", "384", "--max-image-pixels", "1000",
+                                         "--stream-idle-seconds", "5", "--max-calls-per-peer", "3", "--expose-paths",
+                                         "--shape-buckets", "384x512,512x384"]))
     assert settings.memory_budget_bytes == 2 * 2**30 and settings.max_batch == 1 and not settings.warm_up
     assert settings.warm_up_scales == (224, 384) and settings.max_image_pixels == 1000
+    assert settings.stream_idle_seconds == 5 and settings.max_calls_per_peer == 3 and settings.expose_paths
+    assert settings.shape_buckets == ((384, 512), (512, 384))
     assert parse_args(["m.onnx"]).host == "127.0.0.1"
 
 
-def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_zero(kit, tiny_model_path, heavy_model_path, tmp_path):
+def test_models_are_paths_or_all_named(tmp_path, capsys):
+    assert model_sources(["a.onnx", "b.onnx"]) == ["a.onnx", "b.onnx"]
+    assert model_sources(["s32=a.onnx", "s16=dir/a=b.onnx"]) == {"s32": "a.onnx", "s16": "dir/a=b.onnx"}
+    odd = tmp_path / "x=y.onnx"
+    odd.write_bytes(b"")
+    assert model_sources([str(odd)]) == [str(odd)]  # an existing file is a path, whatever its name
+    for models, words in ((["a=x.onnx", "y.onnx"], "name every model or none"),
+                          (["a=x.onnx", "a=y.onnx"], "two models are named 'a'")):
+        with pytest.raises(SystemExit) as exited:
+            parse_args(models)
+        assert exited.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_two_versions_of_one_model_are_served_under_their_names(kit, tiny_model_path):
+    from server.main import create_server
+    from server.settings import Settings
+
+    args = parse_args([f"plain={tiny_model_path}", f"other={tiny_model_path}"])
+    server, port = create_server(args.models, settings=Settings(warm_up=False, intra_op_threads=1))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = scoring_pb2_grpc.DenseScoringStub(channel)
+            assert [m.name for m in stub.ListModels(scoring_pb2.ListModelsRequest()).models] == ["plain", "other"]
+            assert stub.Score(kit.raw_request(PIXELS, model="other", scales=[64])).model == "other"
+    finally:
+        server.stop(0).wait(10)
+
+
+def test_help_and_version_import_nothing_heavy():
+    probe = ("import sys\nfrom server.main import parse_args\n"
+             "for flag in ('--help', '--version'):\n"
+             "    try:\n        parse_args([flag])\n    except SystemExit:\n        pass\n"
+             "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'grpc', 'onnx', 'onnxruntime', 'torch', 'numpy', 'PIL'})\n"
+             "print('HEAVY', heavy)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=os.getcwd())
+    assert result.stdout.strip().endswith("HEAVY []"), result.stdout + result.stderr
+    assert "scoremap-serve 0." in result.stdout  # --version
+    text = result.stdout
+    assert "(default: None)" not in text and "test" not in text.lower()
+    options = [line.split()[0] for line in text.splitlines() if line.startswith("  --")]
+    assert len(options) > 30
+    for line in text.splitlines():  # every flag has help: its line goes on, or the next is indented help
+        assert line.count("(default:") <= 1, line
+
+
+def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_zero(kit, tiny_model_path, tmp_path):
+    """The in-flight call is an open stream: it keeps working through the drain, whatever the device."""
     log = tmp_path / "serve.log"
     process = subprocess.Popen(
-        serve_command() + [tiny_model_path, heavy_model_path, "--port", "0", "--grace-seconds", "30",
-                           "--intra-op-threads", "1", "--warm-up-scales", "32", "--metrics-port", "0"],
+        serve_command() + [tiny_model_path, "--port", "0", "--grace-seconds", "60", "--intra-op-threads", "1",
+                           "--metrics-port", "0"],
         stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
     )
     try:
@@ -47,55 +101,99 @@ def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_zero(kit, tin
         assert line.startswith("scoremap-serve listening on 127.0.0.1:"), (line, log.read_text())
         port = int(line.rsplit(":", 1)[1])
         metrics_url = process.stdout.readline().split()[-1]
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        stub = scoring_pb2_grpc.DenseScoringStub(channel)
-        assert len(stub.ListModels(scoring_pb2.ListModelsRequest()).models) == 2
-
-        pixels = np.zeros((256, 256, 3), dtype=np.uint8)
-        slow = kit.raw_request(pixels, model="heavy", scales=[256], output_stride=16, flip=True)
-        outcome = {}
-
-        def in_flight():
-            try:
-                outcome["response"] = stub.Score(slow, timeout=60)
-            except grpc.RpcError as error:
-                outcome["error"] = error
-            outcome["finished"] = time.monotonic()
-
-        thread = threading.Thread(target=in_flight)
-        thread.start()
-        while in_flight_calls(metrics_url) < 1:  # until the slow call is in the servicer
-            time.sleep(0.02)
-        process.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        refused = None
-        for _ in range(100):
-            try:
-                stub.ListModels(scoring_pb2.ListModelsRequest(), timeout=2)
-            except grpc.RpcError as error:
-                refused = error
-                break
-            time.sleep(0.05)
-        assert refused is not None and refused.code() == grpc.StatusCode.UNAVAILABLE
-        thread.join(60)
-        assert "response" in outcome, (outcome.get("error"), log.read_text())  # the in-flight call finished
-        assert outcome["finished"] > signalled and "draining" in log.read_text()
-        assert outcome["response"].maps[0].height == 16
-        assert process.wait(60) == 0
-        channel.close()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = scoring_pb2_grpc.DenseScoringStub(channel)
+            outbox: queue.Queue = queue.Queue()
+            answers = stub.ScoreStream(iter(outbox.get, None), timeout=120)
+            outbox.put(kit.raw_request(PIXELS, scales=[64], request_id="before"))
+            assert next(answers).request_id == "before"
+            assert in_flight_calls(metrics_url) == 1
+            process.send_signal(signal.SIGTERM)
+            refused = None
+            while refused is None:
+                try:
+                    stub.ListModels(scoring_pb2.ListModelsRequest(), timeout=10)
+                except grpc.RpcError as error:
+                    refused = error
+            assert refused.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.details()
+            outbox.put(kit.raw_request(PIXELS, scales=[64], request_id="during"))
+            assert next(answers).request_id == "during"  # the in-flight call goes on during the grace period
+            assert process.poll() is None
+            outbox.put(None)
+            assert list(answers) == []
+        assert process.wait(60) == 0 and "draining" in log.read_text()
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
 
 
-def test_missing_model_file_fails_to_start_with_a_clear_message(tmp_path):
-    result = subprocess.run(serve_command() + [str(tmp_path / "absent.onnx"), "--port", "0"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "absent.onnx" in result.stderr
+def refusal(argv, capsys, environ=None) -> str:
+    """`scoremap-serve argv` in this process: it must refuse with exit status 2 and one line on stderr."""
+    previous = dict(os.environ)
+    os.environ.pop("SCOREMAP_TOKEN", None)
+    os.environ.update(environ or {})
+    try:
+        assert main(argv) == 2
+    finally:
+        os.environ.clear()
+        os.environ.update(previous)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
 
 
-def test_a_port_in_use_is_refused(tiny_model_path):
+def test_an_empty_blank_or_unreadable_token_refuses_to_start(tmp_path, capsys):
+    """Checked before any model loads: the model named here does not even exist."""
+    model = str(tmp_path / "never-loaded.onnx")
+    empty, blank = tmp_path / "empty", tmp_path / "blank"
+    empty.write_text("")
+    blank.write_text(" \n\t\n")
+    for token_file in (empty, blank):
+        message = refusal([model, "--token-file", str(token_file)], capsys)
+        assert str(token_file) in message and "empty" in message
+    message = refusal([model, "--token-file", str(tmp_path / "absent")], capsys)
+    assert "absent" in message and "cannot read" in message
+    message = refusal([model], capsys, environ={"SCOREMAP_TOKEN": "  "})
+    assert "$SCOREMAP_TOKEN" in message and "empty" in message
+    two_lines = tmp_path / "two"
+    two_lines.write_text("abc\ndef\n")
+    assert "one word" in refusal([model, "--token-file", str(two_lines)], capsys)
+
+
+def test_binding_beyond_loopback_wants_tls_a_token_or_insecure(tmp_path, capsys):
+    model = str(tmp_path / "never-loaded.onnx")
+    message = refusal([model, "--host", "0.0.0.0", "--port", "0"], capsys)
+    assert "--host 0.0.0.0" in message and "--insecure" in message and "--token-file" in message
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    for extra in (["--insecure"], ["--token-file", str(token)]):  # allowed: it gets as far as loading the model
+        message = refusal([model, "--host", "0.0.0.0", "--port", "0", *extra], capsys)
+        assert "never-loaded.onnx" in message and "cannot start" in message
+
+
+def test_a_busy_port_is_one_line_and_exit_2_before_models_load(tmp_path, capsys):
+    model = str(tmp_path / "never-loaded.onnx")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        message = refusal([model, "--port", str(taken)], capsys)
+        assert f"--port {taken}" in message and "in use" in message
+        message = refusal([model, "--port", "0", "--metrics-port", str(taken)], capsys)
+        assert f"--metrics-port {taken}" in message and "in use" in message
+        result = subprocess.run(serve_command() + [model, "--port", str(taken)], capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert "add_port" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_model_file_fails_to_start_with_a_clear_message(tmp_path, capsys):
+    message = refusal([str(tmp_path / "absent.onnx"), "--port", "0"], capsys)
+    assert "absent.onnx" in message
+
+
+def test_a_port_in_use_is_refused_by_create_server_too(tiny_model_path):
     from server.errors import ScoringError
     from server.main import create_server
     from server.settings import Settings
@@ -109,22 +207,65 @@ def test_a_port_in_use_is_refused(tiny_model_path):
         first.stop(0).wait(10)
 
 
-def test_health_says_not_serving_until_warm_up_is_done(heavy_model_path):
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+def watch_health(port: int) -> list:
+    """Health statuses of the scoring service as Watch reports them, until SERVING or the stream ends."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        check = health_pb2.HealthCheckRequest(service="scoremap.v1.DenseScoring")
+        statuses = [health.Check(check).status]
+        watch = health.Watch(check, timeout=60)
+        for answer in watch:
+            statuses.append(answer.status)
+            if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                break
+        watch.cancel()
+        return statuses
 
+
+def test_health_says_not_serving_until_warm_up_is_done(tiny_model_path):
     from server.main import create_server
     from server.settings import Settings
 
-    settings = Settings(intra_op_threads=1, warm_up_scales=(256,))
-    server, port = create_server([heavy_model_path], settings=settings, wait_until_ready=False)
+    server, port = create_server([tiny_model_path], settings=Settings(intra_op_threads=1), wait_until_ready=False)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            check = health_pb2.HealthCheckRequest(service="scoremap.v1.DenseScoring")
-            assert health.Check(check).status == health_pb2.HealthCheckResponse.NOT_SERVING
-            watch = health.Watch(check, timeout=60)
-            statuses = [next(watch).status, next(watch).status]
-            watch.cancel()
-            assert statuses == [health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING]
+        statuses = watch_health(port)
+        assert statuses[0] == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert statuses[-1] == health_pb2.HealthCheckResponse.SERVING and server.warm_up_error is None
     finally:
         server.stop(0).wait(10)
+
+
+def wrong_layout_net(path: str) -> str:
+    """The tiny net with a card claiming NHWC input: it loads, and every pass it runs fails (a Keras-style mix-up)."""
+    from convert.card import read_card, write_card
+    from protos import model_card_pb2
+
+    model = onnx.load(path)
+    card = read_card(model)
+    card.preprocessing.layout = model_card_pb2.LAYOUT_NHWC
+    broken = path.replace(".onnx", "-nhwc.onnx")
+    onnx.save(write_card(model, card), broken)
+    return broken
+
+
+def test_a_failed_warm_up_keeps_health_not_serving(tiny_model_path, caplog):
+    from server.main import create_server
+    from server.settings import Settings
+
+    server, port = create_server([wrong_layout_net(tiny_model_path)], settings=Settings(intra_op_threads=1))
+    try:
+        assert server.warm_up_error is not None and "warm-up failed" in caplog.text
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for service in ("", "scoremap.v1.DenseScoring"):
+                check = health_pb2.HealthCheckRequest(service=service)
+                status = health_pb2_grpc.HealthStub(channel).Check(check).status
+                assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        server.stop(0).wait(10)
+
+
+def test_scoremap_serve_exits_3_when_warm_up_fails(tiny_model_path):
+    result = subprocess.run(serve_command() + [wrong_layout_net(tiny_model_path), "--port", "0", "--intra-op-threads", "1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr
+    assert "warm-up failed" in result.stderr.splitlines()[-1]

@@ -60,57 +60,6 @@ def kit_decode(tensor) -> np.ndarray:
     return np.frombuffer(tensor.data, dtype=np.dtype(tensor.dtype).newbyteorder("<")).reshape(tuple(tensor.shape))
 
 
-def test_grid_shifts_interleave_into_the_full_stride_16_lattice(kit, coordinate_model_path):
-    """The coordinate net scores each cell with its patch's centre, so the lattice must read 15.5 + 16 k."""
-    pixels = kit.coordinate_image(256)
-    with kit.serving([coordinate_model_path]) as (_server, _port, stub):
-        response = stub.Score(kit.raw_request(pixels, scales=[256], output_stride=16, return_maps=True))
-        flipped = stub.Score(kit.raw_request(pixels, scales=[256], output_stride=16, return_maps=True, flip=True))
-    assert response.shift == scoring_pb2.SHIFT_GRID and response.output_stride == 16
-    lattice = kit_decode(response.maps[0].scores)
-    assert lattice.shape == (2, 16, 16)
-    centres = 15.5 + 16 * np.arange(15)
-    np.testing.assert_allclose(lattice[0, :15, :15], np.broadcast_to(centres, (15, 15)), atol=1e-4)  # x
-    np.testing.assert_allclose(lattice[1, :15, :15], np.broadcast_to(centres[:, None], (15, 15)), atol=1e-4)  # y
-    # The last lattice column looks 16 px past the border, into edge padding: mean of x = 240..255 then 255s.
-    np.testing.assert_allclose(lattice[0, 0, 15], (np.arange(240, 256).sum() + 16 * 255) / 32, atol=1e-4)
-    # Geometry says the same: cell (i, j) is centred at 15.5 + 16 (i, j) in this unresized image.
-    geometry = response.maps[0].geometry
-    assert (geometry.stride_x, geometry.center_x, geometry.box_width) == (16, 15.5, 32)
-    # Mirrored passes land on the same lattice sites: flip averaging keeps the coordinates.
-    np.testing.assert_allclose(kit_decode(flipped.maps[0].scores)[:, :15, 1:15], lattice[:, :15, 1:15], atol=1e-3)
-
-
-def test_diagonal_shift_returns_a_quincunx(kit, coordinate_model_path):
-    pixels = kit.coordinate_image(128)
-    with kit.serving([coordinate_model_path]) as (_server, _port, stub):
-        response = stub.Score(kit.raw_request(
-            pixels, scales=[128], output_stride=16, shift=scoring_pb2.SHIFT_DIAGONAL, return_maps=True, cell_top_k=1,
-        ))
-    lattice = kit_decode(response.maps[0].scores)
-    assert response.shift == scoring_pb2.SHIFT_DIAGONAL and lattice.shape == (2, 8, 8)
-    scored = ~np.isnan(lattice[0])
-    assert scored.sum() == 32 and (scored == ((np.add.outer(np.arange(8), np.arange(8)) % 2) == 0)).all()
-    np.testing.assert_allclose(lattice[0, 2, 4], 15.5 + 16 * 4, atol=1e-4)
-    np.testing.assert_allclose(lattice[1, 3, 5], 15.5 + 16 * 3, atol=1e-4)
-    indices = kit_decode(response.maps[0].cell_top_k_indices)
-    assert (indices[0][~scored] == -1).all() and (indices[0][scored] >= 0).all()
-
-
-def test_flip_averaging_aligns_off_centre_receptive_fields(kit, tmp_path):
-    """With bottom/right-only padding the mirrored map is one cell off; aligned, coordinates still read true."""
-    path = tmp_path / "padded.onnx"
-    onnx.save(kit.coordinate_net(end_pad=32), path)
-    pixels = kit.coordinate_image(128)
-    with kit.serving([str(path)]) as (_server, _port, stub):
-        for stride, cells, interior in ((32, 5, 4), (16, 10, 7)):
-            response = stub.Score(kit.raw_request(pixels, scales=[128], output_stride=stride, flip=True, return_maps=True))
-            lattice = kit_decode(response.maps[0].scores)
-            assert lattice.shape == (2, cells, cells)
-            expected_x = 15.5 + stride * np.arange(interior)  # misaligned, cells would read 15.5 + stride (j +- 1/2)
-            np.testing.assert_allclose(lattice[0, 0, :interior], expected_x, atol=1e-3)
-
-
 def test_flip_averages_with_the_mirrored_image(kit, tiny_model_path):
     pixels = RNG.integers(0, 256, (64, 128, 3), dtype=np.uint8)
     with kit.serving([tiny_model_path]) as (_server, _port, stub):
