@@ -141,11 +141,7 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
         self, request: scoring_pb2.ListModelsRequest, context: grpc.ServicerContext
     ) -> scoring_pb2.ListModelsResponse:
         with self._accounted("ListModels", context):
-            response = scoring_pb2.ListModelsResponse(models=self.pipeline.models())  # copies: ours to edit
-            if not self.settings.expose_paths:
-                for summary in response.models:
-                    summary.ClearField("path")  # where files live is the server's business (--expose-paths)
-            return response
+            return scoring_pb2.ListModelsResponse(models=self.pipeline.models())  # paths only with --expose-paths
 
     def GetModel(self, request: scoring_pb2.GetModelRequest, context: grpc.ServicerContext) -> model_card_pb2.ModelCard:
         with self._accounted("GetModel", context):

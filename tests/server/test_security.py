@@ -61,3 +61,15 @@ def test_tls_and_token(kit, tiny_model_path, certificate):
             assert caught.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     finally:
         server.stop(0).wait(10)
+
+
+def test_list_models_tells_file_paths_only_with_expose_paths(kit, tiny_model_path):
+    from server.main import parse_args, settings_from
+
+    assert not settings_from(parse_args(["m.onnx"])).expose_paths
+    with kit.serving([tiny_model_path]) as (_server, _port, stub):
+        (summary,) = stub.ListModels(scoring_pb2.ListModelsRequest()).models
+        assert summary.name == "tiny" and summary.path == ""
+    with kit.serving([tiny_model_path], expose_paths=True) as (_server, _port, stub):
+        (summary,) = stub.ListModels(scoring_pb2.ListModelsRequest()).models
+        assert summary.path == tiny_model_path
