@@ -89,7 +89,7 @@ def convert_classifier(
             f"(allowed {check.tolerance:.3g}); nothing written")
     names = labels or loaded.labels or [f"class_{k}" for k in range(head.num_classes)]
     if len(names) != head.num_classes:
-        raise ConversionError(f"got {len(names)} labels for a classifier with {head.num_classes} classes")
+        raise UsageError(f"got {len(names)} labels for a classifier with {head.num_classes} classes; expected one per class")
     stride = field.jump[0]
     card = ModelCard(
         name=name or loaded.name, labels=names, preprocessing=prep,
@@ -123,12 +123,12 @@ def resolve_training_size(image: onnx.ValueInfoProto, *, layout: int, given: tup
     spatial = [dims[axis] for axis in spatial_axes(layout)]
     static = tuple(spatial) if all(isinstance(d, int) and d > 0 for d in spatial) else None
     if static and given and tuple(given) != static:
-        raise ConversionError(f"input {image.name!r} is fixed at {static[0]}x{static[1]} but training size {given[0]}x{given[1]} was given")
+        raise UsageError(f"input {image.name!r} is fixed at {static[0]}x{static[1]} but training size {given[0]}x{given[1]} was given")
     if static:
         return static
     if given:
         return tuple(given)
-    raise ConversionError(f"input {image.name!r} has symbolic size {spatial}: cannot prove the training size; pass it (--training-size)")
+    raise UsageError(f"input {image.name!r} has symbolic size {spatial}: cannot prove the training size; pass it (--training-size)")
 
 
 def image_preprocessing(given: Preprocessing | None, *, image: onnx.ValueInfoProto, layout: int, dtype: int,
