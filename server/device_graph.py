@@ -8,7 +8,7 @@ Every dimension is fixed, so an onnxruntime session built on it only ever sees o
     pixels uint8 [B, H, W, 3] RGB  --cast, channel order, (x*scale - mean)/std, dtype, layout-->
     passes [B*P, ...] (pass p of image b at b*P + p: the canvas shifted down dy, right dx, 0-filled)
     --net--> [B*P, K, h, w] --DepthToSpace--> lattice float32 [B, K, f*h, f*w]
-    lattice, valid float32 [B, f*h, f*w] --softmax (logits), masked mean--> probabilities [B, K]
+    passes' scores, valid float32 [B, f*h, f*w] --softmax (logits), masked mean--> probabilities [B, K]
 
 A pass shifted by (dy, dx) sees the whole image moved into the canvas padding, which after
 normalisation is 0 (the mean colour): no pixel of the photo is lost and none is smeared
@@ -38,6 +38,8 @@ MIN_OPSET = 13  # ReduceSum, Unsqueeze, Split take their axes as inputs; Softmax
 MAX_IR_VERSION = 13  # the newest onnxruntime 1.31 loads
 NET_PREFIX = "net/"
 OWN_PREFIX = "plan/"
+SHAPE_TENSOR_ELEMENTS = 64  # initializers up to this size stay in shape inference's probe (Reshape shapes)
+
 
 class DeviceGraphError(ValueError):
     """The net, its card or the plan's shape cannot make a plan graph; the message says why."""
@@ -86,6 +88,7 @@ def _lattice_slots(offsets, *, factor: int, stride: int) -> list[int | None]:
 
 
 def _net_at_opset(net: onnx.ModelProto) -> onnx.ModelProto:
+    """The net at MIN_OPSET or later (the wrapper's ops take their axes as inputs)."""
     opset = next((o.version for o in net.opset_import if o.domain in ("", "ai.onnx")), None)
     if opset is None:
         raise DeviceGraphError("the net imports no default-domain ONNX opset; it is not a converted scoremap graph")
@@ -103,8 +106,17 @@ def _net_at_opset(net: onnx.ModelProto) -> onnx.ModelProto:
 def scores_shape(net: onnx.ModelProto, *, input_name: str, scores_name: str,
                  input_shape: list[int]) -> tuple[list[int], int]:
     """The net's scores shape [N, K, h, w] and ONNX element type when its input has the fixed `input_shape`."""
-    probe = onnx.ModelProto()
-    probe.CopyFrom(net)
+    # A probe without the weights: their shapes suffice, only small tensors (shapes) need values.
+    probe = onnx.ModelProto(ir_version=net.ir_version, opset_import=net.opset_import, functions=net.functions)
+    weights = {tensor.name for tensor in net.graph.initializer}
+    probe.graph.node.extend(net.graph.node)
+    probe.graph.input.extend(value for value in net.graph.input if value.name not in weights)
+    for tensor in net.graph.initializer:
+        if int(np.prod(tensor.dims)) <= SHAPE_TENSOR_ELEMENTS:
+            probe.graph.initializer.append(tensor)
+        else:
+            probe.graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    probe.graph.output.extend(net.graph.output)
     for value in probe.graph.output:
         value.type.tensor_type.ClearField("shape")
     for value in probe.graph.input:
@@ -115,7 +127,6 @@ def scores_shape(net: onnx.ModelProto, *, input_name: str, scores_name: str,
             for dim, size in zip(dims, input_shape):
                 dim.Clear()
                 dim.dim_value = size
-    del probe.graph.value_info[:]
     try:
         inferred = shape_inference.infer_shapes(probe, strict_mode=True, data_prop=True)
     except Exception as error:  # onnx raises InferenceError, ValidationError or RuntimeError
@@ -262,25 +273,26 @@ def build_plan_graph(
     count = b.op("ReduceSum", [b.op("Cast", [keep], to=TensorProto.FLOAT), b.ints([1, 2, 3])], keepdims=0)
     b.op("Div", [total, count], output=PROBABILITIES)
 
-    prefixed = compose.add_prefix(net, NET_PREFIX)
-    graph = helper.make_graph(
-        b.nodes[:before_net] + list(prefixed.graph.node) + b.nodes[before_net:],
-        f"{card.name or net.graph.name}-plan-b{batch}-{height}x{width}-p{passes}",
-        [helper.make_tensor_value_info(PIXELS, TensorProto.UINT8, [batch, height, width, 3]),
-         helper.make_tensor_value_info(VALID, TensorProto.FLOAT, [batch, *cells[2:]])],
-        [helper.make_tensor_value_info(LATTICE, TensorProto.FLOAT, cells),
-         helper.make_tensor_value_info(PROBABILITIES, TensorProto.FLOAT, [batch, classes]),
-         helper.make_tensor_value_info(LATTICE_FP16, TensorProto.FLOAT16, cells)],
-        initializer=list(prefixed.graph.initializer) + b.initializers,
-        sparse_initializer=list(prefixed.graph.sparse_initializer),
-    )
-    plan = helper.make_model(
-        graph,
-        opset_imports=list(net.opset_import),
-        ir_version=min(max(net.ir_version, 7), MAX_IR_VERSION),
-        producer_name="scoremap.device_graph",
-    )
-    plan.functions.extend(prefixed.functions)
+    # One copy of the net (its weights included), renamed under NET_PREFIX and wrapped in place.
+    plan = onnx.ModelProto()
+    plan.CopyFrom(net)
+    compose.add_prefix(plan, NET_PREFIX, inplace=True)
+    graph = plan.graph
+    net_nodes = list(graph.node)
+    graph.ClearField("node")
+    graph.node.extend(b.nodes[:before_net] + net_nodes + b.nodes[before_net:])
+    graph.initializer.extend(b.initializers)
+    for field in ("input", "output", "value_info"):  # the net's symbolic N, H, W go with its value infos
+        graph.ClearField(field)
+    graph.input.extend([helper.make_tensor_value_info(PIXELS, TensorProto.UINT8, [batch, height, width, 3]),
+                        helper.make_tensor_value_info(VALID, TensorProto.FLOAT, [batch, *cells[2:]])])
+    graph.output.extend([helper.make_tensor_value_info(LATTICE, TensorProto.FLOAT, cells),
+                         helper.make_tensor_value_info(PROBABILITIES, TensorProto.FLOAT, [batch, classes]),
+                         helper.make_tensor_value_info(LATTICE_FP16, TensorProto.FLOAT16, cells)])
+    graph.name = f"{card.name or net.graph.name}-plan-b{batch}-{height}x{width}-p{passes}"
+    plan.ClearField("metadata_props")  # the card describes the net's input and output, not these
+    plan.ir_version = min(max(net.ir_version, 7), MAX_IR_VERSION)
+    plan.producer_name = "scoremap.device_graph"
     return plan
 
 
