@@ -149,6 +149,7 @@ def create_server(
     from server.errors import ScoringError
     from server.metrics import Metrics
     from server.pipeline import Pipeline
+    from server import kserve
     from server.service import SERVICE_NAME, CallLimits, DenseScoringServicer, TokenInterceptor
 
     settings = settings or Settings()
@@ -167,6 +168,7 @@ def create_server(
         scoring_pb2_grpc.add_DenseScoringServicer_to_server(servicer, grpc_server)
         health_servicer = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+        kserve.add_to_server(grpc_server, servicer, health_servicer)  # KServe v2, with the `triton` extra
         for service in ("", SERVICE_NAME):
             health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server)
@@ -278,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="decoded images above this many pixels are refused (decompression bombs)")
     requests.add_argument("--max-resized-pixels", type=int, default=defaults.max_resized_pixels,
                           help="resized images above this many pixels are refused (a huge scale on a panorama)")
+    requests.add_argument("--max-request-host-bytes", metavar="SIZE",
+                          help="host memory one request may hold, estimated from the image header before decoding, "
+                               f"e.g. 4GiB (default: {defaults.max_request_host_bytes // 2**30} GiB)")
     requests.add_argument("--max-scales", type=int, default=defaults.max_scales, help="scales one request may ask for")
     requests.add_argument("--min-scale", type=int, default=defaults.min_scale,
                           help="smallest target shorter side, in pixels (default: each model's training size, "
@@ -370,14 +375,15 @@ def model_sources(values: Sequence[str]) -> list[str] | dict[str, str]:
 def settings_from(args: argparse.Namespace) -> Settings:
     """The flags as Settings: every flag named after a field sets it; the others are converted here."""
     fields = {field.name for field in dataclasses.fields(Settings)}
-    values = {name: value for name, value in vars(args).items() if name in fields}
-    if args.memory_budget:
-        from convert.profile import ProfileError, parse_bytes  # imports onnx: only once the flags are read
+    values = {name: value for name, value in vars(args).items() if name in fields and value is not None}
+    for flag, field in (("memory_budget", "memory_budget_bytes"), ("max_request_host_bytes", "max_request_host_bytes")):
+        if getattr(args, flag):
+            from convert.profile import ProfileError, parse_bytes  # imports onnx: only once the flags are read
 
-        try:
-            values["memory_budget_bytes"] = parse_bytes(args.memory_budget)
-        except (ProfileError, ValueError) as error:
-            raise StartRefused(f"--memory-budget: {error}") from error
+            try:
+                values[field] = parse_bytes(getattr(args, flag))
+            except (ProfileError, ValueError) as error:
+                raise StartRefused(f"--{flag.replace('_', '-')}: {error}") from error
     values.update(warm_up=not args.no_warm_up, warm_up_scales=tuple(args.warm_up_scales))
     return dataclasses.replace(Settings(), **values)
 

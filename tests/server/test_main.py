@@ -35,11 +35,11 @@ def test_flags_become_settings():
     settings = settings_from(parse_args(["m.onnx", "--memory-budget", "2GiB", "--max-batch", "1", "--no-warm-up",
                                          "--warm-up-scales", "224", "384", "--max-image-pixels", "1000",
                                          "--stream-idle-seconds", "5", "--max-calls-per-peer", "3", "--expose-paths",
-                                         "--shape-buckets", "384x512,512x384"]))
+                                         "--shape-buckets", "384x512,512x384", "--max-request-host-bytes", "1GiB"]))
     assert settings.memory_budget_bytes == 2 * 2**30 and settings.max_batch == 1 and not settings.warm_up
     assert settings.warm_up_scales == (224, 384) and settings.max_image_pixels == 1000
     assert settings.stream_idle_seconds == 5 and settings.max_calls_per_peer == 3 and settings.expose_paths
-    assert settings.shape_buckets == ((384, 512), (512, 384))
+    assert settings.shape_buckets == ((384, 512), (512, 384)) and settings.max_request_host_bytes == 2**30
     assert parse_args(["m.onnx"]).host == "127.0.0.1"
 
 
