@@ -37,9 +37,11 @@ BUSY_RETRY_AFTER_SECONDS = 1.0
 
 
 class Call:
-    """One RPC as plain values: its deadline (time.monotonic) and a flag set when it ends or is cancelled."""
+    """One RPC as plain values: its deadline (time.monotonic), a flag set when it ends or is cancelled,
+    and the loaded model it concerns once known (a stream: its first request's), for the metrics."""
 
     def __init__(self, context: grpc.ServicerContext) -> None:
+        self.model = NO_MODEL
         self.cancelled = threading.Event()
         context.add_callback(self.cancelled.set)
         remaining = context.time_remaining()
@@ -70,16 +72,17 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
             return self._idle.wait_for(lambda: self._active == 0, timeout)
 
     @contextlib.contextmanager
-    def _accounted(self, method: str, context: grpc.ServicerContext, model: str = NO_MODEL) -> Iterator[Call]:
+    def _accounted(self, method: str, context: grpc.ServicerContext) -> Iterator[Call]:
         """Count the call by method, final code and model, track it in flight, abort on ScoringError."""
         code = grpc.StatusCode.OK
+        call = Call(context)
         self.metrics.in_flight.inc()
         with self._idle:
             self._active += 1
         try:
             if self.draining.is_set():
                 raise ScoringError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
-            yield Call(context)
+            yield call
         except ScoringError as error:
             code = error.code
             refuse(context, error)
@@ -96,16 +99,18 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
             if code == grpc.StatusCode.OK and not context.is_active():
                 code = ended(context)  # the call ended before its answer: the request iterator just stopped
             self.metrics.in_flight.dec()
-            self.metrics.count_request(method, code.name, model)
+            self.metrics.count_request(method, code.name, call.model)
             with self._idle:
                 self._active -= 1
                 self._idle.notify_all()
 
     def Score(self, request: scoring_pb2.ScoreRequest, context: grpc.ServicerContext) -> scoring_pb2.ScoreResponse:
-        with self._accounted("Score", context, self._model_label(request)) as call:
+        with self._accounted("Score", context) as call:
             return self._score(request, call)
 
     def _score(self, request: scoring_pb2.ScoreRequest, call: Call) -> scoring_pb2.ScoreResponse:
+        if call.model == NO_MODEL:
+            call.model = self._model_label(request)
         check_size(request, self.settings.max_message_bytes)
         return self.pipeline.score(request, deadline=call.deadline, cancelled=call.cancelled)
 

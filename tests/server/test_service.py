@@ -270,6 +270,8 @@ def test_metrics_tell_models_apart_and_leave_out_the_warm_up(kit, tiny_model_pat
         assert counted("scoremap_stage_seconds_count", {"stage": "inference", "model": "other"}) == 2
         assert counted("scoremap_stage_seconds_count", {"stage": "inference", "model": "tiny"}) == 1
         assert counted("scoremap_requests_total", {"method": "Score", "code": "OK", "model": "other"}) == 2
+        assert len(list(stub.ScoreStream(iter([kit.raw_request(pixels, model="other", scales=[64])] * 2)))) == 2
+        assert counted("scoremap_requests_total", {"method": "ScoreStream", "code": "OK", "model": "other"}) == 1
         assert counted("scoremap_batch_size_count", {"model": "tiny"}) >= 1
         assert counted("scoremap_queue_depth", {"model": "other"}) == 0
 
@@ -325,7 +327,7 @@ def test_a_stream_the_client_abandons_is_counted_cancelled_or_expired_not_a_bug(
     with kit.serving([tiny_model_path]) as (server, _port, stub):
         counted = server.metrics.registry.get_sample_value
         for timeout, expected in ((None, "CANCELLED"), (1.0, "DEADLINE_EXCEEDED")):
-            labels = {"method": "ScoreStream", "code": expected, "model": ""}
+            labels = {"method": "ScoreStream", "code": expected, "model": "tiny"}  # its requests' model
             outbox: queue.Queue = queue.Queue()
             answers = stub.ScoreStream(lockstep(outbox), timeout=timeout)
             outbox.put(kit.raw_request(pixels, scales=[64]))
@@ -337,7 +339,7 @@ def test_a_stream_the_client_abandons_is_counted_cancelled_or_expired_not_a_bug(
                 assert time.monotonic() < deadline, f"no {expected} counted"
                 time.sleep(0.02)
             outbox.put(None)
-        assert counted("scoremap_requests_total", {"method": "ScoreStream", "code": "UNKNOWN", "model": ""}) is None
+        assert counted("scoremap_requests_total", {"method": "ScoreStream", "code": "UNKNOWN", "model": "tiny"}) is None
     assert "ScoreStream failed" not in caplog.text
 
 
