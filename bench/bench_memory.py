@@ -290,7 +290,7 @@ def gpu_section() -> str:
                 ratios.append(ratio)
                 rows.append(
                     f"| {name} | {side}x{side} | {batch} | {_mib(session_predicted)} / {_mib(measured.session_bytes)} "
-                    f"({session_predicted / measured.session_bytes:.2f}) | {_mib(run_predicted)} / {_mib(run_measured)} "
+                    f"({session_predicted / max(measured.session_bytes, 1):.2f}) | {_mib(run_predicted)} / {_mib(run_measured)} "
                     f"({run_predicted / max(run_measured, 1):.2f}) | {_mib(terms.total)} / {_mib(measured.peak_bytes)} | "
                     f"{ratio:.3f} |")
     worst = max(abs(ratio - 1) for ratio in ratios)
