@@ -236,73 +236,81 @@ def build_parser() -> argparse.ArgumentParser:
                              "(name every model or none)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     net = parser.add_argument_group("network and security")
-    net.add_argument("--host", default="127.0.0.1",
+    net.add_argument("--host", metavar="ADDRESS", default="127.0.0.1",
                      help="address to bind; beyond loopback (e.g. 0.0.0.0) it needs TLS or a token, or --insecure")
-    net.add_argument("--port", type=int, default=DEFAULT_PORT, help="port; 0 picks a free one and prints it")
-    net.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key serves TLS")
-    net.add_argument("--tls-key", help="PEM private key")
-    net.add_argument("--token-file", help=f"file holding the bearer token callers must send (or set ${TOKEN_ENV}); "
-                                          "an empty or unreadable one refuses to start")
+    net.add_argument("--port", metavar="PORT",
+                     type=int, default=DEFAULT_PORT, help="port; 0 picks a free one and prints it")
+    net.add_argument("--tls-cert", metavar="PATH", help="PEM certificate chain; with --tls-key serves TLS")
+    net.add_argument("--tls-key", metavar="PATH", help="PEM private key")
+    net.add_argument("--token-file", metavar="PATH",
+                     help=f"file holding the bearer token callers must send (or set ${TOKEN_ENV}); "
+                          "an empty or unreadable one refuses to start")
     net.add_argument("--insecure", action="store_true",
                      help="allow a --host beyond loopback with neither TLS nor a token (your own network only)")
     net.add_argument("--expose-paths", action="store_true", help="ListModels tells callers each model's file path")
-    net.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes,
+    net.add_argument("--max-message-bytes", metavar="BYTES", type=int, default=defaults.max_message_bytes,
                      help="largest request or response; larger requests are refused naming this flag")
-    net.add_argument("--grpc-workers", type=int, default=defaults.grpc_workers,
+    net.add_argument("--grpc-workers", metavar="N", type=int, default=defaults.grpc_workers,
                      help="threads answering calls (each waits on its batch, so more than cores)")
-    net.add_argument("--reserved-workers", type=int, default=defaults.reserved_workers,
+    net.add_argument("--reserved-workers", metavar="N", type=int, default=defaults.reserved_workers,
                      help="workers kept from scoring calls so health probes are always answered")
-    net.add_argument("--max-concurrent-rpcs", type=int, default=defaults.max_concurrent_rpcs,
+    net.add_argument("--max-concurrent-rpcs", metavar="N", type=int, default=defaults.max_concurrent_rpcs,
                      help="calls running or waiting for a worker thread; beyond it RESOURCE_EXHAUSTED")
-    net.add_argument("--max-calls-per-peer", type=int, default=defaults.max_calls_per_peer,
+    net.add_argument("--max-calls-per-peer", metavar="N", type=int, default=defaults.max_calls_per_peer,
                      help="calls one client address may have running at once (0: no limit)")
-    net.add_argument("--stream-idle-seconds", type=float, default=defaults.stream_idle_seconds,
+    net.add_argument("--stream-idle-seconds", metavar="SECONDS", type=float, default=defaults.stream_idle_seconds,
                      help="a ScoreStream with no request (and every answer sent) for this long is ended")
-    net.add_argument("--connection-idle-seconds", type=float, default=defaults.connection_idle_seconds,
+    net.add_argument("--connection-idle-seconds", metavar="SECONDS",
+                     type=float, default=defaults.connection_idle_seconds,
                      help="a connection with no call for this long is closed (clients reconnect)")
-    net.add_argument("--connection-age-seconds", type=float, default=defaults.connection_age_seconds,
+    net.add_argument("--connection-age-seconds", metavar="SECONDS", type=float, default=defaults.connection_age_seconds,
                      help="connections are closed after this long, so clients spread over replicas")
-    net.add_argument("--connection-age-grace-seconds", type=float, default=defaults.connection_age_grace_seconds,
+    net.add_argument("--connection-age-grace-seconds", metavar="SECONDS",
+                     type=float, default=defaults.connection_age_grace_seconds,
                      help="calls still running when their connection reaches its age get this long")
-    net.add_argument("--keepalive-seconds", type=float, default=defaults.keepalive_seconds,
+    net.add_argument("--keepalive-seconds", metavar="SECONDS", type=float, default=defaults.keepalive_seconds,
                      help="the server pings each connection this often, so vanished clients' calls end")
-    net.add_argument("--keepalive-timeout-seconds", type=float, default=defaults.keepalive_timeout_seconds,
+    net.add_argument("--keepalive-timeout-seconds", metavar="SECONDS",
+                     type=float, default=defaults.keepalive_timeout_seconds,
                      help="an unanswered ping closes its connection after this long")
-    net.add_argument("--min-client-ping-seconds", type=float, default=defaults.min_client_ping_seconds,
+    net.add_argument("--min-client-ping-seconds", metavar="SECONDS",
+                     type=float, default=defaults.min_client_ping_seconds,
                      help="clients pinging more often (while no data flows) are told to go away")
-    net.add_argument("--grace-seconds", type=float, default=defaults.grace_seconds,
+    net.add_argument("--grace-seconds", metavar="SECONDS", type=float, default=defaults.grace_seconds,
                      help="on SIGTERM, how long in-flight calls get to finish")
-    net.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
+    net.add_argument("--metrics-port", metavar="PORT", type=int, default=defaults.metrics_port,
                      help="Prometheus /metrics port (0: a free one); off when not given")
-    net.add_argument("--metrics-address", default=defaults.metrics_address, help="address the metrics endpoint binds")
+    net.add_argument("--metrics-address", metavar="ADDRESS", default=defaults.metrics_address,
+                     help="address the metrics endpoint binds")
     requests = parser.add_argument_group("request limits")
-    requests.add_argument("--max-image-pixels", type=int, default=defaults.max_image_pixels,
+    requests.add_argument("--max-image-pixels", metavar="N", type=int, default=defaults.max_image_pixels,
                           help="decoded images above this many pixels are refused (decompression bombs)")
-    requests.add_argument("--max-resized-pixels", type=int, default=defaults.max_resized_pixels,
+    requests.add_argument("--max-resized-pixels", metavar="N", type=int, default=defaults.max_resized_pixels,
                           help="resized images above this many pixels are refused (a huge scale on a panorama)")
     requests.add_argument("--max-request-host-bytes", metavar="SIZE",
                           help="host memory one request may hold, estimated from the image header before decoding, "
                                f"e.g. 4GiB (default: {defaults.max_request_host_bytes // 2**30} GiB)")
-    requests.add_argument("--max-scales", type=int, default=defaults.max_scales, help="scales one request may ask for")
-    requests.add_argument("--min-scale", type=int, default=defaults.min_scale,
+    requests.add_argument("--max-scales", metavar="N",
+                          type=int, default=defaults.max_scales, help="scales one request may ask for")
+    requests.add_argument("--min-scale", metavar="N", type=int, default=defaults.min_scale,
                           help="smallest target shorter side, in pixels (default: each model's training size, "
                                "the least it can take)")
-    requests.add_argument("--max-scale", type=int, default=defaults.max_scale,
+    requests.add_argument("--max-scale", metavar="N", type=int, default=defaults.max_scale,
                           help="largest target shorter side, in pixels")
     batching = parser.add_argument_group("batching and memory")
-    batching.add_argument("--max-batch", type=int, default=defaults.max_batch,
+    batching.add_argument("--max-batch", metavar="N", type=int, default=defaults.max_batch,
                           help="passes of one shape run together, up to this many; 1 turns batching off "
                                "(default: 8 on a GPU, 1 on the CPU)")
-    batching.add_argument("--max-queue-delay-ms", type=float, default=defaults.max_queue_delay_ms,
+    batching.add_argument("--max-queue-delay-ms", metavar="MS", type=float, default=defaults.max_queue_delay_ms,
                           help="how long the first pass of a batch waits for others of its shape")
-    batching.add_argument("--queue-depth", type=int, default=defaults.queue_depth,
+    batching.add_argument("--queue-depth", metavar="N", type=int, default=defaults.queue_depth,
                           help="passes waiting per model before RESOURCE_EXHAUSTED")
-    batching.add_argument("--max-queue-ms", type=float, default=defaults.max_queue_ms,
+    batching.add_argument("--max-queue-ms", metavar="MS", type=float, default=defaults.max_queue_ms,
                           help="longest a pass may wait in the queue; a request expected to wait longer is "
                                "refused before decoding")
-    batching.add_argument("--stream-window", type=int, default=defaults.stream_window,
+    batching.add_argument("--stream-window", metavar="N", type=int, default=defaults.stream_window,
                           help="requests of one ScoreStream scored at once (answers stay in order)")
-    batching.add_argument("--memory-budget", help="predicted peak memory allowed per batch, e.g. 2GiB "
+    batching.add_argument("--memory-budget", metavar="SIZE", help="predicted peak memory allowed per batch, e.g. 2GiB "
                           "(default: the GPU's free memory, or half the available RAM on the CPU)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--provider", choices=("auto", "cuda", "cpu"), default=defaults.provider,
@@ -311,21 +319,21 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--cudnn-conv-algo-search", choices=("HEURISTIC", "EXHAUSTIVE", "DEFAULT"),
                         default=defaults.cudnn_conv_algo_search,
                         help="CUDA convolution algorithm search (EXHAUSTIVE re-tunes per shape)")
-    engine.add_argument("--intra-op-threads", type=int, default=defaults.intra_op_threads,
+    engine.add_argument("--intra-op-threads", metavar="N", type=int, default=defaults.intra_op_threads,
                         help="onnxruntime threads inside one op (0: onnxruntime chooses)")
-    engine.add_argument("--inter-op-threads", type=int, default=defaults.inter_op_threads,
+    engine.add_argument("--inter-op-threads", metavar="N", type=int, default=defaults.inter_op_threads,
                         help="onnxruntime threads across ops (0: onnxruntime chooses)")
     engine.add_argument("--shape-buckets", type=shape_buckets, default=defaults.shape_buckets, metavar="HxW,...",
                         help="canvas sizes images are padded to, e.g. 384x512,512x384 "
                              "(default: the warm-up scales at common aspect ratios)")
     engine.add_argument("--strict-shapes", action="store_true",
                         help="refuse an image no bucket holds instead of planning its shape on demand")
-    engine.add_argument("--max-plans", type=int, default=defaults.max_plans,
+    engine.add_argument("--max-plans", metavar="N", type=int, default=defaults.max_plans,
                         help="plans (sessions of one shape) each model keeps; the least recently used goes")
-    engine.add_argument("--decode-threads", type=int, default=defaults.decode_threads,
+    engine.add_argument("--decode-threads", metavar="N", type=int, default=defaults.decode_threads,
                         help="threads decoding and resizing images (0: one per CPU core)")
     engine.add_argument("--no-warm-up", action="store_true", help="report SERVING without warm-up passes")
-    engine.add_argument("--warm-up-scales", type=int, nargs="*", default=list(defaults.warm_up_scales),
+    engine.add_argument("--warm-up-scales", metavar="SCALE", type=int, nargs="*", default=list(defaults.warm_up_scales),
                         help="scales to warm up before SERVING (default: each model's default scale)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="how much the log on stderr says")
@@ -339,7 +347,9 @@ def shape_buckets(text: str) -> tuple[tuple[int, int], ...]:
     except ValueError:
         sizes = ()
     if not sizes or any(len(size) != 2 or min(size) <= 0 for size in sizes):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected sizes HEIGHTxWIDTH separated by commas, e.g. 384x512,512x384")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected sizes HEIGHTxWIDTH separated by commas, e.g. 384x512,512x384"
+        )
     return sizes
 
 
@@ -461,13 +471,15 @@ def check_port_free(host: str, port: int, flag: str) -> None:
             try:
                 probe.bind(address)
             except OSError as error:
-                raise StartRefused(f"{flag} {port}: {host}:{port} is {'in use' if error.errno == errno.EADDRINUSE else error.strerror}; "
-                                   f"stop what holds it or choose another ({flag} 0 picks a free one)") from error
+                state = "in use" if error.errno == errno.EADDRINUSE else error.strerror
+                raise StartRefused(f"{flag} {port}: {host}:{port} is {state}; stop what holds it or choose another "
+                                   f"({flag} 0 picks a free one)") from error
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
     try:
         settings = settings_from(args)
         token = read_token(args.token_file, os.environ)

@@ -359,13 +359,15 @@ def guarded(
             with guard(context):
                 return behaviour(request, context)
 
-        factory = grpc.stream_unary_rpc_method_handler if handler.request_streaming else grpc.unary_unary_rpc_method_handler
-        return factory(unary, **serializers)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(unary, **serializers)
+        return grpc.unary_unary_rpc_method_handler(unary, **serializers)
     behaviour = handler.unary_stream or handler.stream_stream
 
     def streaming(request, context):
         with guard(context):
             yield from behaviour(request, context)
 
-    factory = grpc.stream_stream_rpc_method_handler if handler.request_streaming else grpc.unary_stream_rpc_method_handler
-    return factory(streaming, **serializers)
+    if handler.request_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming, **serializers)
+    return grpc.unary_stream_rpc_method_handler(streaming, **serializers)
