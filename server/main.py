@@ -471,8 +471,9 @@ def check_port_free(host: str, port: int, flag: str) -> None:
             try:
                 probe.bind(address)
             except OSError as error:
-                state = "in use" if error.errno == errno.EADDRINUSE else error.strerror
-                raise StartRefused(f"{flag} {port}: {host}:{port} is {state}; stop what holds it or choose another "
+                if error.errno != errno.EADDRINUSE:
+                    continue  # e.g. no IPv6 here: gRPC binds what it can, and says so if nothing
+                raise StartRefused(f"{flag} {port}: {host}:{port} is in use; stop what holds it or choose another "
                                    f"({flag} 0 picks a free one)") from error
 
 

@@ -5,6 +5,7 @@ the model, since nothing here waits for a model to be slow.
 """
 
 import queue
+import time
 
 import grpc
 import numpy as np
@@ -40,7 +41,7 @@ def hold(server, stub, count: int) -> list[HeldStream]:
     """`count` streams running in the servicer."""
     streams = [HeldStream(stub) for _ in range(count)]
     while server.servicer.active < count:
-        pass
+        time.sleep(0.01)
     return streams
 
 
