@@ -20,9 +20,9 @@ PIXELS = np.random.default_rng(11).integers(0, 256, (64, 64, 3), dtype=np.uint8)
 class HeldStream:
     """A ScoreStream that sends what it is given, and nothing until then: while open it holds a worker."""
 
-    def __init__(self, stub, **options):
+    def __init__(self, stub, *, timeout: float = 60):
         self._outbox: queue.Queue = queue.Queue()
-        self.answers = stub.ScoreStream(iter(self._outbox.get, None), **options)
+        self.answers = stub.ScoreStream(iter(self._outbox.get, None), timeout=timeout)  # a failing test ends
 
     def send(self, request):
         self._outbox.put(request)
@@ -83,7 +83,7 @@ def test_one_client_address_cannot_hold_every_worker(kit, tiny_model_path):
 def test_an_idle_stream_is_ended_and_gives_its_worker_back(kit, tiny_model_path):
     with kit.serving([tiny_model_path], stream_idle_seconds=0.3) as (server, _port, stub):
         for sends in (0, 2):  # idle from the start, or after answers were sent
-            stream = HeldStream(stub, timeout=60)
+            stream = HeldStream(stub)
             for i in range(sends):
                 assert stream.send(kit.raw_request(PIXELS, scales=[64], request_id=f"r{i}")).request_id == f"r{i}"
             with pytest.raises(grpc.RpcError) as caught:
