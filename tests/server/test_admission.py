@@ -268,3 +268,20 @@ def test_an_nhwc_model_is_admitted_and_scored_like_its_nchw_twin(kit, tmp_path, 
         twin = stub.Score(request, timeout=30)
     np.testing.assert_allclose(kit.decode_tensor(answer.maps[0].scores), kit.decode_tensor(twin.maps[0].scores),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_the_converted_tf2onnx_graph_is_admitted_and_scored(kit, tmp_path):
+    import onnx
+
+    from convert import convert_classifier
+    from server.admission import Admission
+    from tests.convert.test_onnx_families import UNIT_RANGE, tf2onnx_classifier
+
+    path = tmp_path / "keras.onnx"
+    onnx.save(convert_classifier(tf2onnx_classifier(), preprocessing=UNIT_RANGE, name="keras"), path)
+    assert Admission(onnx.load(path)).predicted_bytes(40, 36, 2) > 0
+    pixels = np.random.default_rng(1).integers(0, 255, (40, 36, 3), dtype=np.uint8)
+    with kit.serving([str(path)], warm_up=True) as (_server, _port, stub):
+        answer = stub.Score(kit.raw_request(pixels, scales=[36], return_maps=True, top_k=3), timeout=30)
+    assert answer.maps and len(answer.top_k) == 3
+    assert kit.decode_tensor(answer.maps[0].scores).shape[0] == 3
