@@ -11,7 +11,9 @@ setup: $(BIN)/scoremap-convert
 $(BIN)/scoremap-convert: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,triton,ray]'
+	# numpy<2 is its Python-backend stub's pin, not ours (see pyproject's triton extra)
+	$(BIN)/pip install --quiet --no-deps nvidia-pytriton==0.7.0
 	touch $@
 
 # Regenerates the committed protos/*_pb2*.py; tests/test_protos.py fails when they are stale.
