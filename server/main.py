@@ -155,6 +155,7 @@ def create_server(
     settings = settings or Settings()
     metrics = Metrics()
     pipeline = Pipeline(models, settings=dataclasses.replace(settings, warm_up=False), metrics=metrics)
+    grpc_server = None
     try:
         limits = CallLimits(total=max(1, settings.grpc_workers - settings.reserved_workers),
                             per_peer=settings.max_calls_per_peer, metrics=metrics)
@@ -181,9 +182,16 @@ def create_server(
             raise ScoringError(grpc.StatusCode.UNAVAILABLE, f"could not bind {address} (in use?): {error}") from error
         metrics_port = None
         if settings.metrics_port is not None:
-            metrics_port = metrics.serve(port=settings.metrics_port, address=settings.metrics_address)
+            try:
+                metrics_port = metrics.serve(port=settings.metrics_port, address=settings.metrics_address)
+            except OSError as error:
+                where = f"{settings.metrics_address}:{settings.metrics_port}"
+                raise ScoringError(grpc.StatusCode.UNAVAILABLE,
+                                   f"could not serve metrics on {where} (--metrics-port): {error.strerror}") from error
         grpc_server.start()
     except BaseException:
+        if grpc_server is not None:
+            grpc_server.stop(None)  # releases a port already bound
         pipeline.close()
         metrics.close()
         raise

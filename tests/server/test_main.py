@@ -269,3 +269,16 @@ def test_scoremap_serve_exits_3_when_warm_up_fails(tiny_model_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 3, result.stderr
     assert "warm-up failed" in result.stderr.splitlines()[-1]
+
+
+def test_create_server_refuses_a_busy_metrics_port_with_its_error_type(tiny_model_path):
+    from server.errors import ScoringError
+    from server.main import create_server
+    from server.settings import Settings
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        settings = Settings(warm_up=False, intra_op_threads=1, metrics_port=busy.getsockname()[1])
+        with pytest.raises(ScoringError, match="--metrics-port"):
+            create_server([tiny_model_path], settings=settings)
