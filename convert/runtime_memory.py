@@ -3,9 +3,9 @@
 * `configure_allocator()`: glibc's malloc as the server runs it (a fixed 128 KiB mmap threshold,
   heap top trimmed at once), so buffers of a run are returned to the system when freed. Under
   glibc's defaults the mmap threshold grows to 32 MiB after the first large free, activations then
-  come from the heap, fragment it and stay: the default model peaked at 110 MB for 512x512 (0.57x
-  the prediction) and a server's idle RSS ratcheted from 1.0 to 6.3 GB (issue 14); configured, 53 MB
-  and within 4% of the prediction. `release_free_memory()` (malloc_trim) gives back the holes left
+  come from the heap, fragment it and stay: the default model peaked at 110 MB for 512x512 (the
+  prediction, 63 MB, was 0.57x of it) and a server's idle RSS ratcheted from 1.0 to 6.3 GB (issue
+  14); configured, 53-59 MB, within 4% of the prediction. `release_free_memory()` (malloc_trim) gives back the holes left
   inside the heaps after a large request.
 * `measure_footprint()`: what creating and warming up a plan (a session) really costs, in the
   running process: device memory (cudaMemGetInfo) on CUDA, resident set (current, not peak) on both.

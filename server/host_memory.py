@@ -4,9 +4,10 @@ A dense request multiplies its image: decoded once, resized per scale, cut into 
 flips) and turned into model inputs, each pass answered by a score map. At the old defaults one
 request could need ~10 GB of host memory (issue 14: a 2432x640 PNG at 8 scales, stride 16 and flip
 took ~1 GB each), while admission only budgeted the model's run. `estimate_request` counts every
-copy the pipeline holds at once; admission refuses, with the numbers, a request whose estimate
-exceeds `Settings.max_request_host_bytes` (server.admission.admit_host). The request limits' defaults (`max_image_pixels`,
-`max_scales`, `max_resized_pixels`) are set so that the worst single request fits: `worst_request`.
+copy the pipeline holds at once; admission (server.admission.admit_host) refuses, with the
+numbers, a request whose estimate exceeds `Settings.max_request_host_bytes`. The request limits'
+defaults (`max_image_pixels`, `max_scales`, `max_resized_pixels`) are set so that the worst single
+request fits: `worst_request`.
 
 How a pipeline holds a scale is a `HostPath`: `DEVICE_PASSES` is the server's (one uint8 canvas per
 scale and orientation; passes, lattice and probabilities made on the device, issue 9);
