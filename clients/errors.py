@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = ["ScoremapError", "from_rpc_error", "RETRY_AFTER_KEY"]
+from protos import RETRY_AFTER_KEY
 
-# Trailing metadata key by which the server marks a refusal as transient (a full queue, a wait
-# beyond the deadline) and says when to try again, in milliseconds. It must agree with
-# server/errors.py RETRY_AFTER_KEY (clients never import the server package).
-RETRY_AFTER_KEY = "scoremap-retry-after-ms"
+__all__ = ["ScoremapError", "from_rpc_error", "RETRY_AFTER_KEY"]
 
 
 class ScoremapError(Exception):

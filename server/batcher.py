@@ -53,7 +53,8 @@ class Work:
 class Batcher:
     """A bounded queue and one worker thread running batches through `run`.
 
-    `run(works)` returns one result per work, in order; it runs on the worker thread only.
+    `run(works)` returns one result per work, in order; it runs on the worker thread only. A result's
+    `planning_seconds` (one-off set-up inside the run) is left out of the pace the waits are estimated from.
     """
 
     def __init__(
@@ -87,11 +88,11 @@ class Batcher:
         with self._condition:
             return len(self._queue)
 
-    def expected_wait(self, items: int) -> float:
-        """Seconds until `items` more would be done: the queue ahead and the running batch, at the recent pace."""
+    def expected_wait(self) -> float:
+        """Seconds a new item would wait before it runs: the running batch and the queue ahead, at the recent pace."""
         with self._condition:
             running = max(0.0, self._busy_until - time.monotonic())
-            return running + (len(self._queue) + items) * self._seconds_per_item
+            return running + len(self._queue) * self._seconds_per_item
 
     def check_room(self, items: int, *, deadline: float | None) -> None:
         """RESOURCE_EXHAUSTED (with a retry hint) when `items` more would overflow the queue or wait too long."""
@@ -99,17 +100,21 @@ class Batcher:
             waiting = len(self._queue)
         if waiting + items > self._queue_depth:
             raise self._queue_full(waiting, items)
-        wait = self.expected_wait(items)
-        allowed = self._max_queue
-        if deadline is not None:
-            allowed = min(allowed, deadline - time.monotonic())
-        if wait > allowed:
-            limit = "the call's deadline" if deadline is not None and allowed < self._max_queue else "--max-queue-ms"
+        wait = self.expected_wait()
+        if wait > self._max_queue:
             raise ScoringError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"overloaded: the expected wait is {1000 * wait:.0f} ms, beyond {limit} ({1000 * max(allowed, 0):.0f} ms); "
-                "retry with backoff",
+                f"overloaded: the expected wait in the queue is {1000 * wait:.0f} ms, beyond --max-queue-ms "
+                f"({1000 * self._max_queue:.0f} ms); retry with backoff",
                 retry_after_seconds=max(wait - self._max_queue, POLL_SECONDS),
+            )
+        done = wait + items * self._seconds_per_item
+        if deadline is not None and time.monotonic() + done > deadline:
+            raise ScoringError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"overloaded: the request would be done in about {1000 * done:.0f} ms, after the call's deadline "
+                f"({1000 * max(deadline - time.monotonic(), 0):.0f} ms from now); retry later or with a longer deadline",
+                retry_after_seconds=max(wait, POLL_SECONDS),
             )
 
     def submit(self, works: Sequence[Work]) -> None:
@@ -233,7 +238,8 @@ class Batcher:
                     work.fail(failure)
                 continue
             elapsed = time.monotonic() - started
-            per_item = elapsed / len(batch)
+            setup = sum(getattr(result, "planning_seconds", 0.0) for result in results)
+            per_item = max(elapsed - setup, 0.0) / len(batch)
             with self._condition:
                 self._seconds_per_item = per_item if not self._seconds_per_item else (
                     SMOOTHING * per_item + (1 - SMOOTHING) * self._seconds_per_item)

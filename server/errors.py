@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import grpc
 
-# Trailing metadata key telling a client that a refusal is transient (overload) and when to retry;
-# clients decide on it and the status code, never on the message's words.
-RETRY_AFTER_KEY = "scoremap-retry-after-ms"
+from protos import RETRY_AFTER_KEY
+
+__all__ = ["RETRY_AFTER_KEY", "ScoringError"]
 
 
 class ScoringError(Exception):

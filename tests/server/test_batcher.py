@@ -99,12 +99,14 @@ def test_expected_wait_beyond_the_deadline_or_the_queue_limit_is_refused_before_
         batcher.submit(paced)
         batcher.wait(paced)
         batcher._seconds_per_item = 0.2  # the recent pace: 0.2 s per item
-        batcher.check_room(2, deadline=None)  # 0.4 s: within --max-queue-ms
+        batcher.check_room(10, deadline=None)  # nothing ahead: its own run time is no queueing
+        batcher._queue.extend(works(3, "waiting"))  # 0.6 s ahead of a new request: beyond --max-queue-ms 0.5 s
         with pytest.raises(ScoringError, match="--max-queue-ms") as caught:
-            batcher.check_room(3, deadline=None)
+            batcher.check_room(1, deadline=None)
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
+        batcher._queue.clear()
         with pytest.raises(ScoringError, match="deadline"):
-            batcher.check_room(1, deadline=time.monotonic() + 0.1)
+            batcher.check_room(1, deadline=time.monotonic() + 0.1)  # 0.2 s of its own work
     finally:
         batcher.close()
 
