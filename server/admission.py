@@ -46,6 +46,7 @@ from convert.memory_model import Device, MemoryTerms
 from convert.profile import ProfileError, Skeleton, largest_batch, load_skeleton, profile_model
 from server.errors import ScoringError
 from server.host_memory import HostEstimate
+from server.metrics import Metrics
 
 LOG = logging.getLogger(__name__)
 PROFILE_CACHE_SIZE = 1024  # input sizes (and batch sizes) whose predictions each model remembers
@@ -123,7 +124,7 @@ class MemoryBudget:
         with self._lock:
             return sorted(self._plans.values(), key=lambda record: record.last_used)
 
-    def _reserve(self, record: PlanRecord) -> list[PlanRecord]:
+    def _reserve(self, record: PlanRecord) -> list[PlanRecord] | None:
         """Account `record`, evicting least recently used plans to fit; the evicted, or None when it
         cannot fit even alone (nothing changed then)."""
         slot = (id(record.owner), record.key)
@@ -172,7 +173,7 @@ class Admission:
 
     def __init__(self, model: onnx.ModelProto | Skeleton, *, budget_bytes: int | None = None,
                  device: Device = Device.CPU, name: str = "", shared: MemoryBudget | None = None,
-                 metrics=None) -> None:
+                 metrics: Metrics | None = None) -> None:
         self.model = load_skeleton(model)
         self.device = device
         self.name = name
