@@ -17,6 +17,7 @@ from convert.card import (
     ChannelOrder, ImageInput, InputDtype, Layout, ModelCard, OutputKind, Precision, Preprocessing, ReceptiveField,
     is_logits, read_card, write_card,
 )
+from convert.precision import to_fp16
 from convert.preprocessing import normalize, to_layout
 from server.device_graph import (
     LATTICE, LATTICE_FP16, PIXELS, PROBABILITIES, VALID, DeviceGraphError, build_plan_graph, lattice_cells,
@@ -193,7 +194,13 @@ def test_a_probabilities_card_is_averaged_without_softmax():
     assert_close(outputs[PROBABILITIES], probabilities, on=running)
 
 
-@pytest.mark.parametrize("build", [nhwc_float16_net, bgr_uint8_net, heavy_net], ids=["nhwc-fp16", "bgr-uint8", "padded-convs"])
+def fp16_precision_net() -> onnx.ModelProto:
+    """`scoremap-convert --precision fp16`: float16 weights and activations, float32 input and scores."""
+    return to_fp16(heavy_net())
+
+
+@pytest.mark.parametrize("build", [nhwc_float16_net, bgr_uint8_net, heavy_net, fp16_precision_net],
+                         ids=["nhwc-fp16-input", "bgr-uint8", "padded-convs", "fp16-precision"])
 def test_layout_dtype_channel_order_and_padding_nets(build):
     outputs, (lattice, probabilities, _), running, _ = run_plan(
         build(), batch=2, height=64, width=96, offsets=GRID, factor=2, stride=S, drop=0.2)
