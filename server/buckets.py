@@ -58,16 +58,3 @@ def default_buckets(
     batches = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
     return Buckets(tuple(sorted(canvases)), tuple(sorted(set(batches))))
 
-
-def parse_canvases(text: str) -> tuple[tuple[int, int], ...]:
-    """'384x384,384x512' -> ((384, 384), (384, 512)); ValueError naming the bad entry."""
-    canvases = []
-    for entry in filter(None, (part.strip() for part in text.split(","))):
-        try:
-            height, width = (int(side) for side in entry.lower().split("x"))
-        except ValueError:
-            raise ValueError(f"canvas bucket {entry!r} is not HEIGHTxWIDTH, e.g. 384x512") from None
-        if height <= 0 or width <= 0:
-            raise ValueError(f"canvas bucket {entry!r} must have positive sides")
-        canvases.append((height, width))
-    return tuple(sorted(set(canvases)))
