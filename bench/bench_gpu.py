@@ -39,7 +39,8 @@ from bench.bench_memory import gpu_section
 from bench.models import converted, null_model
 from clients.latency import LevelReport, Sample, summarise
 from clients.loadtest import LevelPlan, LoadLimits, closed_loop
-from convert.card import read_card
+from convert.card import ImageInput, read_card
+from convert.preprocessing import to_input
 from protos import scoring_pb2, scoring_pb2_grpc
 from server import buckets, dense
 from server.device_graph import LATTICE, PIXELS, PROBABILITIES, VALID, build_plan_graph, lattice_cells
@@ -67,10 +68,12 @@ class Config:
     batches: tuple[int, ...] = (1, 8, 32)
     device_seconds: float = 2.0
     max_requests: int = 100_000
+    shape_rounds: int = 6
     warm_up: bool = True  # False only to check the benchmark itself quickly: plans are then made on first use
 
 
-DRY_RUN = Config(clients=(1, 4), level_seconds=0.3, batches=(1, 2), device_seconds=0.2, max_requests=200)
+DRY_RUN = Config(clients=(1, 4), level_seconds=0.3, batches=(1, 2), device_seconds=0.2, max_requests=200,
+                 shape_rounds=3)
 TARGETS = {"device_ratio": 0.8, "rps_16": 500.0, "rps_1": 100.0, "p50_1_ms": 10.0, "p99_16_ms": 50.0, "max_ms": 100.0}
 
 
@@ -156,6 +159,25 @@ def device_bound(scheme: Scheme, *, batch: int, engine: Engine, seconds: float) 
     bare = loop_rate(bare_step(graph, {PIXELS: pixels, VALID: valid}, on_gpu=engine.on_gpu), seconds=seconds)
     label = f"{scheme.name}: batch {batch} x {height}x{width} x {len(passes.offsets)} passes"
     return label, batch * served, batch * bare
+
+
+# --- what a change of input shape costs a session ----------------------------------------------
+def shape_change_cost(model: str, *, engine: Engine, rounds: int) -> tuple[float, float]:
+    """(median ms of a run at the shape the session ran last, median ms of a run at the other shape):
+    the plain converted net (symbolic N, H, W) alternating batch 1 and 2 at one canvas (issue 9's
+    first measured fact: 0.35-0.8 s per change on a CUDA session, none on the CPU)."""
+    card = read_card(model)
+    image = ImageInput.of(card)
+    session = engine.session(onnx.load(model).SerializeToString())
+    inputs = [to_input(np.zeros((batch, *RESIZED, 3), dtype=np.uint8), image) for batch in (1, 2)]
+    same, changed = [], []
+    for _ in range(rounds):
+        for batch_input in inputs:
+            for times in (changed, same):  # the first run follows the other shape, the second repeats it
+                started = time.perf_counter()
+                session.run([card.scores_name], {image.name: batch_input})
+                times.append(1000 * (time.perf_counter() - started))
+    return float(np.median(same[2:])), float(np.median(changed[2:]))  # the first round sets the session up
 
 
 # --- requests/s under concurrency -----------------------------------------------------------
@@ -276,6 +298,7 @@ def measure(folder: str, config: Config, *, dry_run: bool) -> str:
                     require_gpu=not dry_run, max_calls_per_peer=0, grpc_workers=most + Settings.reserved_workers,
                     max_concurrent_rpcs=2 * (most + Settings.reserved_workers))
     engine = Engine(base)
+    same_ms, changed_ms = shape_change_cost(schemes[0].model, engine=engine, rounds=config.shape_rounds)
     device = [device_bound(s, batch=b, engine=engine, seconds=config.device_seconds)
               for s in schemes for b in config.batches]
     modes = {"on": base, "off": dataclasses.replace(base, max_batch=1)}
@@ -288,6 +311,11 @@ def measure(folder: str, config: Config, *, dry_run: bool) -> str:
         "",
         f"{'Null models' if dry_run else 'EfficientNet-Lite0 (stride 32 for the grid, --output-stride 16 for à trous)'}, "
         f"samples/cat.jpg at scale {SCALE} ({RESIZED[0]}x{RESIZED[1]}), stride 16, top-5 only.",
+        "",
+        f"A change of input shape: the plain {schemes[0].name} net (symbolic dims) on one session, batch 1 and 2 "
+        f"alternated at {RESIZED[0]}x{RESIZED[1]}: {same_ms:.1f} ms per run at the shape it ran last, "
+        f"{changed_ms:.1f} ms after a change (median of {config.shape_rounds - 1} rounds) — what plans pinned to "
+        "one shape avoid.",
         "",
         "Device-bound images/s per plan (the server's Plan with uint8 in and probabilities back, vs a bare "
         "onnxruntime loop on the same graph with inputs and outputs on the device):",

@@ -8,7 +8,7 @@ import pytest
 from bench import bench_gpu
 
 TINY = bench_gpu.Config(clients=(2,), level_seconds=0.1, batches=(1,), device_seconds=0.05, max_requests=20,
-                        warm_up=False)
+                        shape_rounds=2, warm_up=False)
 
 
 def test_the_dry_run_measures_every_table_on_the_cpu():
@@ -21,6 +21,7 @@ def test_the_dry_run_measures_every_table_on_the_cpu():
                 # One row per level; its figures depend on this shared machine's load, so are not checked.
                 assert f"| {scheme} | {batching} | {path} | 2 |" in section
     assert "device-bound plan >= 80%" in section
+    assert "ms after a change" in section
 
 
 @pytest.mark.skipif(bench_gpu.cuda_unavailable() is None, reason="CUDA runs here: bench-gpu would measure")
