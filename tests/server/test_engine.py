@@ -6,6 +6,7 @@ import pytest
 
 from server.engine import CPU, CUDA, Engine, EngineError, choose_providers
 from server.settings import GPU_DEFAULT_MAX_BATCH, Settings
+from tests.tiny_models import tolerance
 
 
 def test_cuda_is_chosen_when_it_can_load():
@@ -39,7 +40,7 @@ def test_engine_reports_what_its_sessions_really_run_on(tiny_model_path):
     assert engine.provider == session.get_providers()[0]
     batch = np.random.default_rng(0).normal(size=(2, 3, 64, 96)).astype(np.float32)
     direct = onnxruntime.InferenceSession(tiny_model_path, providers=[CPU]).run(None, {"image": batch})[0]
-    np.testing.assert_allclose(session.run(None, {"image": batch})[0], direct, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(session.run(None, {"image": batch})[0], direct, **tolerance(engine.provider))
 
 
 def test_require_gpu_refuses_to_start_on_this_machine_without_cuda(tiny_model_path):
