@@ -32,12 +32,13 @@ Predictions are `convert.profile`'s for the device the model runs on (the terms 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 import grpc
 import onnx
@@ -47,13 +48,17 @@ from convert.profile import ProfileError, Skeleton, largest_batch, load_skeleton
 from server.errors import ScoringError
 from server.host_memory import HostEstimate
 from server.metrics import Metrics
+from server.settings import Settings
 
 LOG = logging.getLogger(__name__)
 PROFILE_CACHE_SIZE = 1024  # input sizes (and batch sizes) whose predictions each model remembers
 PREDICTION_TOLERANCE = 0.25  # a plan measured further than this from its prediction is logged ...
 MEASUREMENT_RESOLUTION_BYTES = 4 * 2**20  # ... and by more than this: RSS moves by a few MiB on its own
 
-__all__ = ["Admission", "MemoryBudget", "PlanRecord", "admit_host", "available_memory_bytes", "format_bytes"]
+__all__ = ["Admission", "MemoryBudget", "PlanRecord", "HostBudget", "admit_host", "available_memory_bytes",
+           "format_bytes"]
+# A request refused because the requests in flight hold the host budget is told to retry after this.
+HOST_RETRY_SECONDS = 0.5
 
 
 def available_memory_bytes() -> int | None:
@@ -85,6 +90,54 @@ def admit_host(estimate: HostEstimate, *, limit_bytes: int) -> None:
             f"but one request may hold {limit_bytes} bytes ({format_bytes(limit_bytes)}, --max-request-host-bytes); "
             "ask for fewer or smaller scales, no flip or a coarser stride",
         )
+
+
+class HostBudget:
+    """Host memory the requests in flight may hold together (their estimates): one per server.
+
+    `with budget.hold(estimate): ...` around a request's decode-to-response; a request that finds
+    the others holding the room is refused with RESOURCE_EXHAUSTED and a retry hint (transient),
+    one larger than the whole budget without (it never fits: `admit_host` says so first when the
+    budget is at least `--max-request-host-bytes`)."""
+
+    def __init__(self, total_bytes: int | None) -> None:
+        self.total_bytes = total_bytes
+        self._held = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> HostBudget:
+        """`--host-memory-budget`, else `host_memory_fraction` of MemAvailable, at least one largest request."""
+        total = settings.host_memory_budget_bytes
+        if total is None:
+            available = available_memory_bytes()
+            total = max(int(available * settings.host_memory_fraction), settings.max_request_host_bytes) if available else None
+        return cls(total)
+
+    def in_flight_bytes(self) -> int:
+        with self._lock:
+            return self._held
+
+    @contextlib.contextmanager
+    def hold(self, estimate: HostEstimate) -> Iterator[None]:
+        needed = estimate.total
+        with self._lock:
+            if self.total_bytes is not None and self._held + needed > self.total_bytes:
+                alone = needed > self.total_bytes
+                raise ScoringError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"this request needs an estimated {needed} bytes of host memory ({format_bytes(needed)}); "
+                    f"requests in flight hold {self._held} of the server's {self.total_bytes} bytes "
+                    f"({format_bytes(self.total_bytes)}, --host-memory-budget)"
+                    + ("; it does not fit even alone" if alone else "; retry with backoff"),
+                    retry_after_seconds=None if alone else HOST_RETRY_SECONDS,
+                )
+            self._held += needed
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held -= needed
 
 
 @dataclasses.dataclass

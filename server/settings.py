@@ -31,6 +31,13 @@ class Settings:
     max_request_host_bytes: int = 4 * 1024 * MiB
     """Host memory one request may hold (decoded image, resized copies, model inputs, maps), estimated
     from the image header before decoding; above it RESOURCE_EXHAUSTED with every term."""
+    host_memory_budget_bytes: int | None = None
+    """Host memory the requests in flight may hold together (their estimates); beyond it a request is
+    refused with RESOURCE_EXHAUSTED and a retry hint. None: `host_memory_fraction` of MemAvailable at
+    start, at least `max_request_host_bytes`."""
+    host_memory_fraction: float = 0.25
+    """Share of MemAvailable for requests in flight when no host budget is given (the CPU's plans
+    take `cpu_memory_fraction` of it)."""
     default_top_k: int = 5
     """Image-level top-k when a request says 0."""
 

@@ -285,3 +285,40 @@ def test_the_converted_tf2onnx_graph_is_admitted_and_scored(kit, tmp_path):
         answer = stub.Score(kit.raw_request(pixels, scales=[36], return_maps=True, top_k=3), timeout=30)
     assert answer.maps and len(answer.top_k) == 3
     assert kit.decode_tensor(answer.maps[0].scores).shape[0] == 3
+
+
+def test_requests_in_flight_share_the_host_budget():
+    import grpc
+
+    from server.admission import HostBudget
+    from server.errors import ScoringError
+    from server.host_memory import HostEstimate
+
+    request = HostEstimate(encoded=10, decoded=20, resized=30, inputs=40, maps=0)  # 100 bytes
+    budget = HostBudget(250)
+    with budget.hold(request), budget.hold(request):
+        assert budget.in_flight_bytes() == 200
+        with pytest.raises(ScoringError) as caught:
+            with budget.hold(request):
+                pass
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert caught.value.retry_after_seconds is not None  # transient: the others will finish
+        assert "requests in flight hold 200 of the server's 250 bytes" in caught.value.message
+    assert budget.in_flight_bytes() == 0
+    with pytest.raises(ScoringError) as caught:
+        with HostBudget(50).hold(request):
+            pass
+    assert caught.value.retry_after_seconds is None and "does not fit even alone" in caught.value.message
+
+
+def test_the_host_budget_defaults_to_a_share_of_available_memory_and_holds_one_largest_request():
+    import dataclasses
+
+    from server.admission import HostBudget, available_memory_bytes
+    from server.settings import Settings
+
+    settings = Settings()
+    total = HostBudget.for_settings(settings).total_bytes
+    assert total >= settings.max_request_host_bytes
+    assert total >= int(available_memory_bytes() * settings.host_memory_fraction) * 0.9
+    assert HostBudget.for_settings(dataclasses.replace(settings, host_memory_budget_bytes=123)).total_bytes == 123
