@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 from convert.profile import largest_batch, profile_model
-from protos import scoring_pb2
 
 
 def predicted(path: str, side: int, batch: int = 1) -> int:
