@@ -55,6 +55,10 @@ def default_buckets(
         on_demand_canvas(*resized_size(tall, wide, scale=scale, multiple=multiple), slack=slack, multiple=multiple)
         for scale in scales for tall, wide in aspects for slack in slacks
     }
-    batches = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
-    return Buckets(tuple(sorted(canvases)), tuple(sorted(set(batches))))
+    return Buckets(tuple(sorted(canvases)), batch_buckets(max_batch))
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4 ... up to and including `max_batch`."""
+    return tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
 

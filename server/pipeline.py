@@ -181,7 +181,7 @@ class Pipeline:
         try:
             net = onnx.load(path)
             card = read_card(net)
-            ImageInput.of(card)
+            ImageInput.of(card)  # refuses a card with an unset or unknown enum
         except (CardError, DecodeError, OSError) as error:
             raise ScoringError(grpc.StatusCode.INVALID_ARGUMENT, f"{path}: {error}") from error
         settings = self.settings
@@ -193,15 +193,21 @@ class Pipeline:
         plans_of = [dense.plan_passes(native_stride=card.output_stride, output_stride=s, shift=0)
                     for s in dense.offered_strides(card.output_stride)]
         if settings.shape_buckets:
-            shape_buckets = buckets.Buckets(settings.shape_buckets, buckets.default_buckets(
-                scales=(), slacks=(), multiple=multiple, max_batch=max_batch).batches)
+            shape_buckets = buckets.Buckets(settings.shape_buckets, buckets.batch_buckets(max_batch))
         else:
             shape_buckets = buckets.default_buckets(
                 scales=settings.warm_up_scales or (card.default_scale or FALLBACK_SCALE,),
                 slacks=sorted({p.slack for p in plans_of}), multiple=multiple, max_batch=max_batch,
             )
+        image = ImageInput.of(card)
+        training = batch_shape(image.layout, batch=1, channels=3, height=card.training_height, width=card.training_width)
+        try:
+            (_batch, classes, _h, _w), _type = scores_shape(net, input_name=image.name, scores_name=card.scores_name,
+                                                            input_shape=training)
+        except DeviceGraphError as error:
+            raise ScoringError(grpc.StatusCode.INVALID_ARGUMENT, f"{path}: {error}") from error
         model = LoadedModel(
-            name=name, path=path, card=card, classes=len(card.labels),
+            name=name, path=path, card=card, classes=classes,
             plans=PlanCache(net, card, self.engine, admission, max_plans=settings.max_plans),
             admission=admission, buckets=shape_buckets, fill=dense.mean_colour(card),
         )
@@ -428,7 +434,10 @@ class Pipeline:
                 f"scale {scale} resizes the {original[0]}x{original[1]} image to {size[0]}x{size[1]} = "
                 f"{size[0] * size[1]} pixels, above the limit of {self.settings.max_resized_pixels} (--max-resized-pixels)"
             )
-        cells = tuple(passes.factor * side for side in model.net_cells(*size))
+        try:
+            cells = tuple(passes.factor * side for side in model.net_cells(*size))
+        except DeviceGraphError as error:
+            raise invalid(f"scale {scale} gives a {size[0]}x{size[1]} input model {model.name} cannot take: {error}") from error
         if 0 in cells:
             raise invalid(
                 f"scale {scale} resizes the {original[0]}x{original[1]} image to {size[0]}x{size[1]}, smaller than "

@@ -199,9 +199,10 @@ def test_a_full_queue_is_refused_before_the_image_is_decoded(pipeline_of):
 
 
 def test_a_warm_up_failure_names_the_model_and_what_failed(tmp_path):
-    net = patch_net(classes=3)
-    net.graph.node[0].attribute[0].ints[:] = [3, 3]  # a kernel the card's stride no longer matches: [.. h, w] off
-    del net.graph.initializer[0]  # and its weight gone: no session can be made
+    net = patch_net(classes=3)  # its scores reshaped to one cell: it loads (32 x 32) but no larger plan runs
+    net.graph.node[0].output[0] = "cells"
+    net.graph.initializer.append(onnx.numpy_helper.from_array(np.array([1, 3, 1, 1], dtype=np.int64), "one_cell"))
+    net.graph.node.append(onnx.helper.make_node("Reshape", ["cells", "one_cell"], ["scores"]))
     path = tmp_path / "broken.onnx"
     onnx.save(net, path)
     with pytest.raises(ScoringError, match="warm-up failed: tiny") as caught:
