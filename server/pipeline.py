@@ -34,12 +34,12 @@ from convert.runtime_memory import configure_allocator, release_free_memory
 from convert.card import CardError, ImageInput, Precision, batch_shape, label, read_card
 from protos import model_card_pb2, scoring_pb2
 from server import assemble, buckets, dense, imaging
-from server.admission import Admission, MemoryBudget, admit_host, available_memory_bytes
+from server.admission import Admission, HostBudget, MemoryBudget, admit_host, available_memory_bytes
 from server.batcher import Batcher, Work
 from server.device_graph import DeviceGraphError, scores_shape
 from server.engine import Engine, EngineError
 from server.errors import ScoringError
-from server.host_memory import DEVICE_PASSES, estimate_request
+from server.host_memory import DEVICE_PASSES, HostEstimate, estimate_request
 from server.metrics import Metrics, Stage
 from server.plans import PlanCache, PlanKey
 from server.settings import Settings
@@ -78,6 +78,18 @@ class Scored:
     lattice: np.ndarray | None
     probabilities: np.ndarray
     planning_seconds: float
+
+
+@dataclass(frozen=True)
+class Order:
+    """A request checked whole before any pixel is decoded: what it will run and hold."""
+
+    model: LoadedModel
+    passes: dense.PassPlan
+    opened: imaging.OpenedImage
+    jobs: list[assemble.ScaleJob]
+    flips: tuple[bool, ...]
+    host: HostEstimate
 
 
 @dataclass(eq=False)
@@ -157,6 +169,7 @@ class Pipeline:
             raise ScoringError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from error
         configure_allocator()
         self.budget = MemoryBudget(self._budget_bytes(), device=Device.CUDA if self.engine.on_gpu else Device.CPU)
+        self.host_budget = HostBudget.for_settings(self.settings)
         try:
             for name, path in pairs:
                 model = self._load(name, str(path), share=len(pairs))
@@ -323,6 +336,16 @@ class Pipeline:
         """Score one request; `deadline` is a time.monotonic() instant, `cancelled` set when the caller left,
         `record` False for the server's own warm-up (not traffic, not in the metrics)."""
         started = time.monotonic()
+        order = self._admit(request, deadline=deadline)
+        with self.host_budget.hold(order.host):
+            response = self._fulfil(request, order, started=started, deadline=deadline, cancelled=cancelled,
+                                    record=record)
+        if order.host.total > LARGE_REQUEST_BYTES:
+            release_free_memory()  # glibc would keep the freed arenas: idle RSS ratcheted up (issue 14)
+        return response
+
+    def _admit(self, request: scoring_pb2.ScoreRequest, *, deadline: float | None) -> Order:
+        """Everything that can refuse a request, from its fields and its image's header only."""
         model = self._model(request.model)
         scales, passes = self._validate(request, model)
         opened = self._open(request)
@@ -337,22 +360,28 @@ class Pipeline:
         )
         admit_host(host, limit_bytes=self.settings.max_request_host_bytes)
         model.batcher.check_room(len(jobs) * len(flips), deadline=deadline)
+        return Order(model, passes, opened, jobs, flips, host)
 
-        largest = max((job.resized for job in jobs), key=lambda size: size[0] * size[1])
+    def _fulfil(self, request: scoring_pb2.ScoreRequest, order: Order, *, started: float, deadline: float | None,
+                cancelled: threading.Event | None, record: bool) -> scoring_pb2.ScoreResponse:
+        """Decode, put each scale (and its mirror) on its canvas, run them batched, assemble the response."""
+        model, passes, original = order.model, order.passes, (order.opened.height, order.opened.width)
+        largest = max((job.resized for job in order.jobs), key=lambda size: size[0] * size[1])
         try:
-            image = self._decoder.submit(imaging.load, opened, largest=largest).result()
+            image = self._decoder.submit(imaging.load, order.opened, largest=largest).result()
         except imaging.ImageError as error:
             raise invalid(str(error)) from error
         want_lattice = bool(request.return_maps or request.cell_top_k)
         works = []
-        for job in jobs:
+        for job in order.jobs:
             pixels = imaging.resize(image, job.resized, filter_name=ImageInput.of(model.card).resize_filter)
             group = GroupKey(*job.canvas, passes)
             limit = self._batch_limit(model, job, passes, original)
-            for flip in flips:
+            for flip in order.flips:
                 source = np.ascontiguousarray(pixels[:, ::-1]) if flip else pixels
                 item = Item(dense.canvas(source, job.canvas, model.fill), job.cells, want_lattice, record)
                 works.append(Work(group, item, limit, deadline))
+        del image
         preprocessed = time.monotonic()
 
         model.batcher.submit(works)
@@ -362,10 +391,7 @@ class Pipeline:
         inference = sum({w.batch_id: w.run_seconds for w in works}.values())
         planning = sum({w.batch_id: s.planning_seconds for w, s in zip(works, scored)}.values())
 
-        response = self._assemble(request, model, passes, original, jobs, flips, scored)
-        del image, works, scored
-        if host.total > LARGE_REQUEST_BYTES:
-            release_free_memory()  # glibc would keep the freed arenas: idle RSS ratcheted up (issue 14)
+        response = self._assemble(request, model, passes, original, order.jobs, order.flips, scored)
         finished = time.monotonic()
         timings = response.timings
         timings.queue_ms = 1000 * queue
