@@ -1,0 +1,221 @@
+"""Load shedding: what an overloaded server still delivers, and how fast it says no (issue 10, item 5).
+
+`scoremap-serve` in its own process (so the load generator's Python does not share the server's
+GIL), default model, samples/cat.jpg, scale 384, stride 32 (one pass), CPU, batching off (the CPU
+default) and the default `--max-queue-ms`. Capacity: closed loop, enough callers to keep the
+model busy. Then open-loop arrivals at multiples of it, latency counted from each request's
+scheduled send time (no coordinated omission), no retries. Targets at 5x: goodput >= 90% of
+capacity, median rejection < 5 ms, admitted p99 within `--max-queue-ms` + one request's own time.
+The server runs without a per-peer call limit: one loopback address stands here for many clients.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.models import converted
+from clients.latency import LevelReport, Sample, summarise
+from clients.loadtest import LevelPlan, LoadLimits, closed_loop
+from clients.options import ScoreOptions, build_request
+from clients.settings import ClientSettings
+from protos import RETRY_AFTER_KEY, scoring_pb2, scoring_pb2_grpc
+from server.settings import Settings
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCALE = 384
+STRIDE = 32
+SINGLE_CALLS = 5  # unloaded calls, one at a time: a request's own time (median)
+CAPACITY_CLIENTS = 4
+CAPACITY_SECONDS = 20.0
+OVERLOAD_FACTORS = (5, 2)  # offered load, in multiples of the measured capacity
+OVERLOAD_SECONDS = 30.0  # sending time per level
+SETTLE_SECONDS = 3.0  # the first seconds of a level (queue filling up) are left out of its figures
+TIMEOUT_S = ClientSettings.timeout_s  # every call's deadline: an ordinary client's
+SERVER_START_SECONDS = 300.0
+GOODPUT_TARGET = 0.90  # of capacity, at 5x
+REJECTION_MEDIAN_TARGET_MS = 5.0
+REJECTED = grpc.StatusCode.RESOURCE_EXHAUSTED.name
+
+
+@dataclass(frozen=True)
+class Level:
+    """One open-loop level: the window's figures (`report`: OK answers only) and its rejections."""
+
+    factor: float
+    report: LevelReport
+    rejected_ms: np.ndarray  # latency of each RESOURCE_EXHAUSTED answered inside the window
+    hinted: int  # of those, how many carried the retry hint
+
+
+def request() -> scoring_pb2.ScoreRequest:
+    return build_request(ROOT / "samples" / "cat.jpg", ScoreOptions(scales=(SCALE,), stride=STRIDE))
+
+
+def start_server(model: str, log: pathlib.Path) -> tuple[subprocess.Popen, str]:
+    """`scoremap-serve` on a free port, on the CPU, no per-peer limit; (process, address) once SERVING."""
+    command = [sys.executable, "-m", "server.main", model, "--port", "0", "--provider", "cpu",
+               "--max-calls-per-peer", "0", "--warm-up-scales", str(SCALE), "--log-level", "WARNING"]
+    with log.open("w") as errors:
+        server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
+    line = server.stdout.readline()
+    if "listening on" not in line:
+        server.kill()
+        raise RuntimeError(f"scoremap-serve did not start (exit status {server.wait()}): {log.read_text()[-2000:]}")
+    address = line.rsplit(" ", 1)[1].strip()
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        until = time.monotonic() + SERVER_START_SECONDS
+        while health.Check(health_pb2.HealthCheckRequest(), timeout=SERVER_START_SECONDS,
+                           wait_for_ready=True).status != health_pb2.HealthCheckResponse.SERVING:
+            if time.monotonic() > until or server.poll() is not None:
+                server.kill()
+                raise RuntimeError(f"scoremap-serve never reported SERVING: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+    return server, address
+
+
+def own_time_ms(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreRequest) -> float:
+    """A request's time through an idle server (median of SINGLE_CALLS)."""
+    times = []
+    for _ in range(SINGLE_CALLS):
+        started = time.perf_counter()
+        stub.Score(job, timeout=TIMEOUT_S)
+        times.append(1000 * (time.perf_counter() - started))
+    return statistics.median(times)
+
+
+def capacity(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreRequest, *, seconds: float) -> LevelReport:
+    """Closed loop of CAPACITY_CLIENTS callers: the requests per second the server completes."""
+    limits = LoadLimits()
+    plan = LevelPlan(duration_s=seconds, max_requests=limits.max_requests, timeout_s=TIMEOUT_S,
+                     warmup=CAPACITY_CLIENTS)
+    return closed_loop(stub, [job], concurrency=CAPACITY_CLIENTS, plan=plan, limits=limits)
+
+
+def open_loop(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreRequest, *, factor: float,
+              rate: float, seconds: float) -> Level:
+    """Arrivals at `rate`/s for `seconds`, every one sent however the server fares; figures over the
+    window from SETTLE_SECONDS to the end of sending, counting what completed inside it.
+
+    clients.loadtest's open loop reports latency percentiles of OK answers only; rejections need theirs.
+    """
+    samples: list[Sample] = []
+    hinted: list[bool] = []
+    lock = threading.Lock()
+    answered = threading.Condition(lock)
+
+    def done(scheduled: float, call: grpc.Future) -> None:
+        now = time.perf_counter()
+        code = grpc.StatusCode.CANCELLED if call.cancelled() else call.code()
+        hint = code == grpc.StatusCode.RESOURCE_EXHAUSTED and any(
+            key == RETRY_AFTER_KEY for key, _ in call.trailing_metadata() or ())
+        with answered:
+            samples.append(Sample(now, now - scheduled, code.name))
+            hinted.append(hint)
+            answered.notify_all()
+
+    total = int(rate * seconds)
+    started = time.perf_counter()
+    for n in range(total):
+        scheduled = started + n / rate
+        time.sleep(max(0.0, scheduled - time.perf_counter()))
+        call = stub.Score.future(job, timeout=TIMEOUT_S)
+        call.add_done_callback(functools.partial(done, scheduled))
+    sent_until = time.perf_counter()
+    with answered:  # every call has a deadline, so every one is answered within it
+        answered.wait_for(lambda: len(samples) == total, timeout=TIMEOUT_S + SETTLE_SECONDS)
+    window = (started + SETTLE_SECONDS, sent_until)
+    with lock:
+        inside = [(s, h) for s, h in zip(samples, hinted) if window[0] < s.done_s <= window[1]]
+    report = summarise("open", rate, [s for s, _ in inside], sent=total, start_s=window[0], end_s=window[1])
+    rejected = np.array([1000 * s.latency_s for s, _ in inside if s.status == REJECTED])
+    return Level(factor, report, rejected, sum(h for s, h in inside if s.status == REJECTED))
+
+
+def by_status(errors: dict[str, int]) -> str:
+    return ", ".join(f"{code} {count}" for code, count in errors.items()) or "none"
+
+
+def row(level: Level, capacity_rps: float) -> str:
+    report, rejected = level.report, level.rejected_ms
+    rejections = (f"{np.median(rejected):.1f} / {np.percentile(rejected, 99):.1f}" if rejected.size else "-")
+    cells = [f"{level.factor:g}x", f"{report.level:.1f}", f"{report.throughput_rps:.2f}",
+             f"{100 * report.throughput_rps / capacity_rps:.0f}%", f"{report.p50_ms:.0f} / {report.p99_ms:.0f}",
+             f"{rejected.size}", rejections, f"{level.hinted}/{rejected.size}", by_status(report.errors)]
+    return "| " + " | ".join(cells) + " |"
+
+
+def verdicts(level: Level, capacity_rps: float, bound_ms: float) -> str:
+    report, rejected = level.report, level.rejected_ms
+    goodput = report.throughput_rps / capacity_rps
+    median = float(np.median(rejected)) if rejected.size else float("nan")
+
+    def said(ok: bool) -> str:
+        return "met" if ok else "missed"
+
+    return (f"- At {level.factor:g}x: goodput {100 * goodput:.0f}% of capacity (target >= {100 * GOODPUT_TARGET:.0f}%: "
+            f"{said(goodput >= GOODPUT_TARGET)}); median rejection {median:.1f} ms (target < "
+            f"{REJECTION_MEDIAN_TARGET_MS:g} ms: {said(median < REJECTION_MEDIAN_TARGET_MS)}); admitted p99 "
+            f"{report.p99_ms:.0f} ms (bound {bound_ms:.0f} ms: {said(report.p99_ms <= bound_ms)}).")
+
+
+def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float = OVERLOAD_SECONDS) -> str:
+    """The section; shorter durations prove the module works (timings then mean little)."""
+    load_before = os.getloadavg()[0]
+    max_queue_ms = Settings().max_queue_ms
+    job = request()
+    with tempfile.TemporaryDirectory() as folder:
+        model = converted(folder, output_stride=STRIDE)
+        server, address = start_server(model, pathlib.Path(folder) / "server.log")
+        try:
+            with grpc.insecure_channel(address) as channel:
+                stub = scoring_pb2_grpc.DenseScoringStub(channel)
+                own_ms = own_time_ms(stub, job)
+                closed = capacity(stub, job, seconds=capacity_seconds)
+                levels = [open_loop(stub, job, factor=factor, rate=factor * closed.throughput_rps,
+                                    seconds=overload_seconds) for factor in OVERLOAD_FACTORS]
+        finally:
+            server.terminate()
+            server.wait(30)
+    bound_ms = max_queue_ms + own_ms
+    return "\n".join([
+        "## Overload (bench_overload)",
+        "",
+        f"`scoremap-serve` in its own process: EfficientNet-Lite0, samples/cat.jpg, scale {SCALE}, stride {STRIDE} "
+        f"(one pass), CPU, batching off, --max-queue-ms {max_queue_ms:g}, no per-peer limit; every call's deadline "
+        f"{TIMEOUT_S:g} s, no retries.",
+        "",
+        f"One request alone: {own_ms:.0f} ms (median of {SINGLE_CALLS}). Capacity, closed loop, {CAPACITY_CLIENTS} "
+        f"clients, {closed.duration_s:.0f} s: {closed.throughput_rps:.2f} requests/s "
+        f"(p50 {closed.p50_ms:.0f} ms, errors: {by_status(closed.errors)}).",
+        "",
+        f"Open loop, {overload_seconds:g} s of arrivals per level, latency from the scheduled send time; figures "
+        f"over the window after the first {SETTLE_SECONDS:g} s (answers completed inside it):",
+        "",
+        "| offered | req/s | goodput req/s | of capacity | admitted p50 / p99 ms | rejected | rejection p50 / p99 ms "
+        "| retry hint | errors by status |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(row(level, closed.throughput_rps) for level in levels),
+        "",
+        *(verdicts(level, closed.throughput_rps, bound_ms) for level in levels),
+        "",
+        f"Admitted bound: --max-queue-ms + one request's own time = {bound_ms:.0f} ms. Load average "
+        f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores.",
+    ])
+
+
+if __name__ == "__main__":
+    print(run())
