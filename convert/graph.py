@@ -6,7 +6,7 @@ from graph to graph that a test can build and check with onnx.helper.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import onnx
@@ -60,8 +60,31 @@ def consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
     return result
 
 
-def initializers(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    return {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+class Initializers(Mapping):
+    """A graph's initializer values by name, each read into numpy on first use: the rewrites ask
+    which inputs are constant far more often than they read a weight, and weights are large."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self._protos = {init.name: init for init in graph.initializer}
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._arrays:
+            self._arrays[name] = numpy_helper.to_array(self._protos[name])
+        return self._arrays[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._protos
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._protos)
+
+    def __len__(self) -> int:
+        return len(self._protos)
+
+
+def initializers(graph: onnx.GraphProto) -> Initializers:
+    return Initializers(graph)
 
 
 def data_inputs(node: onnx.NodeProto, constants: dict[str, np.ndarray]) -> list[str]:
@@ -88,22 +111,26 @@ def set_input_dims(value: onnx.ValueInfoProto, dims: Iterable[int | str]) -> Non
             dim.dim_value = size
 
 
-def static_shapes(model: onnx.ModelProto, input_shape: list[int]) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape with the image input fixed to `input_shape` (tensors left unknown are absent).
-
-    Inferred on a skeleton of a normalised graph: its nodes, with large weights replaced by typed
-    inputs of their shape, so no weights are copied."""
+def skeleton(model: onnx.ModelProto, *, input_shape: list[int | str] | None = None) -> onnx.ModelProto:
+    """The graph without its weights' data, for onnx's checker and shape inference (which serialize
+    what they are given): large initializers become graph inputs of their type and shape; the image
+    input is fixed at `input_shape` when given, and output shapes are left to inference then."""
     graph = model.graph
     image = real_inputs(graph)[0]
     small = [init for init in graph.initializer if int(np.prod(init.dims)) <= SHAPE_VALUE_ELEMENTS]
     weights = [helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
                for init in graph.initializer if int(np.prod(init.dims)) > SHAPE_VALUE_ELEMENTS]
-    fixed_image = helper.make_tensor_value_info(image.name, image.type.tensor_type.elem_type, input_shape)
-    outputs = [helper.make_tensor_value_info(output.name, output.type.tensor_type.elem_type, None) for output in graph.output]
-    skeleton = helper.make_model(
-        helper.make_graph(graph.node, graph.name, [fixed_image, *weights], outputs, small),
-        ir_version=onnx.IR_VERSION, opset_imports=model.opset_import)  # any IR: only onnx reads the skeleton
-    inferred = onnx.shape_inference.infer_shapes(skeleton, data_prop=True)
+    inputs, outputs = list(graph.input), list(graph.output)
+    if input_shape is not None:
+        inputs = [helper.make_tensor_value_info(image.name, image.type.tensor_type.elem_type, input_shape)]
+        outputs = [helper.make_tensor_value_info(output.name, output.type.tensor_type.elem_type, None) for output in graph.output]
+    return helper.make_model(helper.make_graph(graph.node, graph.name, [*inputs, *weights], outputs, small),
+                             ir_version=model.ir_version, opset_imports=model.opset_import)
+
+
+def static_shapes(model: onnx.ModelProto, input_shape: list[int]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape with the image input fixed to `input_shape` (tensors left unknown are absent)."""
+    inferred = onnx.shape_inference.infer_shapes(skeleton(model, input_shape=input_shape), data_prop=True)
     shapes: dict[str, tuple[int, ...]] = {}
     for value in list(inferred.graph.value_info) + list(inferred.graph.output) + list(inferred.graph.input):
         tensor_type = value.type.tensor_type

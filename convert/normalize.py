@@ -26,7 +26,7 @@ import onnx_ir as ir
 from onnx import version_converter
 from onnx_ir.passes import common as passes
 from onnxscript import rewriter
-from onnxscript.optimizer import _constant_folding as constant_folding
+from onnxscript.optimizer import fold_constants
 from onnxscript.rewriter.rules.common import fuse_batchnorm_into_conv_rule, fuse_batchnorm_into_gemm_rule
 
 from convert.errors import ConversionError
@@ -42,8 +42,8 @@ TARGET_OPSET = 12
 # (onnx 1.23 writes 14 by default).
 IR_VERSIONS = range(4, 14)
 # Largest constant (elements) folding may create: an FC layer's weights computed by ConstantOfShape
-# and arithmetic are folded (AlexNet's fc6 has 38M), a Tile or Expand cannot blow the file up.
-MAX_FOLDED_ELEMENTS = 64 * 1024 * 1024
+# and arithmetic are folded (AlexNet's fc6 has 38M, VGG's 103M), a Tile or Expand cannot blow the file up.
+MAX_FOLDED_ELEMENTS = 256 * 1024 * 1024
 
 
 def runnable(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -54,18 +54,18 @@ def runnable(model: onnx.ModelProto) -> onnx.ModelProto:
     ir_version = min(max(model.ir_version, IR_VERSIONS.start), IR_VERSIONS.stop - 1)
     if version >= TARGET_OPSET and ir_version == model.ir_version:
         return model
-    upgraded = onnx.ModelProto()
-    upgraded.CopyFrom(model)
-    upgraded.ir_version = ir_version
-    if version < TARGET_OPSET:
+    if version < TARGET_OPSET:  # the converter returns a new model (and reads IR 3 files as they are)
         try:
-            upgraded = version_converter.convert_version(upgraded, TARGET_OPSET)
+            upgraded = version_converter.convert_version(model, TARGET_OPSET)
         except Exception as error:  # the converter raises bare RuntimeErrors naming the op
             raise ConversionError(
                 f"the graph's opset {version} cannot be upgraded to opset {TARGET_OPSET} by onnx's version converter: "
                 f"{error}; expected a graph onnx.version_converter upgrades, or one at opset {TARGET_OPSET} or later") from error
-        upgraded.ir_version = ir_version
         log.info("upgraded the graph from opset %d to %d", version, TARGET_OPSET)
+    else:
+        upgraded = onnx.ModelProto()
+        upgraded.CopyFrom(model)
+    upgraded.ir_version = ir_version
     return upgraded
 
 
@@ -87,8 +87,8 @@ def normalize(model: onnx.ModelProto, *, input_shape: list[int]) -> onnx.ModelPr
             value.shape = ir.Shape(input_shape)
     passes.RemoveInitializersFromInputsPass()(graph_ir)
     passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(graph_ir)
-    constant_folding.FoldConstantsPass(shape_inference=True, input_size_limit=MAX_FOLDED_ELEMENTS,
-                                       output_size_limit=MAX_FOLDED_ELEMENTS, should_fold=fold_constant_of_shape)(graph_ir)
+    fold_constants(graph_ir, onnx_shape_inference=True, input_size_limit=MAX_FOLDED_ELEMENTS,
+                   output_size_limit=MAX_FOLDED_ELEMENTS, should_fold=fold_constant_of_shape)
     rewriter.rewrite(graph_ir, [fuse_batchnorm_into_conv_rule, fuse_batchnorm_into_gemm_rule])
     for step in (
         passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
@@ -98,8 +98,8 @@ def normalize(model: onnx.ModelProto, *, input_shape: list[int]) -> onnx.ModelPr
         passes.TopologicalSortPass(),
     ):
         step(graph_ir)
-    normalized = ir.to_proto(graph_ir)
-    try:
-        return onnx.shape_inference.infer_shapes(normalized, data_prop=True)
-    except onnx.shape_inference.InferenceError as error:
+    try:  # the pass infers on the graph without its weights' data: no copy of them
+        passes.ShapeInferencePass()(graph_ir)
+    except Exception as error:  # onnx raises InferenceError, wrapped by the pass manager
         raise ConversionError(f"shape inference fails at input shape {input_shape}: {error}") from error
+    return ir.to_proto(graph_ir)

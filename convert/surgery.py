@@ -27,12 +27,15 @@ from convert.graph import (
     prune,
     real_inputs,
     set_input_dims,
+    skeleton,
     static_shapes,
 )
 from convert.receptive_field import tensor_spatial_axes
 
 SCORES = "scores"
 LINEAR = frozenset({"Gemm", "MatMul"})
+# A 1x1 Conv on the pooled [N, C, 1, 1] features is an FC layer (Caffe's DenseNet ends GAP → Conv).
+POINTWISE_CONV = "Conv"
 PER_FEATURE = frozenset({"Add", "Sub", "Mul", "Div", "PRelu"})
 # Elementwise activations: they act on each feature alone, so they carry over to a map unchanged.
 ACTIVATIONS = frozenset({
@@ -98,8 +101,9 @@ def fully_convolutional(model: onnx.ModelProto, *, training_size: tuple[int, int
     set_input_dims(image, batch_shape(layout, batch="N", channels=input_shape[channel_axis(layout)], height="H", width="W"))
     del graph.value_info[:]
     try:
-        onnx.checker.check_model(model)
-        onnx.shape_inference.infer_shapes(model, strict_mode=True)
+        frame = skeleton(model)
+        onnx.checker.check_model(frame)
+        onnx.shape_inference.infer_shapes(frame, strict_mode=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
         raise ConversionError(f"the converted graph does not pass the ONNX checker: {error}") from error
     last = chain[-1].op_type if chain else ""
@@ -147,9 +151,9 @@ def head_chain(output: str, made: dict, constants: dict, shapes: dict, graph_ops
         if node.op_type in FLATTENS or is_pooling_point(node, shapes):
             chain.reverse()
             return chain, node
-        if node.op_type not in LINEAR | PER_FEATURE | ACTIVATIONS | SOFTMAXES | {"BatchNormalization"}:
+        if node.op_type not in LINEAR | PER_FEATURE | ACTIVATIONS | SOFTMAXES | {"BatchNormalization", POINTWISE_CONV}:
             raise ConversionError(
-                f"cannot identify the classifier head at {describe(node)}: expected Gemm, MatMul, Add/Mul by "
+                f"cannot identify the classifier head at {describe(node)}: expected Gemm, MatMul, 1x1 Conv, Add/Mul by "
                 "per-feature constants, elementwise activations or Softmax between a Flatten/Reshape or global "
                 "pooling and the output")
         if not per_cell(shape) or (node.op_type in LINEAR and len(shape) != 2):
@@ -315,7 +319,7 @@ class HeadBuilder:
         features = channels * spatial[0] * spatial[1]
         for node in chain:
             op = node.op_type
-            if op in LINEAR:
+            if op in LINEAR or op == POINTWISE_CONV:
                 weight, bias = self.linear(node, features)
                 if weight.shape[0] != features:
                     raise ConversionError(f"{describe(node)} takes {weight.shape[0]} features; expected {features}")
@@ -350,10 +354,16 @@ class HeadBuilder:
         return current, features
 
     def linear(self, node: onnx.NodeProto, features: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """(weight [in, out], bias [out] or None) of a Gemm or MatMul node."""
+        """(weight [in, out], bias [out] or None) of a Gemm, MatMul or 1x1 Conv node."""
         if node.input[0] in self.constants or node.input[1] not in self.constants:
             raise ConversionError(f"{describe(node)}: expected the features as first input and constant weights as second")
         weight = self.constants[node.input[1]]
+        if node.op_type == POINTWISE_CONV:
+            if weight.ndim != 4 or weight.shape[2:] != (1, 1) or attr(node, "group", 1) != 1 or any(attr(node, "pads", [0])):
+                raise ConversionError(f"{describe(node)} in the head has weights {weight.shape}, group {attr(node, 'group', 1)}, "
+                                      f"pads {attr(node, 'pads', [0])}; expected a 1x1 convolution without groups or padding")
+            bias = self.constants[node.input[2]].reshape(-1) if len(node.input) > 2 and node.input[2] else None
+            return weight.reshape(weight.shape[0], weight.shape[1]).T, bias
         if weight.ndim != 2:
             raise ConversionError(f"{describe(node)} has weights of shape {weight.shape}; expected a 2-D matrix")
         if node.op_type == "MatMul":

@@ -4,6 +4,7 @@ Constant nodes or computed by ConstantOfShape and constant arithmetic, opsets 6-
 layouts. Each is normalised once, converts, and verifies to 1e-4."""
 
 import collections
+import pathlib
 
 import numpy as np
 import onnx
@@ -12,11 +13,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from convert import convert_classifier
 from convert.card import read_card
+from convert.labels import imagenet_labels
 from convert.normalize import IR_VERSIONS, TARGET_OPSET, normalize, runnable
 from convert.presets import preset
 from convert.preprocessing import to_input
 from convert.verify import run, sample_pixels
-from protos.model_card_pb2 import INPUT_DTYPE_FLOAT32, LAYOUT_NCHW
+from protos.model_card_pb2 import INPUT_DTYPE_FLOAT32, LAYOUT_NCHW, OUTPUT_KIND_LOGITS
 
 CAFFE = preset("caffe")
 CAFFE_NCHW = preset("caffe")  # completed as the converter completes it, to run the graphs directly
@@ -241,3 +243,39 @@ def test_googlenet_like_head_converts():
     image = to_input(sample_pixels(count=1, height=25, width=29, channels=3, seed=1), card.preprocessing)
     assert run(converted, image).shape == (1, 7, 3, 4)
 
+
+
+def test_densenet_like_head_of_a_1x1_conv_after_global_pooling_converts():
+    """Caffe's DenseNet ends GlobalAveragePool → 1x1 Conv (the FC as a convolution) with no Softmax."""
+    b = Builder("inputs", 9)
+    x = b.conv("data", "conv1", 3, 6, 3, stride=2)
+    grown = b.conv(x, "dense1", 6, 4, 3, pad=1)
+    b.nodes += [helper.make_node("Concat", [x, grown], ["concat1"], axis=1),
+                helper.make_node("GlobalAveragePool", ["concat1"], ["pool"])]
+    w, bias = b.weight("fc6_w", 5, 10, 1, 1), b.weight("fc6_b", 5)
+    b.nodes.append(helper.make_node("Conv", ["pool", w, bias], ["fc6"], kernel_shape=[1, 1]))
+    graph = helper.make_graph(b.nodes, "densenet_like", [helper.make_tensor_value_info("data", TensorProto.FLOAT, [1, 3, 11, 11])]
+                              + [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in b.weights],
+                              [helper.make_tensor_value_info("fc6", TensorProto.FLOAT, [1, 5, 1, 1])], b.weights)
+    model = helper.make_model(graph, ir_version=3, opset_imports=[helper.make_opsetid("", 9)])
+    converted = convert_classifier(model, preprocessing=CAFFE)
+    card = read_card(converted)
+    assert card.verification.passed and card.output_kind == OUTPUT_KIND_LOGITS and card.output_stride == 2
+    image = to_input(sample_pixels(count=1, height=15, width=13, channels=3, seed=2), card.preprocessing)
+    assert run(converted, image).shape == (1, 5, 3, 2)
+
+
+LIGHT_MODELS = pathlib.Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
+
+
+@pytest.mark.parametrize("name", ["squeezenet", "inception_v1"])
+def test_the_model_zoo_graphs_onnx_ships_convert(name):
+    """onnx's test data holds the zoo's real Caffe2-era graphs with ConstantOfShape weights ("light" models):
+    IR 3, opset 9, weights listed as inputs. (AlexNet, ZFNet, VGG19, ResNet-50, Inception v2 and DenseNet-121
+    convert too, but take 10-60 s each.)"""
+    path = LIGHT_MODELS / f"light_{name}.onnx"
+    if not path.exists():
+        pytest.skip(f"{path} is not installed with this onnx")
+    converted = convert_classifier(str(path), preprocessing=CAFFE, labels=imagenet_labels())
+    card = read_card(converted)
+    assert card.verification.passed and len(card.labels) == 1000 and card.output_stride in (16, 32)
