@@ -337,7 +337,7 @@ def measure(folder: str, config: Config, *, dry_run: bool) -> str:
         "",
         *verdicts(device, results),
         "",
-        gpu_section(),
+        "(The memory table, bench_memory.gpu_section, runs with a GPU only.)" if dry_run else gpu_section(),
     ]
     return "\n".join(lines)
 
