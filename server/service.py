@@ -72,10 +72,12 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
             return self._idle.wait_for(lambda: self._active == 0, timeout)
 
     @contextlib.contextmanager
-    def _accounted(self, method: str, context: grpc.ServicerContext) -> Iterator[Call]:
-        """Count the call by method, final code and model, track it in flight, abort on ScoringError."""
+    def _accounted(self, method: str, context: grpc.ServicerContext, model: str = NO_MODEL) -> Iterator[Call]:
+        """Count the call by method, final code and model (`model`, or the first request's), track it in
+        flight, abort on ScoringError."""
         code = grpc.StatusCode.OK
         call = Call(context)
+        call.model = model
         self.metrics.in_flight.inc()
         with self._idle:
             self._active += 1
