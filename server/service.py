@@ -29,6 +29,9 @@ from server.settings import Settings
 LOG = logging.getLogger(__name__)
 SERVICE_NAME = scoring_pb2.DESCRIPTOR.services_by_name["DenseScoring"].full_name
 HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes need no token
+# Probes answered however busy the server is (exempt from the call limits): gRPC health, and KServe v2's.
+PROBES = (HEALTH_PREFIX, *(f"/inference.GRPCInferenceService/{name}"
+                           for name in ("ServerLive", "ServerReady", "ModelReady")))
 # A client's own deadline timer may cancel the call a moment before the server's fires.
 DEADLINE_SLACK_SECONDS = 0.05
 POLL_SECONDS = 0.05  # how often a stream's reader, held back by the window, looks whether the call ended
@@ -285,7 +288,7 @@ class CallLimits(grpc.ServerInterceptor):
     gRPC runs every call on one thread pool: idle streams from one client, or from many, could hold
     every worker, and health probes would wait behind them (issue 10, item 4). Calls beyond a limit
     are refused as soon as they reach a worker, RESOURCE_EXHAUSTED with a retry hint, so the workers
-    `total` leaves free always answer health probes (exempt here) and refusals at once. The client's
+    `total` leaves free always answer probes (`PROBES`, exempt here) and refusals at once. The client's
     address is known only inside the call (`context.peer()`), hence the check there, not here.
     """
 
@@ -303,7 +306,7 @@ class CallLimits(grpc.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+        if handler is None or handler_call_details.method.startswith(PROBES):
             return handler
         method = handler_call_details.method.rsplit("/", 1)[-1]
         return guarded(handler, functools.partial(self._slot, method=method))
