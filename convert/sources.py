@@ -12,6 +12,7 @@ import importlib
 import io
 import logging
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -77,7 +78,7 @@ def load_source(source: str | onnx.ModelProto | object, *, training_size: tuple[
                       description=f"pytorch: {source}", name=source.rsplit(":", 1)[1])
     if isinstance(source, str) and source.endswith((".onnx", ".pt", ".pth", ".ts")):
         raise UsageError(f"{source!r}: no such file; expected a path to an existing .onnx or TorchScript file")
-    torch = _torch() if not isinstance(source, str) else None
+    torch = sys.modules.get("torch")  # an nn.Module exists only once torch is imported: no import to ask
     if torch is not None and isinstance(source, torch.nn.Module):
         return Source(model=export_module(source, training_size=require_size(training_size, type(source).__name__)),
                       description=f"pytorch module: {type(source).__name__}", name=type(source).__name__)
