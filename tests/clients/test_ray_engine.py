@@ -1,0 +1,118 @@
+"""--engine ray on a local Ray instance: the same records and files as --local, each file once, an actor killed mid-run."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from PIL import Image, ImageOps
+
+from clients.batch import RESULTS_NAME, run_batch
+from clients.files import find_images
+from clients.local import LocalScorer
+from clients.options import ScoreOptions
+from server.settings import Settings
+from tests.tiny_models import patch_net
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported: Ray stays on loopback
+ray = pytest.importorskip("ray", reason="--engine ray needs the `ray` extra: pip install -e '.[ray]'")
+from clients.ray_engine import FILES_PER_BATCH, run_ray_batch  # noqa: E402
+
+SAMPLES = Path(__file__).resolve().parents[2] / "samples"
+PHOTOS = 240
+HEATMAP_PHOTOS = 6  # heatmaps take ~50 ms each here: a few show they are the same
+TIMING_FIELDS = {"elapsed_ms", "timings_ms"}
+OPTIONS = ScoreOptions(scales=(64, 96), top_k=3)
+assert PHOTOS // FILES_PER_BATCH >= 8  # many batches per actor, so the kill below lands mid-run
+
+
+def write_folder(folder: Path) -> None:
+    """The samples, shrunk, rotated, mirrored, cropped and re-encoded into PHOTOS files, plus one corrupt file."""
+    sources = [Image.open(path).convert("RGB") for path in sorted(SAMPLES.glob("*.jpg"))]
+    for n in range(PHOTOS):
+        photo = sources[n % len(sources)]
+        photo = photo.resize((64 + n % 7 * 16, 64 + n % 5 * 16)).rotate(n % 4 * 90, expand=True)
+        if n % 3 == 0:
+            photo = ImageOps.mirror(photo)
+        photo = photo.crop((n % 9, 0, photo.width, photo.height))
+        sub = folder / f"part{n % 3}"
+        sub.mkdir(parents=True, exist_ok=True)
+        photo.save(sub / f"p{n:03d}.{'png' if n % 2 else 'jpg'}")
+    (folder / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a JPEG")
+
+
+def comparable(out: Path) -> dict:
+    records = [json.loads(line) for line in (out / RESULTS_NAME).read_text().splitlines()]
+    keys = [record["key"] for record in records]
+    assert len(keys) == len(set(keys)), "a file was recorded twice"
+    return {record["key"]: {k: v for k, v in record.items() if k not in TIMING_FIELDS} for record in records}
+
+
+def map_workers() -> list[int]:
+    """Process ids of the running FileScorer actors (their process title names the class)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"FileScorer" in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def score_both_ways(tmp_path: Path, images, **outputs):
+    """--local's run into tmp_path/local, then the Ray run into tmp_path/ray; returns both summaries."""
+    model = tmp_path / "tiny.onnx"
+    onnx.save(patch_net(classes=10), model)
+    with LocalScorer([str(model)], settings=Settings(intra_op_threads=1)) as scorer:
+        local = run_batch(images, scorer, tmp_path / "local", options=OPTIONS, **outputs)
+    return local, lambda **more: run_ray_batch(images, str(model), tmp_path / "ray", options=OPTIONS, **outputs, **more)
+
+
+def test_ray_scores_as_local_once_per_file_even_when_an_actor_dies(tmp_path, local_ray):
+    write_folder(tmp_path / "photos")
+    images = list(find_images([tmp_path / "photos"]))
+    local, run_ray = score_both_ways(tmp_path, images, maps=True)
+    killed = []
+
+    def kill_an_actor(record: dict) -> None:
+        if not killed:
+            killed.extend(map_workers()[:1])
+            os.kill(killed[0], signal.SIGKILL)
+
+    summary = run_ray(on_progress=kill_an_actor)
+    assert killed and summary.scored + summary.failed == local.found == PHOTOS + 1
+    assert summary.failed == local.failed == 1 and summary.aborted is None
+    expected, got = comparable(tmp_path / "local"), comparable(tmp_path / "ray")
+    assert got == expected
+    for record in expected.values():
+        if "maps_file" in record:
+            assert (tmp_path / "ray" / record["maps_file"]).read_bytes() == (tmp_path / "local" / record["maps_file"]).read_bytes()
+    maps_file = next(record["maps_file"] for record in got.values() if "maps_file" in record)
+    with np.load(tmp_path / "ray" / maps_file) as arrays:
+        assert {"scores_64", "scores_96"} <= set(arrays.files)
+
+    again = run_ray()
+    assert (again.skipped, again.scored) == (PHOTOS + 1, 0)
+    assert comparable(tmp_path / "ray") == got
+
+
+def test_ray_writes_the_same_heatmaps(tmp_path, local_ray):
+    write_folder(tmp_path / "photos")
+    images = list(find_images([tmp_path / "photos" / "part0"]))[:HEATMAP_PHOTOS]
+    local, run_ray = score_both_ways(tmp_path, images, heatmaps=True)
+    assert run_ray().scored == local.scored == HEATMAP_PHOTOS
+    expected = comparable(tmp_path / "local")
+    assert comparable(tmp_path / "ray") == expected
+    for record in expected.values():
+        assert (tmp_path / "ray" / record["heatmap_file"]).read_bytes() == (tmp_path / "local" / record["heatmap_file"]).read_bytes()
