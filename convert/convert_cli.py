@@ -123,7 +123,7 @@ def crop_report(source: str, converted, args: argparse.Namespace) -> str:
     from PIL import Image
 
     from convert.card import ImageInput, read_card
-    from convert.normalize import runnable
+    from convert.normalize import reference, runnable
     from convert.preprocessing import to_input
     from convert.sources import load_source
     from convert.verify import compare_with_crops
@@ -135,7 +135,8 @@ def crop_report(source: str, converted, args: argparse.Namespace) -> str:
     except OSError as error:
         raise ConversionError(f"cannot read report image {args.report!r}: {error}") from error
     training = (card.training_height, card.training_width)
-    original = runnable(load_source(source, training_size=training, state_dict=args.state_dict).model)
+    source_model = load_source(source, training_size=training, state_dict=args.state_dict).model
+    original = reference(source_model, runnable(source_model))
     image_input = ImageInput.of(card)
     report = compare_with_crops(original, converted, to_input(pixels[None], image_input), layout=image_input.layout,
                                 training_size=training, stride=card.output_stride)

@@ -41,13 +41,15 @@ TARGET_OPSET = 12
 # IR 4 lets initializers be absent from the graph inputs; onnxruntime 1.31 loads up to IR 13
 # (onnx 1.23 writes 14 by default).
 IR_VERSIONS = range(4, 14)
+# onnxruntime runs graphs from this opset on (and any IR version up to IR_VERSIONS' last).
+ONNXRUNTIME_MIN_OPSET = 7
 # Largest constant (elements) folding may create: an FC layer's weights computed by ConstantOfShape
 # and arithmetic are folded (AlexNet's fc6 has 38M, VGG's 103M), a Tile or Expand cannot blow the file up.
 MAX_FOLDED_ELEMENTS = 256 * 1024 * 1024
 
 
 def runnable(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model` at an opset and IR version onnxruntime runs: the reference the conversion is verified against.
+    """`model` at the opset and IR version normalisation starts from (and onnxruntime runs).
 
     Returns a new model when anything changes, `model` itself (not a copy) when nothing does."""
     version = opset(model)
@@ -67,6 +69,13 @@ def runnable(model: onnx.ModelProto) -> onnx.ModelProto:
         upgraded.CopyFrom(model)
     upgraded.ir_version = ir_version
     return upgraded
+
+
+def reference(source: onnx.ModelProto, upgraded: onnx.ModelProto) -> onnx.ModelProto:
+    """What a conversion is verified against: the source itself when onnxruntime runs it, so the
+    check covers the upgrade too; else its upgraded form."""
+    runs = opset(source) >= ONNXRUNTIME_MIN_OPSET and source.ir_version < IR_VERSIONS.stop
+    return source if runs else upgraded
 
 
 def fold_constant_of_shape(node: ir.Node) -> bool | None:

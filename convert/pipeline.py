@@ -22,7 +22,7 @@ from convert.card import (
 )
 from convert.errors import ConversionError, UsageError
 from convert.graph import input_dims, real_inputs
-from convert.normalize import normalize, runnable
+from convert.normalize import normalize, reference, runnable
 from convert.presets import PRESETS
 from convert.receptive_field import output_field
 from convert.sources import load_source
@@ -61,8 +61,8 @@ def convert_classifier(
         raise UsageError(f"output stride {output_stride} is not supported; expected one of {SUPPORTED_OUTPUT_STRIDES}")
     size = None if training_size is None else (training_size, training_size) if isinstance(training_size, int) else tuple(training_size)
     loaded = load_source(source, training_size=size, state_dict=state_dict)
-    original = runnable(loaded.model)
-    images = real_inputs(original.graph)
+    upgraded = runnable(loaded.model)
+    images = real_inputs(upgraded.graph)
     if len(images) != 1:
         raise ConversionError(f"expected a classifier with one image input, got {len(images)}: {[v.name for v in images]}")
     image = images[0]
@@ -77,12 +77,12 @@ def convert_classifier(
     prep = image_preprocessing(preprocessing or loaded.preprocessing, image=image, layout=layout, dtype=dtype, channels=channels)
     batch_one = batch_shape(layout, batch=1, channels=channels, height=size[0], width=size[1])
 
-    model = normalize(original, input_shape=batch_one)
+    model = normalize(upgraded, input_shape=batch_one)
     dense, head = fully_convolutional(model, training_size=size, layout=layout)
     native = output_field(dense, input_shape=batch_one, layout=layout).jump[0]
     dense = atrous(dense, output_stride=output_stride, input_shape=batch_one, layout=layout)
     field = output_field(dense, input_shape=batch_one, layout=layout)
-    check = verify(original, dense, preprocessing=prep, training_size=size, channels=channels)
+    check = verify(reference(loaded.model, upgraded), dense, preprocessing=prep, training_size=size, channels=channels)
     if not check.passed:
         raise ConversionError(
             f"verification failed: converted and original differ by {check.max_abs_diff:.3g} at the training size "

@@ -279,3 +279,11 @@ def test_the_model_zoo_graphs_onnx_ships_convert(name):
     converted = convert_classifier(str(path), preprocessing=CAFFE, labels=imagenet_labels())
     card = read_card(converted)
     assert card.verification.passed and len(card.labels) == 1000 and card.output_stride in (16, 32)
+
+
+def test_a_graph_at_the_newest_ir_version_is_verified_against_its_loadable_form():
+    """onnx 1.23 writes IR 14 by default, which onnxruntime 1.31 refuses: the IR version is capped, not the graph refused."""
+    newest = runnable(alexnet(style="constants"))  # opset 12, IR 4
+    newest.ir_version = onnx.IR_VERSION
+    converted = assert_converts_and_verifies(newest)
+    assert onnx.IR_VERSION not in IR_VERSIONS and converted.ir_version == IR_VERSIONS[-1]
