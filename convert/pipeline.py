@@ -79,6 +79,9 @@ def convert_classifier(
 
     model = normalize(upgraded, input_shape=batch_one)
     dense, head = fully_convolutional(model, training_size=size, layout=layout)
+    names = labels or loaded.labels or [f"class_{k}" for k in range(head.num_classes)]
+    if len(names) != head.num_classes:
+        raise UsageError(f"got {len(names)} labels for a classifier with {head.num_classes} classes; expected one per class")
     native = output_field(dense, input_shape=batch_one, layout=layout).jump[0]
     dense = atrous(dense, output_stride=output_stride, input_shape=batch_one, layout=layout)
     field = output_field(dense, input_shape=batch_one, layout=layout)
@@ -87,9 +90,6 @@ def convert_classifier(
         raise ConversionError(
             f"verification failed: converted and original differ by {check.max_abs_diff:.3g} at the training size "
             f"(allowed {check.tolerance:.3g}); nothing written")
-    names = labels or loaded.labels or [f"class_{k}" for k in range(head.num_classes)]
-    if len(names) != head.num_classes:
-        raise UsageError(f"got {len(names)} labels for a classifier with {head.num_classes} classes; expected one per class")
     stride = field.jump[0]
     card = ModelCard(
         name=name or loaded.name, labels=names, preprocessing=prep,
