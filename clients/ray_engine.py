@@ -51,7 +51,11 @@ def connect(address: str | None) -> bool:
     """Join the Ray cluster at `address`, or start a local one on loopback; True when this call started Ray."""
     for name, value in LOCAL_CLUSTER_ENV.items():
         os.environ.setdefault(name, value)
-    import ray
+    try:
+        import ray
+    except ModuleNotFoundError as missing:
+        raise ScoremapError(grpc.StatusCode.INVALID_ARGUMENT, f"--engine ray needs Ray ({missing}): "
+                            "pip install 'scoremap[ray]'") from missing
 
     if ray.is_initialized():
         return False

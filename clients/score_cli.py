@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     backend.add_argument("--server", metavar="HOST:PORT", help="a running scoremap-serve")
     backend.add_argument("--local", metavar="MODEL.onnx",
                          help="score in this process with the server's pipeline, no service needed")
+    parser.add_argument("--engine", choices=("local", "server", "ray"),
+                        help="where scoring runs: this process (--local), a scoremap-serve (--server), or Ray actors "
+                             "running --local's model, spread over a cluster (default: as --server/--local say)")
+    parser.add_argument("--ray-address", metavar="ADDR", help="the Ray cluster for --engine ray "
+                        "(default: a Ray started on 127.0.0.1 for this run)")
     parser.add_argument("--model", default="", help="model name (optional when one is loaded)")
     parser.add_argument("--scales", type=_int_list, default=[], help="shorter sides, e.g. 224,448 (default: the card's)")
     parser.add_argument("--stride", type=int, default=0, help="output stride in pixels, 32 or 16 (default: native)")
@@ -160,6 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="scoremap-score: %(message)s")
     if args.concurrency < 1:
         parser.error(f"--concurrency {args.concurrency} must be at least 1")
+    if args.engine not in (None, "ray", "local" if args.local else "server") or (args.engine == "ray" and not args.local):
+        parser.error(f"--engine {args.engine}: give --server for the server, --local MODEL.onnx for local or ray")
+    if args.ray_address and args.engine != "ray":
+        parser.error("--ray-address goes with --engine ray")
     not_images: list[Path] = []
     try:
         options = ScoreOptions(model=args.model, scales=tuple(args.scales), stride=args.stride, shift=args.shift,
@@ -191,10 +200,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress.set_postfix(failed=failures, refresh=False)
             progress.update(1)
 
-        summary = run_batch(images, scorer, args.out, options=options, concurrency=args.concurrency,
-                            maps=args.maps, heatmaps=args.heatmaps, retry_failed=args.retry_failed,
-                            force_new_options=args.force_new_options, timeout=args.timeout,
-                            on_progress=on_progress, on_start=on_start)
+        run = dict(options=options, concurrency=args.concurrency, maps=args.maps, heatmaps=args.heatmaps,
+                   retry_failed=args.retry_failed, force_new_options=args.force_new_options, timeout=args.timeout,
+                   on_progress=on_progress, on_start=on_start)
+        if args.engine == "ray":
+            from clients.ray_engine import run_ray_batch  # imports ray only for this engine
+            summary = run_ray_batch(images, args.local, args.out, address=args.ray_address,
+                                    client_settings=scorer.client_settings, **run)
+        else:
+            summary = run_batch(images, scorer, args.out, **run)
     except (KeyboardInterrupt, Interrupted):
         log.warning("interrupted; re-run the same command to resume (files already recorded in %s are skipped)",
                     args.out / RESULTS_NAME)

@@ -14,6 +14,7 @@ from clients.batch import RESULTS_NAME, run_batch
 from clients.files import find_images
 from clients.local import LocalScorer
 from clients.options import ScoreOptions
+from clients.score_cli import main
 from server.settings import Settings
 from tests.tiny_models import patch_net
 
@@ -116,3 +117,16 @@ def test_ray_writes_the_same_heatmaps(tmp_path, local_ray):
     assert comparable(tmp_path / "ray") == expected
     for record in expected.values():
         assert (tmp_path / "ray" / record["heatmap_file"]).read_bytes() == (tmp_path / "local" / record["heatmap_file"]).read_bytes()
+
+
+def test_the_command_line_runs_the_ray_engine(tmp_path, local_ray, capsys):
+    model = tmp_path / "tiny.onnx"
+    onnx.save(patch_net(classes=10), model)
+    write_folder(tmp_path / "photos")
+    folder = tmp_path / "photos" / "part1"
+    argv = [str(folder), "--out", str(tmp_path / "out"), "--local", str(model), "--scales", "64", "--no-progress"]
+    assert main([*argv, "--engine", "ray"]) == 0
+    lines = (tmp_path / "out" / RESULTS_NAME).read_text().splitlines()
+    assert len(lines) == len(list(folder.iterdir())) and "found" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*argv, "--ray-address", "127.0.0.1:6379"])  # an address without --engine ray is a usage error
