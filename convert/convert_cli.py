@@ -97,7 +97,7 @@ def conversion_options(args: argparse.Namespace) -> dict:
 
     return dict(training_size=args.training_size, output_stride=args.output_stride, name=args.name,
                 labels=read_labels(args.labels) if args.labels else None,
-                preprocessing=preprocessing_options(args), state_dict=args.state_dict)
+                preprocessing=preprocessing_options(args), state_dict=args.state_dict, require_preprocessing=True)
 
 
 def save(model, path: str) -> None:

@@ -49,13 +49,15 @@ def convert_classifier(
     state_dict: str | None = None,
     default_scale: int | None = None,
     size_multiple: int | None = None,
+    require_preprocessing: bool = False,
 ) -> onnx.ModelProto:
     """The classifier `source` as a verified dense scorer with its model card; raises ConversionError.
 
     `output_stride` is the finest spacing of cells wanted: a net whose native stride is coarser
-    gets the à trous rewrite (16 or 8), a net already finer keeps its own. `preprocessing` is
-    required unless the source carries its own (the default model) or the input is uint8 pixels:
-    see convert.presets; a single mean or std value stands for every channel.
+    gets the à trous rewrite (16 or 8), a net already finer keeps its own. `preprocessing` (see
+    convert.presets; one mean or std value stands for every channel) is needed unless the source
+    carries its own (the default model) or takes uint8 pixels: without it a float input gets raw
+    0..255 values with a warning, or a UsageError with `require_preprocessing` (scoremap-convert).
     """
     if output_stride not in SUPPORTED_OUTPUT_STRIDES:
         raise UsageError(f"output stride {output_stride} is not supported; expected one of {SUPPORTED_OUTPUT_STRIDES}")
@@ -74,7 +76,8 @@ def convert_classifier(
     channels = input_dims(image)[channel_axis(layout)]
     if not isinstance(channels, int) or channels <= 0:
         raise ConversionError(f"input {image.name!r} has a symbolic channel count {channels!r}; expected a fixed number of channels")
-    prep = image_preprocessing(preprocessing or loaded.preprocessing, image=image, layout=layout, dtype=dtype, channels=channels)
+    prep = image_preprocessing(preprocessing or loaded.preprocessing, image=image, layout=layout, dtype=dtype,
+                               channels=channels, required=require_preprocessing)
     batch_one = batch_shape(layout, batch=1, channels=channels, height=size[0], width=size[1])
 
     model = normalize(upgraded, input_shape=batch_one)
@@ -132,16 +135,19 @@ def resolve_training_size(image: onnx.ValueInfoProto, *, layout: int, given: tup
 
 
 def image_preprocessing(given: Preprocessing | None, *, image: onnx.ValueInfoProto, layout: int, dtype: int,
-                        channels: int) -> Preprocessing:
+                        channels: int, required: bool) -> Preprocessing:
     """The card's preprocessing: the given one completed with the input's name, layout and dtype.
 
-    A float input with none given is refused: raw pixels into a net trained on normalised input
-    score confidently and wrongly. uint8 pixels take none (the graph normalises them itself)."""
+    Raw pixels into a net trained on normalised input score confidently and wrongly, so a float
+    input with none given is refused when `required`, warned about otherwise. uint8 pixels take
+    none (the graph normalises them itself)."""
     if given is None and dtype != InputDtype.INPUT_DTYPE_UINT8:
-        raise UsageError(
-            f"input {image.name!r} takes floats, and the classifier does not say how pixels were normalised in training; "
-            f"choose a preprocessing: one of {sorted(PRESETS)} (--preprocessing NAME), or --mean/--std/--pixel-scale "
-            "(--preprocessing raw keeps 0..255)")
+        problem = (f"input {image.name!r} takes floats, and the classifier does not say how pixels were normalised in "
+                   f"training; choose a preprocessing: one of {sorted(PRESETS)} (--preprocessing NAME), or "
+                   "--mean/--std/--pixel-scale (--preprocessing raw keeps 0..255)")
+        if required:
+            raise UsageError(problem)
+        log.warning("%s; converting with raw 0..255 values", problem)
     prep = Preprocessing(channel_order=ChannelOrder.CHANNEL_ORDER_RGB, pixel_scale=1.0, resize_filter="bilinear")
     if given is not None:
         prep.MergeFrom(given)

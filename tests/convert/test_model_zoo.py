@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from convert import convert_classifier
+from convert import UsageError, convert_classifier
 from convert.card import read_card
 from convert.labels import imagenet_labels
 from convert.normalize import IR_VERSIONS, TARGET_OPSET, normalize, runnable
@@ -287,3 +287,13 @@ def test_a_graph_at_the_newest_ir_version_is_verified_against_its_loadable_form(
     newest.ir_version = onnx.IR_VERSION
     converted = assert_converts_and_verifies(newest)
     assert onnx.IR_VERSION not in IR_VERSIONS and converted.ir_version == IR_VERSIONS[-1]
+
+
+def test_without_a_preprocessing_the_library_converts_raw_pixels_with_a_warning(caplog):
+    """scoremap-convert refuses (exit 2, tests/convert/test_convert_cli.py); the library says so and goes on."""
+    with caplog.at_level("WARNING", logger="convert"):
+        card = read_card(convert_classifier(googlenet_like()))
+    assert "choose a preprocessing" in caplog.text and "raw 0..255" in caplog.text
+    assert (card.preprocessing.pixel_scale, list(card.preprocessing.mean), list(card.preprocessing.std)) == (1.0, [0.0] * 3, [1.0] * 3)
+    with pytest.raises(UsageError, match="choose a preprocessing"):
+        convert_classifier(googlenet_like(), require_preprocessing=True)
