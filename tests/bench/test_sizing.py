@@ -1,0 +1,62 @@
+"""bench.sizing: rates read from a results file, units rounded up, memory rows from the profile."""
+
+import onnx
+import pytest
+
+from bench.sizing import main, parse_count, rates, units_needed
+from convert.memory_model import Device
+from convert.profile import profile_model
+from tests.tiny_models import patch_net
+
+RESULTS = """# Benchmark results
+
+<!-- bench_gpu -->
+## GPU
+
+| scheme | batching | path | clients | req/s | p50 ms | p99 ms | max ms | errors |
+|---|---|---|---|---|---|---|---|---|
+| grid | on | gRPC | 1 | 120.0 | 8.0 | 9.0 | 10.0 | - |
+| grid | on | gRPC | 16 | 610.5 | 20.0 | 40.0 | 60.0 | - |
+| grid | on | in-process | 16 | 700.0 | 20.0 | 40.0 | 60.0 | - |
+| atrous | off | gRPC | 16 | 900.0 | 15.0 | 30.0 | 50.0 | - |
+
+Machine: 2026-11-23, 16 cores (AMD EPYC), 128 GiB
+
+<!-- bench_server -->
+## Server (bench_server)
+
+| clients | batching on: req/s | passes/batch | batching off: req/s | passes/batch | on/off |
+|---|---|---|---|---|---|
+| 1 | 4.91 | 4.0 | 6.15 | 1.0 | 0.80x |
+| 4 | 4.08 | 8.0 | 6.40 | 1.0 | 0.65x |
+
+Machine: 2026-11-22, 2 cores (Intel(R) Xeon(R) Processor), 24 GiB
+"""
+
+
+def test_rates_are_the_best_measured_levels_per_unit(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    path.write_text(RESULTS)
+    from bench.__main__ import read_sections
+
+    found = {rate.route: rate for rate in rates(read_sections(path))}
+    assert found["GPU gRPC: grid"].per_unit == 610.5 and found["GPU gRPC: atrous"].per_unit == 900.0
+    (cpu,) = [rate for rate in found.values() if rate.unit == "core"]
+    assert cpu.per_unit == pytest.approx(6.40 / 2)
+
+
+def test_units_round_up_to_meet_the_deadline():
+    assert units_needed(10_000_000, 8, 610.5) == 1  # 17.6 M images in 8 h on one GPU
+    assert units_needed(100_000_000, 8, 610.5) == 6  # 5.69 -> 6
+    assert parse_count("10M") == 10_000_000 and parse_count("1.5B") == 1_500_000_000
+
+
+def test_the_command_prints_units_and_memory_per_plan(tmp_path, capsys):
+    (tmp_path / "RESULTS.md").write_text(RESULTS)
+    onnx.save(patch_net(classes=10), tmp_path / "tiny.onnx")
+    assert main(["--images", "100M", "--hours", "8", "--results", str(tmp_path / "RESULTS.md"),
+                 "--model", str(tmp_path / "tiny.onnx"), "--scale", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "| GPU gRPC: grid | 610.50 | GPU | 6 |" in out
+    cpu_mib = profile_model(str(tmp_path / "tiny.onnx"), height=64, width=96, batch=1, device=Device.CPU)
+    assert f"| 64x96 | stride 32, batch 1 | {cpu_mib.predicted_peak_bytes / 2**20:,.0f} |" in out
