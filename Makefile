@@ -12,8 +12,11 @@ $(BIN)/scoremap-convert: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev,triton,ray]'
-	# numpy<2 is its Python-backend stub's pin, not ours (see pyproject's triton extra)
+	# nvidia-pytriton pins numpy<2 for its Python-backend stub only: the stub gets its own small
+	# environment of this interpreter with numpy<2 (tests/server/test_triton_binding.py, README).
 	$(BIN)/pip install --quiet --no-deps nvidia-pytriton==0.7.0
+	$(BIN)/python -m venv --without-pip $(VENV)/triton-stub
+	$(BIN)/pip install --quiet --no-deps --target "$$($(VENV)/triton-stub/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" numpy==1.26.4 pyzmq==27.3.0
 	touch $@
 
 # Regenerates the committed protos/*_pb2*.py; tests/test_protos.py fails when they are stale.

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from importlib import metadata
 
 import grpc
@@ -40,7 +40,7 @@ from server.service import Call, DenseScoringServicer, check_size
 
 try:
     from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
-    from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
+    from tritonclient.utils import deserialize_bytes_tensor, np_to_triton_dtype, serialize_byte_tensor
 except ModuleNotFoundError as missing:  # the `triton` extra is not installed
     if not (missing.name or "").startswith("tritonclient"):
         raise
@@ -67,7 +67,6 @@ CELL_TOP_K_SCORES = "CELL_TOP_K_SCORES_"
 PER_SCALE = (SCORES, CELL_TOP_K_INDICES, CELL_TOP_K_SCORES)
 # Request parameters and the ScoreRequest field each sets.
 PARAMETERS = ("scales", "stride", "shift", "flip", "top_k", "cell_top_k", "classes", "map_dtype")
-DATATYPES = {"float32": "FP32", "float16": "FP16", "int32": "INT32"}  # scoring_pb2.Tensor.dtype -> KServe
 SHIFTS = {"auto": scoring_pb2.SHIFT_UNSPECIFIED, "none": scoring_pb2.SHIFT_NONE, "grid": scoring_pb2.SHIFT_GRID,
           "diagonal": scoring_pb2.SHIFT_DIAGONAL, "atrous": scoring_pb2.SHIFT_ATROUS}
 MAP_DTYPES = {"float32": scoring_pb2.FLOAT32, "float16": scoring_pb2.FLOAT16}
@@ -105,10 +104,9 @@ def _choice(name: str, value: bool | int | str | float, choices: dict[str, int])
     return choices[value]
 
 
-def apply_parameters(request: scoring_pb2.ScoreRequest, parameters) -> None:
-    """Set the ScoreRequest's options from the inference request's parameters (unknown names refused)."""
-    for name, raw in parameters.items():
-        value = _parameter(raw)
+def apply_parameters(request: scoring_pb2.ScoreRequest, parameters: Mapping[str, bool | int | str | float]) -> None:
+    """Set the ScoreRequest's options from request parameters as plain values (unknown names refused)."""
+    for name, value in parameters.items():
         if name == "scales":
             request.scales[:] = _int_list(name, value)
         elif name == "classes":
@@ -176,7 +174,7 @@ def score_request(request: service_pb2.ModelInferRequest) -> scoring_pb2.ScoreRe
                            f"{request.model_version!r}: it has version {MODEL_VERSION} (or leave the version empty)")
     score = scoring_pb2.ScoreRequest(model=request.model_name, request_id=request.id)
     _image(request, score)
-    apply_parameters(score, request.parameters)
+    apply_parameters(score, {name: _parameter(value) for name, value in request.parameters.items()})
     wanted = [output.name for output in request.outputs]
     for name in wanted:
         fixed = name in (TOP_K_INDICES, TOP_K_PROBABILITIES, TOP_K_LABELS)
@@ -188,21 +186,31 @@ def score_request(request: service_pb2.ModelInferRequest) -> scoring_pb2.ScoreRe
 
 
 # --- ScoreResponse -> response ------------------------------------------------------------------------
-def _outputs(response: scoring_pb2.ScoreResponse) -> dict[str, tuple[str, list[int], bytes]]:
-    """Every output the response holds: name -> (datatype, shape, raw little-endian bytes)."""
+def _array(tensor: scoring_pb2.Tensor) -> np.ndarray:
+    return np.frombuffer(tensor.data, np.dtype(tensor.dtype).newbyteorder("<")).reshape(tuple(tensor.shape))
+
+
+def output_arrays(response: scoring_pb2.ScoreResponse) -> dict[str, np.ndarray]:
+    """Every output the response holds, by name (see the module docstring); labels as bytes objects."""
     top = response.top_k
-    labels = np.array([label.label.encode() for label in top], dtype=np.object_)
     outputs = {
-        TOP_K_INDICES: ("INT32", [len(top)], np.array([label.index for label in top], "<i4").tobytes()),
-        TOP_K_PROBABILITIES: ("FP32", [len(top)], np.array([label.probability for label in top], "<f4").tobytes()),
-        TOP_K_LABELS: ("BYTES", [len(top)], serialize_byte_tensor(labels).item() if len(top) else b""),
+        TOP_K_INDICES: np.array([label.index for label in top], np.int32),
+        TOP_K_PROBABILITIES: np.array([label.probability for label in top], np.float32),
+        TOP_K_LABELS: np.array([label.label.encode() for label in top], np.object_),
     }
     for scale_map in response.maps:
         for prefix, tensor in ((SCORES, scale_map.scores), (CELL_TOP_K_INDICES, scale_map.cell_top_k_indices),
                                (CELL_TOP_K_SCORES, scale_map.cell_top_k_scores)):
             if tensor.shape:
-                outputs[f"{prefix}{scale_map.scale}"] = (DATATYPES[tensor.dtype], list(tensor.shape), tensor.data)
+                outputs[f"{prefix}{scale_map.scale}"] = _array(tensor)
     return outputs
+
+
+def _raw(array: np.ndarray) -> bytes:
+    """The protocol's raw encoding: little-endian elements, BYTES as 4-byte length + content each."""
+    if array.dtype == np.object_:
+        return serialize_byte_tensor(array).item() if array.size else b""
+    return array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
 
 
 def _maps_parameter(response: scoring_pb2.ScoreResponse) -> str:
@@ -217,7 +225,7 @@ def _maps_parameter(response: scoring_pb2.ScoreResponse) -> str:
 def infer_response(request: service_pb2.ModelInferRequest,
                    response: scoring_pb2.ScoreResponse) -> service_pb2.ModelInferResponse:
     """The response with the outputs asked for (all when none is named), as raw_output_contents."""
-    outputs = _outputs(response)
+    outputs = output_arrays(response)
     wanted = [output.name for output in request.outputs] or list(outputs)
     absent = [name for name in wanted if name not in outputs]
     if absent:
@@ -231,9 +239,9 @@ def infer_response(request: service_pb2.ModelInferRequest,
     if response.warnings:
         answer.parameters["warnings"].string_param = json.dumps(list(response.warnings))
     for name in wanted:
-        datatype, shape, data = outputs[name]
-        answer.outputs.add(name=name, datatype=datatype, shape=shape)
-        answer.raw_output_contents.append(data)
+        array = outputs[name]
+        answer.outputs.add(name=name, datatype=np_to_triton_dtype(array.dtype), shape=array.shape)
+        answer.raw_output_contents.append(_raw(array))
     return answer
 
 
