@@ -276,11 +276,13 @@ def build_plan_graph(
         if passes < factor**2:
             valid = b.op("Gather", [valid, b.ints([slot for slot, index in enumerate(slots) if index is not None])],
                          axis=1)
-    keep = b.op("Greater", [b.op("Reshape", [valid, b.ints([batch, passes, h, w, 1])]), b.const(0.0)])
-    kept = b.op("Where", [keep, b.op("Reshape", [probabilities, b.ints([batch, passes, h, w, classes])]),
-                          b.const(0.0)])
+    # A 0/1 weight per cell (Mul broadcasts it along the classes faster than Where on the CPU; the
+    # passes' scores hold no NaN, unlike the lattice's holes).
+    keep = b.op("Cast", [b.op("Greater", [b.op("Reshape", [valid, b.ints([batch, passes, h, w, 1])]), b.const(0.0)])],
+                to=TensorProto.FLOAT)
+    kept = b.op("Mul", [b.op("Reshape", [probabilities, b.ints([batch, passes, h, w, classes])]), keep])
     total = b.op("ReduceSum", [kept, b.ints([1, 2, 3])], keepdims=0)
-    count = b.op("ReduceSum", [b.op("Cast", [keep], to=TensorProto.FLOAT), b.ints([1, 2, 3])], keepdims=0)
+    count = b.op("ReduceSum", [keep, b.ints([1, 2, 3])], keepdims=0)
     b.op("Div", [total, count], output=PROBABILITIES)
 
     # One copy of the net (its weights included), renamed under NET_PREFIX and wrapped in place.
