@@ -33,6 +33,7 @@ from convert.profile import ProfileError, largest_batch, parse_bytes
 DEFAULT_GPU_MEMORY = "16GiB"  # the smallest data-centre card in common use (T4, V100-16G)
 DEFAULT_QUEUE_DELAY_US = 5000  # as scoremap-serve's --max-queue-delay-ms default
 MAX_TRITON_BATCH = 64  # beyond this a dense map's batch only adds latency
+TENSORRT_WORKSPACE_BYTES = 2**30  # TensorRT's scratch space per engine (the onnxruntime backend's example)
 LANDSCAPE = (3, 4)  # warm-up and sizing canvases: the common photo aspect, shorter side = the scale
 TRITON_DTYPES = {np.dtype(np.float32): "TYPE_FP32", np.dtype(np.float16): "TYPE_FP16", np.dtype(np.uint8): "TYPE_UINT8"}
 FORMATS = {"NCHW": "FORMAT_NCHW", "NHWC": "FORMAT_NHWC"}
@@ -117,18 +118,17 @@ def config_text(model: onnx.ModelProto, settings: TritonPlan) -> str:
         f"  max_queue_delay_microseconds: {settings.queue_delay_us}",
         "}",
         f"instance_group [{{ kind: KIND_GPU count: {settings.instances} }}]",
-        # Shapes vary with every image size: heuristic cuDNN search, as scoremap-serve's default.
-        'parameters { key: "cudnn_conv_algo_search" value: { string_value: "1" } }',
+        "optimization { execution_accelerators { gpu_execution_accelerator: [",
     ]
-    if settings.tensorrt:
+    if settings.tensorrt:  # TensorRT runs what it can; the CUDA provider below takes the rest
         lines += [
-            "optimization { execution_accelerators { gpu_execution_accelerator: [{",
-            '  name: "tensorrt"',
-            f'  parameters {{ key: "precision_mode" value: "{"FP16" if fp16 else "FP32"}" }}',
-            '  parameters { key: "max_workspace_size_bytes" value: "1073741824" }',
-            '  parameters { key: "trt_engine_cache_enable" value: "1" }',
-            "}] } }",
+            '  { name: "tensorrt"',
+            f'    parameters {{ key: "precision_mode" value: "{"FP16" if fp16 else "FP32"}" }}',
+            f'    parameters {{ key: "max_workspace_size_bytes" value: "{TENSORRT_WORKSPACE_BYTES}" }}',
+            '    parameters { key: "trt_engine_cache_enable" value: "1" } },',
         ]
+    # Shapes vary with every image size: heuristic cuDNN search, as scoremap-serve's default.
+    lines += ['  { name: "cuda" parameters { key: "cudnn_conv_algo_search" value: "HEURISTIC" } }', "] } }"]
     for height, width in settings.canvases:
         warm = batch_shape(image.layout, batch=1, channels=channels, height=height, width=width)[1:]
         lines += [

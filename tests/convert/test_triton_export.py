@@ -39,7 +39,8 @@ def test_config_parses_as_triton_model_config_with_the_cards_facts(tmp_path):
     assert config.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
     assert config.instance_group[0].count == 2
     assert [list(w.inputs["image"].dims) for w in config.model_warmup] == [[3, 64, 96], [3, 96, 128]]
-    assert not config.optimization.execution_accelerators.gpu_execution_accelerator
+    (cuda,) = config.optimization.execution_accelerators.gpu_execution_accelerator
+    assert cuda.name == "cuda" and cuda.parameters["cudnn_conv_algo_search"] == "HEURISTIC"
 
 
 def test_max_batch_size_is_what_the_memory_profile_fits(tmp_path):
@@ -55,8 +56,8 @@ def test_fp16_cards_get_fp16_tensorrt(tmp_path):
     card = read_card(model)
     card.precision = Precision.PRECISION_FP16
     _, config = exported(tmp_path, write_card(model, card), "--tensorrt")
-    (accelerator,) = config.optimization.execution_accelerators.gpu_execution_accelerator
-    assert accelerator.name == "tensorrt" and accelerator.parameters["precision_mode"] == "FP16"
+    tensorrt, cuda = config.optimization.execution_accelerators.gpu_execution_accelerator
+    assert (tensorrt.name, cuda.name) == ("tensorrt", "cuda") and tensorrt.parameters["precision_mode"] == "FP16"
 
 
 def test_a_pass_larger_than_the_gpu_is_refused(tmp_path, capsys):
