@@ -69,8 +69,8 @@ def rates(sections: dict[str, str]) -> list[Rate]:
     if "bench_host" in sections:
         section = sections["bench_host"]
         for row in tables(section)[0]:
-            found.append(Rate(f"CPU host path only (null model, in-process): {row['request']}", 1000 / float(row["median ms"]) / cores(section),
-                              "core", "bench_host median"))
+            found.append(Rate(f"host path, the most a core feeds a GPU (null model): {row['request']}",
+                              1000 / float(row["median ms"]) / cores(section), "core", "bench_host median"))
     if "bench_server" in sections:
         section = sections["bench_server"]
         best = max(float(value) for row in tables(section)[0] for column, value in row.items() if "req/s" in column)
