@@ -2,6 +2,7 @@
 
 import io
 import json
+import logging
 import queue
 import urllib.request
 
@@ -139,3 +140,17 @@ def test_token_and_readiness_are_the_servers(kit, tiny_model_path):
         server.health.enter_graceful_shutdown()
         assert not client.is_server_ready(headers=headers)
         assert not client.is_model_ready("tiny", headers=headers)
+
+
+def test_without_the_extra_the_server_runs_without_kserve_and_says_so(kit, tiny_model_path, monkeypatch, caplog):
+    from server import kserve
+
+    monkeypatch.setattr(kserve, "MISSING_EXTRA", ModuleNotFoundError("No module named 'tritonclient'"))
+    caplog.set_level(logging.INFO, logger=kserve.LOG.name)
+    with kit.serving([tiny_model_path]) as (_server, port, stub):
+        assert stub.Score(kit.raw_request(np.zeros((64, 64, 3), np.uint8), scales=[64])).top_k
+        with pytest.raises(InferenceServerException, match="UNIMPLEMENTED"):
+            grpcclient.InferenceServerClient(f"127.0.0.1:{port}").is_server_live()
+    assert [r.getMessage() for r in caplog.records if "KServe" in r.getMessage()] == [
+        "Open Inference Protocol (KServe v2) off: No module named 'tritonclient'; "
+        "pip install 'scoremap[triton]' turns it on"]
