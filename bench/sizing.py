@@ -74,12 +74,14 @@ def rates(sections: dict[str, str]) -> list[Rate]:
     if "bench_server" in sections:
         section = sections["bench_server"]
         best = max(float(value) for row in tables(section)[0] for column, value in row.items() if "req/s" in column)
-        found.append(Rate("CPU gRPC, EfficientNet-Lite0 at 384: stride 16 grid, float32 maps", best / cores(section), "core",
+        found.append(Rate("CPU gRPC, EfficientNet-Lite0 at 384: stride 16 grid, float32 maps", best / cores(section),
+                          "core",
                           "bench_server best level"))
     if "bench_gpu" in sections:
         for table in tables(sections["bench_gpu"]):
             for scheme in dict.fromkeys(row.get("scheme") for row in table if "req/s" in row):
-                best = max(float(row["req/s"]) for row in table if row.get("scheme") == scheme and row.get("path") == "gRPC")
+                best = max(float(row["req/s"]) for row in table
+                           if row.get("scheme") == scheme and row.get("path") == "gRPC")
                 found.append(Rate(f"GPU gRPC: {scheme}", best, "GPU", "bench_gpu best level"))
     return found
 
@@ -104,7 +106,8 @@ def memory_rows(model_path: str, *, scale: int, gpu_memory_bytes: int) -> list[s
     height, width = canvas(scale, read_card(model).size_multiple)
     rows = []
     for label, batch in (("stride 32, batch 1", 1), (f"stride 16 grid ({GRID_PASSES} passes), batch 1", GRID_PASSES),
-                         (f"stride 32, batch {settings.max_batch_size} (Triton max_batch_size)", settings.max_batch_size)):
+                         (f"stride 32, batch {settings.max_batch_size} (Triton max_batch_size)",
+                          settings.max_batch_size)):
         cpu = profile_model(model, height=height, width=width, batch=batch, device=Device.CPU)
         gpu = profile_model(model, height=height, width=width, batch=batch, device=Device.CUDA)
         rows.append(f"| {height}x{width} | {label} | {cpu.predicted_peak_bytes / 2**20:,.0f} | "

@@ -67,8 +67,9 @@ def canvas(scale: int, multiple: int) -> tuple[int, int]:
 
 
 def plan(model: onnx.ModelProto, *, name: str = "", gpu_memory_bytes: int, instances: int = 1,
-         scales: Sequence[int] = (), queue_delay_us: int = DEFAULT_QUEUE_DELAY_US, tensorrt: bool = False) -> TritonPlan:
-    """The repository's settings: the largest batch whose predicted GPU peak at the largest scale fits one instance's share."""
+         scales: Sequence[int] = (), queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
+         tensorrt: bool = False) -> TritonPlan:
+    """The repository's settings; the batch is the largest whose GPU peak at the largest scale fits one instance."""
     card = read_card(model)
     if instances < 1:
         raise ExportError(f"--instances {instances}: give at least 1 instance per GPU")
@@ -133,7 +134,8 @@ def config_text(model: onnx.ModelProto, settings: TritonPlan) -> str:
         warm = batch_shape(image.layout, batch=1, channels=channels, height=height, width=width)[1:]
         lines += [
             f'model_warmup [{{ name: "{height}x{width}" batch_size: 1 count: 1',
-            f'  inputs {{ key: "{image.name}" value: {{ data_type: {TRITON_DTYPES[image.dtype]} dims: {warm} zero_data: true }} }}',
+            f'  inputs {{ key: "{image.name}" value: {{ data_type: {TRITON_DTYPES[image.dtype]} dims: {warm} '
+            "zero_data: true } }",
             "}]",
         ]
     return "\n".join(lines) + "\n"
@@ -176,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     triton.add_argument("--max-queue-delay-us", type=int, default=DEFAULT_QUEUE_DELAY_US,
                         help="how long Triton's dynamic batcher waits to fill a batch")
     triton.add_argument("--tensorrt", action="store_true",
-                        help="run through TensorRT (fp16 when the card is fp16); engines are built per shape and cached")
+                        help="run through TensorRT (fp16 when the card is fp16); engines are built per shape, cached")
     return parser
 
 

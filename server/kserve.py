@@ -162,7 +162,11 @@ def _image(request: service_pb2.ModelInferRequest, score: scoring_pb2.ScoreReque
         return
     if tensor.datatype != "UINT8" or len(shape) != 3 or min(shape) < 1:
         raise invalid(f"{PIXELS_INPUT} is {tensor.datatype} {shape}: expected UINT8 [H, W, C] with C 1, 3 or 4")
-    data = raw if raw is not None else bytes(bytearray(tensor.contents.uint_contents))
+    try:
+        data = raw if raw is not None else bytes(bytearray(tensor.contents.uint_contents))
+    except ValueError as error:  # a uint_contents value above 255
+        raise invalid(f"{PIXELS_INPUT}: uint_contents hold values above 255 ({error}): "
+                      "UINT8 pixels are 0..255") from None
     height, width, channels = shape
     score.raw.CopyFrom(scoring_pb2.RawImage(data=data, height=height, width=width, channels=channels))
 
@@ -330,7 +334,7 @@ class InferenceServicer(ServicerBase):
             return self._infer(request, call)
 
     def ModelStreamInfer(self, request_iterator, context) -> Iterator[service_pb2.ModelStreamInferResponse]:
-        """One answer per request, in order; a refused request answers its error and the stream goes on (Triton's way)."""
+        """One answer per request, in order; a refused request answers its error and the stream goes on, as Triton's."""
         with self.scoring._accounted("ModelStreamInfer", context) as call:
             for request in request_iterator:
                 try:

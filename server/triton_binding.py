@@ -28,12 +28,14 @@ from server.pipeline import Pipeline
 
 
 def _score(pipeline: Pipeline, model: str, scales: Sequence[int], request: Request) -> dict[str, np.ndarray]:
-    score = scoring_pb2.ScoreRequest(model=model, scales=scales, return_maps=True, encoded=bytes(request[IMAGE_INPUT].reshape(-1)[0]))
+    encoded = bytes(request[IMAGE_INPUT].reshape(-1)[0])
+    score = scoring_pb2.ScoreRequest(model=model, scales=scales, return_maps=True, encoded=encoded)
     apply_parameters(score, request.parameters or {})
     return output_arrays(pipeline.score(score))
 
 
-def _infer(pipeline: Pipeline, model: str, scales: Sequence[int], requests: list[Request]) -> list[dict[str, np.ndarray]]:
+def _infer(pipeline: Pipeline, model: str, scales: Sequence[int],
+           requests: list[Request]) -> list[dict[str, np.ndarray]]:
     return [_score(pipeline, model, scales, request) for request in requests]
 
 

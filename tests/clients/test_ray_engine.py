@@ -1,4 +1,4 @@
-"""--engine ray on a local Ray instance: the same records and files as --local, each file once, an actor killed mid-run."""
+"""--engine ray on a local Ray instance: the records and files of --local, each file once, an actor killed mid-run."""
 
 import json
 import os
@@ -52,6 +52,10 @@ def comparable(out: Path) -> dict:
     return {record["key"]: {k: v for k, v in record.items() if k not in TIMING_FIELDS} for record in records}
 
 
+def same_file(tmp_path: Path, name: str) -> bool:
+    return (tmp_path / "ray" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
+
+
 def map_workers() -> list[int]:
     """Process ids of the running FileScorer actors (their process title names the class)."""
     pids = []
@@ -98,7 +102,7 @@ def test_ray_scores_as_local_once_per_file_even_when_an_actor_dies(tmp_path, loc
     assert got == expected
     for record in expected.values():
         if "maps_file" in record:
-            assert (tmp_path / "ray" / record["maps_file"]).read_bytes() == (tmp_path / "local" / record["maps_file"]).read_bytes()
+            assert same_file(tmp_path, record["maps_file"])
     maps_file = next(record["maps_file"] for record in got.values() if "maps_file" in record)
     with np.load(tmp_path / "ray" / maps_file) as arrays:
         assert {"scores_64", "scores_96"} <= set(arrays.files)
@@ -116,7 +120,7 @@ def test_ray_writes_the_same_heatmaps(tmp_path, local_ray):
     expected = comparable(tmp_path / "local")
     assert comparable(tmp_path / "ray") == expected
     for record in expected.values():
-        assert (tmp_path / "ray" / record["heatmap_file"]).read_bytes() == (tmp_path / "local" / record["heatmap_file"]).read_bytes()
+        assert same_file(tmp_path, record["heatmap_file"])
 
 
 def test_the_command_line_runs_the_ray_engine(tmp_path, local_ray, capsys):

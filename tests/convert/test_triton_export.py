@@ -31,7 +31,8 @@ def test_config_parses_as_triton_model_config_with_the_cards_facts(tmp_path):
     folder, config = exported(tmp_path, patch_net(classes=10), "--scales", "64", "96", "--instances", "2")
     assert config.platform == "onnxruntime_onnx" and config.name == "tiny"
     (image,) = config.input
-    assert (image.name, list(image.dims), image.format) == ("image", [3, -1, -1], model_config_pb2.ModelInput.FORMAT_NCHW)
+    assert (image.name, list(image.dims)) == ("image", [3, -1, -1])
+    assert image.format == model_config_pb2.ModelInput.FORMAT_NCHW
     (scores,) = config.output
     assert list(scores.dims) == [10, -1, -1] and scores.label_filename == "labels.txt"
     assert (folder / "labels.txt").read_text().splitlines() == [f"class{i}" for i in range(10)]
@@ -68,7 +69,7 @@ def test_a_pass_larger_than_the_gpu_is_refused(tmp_path, capsys):
 
 
 def test_real_triton_accepts_the_config(tmp_path):
-    """The tritonserver in the nvidia-pytriton wheel parses the config; only the onnxruntime backend is missing there."""
+    """The tritonserver of the nvidia-pytriton wheel parses the config; only the onnxruntime backend is missing."""
     distribution = pytest.importorskip("pytriton.utils.distribution",
                                        reason="tritonserver comes with the `triton` extra: pip install -e '.[triton]'")
     folder, _ = exported(tmp_path, patch_net(classes=10))

@@ -68,7 +68,8 @@ def test_infer_answers_as_score_does_for_encoded_images_and_pixels(kit, tiny_mod
                               outputs=[grpcclient.InferRequestedOutput("TOP_K_LABELS")])
         response = stub.Score(kit.raw_request(pixels, scales=[64]))
         assert [o.name for o in result.get_response().outputs] == ["TOP_K_LABELS"]
-        assert [label.decode() for label in result.as_numpy("TOP_K_LABELS")] == [label.label for label in response.top_k]
+        labels = [label.decode() for label in result.as_numpy("TOP_K_LABELS")]
+        assert labels == [label.label for label in response.top_k]
 
 
 def test_async_and_streaming_calls_answer_each_request(kit, tiny_model_path):
