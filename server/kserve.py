@@ -16,17 +16,22 @@ One inference request is one image:
                 CELL_TOP_K_SCORES_s FP32 [k, h, w]; the response parameter `maps` is a JSON list of
                 each scale's cells and geometry (scoring.proto's ScaleMap without its tensors).
 
-Maps are computed only when no output is named or a SCORES_s output is. Readiness is the standard
-health service's (`ServerReady` = health of ""), and the DenseScoring servicer's accounting applies
-to every call: draining, in-flight calls, `scoremap_requests_total{method,code,model}`; the token
-and call-limit interceptors are the server's, so auth and limits are the same as for `Score`.
+Maps are computed only when no output is named or a SCORES_s output is. ModelStreamInfer works as
+ScoreStream (a window of requests scored at once, answers in order, idle streams ended), except
+that a refused request answers its error and the stream goes on, as in Triton. Readiness is the
+standard health service's (`ServerReady` = health of ""), and the DenseScoring servicer's
+accounting applies to every call: draining, in-flight calls, `scoremap_requests_total{method,code,
+model}`; the token and call-limit interceptors are the server's, so auth and limits are the same.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 
 import grpc
@@ -36,7 +41,7 @@ from grpc_health.v1 import health, health_pb2
 
 from protos import scoring_pb2
 from server.errors import ScoringError
-from server.service import Call, DenseScoringServicer, check_size
+from server.service import Call, DenseScoringServicer, StreamReader, check_size
 
 try:
     from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
@@ -250,6 +255,17 @@ def infer_response(request: service_pb2.ModelInferRequest,
 
 
 # --- the servicer ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Streamed:
+    """A stream's request, its `id` under the name the DenseScoring StreamReader reads."""
+
+    request: service_pb2.ModelInferRequest
+
+    @property
+    def request_id(self) -> str:
+        return self.request.id
+
+
 def _tensor(name: str, datatype: str, shape: list[int]) -> service_pb2.ModelMetadataResponse.TensorMetadata:
     return service_pb2.ModelMetadataResponse.TensorMetadata(name=name, datatype=datatype, shape=shape)
 
@@ -333,16 +349,33 @@ class InferenceServicer(ServicerBase):
                 scoring_pb2.ScoreRequest(model=request.model_name))) as call:
             return self._infer(request, call)
 
+    def _stream_answer(self, streamed: Streamed, call: Call) -> service_pb2.ModelStreamInferResponse:
+        request = streamed.request
+        try:
+            return service_pb2.ModelStreamInferResponse(infer_response=self._infer(request, call))
+        except ScoringError as error:
+            return service_pb2.ModelStreamInferResponse(
+                error_message=f"{error.code.name}: {error.message}",
+                infer_response=service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id))
+
     def ModelStreamInfer(self, request_iterator, context) -> Iterator[service_pb2.ModelStreamInferResponse]:
-        """One answer per request, in order; a refused request answers its error and the stream goes on, as Triton's."""
+        """As ScoreStream: up to `stream_window` requests scored at once, answers in order, idle streams ended.
+
+        A refused request answers its error and the stream goes on, as Triton's does.
+        """
         with self.scoring._accounted("ModelStreamInfer", context) as call:
-            for request in request_iterator:
+            settings = self.scoring.settings
+            window = max(1, settings.stream_window)
+            with ThreadPoolExecutor(window, thread_name_prefix="kserve-stream") as pool:
+                reader = StreamReader(map(Streamed, request_iterator), pool,
+                                      functools.partial(self._stream_answer, call=call), call, window=window,
+                                      idle_seconds=settings.stream_idle_seconds)
                 try:
-                    yield service_pb2.ModelStreamInferResponse(infer_response=self._infer(request, call))
-                except ScoringError as error:
-                    yield service_pb2.ModelStreamInferResponse(
-                        error_message=f"{error.code.name}: {error.message}",
-                        infer_response=service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id))
+                    for _, future in reader.submitted():
+                        yield future.result()
+                finally:
+                    call.cancelled.set()  # an abandoned stream stops its other requests
+                    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def add_to_server(grpc_server: grpc.Server, scoring: DenseScoringServicer,

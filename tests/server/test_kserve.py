@@ -155,3 +155,11 @@ def test_without_the_extra_the_server_runs_without_kserve_and_says_so(kit, tiny_
     assert [r.getMessage() for r in caplog.records if "KServe" in r.getMessage()] == [
         "Open Inference Protocol (KServe v2) off: No module named 'tritonclient'; "
         "pip install 'scoremap[triton]' turns it on"]
+
+
+def test_the_servers_message_limit_applies(kit, tiny_model_path):
+    with kit.serving([tiny_model_path], max_message_bytes=10_000) as (_server, port, _stub):
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        with pytest.raises(InferenceServerException, match="--max-message-bytes") as raised:
+            client.infer("tiny", [pixels_input(np.zeros((50, 100, 3), np.uint8))])  # 15 000 bytes
+        assert raised.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
