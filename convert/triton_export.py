@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from google.protobuf.message import DecodeError
 
 from convert.card import CardError, ImageInput, Precision, batch_shape, read_card, spatial_axes
 from convert.memory_model import Device
@@ -149,11 +150,15 @@ def _preferred(max_batch: int) -> list[int]:
 
 def export(model_path: str | Path, out: str | Path, settings: TritonPlan | None = None, **plan_options) -> Path:
     """Write the repository for the converted graph at `model_path` under `out`; returns the model's folder."""
-    model = onnx.load(str(model_path), load_external_data=False)
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except DecodeError as error:
+        raise ExportError(f"{model_path} is not an ONNX file ({error}); export a graph made by "
+                          "scoremap-convert") from error
     try:
         card = read_card(model)
     except CardError as error:
-        raise ExportError(f"{model_path}: {error}; export a graph made by scoremap-convert") from error
+        raise ExportError(f"{model_path}: {error}") from error
     settings = settings or plan(model, **plan_options)
     folder = Path(out) / settings.name
     (folder / VERSION).mkdir(parents=True, exist_ok=True)
@@ -183,9 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
-        folder = export(args.model, args.out, name=args.name, gpu_memory_bytes=parse_bytes(args.gpu_memory),
+        gpu_memory_bytes = parse_bytes(args.gpu_memory)
+    except (ProfileError, ValueError) as error:
+        parser.error(f"--gpu-memory: {error}")
+    try:
+        folder = export(args.model, args.out, name=args.name, gpu_memory_bytes=gpu_memory_bytes,
                         instances=args.instances, scales=args.scales, queue_delay_us=args.max_queue_delay_us,
                         tensorrt=args.tensorrt)
     except (ExportError, ProfileError, OSError) as error:

@@ -68,6 +68,17 @@ def test_a_pass_larger_than_the_gpu_is_refused(tmp_path, capsys):
     assert "more --gpu-memory" in capsys.readouterr().err
 
 
+def test_files_that_are_not_converted_graphs_are_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "notes.onnx").write_text("not a graph")
+    card_less = patch_net(classes=2)
+    del card_less.metadata_props[:]
+    onnx.save(card_less, tmp_path / "plain.onnx")
+    for name, words in (("notes.onnx", "is not an ONNX file"), ("plain.onnx", "no model card")):
+        assert main(["triton", str(tmp_path / name), str(tmp_path / "repo")]) == 1
+        assert words in capsys.readouterr().err
+    assert not (tmp_path / "repo").exists()
+
+
 def test_real_triton_accepts_the_config(tmp_path):
     """The tritonserver of the nvidia-pytriton wheel parses the config; only the onnxruntime backend is missing."""
     distribution = pytest.importorskip("pytriton.utils.distribution",
