@@ -6,8 +6,8 @@ Exporters of every era leave their own quirks: the ONNX model zoo's Caffe-era fi
 constant arithmetic; tf2onnx computes flatten shapes from Shape chains. One step removes them all
 with the well-kept tools, so later stages see one form and patch nothing:
 
-- opsets below TARGET_OPSET are upgraded by onnx's version converter (anything it can upgrade is
-  accepted: in practice opsets 1-11; newer opsets are kept as they are);
+- opsets below TARGET_OPSET are upgraded by onnx's version converter (tested from opset 1; a graph
+  the converter cannot upgrade is refused naming the op; newer opsets are kept as they are);
 - the IR version is raised to at least 4 and capped at what onnxruntime loads (IR_VERSIONS);
 - initializers leave the graph inputs, Constant nodes become initializers, constant subgraphs
   (ConstantOfShape, arithmetic on constants, Shape-derived chains at the training size) are folded
@@ -41,6 +41,10 @@ TARGET_OPSET = 12
 # IR 4 lets initializers be absent from the graph inputs; onnxruntime 1.31 loads up to IR 13
 # (onnx 1.23 writes 14 by default).
 IR_VERSIONS = range(4, 14)
+# Graphs older than this opset are upgraded to it first and their shapes inferred there: the
+# converter's broadcast adapters (Gemm, Add... at 6 → 7) need shapes that onnx cannot infer for
+# opset 1-5 ops (Relu with consumed_inputs), and opset 6 ops it can.
+FIRST_UPGRADE_OPSET = 6
 # onnxruntime runs graphs from this opset on (and any IR version up to IR_VERSIONS' last).
 ONNXRUNTIME_MIN_OPSET = 7
 # Largest constant (elements) folding may create: an FC layer's weights computed by ConstantOfShape
@@ -58,7 +62,10 @@ def runnable(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     if version < TARGET_OPSET:  # the converter returns a new model (and reads IR 3 files as they are)
         try:
-            upgraded = version_converter.convert_version(model, TARGET_OPSET)
+            upgraded = model
+            if version < FIRST_UPGRADE_OPSET:
+                upgraded = onnx.shape_inference.infer_shapes(version_converter.convert_version(model, FIRST_UPGRADE_OPSET))
+            upgraded = version_converter.convert_version(upgraded, TARGET_OPSET)
         except Exception as error:  # the converter raises bare RuntimeErrors naming the op
             raise ConversionError(
                 f"the graph's opset {version} cannot be upgraded to opset {TARGET_OPSET} by onnx's version converter: "

@@ -1,6 +1,6 @@
 """The ONNX model zoo's traits, one tiny graph each (issue 13): IR 3 with weights listed as inputs, weights in
-Constant nodes or computed by ConstantOfShape and constant arithmetic, opsets 6-9 with their old attributes
-(Gemm's broadcast, Dropout's is_test, BatchNormalization's spatial), Caffe-style AlexNet, VGG and GoogLeNet
+Constant nodes or computed by ConstantOfShape and constant arithmetic, opsets 1-9 with their old attributes
+(Gemm's broadcast, Dropout's is_test, Relu's consumed_inputs, Reshape's shape, BatchNormalization's spatial), Caffe-style AlexNet, VGG and GoogLeNet
 layouts. Each is normalised once, converts, and verifies to 1e-4."""
 
 import collections
@@ -58,8 +58,9 @@ class Builder:
 
     def conv(self, x: str, name: str, cin: int, cout: int, k: int, *, stride: int = 1, pad: int = 0, group: int = 1) -> str:
         w, b = self.weight(f"{name}_w", cout, cin // group, k, k), self.weight(f"{name}_b", cout, scale=0.05)
+        old = {"consumed_inputs": [0]} if self.opset < 6 else {}  # opset 1-5's in-place hint
         self.nodes += [helper.make_node("Conv", [x, w, b], [name], kernel_shape=[k, k], strides=[stride] * 2, pads=[pad] * 4, group=group),
-                       helper.make_node("Relu", [name], [name + "_relu"])]
+                       helper.make_node("Relu", [name], [name + "_relu"], **old)]
         return name + "_relu"
 
     def lrn(self, x: str, name: str) -> str:
@@ -71,7 +72,11 @@ class Builder:
         return name
 
     def flatten(self, x: str) -> str:
-        """Caffe2's export: Reshape to [1, -1]; the "computed" style derives the target from Shape like tf2onnx."""
+        """Caffe2's export: Reshape to [1, -1] (an attribute before opset 5); the "computed" style derives the
+        target from Shape like tf2onnx."""
+        if self.opset < 5:
+            self.nodes.append(helper.make_node("Reshape", [x], ["flat"], shape=[1, -1]))
+            return "flat"
         if self.style == "computed":
             self.nodes += [
                 helper.make_node("Shape", [x], ["flat_shape_all"]),
@@ -178,6 +183,7 @@ def assert_converts_and_verifies(model: onnx.ModelProto, **options) -> onnx.Mode
 
 
 @pytest.mark.parametrize("style, opset", [
+    ("inputs", 1), ("inputs", 3), ("inputs", 5), ("constants", 3),
     ("inputs", 6), ("inputs", 7), ("inputs", 8), ("inputs", 9),
     ("constants", 6), ("constants", 9), ("computed", 9),
 ], ids=lambda v: str(v))
