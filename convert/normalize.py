@@ -23,14 +23,14 @@ import logging
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import version_converter
+from onnx import helper, version_converter
 from onnx_ir.passes import common as passes
 from onnxscript import rewriter
 from onnxscript.optimizer import fold_constants
 from onnxscript.rewriter.rules.common import fuse_batchnorm_into_conv_rule, fuse_batchnorm_into_gemm_rule
 
 from convert.errors import ConversionError
-from convert.graph import opset, real_inputs
+from convert.graph import describe, opset, real_inputs, unique_name
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,11 @@ TARGET_OPSET = 12
 # IR 4 lets initializers be absent from the graph inputs; onnxruntime 1.31 loads up to IR 13
 # (onnx 1.23 writes 14 by default).
 IR_VERSIONS = range(4, 14)
-# Graphs older than this opset are upgraded to it first and their shapes inferred there: the
-# converter's broadcast adapters (Gemm, Add... at 6 → 7) need shapes that onnx cannot infer for
-# opset 1-5 ops (Relu with consumed_inputs), and opset 6 ops it can.
-FIRST_UPGRADE_OPSET = 6
+# The last opset of "legacy" broadcasting (`broadcast`, `axis` attributes; opset 7 made it numpy's).
+# Older graphs are upgraded to it first and their shapes inferred there: the converter's broadcast
+# adapters need shapes onnx cannot infer for opset 1-5 ops (Relu's consumed_inputs), and
+# explicit_broadcast_axes needs them too.
+LEGACY_BROADCAST_OPSET = 6
 # onnxruntime runs graphs from this opset on (and any IR version up to IR_VERSIONS' last).
 ONNXRUNTIME_MIN_OPSET = 7
 # Largest constant (elements) folding may create: an FC layer's weights computed by ConstantOfShape
@@ -63,8 +64,10 @@ def runnable(model: onnx.ModelProto) -> onnx.ModelProto:
     if version < TARGET_OPSET:  # the converter returns a new model (and reads IR 3 files as they are)
         try:
             upgraded = model
-            if version < FIRST_UPGRADE_OPSET:
-                upgraded = onnx.shape_inference.infer_shapes(version_converter.convert_version(model, FIRST_UPGRADE_OPSET))
+            if version <= LEGACY_BROADCAST_OPSET:
+                if version < LEGACY_BROADCAST_OPSET:
+                    upgraded = version_converter.convert_version(model, LEGACY_BROADCAST_OPSET)
+                upgraded = explicit_broadcast_axes(onnx.shape_inference.infer_shapes(upgraded))
             upgraded = version_converter.convert_version(upgraded, TARGET_OPSET)
         except Exception as error:  # the converter raises bare RuntimeErrors naming the op
             raise ConversionError(
@@ -76,6 +79,39 @@ def runnable(model: onnx.ModelProto) -> onnx.ModelProto:
         upgraded.CopyFrom(model)
     upgraded.ir_version = ir_version
     return upgraded
+
+
+def explicit_broadcast_axes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Legacy `broadcast=1, axis=k` (Caffe2's per-channel Add/Mul of a [C] vector at axis 1) as an
+    Unsqueeze to B's trailing axes, then plain suffix broadcasting; returns `model`, edited.
+
+    onnx's version converter ignores `axis` (it unsqueezes a [C] bias to [C, 1, 1, 1] against
+    [N, C, H, W]), so these nodes are made axis-free before it runs."""
+    graph = model.graph
+    ranks = {value.name: len(value.type.tensor_type.shape.dim)
+             for value in [*graph.input, *graph.value_info] if value.type.tensor_type.HasField("shape")}
+    ranks.update({init.name: len(init.dims) for init in graph.initializer})
+    nodes = []
+    for node in graph.node:
+        axis = next((a.i for a in node.attribute if a.name == "axis"), None)
+        broadcast = any(a.name == "broadcast" and a.i == 1 for a in node.attribute)
+        if broadcast and axis is not None and len(node.input) == 2:
+            a, b = node.input
+            if a not in ranks or b not in ranks:
+                raise ConversionError(f"{describe(node)} broadcasts at axis {axis} but the ranks of its inputs are unknown; "
+                                      "expected shapes onnx can infer")
+            trailing = ranks[a] - (axis % ranks[a]) - ranks[b]
+            if trailing > 0:
+                unsqueezed = unique_name(graph, f"{b}_at_axis_{axis}")
+                nodes.append(helper.make_node("Unsqueeze", [b], [unsqueezed], axes=list(range(ranks[b], ranks[b] + trailing))))
+                node.input[1] = unsqueezed
+            kept = [attribute for attribute in node.attribute if attribute.name != "axis"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model
 
 
 def reference(source: onnx.ModelProto, upgraded: onnx.ModelProto) -> onnx.ModelProto:

@@ -8,6 +8,7 @@ import pathlib
 
 import numpy as np
 import onnx
+import onnx.version_converter
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -303,3 +304,48 @@ def test_without_a_preprocessing_the_library_converts_raw_pixels_with_a_warning(
     assert (card.preprocessing.pixel_scale, list(card.preprocessing.mean), list(card.preprocessing.std)) == (1.0, [0.0] * 3, [1.0] * 3)
     with pytest.raises(UsageError, match="choose a preprocessing"):
         convert_classifier(googlenet_like(), require_preprocessing=True)
+
+
+def resnet_like(*, opset: int) -> onnx.ModelProto:
+    """A Caffe2-era ResNet stem and head: BatchNormalization with its old attributes, a per-channel scale and
+    shift by Mul/Add with `broadcast=1, axis=1` before opset 7, Sum, an AveragePool as large as the map."""
+    b = Builder("inputs", opset)
+    legacy = opset < 7
+    bn_old = {"is_test": 1, "consumed_inputs": [0, 0, 0, 1, 1]} if opset < 6 else {"is_test": 1} if legacy else {}
+    channel_shape = (4,) if legacy else (4, 1, 1)  # opset 7 broadcasts like numpy: a per-channel constant is [C, 1, 1]
+    w = b.weight("conv1_w", 4, 3, 3, 3)
+    params = [b.weight("bn_s", 4), b.weight("bn_b", 4), b.weight("bn_m", 4)]
+    b.weights.append(numpy_helper.from_array((b.rng.random(4) + 0.5).astype(np.float32), "bn_v"))
+    scale, shift = b.weight("scale", *channel_shape), b.weight("shift", *channel_shape)
+    at_axis = {"broadcast": 1, "axis": 1} if legacy else {}
+    b.nodes += [
+        helper.make_node("Conv", ["data", w], ["conv1"], kernel_shape=[3, 3], strides=[2, 2]),
+        helper.make_node("BatchNormalization", ["conv1", *params, "bn_v"], ["bn"], epsilon=1e-5, spatial=1, **bn_old),
+        helper.make_node("Mul", ["bn", scale], ["scaled"], **at_axis),
+        helper.make_node("Add", ["scaled", shift], ["shifted"], **at_axis),
+        helper.make_node("Relu", ["shifted"], ["relu"]),
+        helper.make_node("Sum", ["relu", "bn"], ["res"]),
+        helper.make_node("AveragePool", ["res"], ["pool"], kernel_shape=[6, 6]),
+    ]
+    x = b.fc(b.flatten("pool"), "fc", 4, 5, relu=False)
+    return b.model("data", 13, x, 5)
+
+
+@pytest.mark.parametrize("opset", [3, 6, 8])
+def test_caffe2_resnet_like_graph_with_legacy_broadcasting_converts(opset):
+    assert_converts_and_verifies(resnet_like(opset=opset))
+
+
+def test_legacy_broadcast_axis_is_made_explicit_because_the_version_converter_ignores_it():
+    """The case onnx's version converter gets wrong (onnx 1.23): Add(broadcast=1, axis=1) of a [C] bias to an
+    [N, C, H, W] map becomes Unsqueeze(axes=[1, 2, 3]), a [C, 1, 1, 1] bias; explicit_broadcast_axes runs first."""
+    bias = np.arange(4, dtype=np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Add", ["r", "bias"], ["y"], broadcast=1, axis=1)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 2, 2]), helper.make_tensor_value_info("bias", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 2, 2])], [numpy_helper.from_array(bias, "bias")])
+    model = helper.make_model(graph, ir_version=3, opset_imports=[helper.make_opsetid("", 6)])
+    x = np.ones((1, 4, 2, 2), np.float32)
+    by_the_tool = onnx.version_converter.convert_version(model, TARGET_OPSET)
+    assert run(by_the_tool, x).shape == (4, 4, 2, 2)  # the [C, 1, 1, 1] bias broadcast over N: wrong
+    np.testing.assert_allclose(run(runnable(model), x), x + bias.reshape(1, 4, 1, 1))
