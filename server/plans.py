@@ -48,6 +48,7 @@ class Plan:
     def __init__(self, key: PlanKey, session: onnxruntime.InferenceSession, *, on_gpu: bool) -> None:
         self.key = key
         self.session = session
+        self._lock = threading.Lock()  # one run at a time: the bound buffers are shared (warm-up runs beside traffic)
         shapes = {output.name: tuple(output.shape) for output in session.get_outputs()}
         self.lattice_shape, self.probabilities_shape = shapes[LATTICE], shapes[PROBABILITIES]
         self._binding = None
@@ -72,6 +73,10 @@ class Plan:
 
     def run(self, pixels: np.ndarray, valid: np.ndarray, *, lattice: bool) -> tuple[np.ndarray | None, np.ndarray]:
         """(lattice [B, K, HL, WL] or None when not asked for, probabilities [B, K]) of one full batch."""
+        with self._lock:
+            return self._run(pixels, valid, lattice=lattice)
+
+    def _run(self, pixels: np.ndarray, valid: np.ndarray, *, lattice: bool) -> tuple[np.ndarray | None, np.ndarray]:
         if self._binding is None:
             names = [LATTICE, PROBABILITIES] if lattice else [PROBABILITIES]
             outputs = self.session.run(names, {PIXELS: pixels, VALID: valid})
