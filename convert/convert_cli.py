@@ -17,11 +17,17 @@ import logging
 import os
 import sys
 from importlib import metadata
+from typing import TYPE_CHECKING
 
 from convert.arguments import DEFAULT_OUTPUT_STRIDE, SUPPORTED_OUTPUT_STRIDES, size_pair
 from convert.errors import ConversionError, UsageError
 from convert.labels import LABEL_SETS
 from convert.presets import PRESETS
+
+if TYPE_CHECKING:
+    import onnx
+
+    from protos.model_card_pb2 import Preprocessing
 
 # Everything heavier (onnx, onnxruntime, onnxscript, torch for PyTorch sources) is imported after
 # the arguments parse, so `--help` and usage errors answer at once.
@@ -68,7 +74,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def preprocessing_options(args: argparse.Namespace):
+def preprocessing_options(args: argparse.Namespace) -> Preprocessing | None:
     """The card preprocessing chosen on the command line (a preset, explicit values on top), or None for the source's."""
     from convert.presets import preset
 
@@ -100,7 +106,7 @@ def conversion_options(args: argparse.Namespace) -> dict:
                 preprocessing=preprocessing_options(args), state_dict=args.state_dict, require_preprocessing=True)
 
 
-def save(model, path: str) -> None:
+def save(model: onnx.ModelProto, path: str) -> None:
     """Write to a temporary file beside `path`, then rename: a failed write leaves nothing behind, and the file
     gets the umask's permissions like any other output (a mkstemp file would stay 0600)."""
     import onnx
@@ -117,7 +123,7 @@ def save(model, path: str) -> None:
         raise
 
 
-def crop_report(source: str, converted, args: argparse.Namespace) -> str:
+def crop_report(source: str, converted: onnx.ModelProto, args: argparse.Namespace) -> str:
     """The dense-vs-crops comparison on one image, as text."""
     import numpy as np
     from PIL import Image
