@@ -12,6 +12,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+# The first IR version whose initializers need not be graph inputs (below it, onnx's shape inference ignores them).
+MIN_IR_VERSION = 4
 # Initializers up to this many elements keep their values in the shape-inference skeleton: shape
 # tensors (Reshape targets, Pad amounts) must be known; weights need only their shapes.
 SHAPE_VALUE_ELEMENTS = 64
@@ -125,7 +127,7 @@ def skeleton(model: onnx.ModelProto, *, input_shape: list[int | str] | None = No
         inputs = [helper.make_tensor_value_info(image.name, image.type.tensor_type.elem_type, input_shape)]
         outputs = [helper.make_tensor_value_info(output.name, output.type.tensor_type.elem_type, None) for output in graph.output]
     return helper.make_model(helper.make_graph(graph.node, graph.name, [*inputs, *weights], outputs, small),
-                             ir_version=model.ir_version, opset_imports=model.opset_import)
+                             ir_version=max(model.ir_version, MIN_IR_VERSION), opset_imports=model.opset_import)
 
 
 def static_shapes(model: onnx.ModelProto, input_shape: list[int]) -> dict[str, tuple[int, ...]]:

@@ -30,7 +30,7 @@ from onnxscript.optimizer import fold_constants
 from onnxscript.rewriter.rules.common import fuse_batchnorm_into_conv_rule, fuse_batchnorm_into_gemm_rule
 
 from convert.errors import ConversionError
-from convert.graph import describe, opset, real_inputs, unique_name
+from convert.graph import MIN_IR_VERSION, describe, opset, real_inputs, unique_name
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,9 @@ log = logging.getLogger(__name__)
 # from the axis" to "one axis", and the converter then wraps a Caffe-era Softmax over [N, K, 1, 1]
 # in Flatten/Reshape; 12 already has MaxPool dilations (à trous) and Dropout as a no-op input.
 TARGET_OPSET = 12
-# IR 4 lets initializers be absent from the graph inputs; onnxruntime 1.31 loads up to IR 13
+# From MIN_IR_VERSION (initializers need not be graph inputs) to what onnxruntime 1.31 loads, IR 13
 # (onnx 1.23 writes 14 by default).
-IR_VERSIONS = range(4, 14)
+IR_VERSIONS = range(MIN_IR_VERSION, 14)
 # The last opset of "legacy" broadcasting (`broadcast`, `axis` attributes; opset 7 made it numpy's).
 # Older graphs are upgraded to it first and their shapes inferred there: the converter's broadcast
 # adapters need shapes onnx cannot infer for opset 1-5 ops (Relu's consumed_inputs), and
