@@ -162,7 +162,7 @@ def _output_files(image: ImageFile, *, maps: bool, heatmaps: bool) -> dict[str, 
     return outputs
 
 
-def _refuse_shared_outputs(todo: Sequence[ImageFile], recorded: dict[str, dict[str, Any]], out: Path, *,
+def refuse_shared_outputs(todo: Sequence[ImageFile], recorded: dict[str, dict[str, Any]], out: Path, *,
                            maps: bool, heatmaps: bool) -> None:
     """Refuse a run that would write two files' outputs to one name (the second would overwrite the first)."""
     owners: dict[str, tuple[str, str]] = {}  # output name -> (key, path) of the file it belongs to
@@ -180,7 +180,7 @@ def _refuse_shared_outputs(todo: Sequence[ImageFile], recorded: dict[str, dict[s
                                     "or pass their folders rather than the files themselves")
 
 
-def _score_one(image: ImageFile, scorer: Scorer, options: ScoreOptions, out_dir: Path, *,
+def score_one(image: ImageFile, scorer: Scorer, options: ScoreOptions, out_dir: Path, *,
                maps: bool, heatmaps: bool, timeout: float | None, options_id: str) -> dict[str, Any]:
     """Score one file, write its outputs atomically; its results.jsonl record."""
     started = time.perf_counter()
@@ -250,7 +250,7 @@ def run_batch(
                 if image.key not in recorded or recorded[image.key].get("options", options_id) != options_id
                 or (retry_failed and recorded[image.key].get("status") != "OK")]
         summary.skipped = summary.found - len(todo)
-        _refuse_shared_outputs(todo, recorded, out, maps=maps, heatmaps=heatmaps)
+        refuse_shared_outputs(todo, recorded, out, maps=maps, heatmaps=heatmaps)
         if on_start:
             on_start(len(todo))
         queue = iter(todo)
@@ -261,7 +261,7 @@ def run_batch(
                     image = next(queue, None)
                     if image is None:
                         return
-                    in_flight.add(pool.submit(_score_one, image, scorer, options, out, maps=maps,
+                    in_flight.add(pool.submit(score_one, image, scorer, options, out, maps=maps,
                                               heatmaps=heatmaps, timeout=timeout, options_id=options_id))
             try:
                 refill()

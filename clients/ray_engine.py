@@ -26,8 +26,8 @@ from typing import Any
 
 import grpc
 
-from clients.batch import (RESULTS_NAME, BatchSummary, RunAborted, _refuse_shared_outputs,  # noqa: PLC2701
-                           _score_one)
+from clients.batch import (RESULTS_NAME, BatchSummary, RunAborted, refuse_shared_outputs,
+                           score_one)
 from clients.errors import ScoremapError
 from clients.files import ImageFile, ResultsLog, remove_partials
 from clients.options import ScoreOptions
@@ -84,7 +84,7 @@ class FileScorer:
     def _one(self, path: str, relative: str) -> str:
         image = ImageFile(Path(path), Path(relative))
         try:
-            record = _score_one(image, self._scorer, **self._step)
+            record = score_one(image, self._scorer, **self._step)
         except RunAborted as aborted:
             record = {"key": image.key, ABORTED: aborted.error.code.name, "error": aborted.error.message}
         return json.dumps(record)
@@ -146,7 +146,7 @@ def run_ray_batch(
                     if image.key not in recorded or recorded[image.key].get("options", options_id) != options_id
                     or (retry_failed and recorded[image.key].get("status") != "OK")]
             summary.skipped = summary.found - len(todo)
-            _refuse_shared_outputs(todo, recorded, out, maps=maps, heatmaps=heatmaps)
+            refuse_shared_outputs(todo, recorded, out, maps=maps, heatmaps=heatmaps)
             if on_start:
                 on_start(len(todo))
             if todo:

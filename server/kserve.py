@@ -286,20 +286,20 @@ class InferenceServicer(ServicerBase):
         return version in ("", MODEL_VERSION) and name in {summary.name for summary in self.pipeline.models()}
 
     def ServerLive(self, request, context):
-        with self.scoring._accounted("ServerLive", context):
+        with self.scoring.accounted("ServerLive", context):
             return service_pb2.ServerLiveResponse(live=not self.scoring.draining.is_set())
 
     def ServerReady(self, request, context):
-        with self.scoring._accounted("ServerReady", context):
+        with self.scoring.accounted("ServerReady", context):
             return service_pb2.ServerReadyResponse(ready=self._ready(context))
 
     def ModelReady(self, request, context):
-        with self.scoring._accounted("ModelReady", context):
+        with self.scoring.accounted("ModelReady", context):
             return service_pb2.ModelReadyResponse(ready=self._known(request.name, request.version)
                                                   and self._ready(context))
 
     def ServerMetadata(self, request, context):
-        with self.scoring._accounted("ServerMetadata", context):
+        with self.scoring.accounted("ServerMetadata", context):
             return service_pb2.ServerMetadataResponse(name=SERVER_NAME, version=metadata.version("scoremap"),
                                                       extensions=EXTENSIONS)
 
@@ -312,7 +312,7 @@ class InferenceServicer(ServicerBase):
                            f"{names}, each in version {MODEL_VERSION}")
 
     def ModelMetadata(self, request, context):
-        with self.scoring._accounted("ModelMetadata", context):
+        with self.scoring.accounted("ModelMetadata", context):
             summary = self._summary(request.name, request.version)
             scale = summary.default_scale
             return service_pb2.ModelMetadataResponse(
@@ -326,7 +326,7 @@ class InferenceServicer(ServicerBase):
             )
 
     def ModelConfig(self, request, context):
-        with self.scoring._accounted("ModelConfig", context):
+        with self.scoring.accounted("ModelConfig", context):
             summary = self._summary(request.name, request.version)
             config = model_config_pb2.ModelConfig(name=summary.name, platform=PLATFORM, max_batch_size=0)
             config.input.add(name=IMAGE_INPUT, data_type=model_config_pb2.TYPE_STRING, dims=[1], optional=True)
@@ -345,7 +345,7 @@ class InferenceServicer(ServicerBase):
         return infer_response(request, response)
 
     def ModelInfer(self, request, context):
-        with self.scoring._accounted("ModelInfer", context, self.scoring._model_label(
+        with self.scoring.accounted("ModelInfer", context, self.scoring.model_label(
                 scoring_pb2.ScoreRequest(model=request.model_name))) as call:
             return self._infer(request, call)
 
@@ -363,7 +363,7 @@ class InferenceServicer(ServicerBase):
 
         A refused request answers its error and the stream goes on, as Triton's does.
         """
-        with self.scoring._accounted("ModelStreamInfer", context) as call:
+        with self.scoring.accounted("ModelStreamInfer", context) as call:
             settings = self.scoring.settings
             window = max(1, settings.stream_window)
             with ThreadPoolExecutor(window, thread_name_prefix="kserve-stream") as pool:

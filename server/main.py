@@ -169,10 +169,12 @@ def create_server(
         scoring_pb2_grpc.add_DenseScoringServicer_to_server(servicer, grpc_server)
         health_servicer = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
-        kserve.add_to_server(grpc_server, servicer, health_servicer)  # KServe v2, with the `triton` extra
+        served = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        if kserve.add_to_server(grpc_server, servicer, health_servicer):  # KServe v2, with the `triton` extra
+            served.append(kserve.SERVICE_NAME)
         for service in ("", SERVICE_NAME):
             health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server)
+        reflection.enable_server_reflection(served, grpc_server)
         try:
             if tls is not None:
                 port = grpc_server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))

@@ -75,7 +75,7 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
             return self._idle.wait_for(lambda: self._active == 0, timeout)
 
     @contextlib.contextmanager
-    def _accounted(self, method: str, context: grpc.ServicerContext, model: str = NO_MODEL) -> Iterator[Call]:
+    def accounted(self, method: str, context: grpc.ServicerContext, model: str = NO_MODEL) -> Iterator[Call]:
         """Count the call by method, final code and model (`model`, or the first request's), track it in
         flight, abort on ScoringError."""
         code = grpc.StatusCode.OK
@@ -110,16 +110,16 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
                 self._idle.notify_all()
 
     def Score(self, request: scoring_pb2.ScoreRequest, context: grpc.ServicerContext) -> scoring_pb2.ScoreResponse:
-        with self._accounted("Score", context) as call:
+        with self.accounted("Score", context) as call:
             return self._score(request, call)
 
     def _score(self, request: scoring_pb2.ScoreRequest, call: Call) -> scoring_pb2.ScoreResponse:
         if call.model == NO_MODEL:
-            call.model = self._model_label(request)
+            call.model = self.model_label(request)
         check_size(request, self.settings.max_message_bytes)
         return self.pipeline.score(request, deadline=call.deadline, cancelled=call.cancelled)
 
-    def _model_label(self, request: scoring_pb2.ScoreRequest) -> str:
+    def model_label(self, request: scoring_pb2.ScoreRequest) -> str:
         """The loaded model a request names (or the only one); never the caller's text, which could be anything."""
         if request.model in self._names:
             return request.model
@@ -135,7 +135,7 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
         request ends the stream with its status; the message names its request_id. A stream with
         every answer sent and no request for `stream_idle_seconds` is ended, giving its worker back.
         """
-        with self._accounted("ScoreStream", context) as call:
+        with self.accounted("ScoreStream", context) as call:
             window = max(1, self.settings.stream_window)
             with ThreadPoolExecutor(window, thread_name_prefix="stream") as pool:
                 reader = StreamReader(request_iterator, pool, functools.partial(self._score, call=call), call,
@@ -150,11 +150,11 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
     def ListModels(
         self, request: scoring_pb2.ListModelsRequest, context: grpc.ServicerContext
     ) -> scoring_pb2.ListModelsResponse:
-        with self._accounted("ListModels", context):
+        with self.accounted("ListModels", context):
             return scoring_pb2.ListModelsResponse(models=self.pipeline.models())  # paths only with --expose-paths
 
     def GetModel(self, request: scoring_pb2.GetModelRequest, context: grpc.ServicerContext) -> model_card_pb2.ModelCard:
-        with self._accounted("GetModel", context):
+        with self.accounted("GetModel", context):
             return self.pipeline.card(request.name)
 
 
