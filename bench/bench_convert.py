@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from convert import convert_classifier
 from convert.card import Layout, read_card
 from convert.graph import static_shapes
+from convert.presets import preset
 from convert.preprocessing import to_input
 from convert.sources import load_source
 from convert.verify import PROVIDERS, crops, sample_pixels, shift_and_stitch
@@ -124,8 +125,8 @@ def run_bench() -> dict:
     results["default_flops"] = flop_ratio(dense, fine)
     del original_session, dense_session
     vgg = vgg16()
-    vgg_coarse = convert_classifier(vgg, training_size=224)
-    vgg_fine = convert_classifier(vgg, training_size=224, output_stride=16)
+    vgg_coarse = convert_classifier(vgg, training_size=224, preprocessing=preset("imagenet"))
+    vgg_fine = convert_classifier(vgg, training_size=224, output_stride=16, preprocessing=preset("imagenet"))
     del vgg
     results["vgg_shift"], results["vgg_atrous"] = atrous_ratio(vgg_coarse, vgg_fine, image, repeats=VGG_REPEATS)
     results["vgg_flops"] = flop_ratio(vgg_coarse, vgg_fine)

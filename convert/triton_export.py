@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
-from convert.card import CardError, ImageInput, Precision, batch_shape, read_card, spatial_axes
+from convert.card import CardError, ImageInput, Layout, Precision, batch_shape, read_card, spatial_axes
 from convert.memory_model import Device
 from convert.profile import ProfileError, largest_batch, parse_bytes
 
@@ -37,7 +37,7 @@ MAX_TRITON_BATCH = 64  # beyond this a dense map's batch only adds latency
 TENSORRT_WORKSPACE_BYTES = 2**30  # TensorRT's scratch space per engine (the onnxruntime backend's example)
 LANDSCAPE = (3, 4)  # warm-up and sizing canvases: the common photo aspect, shorter side = the scale
 TRITON_DTYPES = {np.dtype(np.float32): "TYPE_FP32", np.dtype(np.float16): "TYPE_FP16", np.dtype(np.uint8): "TYPE_UINT8"}
-FORMATS = {"NCHW": "FORMAT_NCHW", "NHWC": "FORMAT_NHWC"}
+FORMATS = {Layout.LAYOUT_NCHW: "FORMAT_NCHW", Layout.LAYOUT_NHWC: "FORMAT_NHWC"}
 LABELS_NAME = "labels.txt"
 CONFIG_NAME = "config.pbtxt"
 MODEL_FILE = "model.onnx"
@@ -105,13 +105,12 @@ def config_text(model: onnx.ModelProto, settings: TritonPlan) -> str:
     dims = [d.dim_value or -1 for d in _graph_input(model, image).type.tensor_type.shape.dim]
     channels = next(size for axis, size in enumerate(dims) if axis and axis not in spatial_axes(image.layout))
     input_dims = batch_shape(image.layout, batch=1, channels=channels, height=-1, width=-1)[1:]
-    layout = "NCHW" if input_dims[0] == channels else "NHWC"
     fp16 = card.precision == Precision.PRECISION_FP16
     lines = [
         f'name: "{settings.name}"',
         'platform: "onnxruntime_onnx"',
         f"max_batch_size: {settings.max_batch_size}",
-        f'input [{{ name: "{image.name}" data_type: {TRITON_DTYPES[image.dtype]} format: {FORMATS[layout]} '
+        f'input [{{ name: "{image.name}" data_type: {TRITON_DTYPES[image.dtype]} format: {FORMATS[image.layout]} '
         f"dims: {input_dims} }}]",
         f'output [{{ name: "{card.scores_name}" data_type: TYPE_FP32 dims: [{len(card.labels)}, -1, -1] '
         f'label_filename: "{LABELS_NAME}" }}]',
