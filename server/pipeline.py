@@ -99,6 +99,7 @@ class LoadedModel:
     name: str
     path: str
     card: model_card_pb2.ModelCard
+    image: ImageInput
     classes: int
     plans: PlanCache
     admission: Admission
@@ -130,9 +131,8 @@ class LoadedModel:
         (0, 0) when the input is below what the net can take."""
         if height < self.card.training_height or width < self.card.training_width:
             return 0, 0
-        image = ImageInput.of(self.card)
-        shape = batch_shape(image.layout, batch=1, channels=3, height=height, width=width)
-        dims, _type = scores_shape(self.admission.model.model, input_name=image.name,
+        shape = batch_shape(self.image.layout, batch=1, channels=3, height=height, width=width)
+        dims, _type = scores_shape(self.admission.model.model, input_name=self.image.name,
                                    scores_name=self.card.scores_name, input_shape=shape)
         return dims[2], dims[3]
 
@@ -194,7 +194,7 @@ class Pipeline:
         try:
             net = onnx.load(path)
             card = read_card(net)
-            ImageInput.of(card)  # refuses a card with an unset or unknown enum
+            image = ImageInput.of(card)
         except (CardError, DecodeError, OSError) as error:
             raise ScoringError(grpc.StatusCode.INVALID_ARGUMENT, f"{path}: {error}") from error
         settings = self.settings
@@ -212,7 +212,6 @@ class Pipeline:
                 scales=settings.warm_up_scales or (card.default_scale or FALLBACK_SCALE,),
                 slacks=sorted({p.slack for p in plans_of}), multiple=multiple, max_batch=max_batch,
             )
-        image = ImageInput.of(card)
         training = batch_shape(image.layout, batch=1, channels=3, height=card.training_height, width=card.training_width)
         try:
             (_batch, classes, _h, _w), _type = scores_shape(net, input_name=image.name, scores_name=card.scores_name,
@@ -220,7 +219,7 @@ class Pipeline:
         except DeviceGraphError as error:
             raise ScoringError(grpc.StatusCode.INVALID_ARGUMENT, f"{path}: {error}") from error
         model = LoadedModel(
-            name=name, path=path, card=card, classes=classes,
+            name=name, path=path, card=card, image=image, classes=classes,
             plans=PlanCache(net, card, self.engine, admission, max_plans=settings.max_plans),
             admission=admission, buckets=shape_buckets, fill=dense.mean_colour(card),
         )
@@ -374,7 +373,7 @@ class Pipeline:
         want_lattice = bool(request.return_maps or request.cell_top_k)
         works = []
         for job in order.jobs:
-            pixels = imaging.resize(image, job.resized, filter_name=ImageInput.of(model.card).resize_filter)
+            pixels = imaging.resize(image, job.resized, filter_name=model.image.resize_filter)
             group = GroupKey(*job.canvas, passes)
             limit = self._batch_limit(model, job, passes, original)
             for flip in order.flips:
