@@ -157,7 +157,7 @@ def device_bound(scheme: Scheme, *, batch: int, engine: Engine, seconds: float) 
     pixels = rng.integers(0, 256, (batch, height, width, 3), dtype=np.uint8)
     valid = np.ones((batch, *lattice_cells(graph)), dtype=np.float32)
     plan = Plan(PlanKey(height, width, batch, passes), engine.session(graph.SerializeToString()), on_gpu=engine.on_gpu)
-    served = loop_rate(lambda: plan.run(pixels, valid, lattice=False), seconds=seconds)
+    served = loop_rate(lambda: plan.run(pixels, valid, lattice=None), seconds=seconds)
     bare = loop_rate(bare_step(graph, {PIXELS: pixels, VALID: valid}, on_gpu=engine.on_gpu), seconds=seconds)
     label = f"{scheme.name}: batch {batch} x {height}x{width} x {len(passes.offsets)} passes"
     return label, batch * served, batch * bare

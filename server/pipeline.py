@@ -36,7 +36,7 @@ from protos import model_card_pb2, scoring_pb2
 from server import assemble, buckets, dense, imaging
 from server.admission import Admission, HostBudget, MemoryBudget, admit_host, available_memory_bytes
 from server.batcher import Batcher, Work
-from server.device_graph import DeviceGraphError, scores_shape
+from server.device_graph import LATTICE, LATTICE_FP16, DeviceGraphError, scores_shape
 from server.engine import Engine, EngineError
 from server.errors import ScoringError
 from server.host_memory import DEVICE_PASSES, HostEstimate, estimate_request
@@ -67,7 +67,7 @@ class Item:
 
     canvas: np.ndarray
     cells: tuple[int, int]
-    want_lattice: bool
+    lattice: str | None  # the plan output its response needs (LATTICE, LATTICE_FP16), or None
     traffic: bool  # False for the server's own warm-up, which the metrics leave out
 
 
@@ -255,7 +255,7 @@ class Pipeline:
         for model in list(self._models.values()):
             for key in self._configured_plans(model):
                 try:
-                    self._run_plan(model, key, [], want_lattice=True)
+                    self._run_plan(model, key, [], lattice=LATTICE)
                 except Exception as error:  # any failure keeps the server NOT_SERVING, and says why
                     failures.append(f"{model.name} plan {key}: {one_line(error)}")
             if failures:
@@ -370,7 +370,10 @@ class Pipeline:
             image = self._decoder.submit(imaging.load, order.opened, largest=largest).result()
         except imaging.ImageError as error:
             raise invalid(str(error)) from error
-        want_lattice = bool(request.return_maps or request.cell_top_k)
+        lattice = None
+        if request.return_maps or request.cell_top_k:
+            half = request.map_dtype == scoring_pb2.FLOAT16 and not request.cell_top_k  # ranks from float32
+            lattice = LATTICE_FP16 if half else LATTICE
         works = []
         for job in order.jobs:
             pixels = imaging.resize(image, job.resized, filter_name=model.image.resize_filter)
@@ -378,7 +381,7 @@ class Pipeline:
             limit = self._batch_limit(model, job, passes, original)
             for flip in order.flips:
                 source = np.ascontiguousarray(pixels[:, ::-1]) if flip else pixels
-                item = Item(dense.canvas(source, job.canvas, model.fill), job.cells, want_lattice, record)
+                item = Item(dense.canvas(source, job.canvas, model.fill), job.cells, lattice, record)
                 works.append(Work(group, item, limit, deadline))
         del image
         preprocessed = time.monotonic()
@@ -529,9 +532,11 @@ class Pipeline:
         group: GroupKey = works[0].key
         key = PlanKey(group.height, group.width, model.buckets.batch_for(len(works)), group.passes)
         items: list[Item] = [work.payload for work in works]
-        return self._run_plan(model, key, items, want_lattice=any(item.want_lattice for item in items))
+        wanted = {item.lattice for item in items}
+        lattice = LATTICE if LATTICE in wanted else LATTICE_FP16 if LATTICE_FP16 in wanted else None
+        return self._run_plan(model, key, items, lattice=lattice)
 
-    def _run_plan(self, model: LoadedModel, key: PlanKey, items: list[Item], *, want_lattice: bool) -> list[Scored]:
+    def _run_plan(self, model: LoadedModel, key: PlanKey, items: list[Item], *, lattice: str | None) -> list[Scored]:
         """Run `items` (at most key.batch; the rest of the batch is padding) through the plan of `key`."""
         try:
             plan, planning = model.plans.get(key)
@@ -548,10 +553,10 @@ class Pipeline:
             valid[index, :item.cells[0], :item.cells[1]] = 1.0
         if not items:
             valid[:, :1, :1] = 1.0  # a warm-up run: one cell each, so the averages are defined
-        lattices, probabilities = plan.run(pixels, valid, lattice=want_lattice)
+        lattices, probabilities = plan.run(pixels, valid, lattice=lattice)
         return [
             Scored(
-                lattices[index, :, :item.cells[0], :item.cells[1]].copy() if item.want_lattice else None,
+                lattices[index, :, :item.cells[0], :item.cells[1]].copy() if item.lattice else None,
                 probabilities[index].copy(), planning if index == 0 else 0.0,
             )
             for index, item in enumerate(items)

@@ -23,7 +23,7 @@ from convert.runtime_memory import measure_footprint
 from protos.model_card_pb2 import ModelCard
 from server.admission import Admission
 from server.dense import PassPlan
-from server.device_graph import LATTICE, PIXELS, PROBABILITIES, VALID, build_plan_graph
+from server.device_graph import LATTICE, LATTICE_FP16, PIXELS, PROBABILITIES, VALID, build_plan_graph
 from server.engine import Engine
 
 LOG = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class Plan:
             }
             self._outputs = {
                 LATTICE: self._device(self.lattice_shape, np.float32),
+                LATTICE_FP16: self._device(self.lattice_shape, np.float16),
                 PROBABILITIES: self._device(self.probabilities_shape, np.float32),
             }
             for name, value in self._inputs.items():
@@ -71,20 +72,21 @@ class Plan:
     def _device(shape: tuple[int, ...], dtype: type) -> onnxruntime.OrtValue:
         return onnxruntime.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", 0)
 
-    def run(self, pixels: np.ndarray, valid: np.ndarray, *, lattice: bool) -> tuple[np.ndarray | None, np.ndarray]:
-        """(lattice [B, K, HL, WL] or None when not asked for, probabilities [B, K]) of one full batch."""
+    def run(self, pixels: np.ndarray, valid: np.ndarray, *, lattice: str | None) -> tuple[np.ndarray | None, np.ndarray]:
+        """(lattice [B, K, HL, WL], probabilities [B, K]) of one full batch; `lattice` names the lattice output
+        to copy back (LATTICE, or LATTICE_FP16: half the bytes) or None when no response needs one."""
         with self._lock:
             return self._run(pixels, valid, lattice=lattice)
 
-    def _run(self, pixels: np.ndarray, valid: np.ndarray, *, lattice: bool) -> tuple[np.ndarray | None, np.ndarray]:
+    def _run(self, pixels: np.ndarray, valid: np.ndarray, *, lattice: str | None) -> tuple[np.ndarray | None, np.ndarray]:
         if self._binding is None:
-            names = [LATTICE, PROBABILITIES] if lattice else [PROBABILITIES]
+            names = [lattice, PROBABILITIES] if lattice else [PROBABILITIES]
             outputs = self.session.run(names, {PIXELS: pixels, VALID: valid})
             return (outputs[0] if lattice else None), outputs[-1]
         self._inputs[PIXELS].update_inplace(pixels)
         self._inputs[VALID].update_inplace(valid)
         self.session.run_with_iobinding(self._binding)
-        maps = self._outputs[LATTICE].numpy() if lattice else None
+        maps = self._outputs[lattice].numpy() if lattice else None
         return maps, self._outputs[PROBABILITIES].numpy()
 
 
@@ -160,5 +162,5 @@ class PlanCache:
         plan = Plan(key, self._engine.session(graph.SerializeToString()), on_gpu=self._engine.on_gpu)
         valid = np.zeros((key.batch, *plan.lattice_shape[2:]), dtype=np.float32)
         valid[:, 0, 0] = 1.0
-        plan.run(np.zeros((key.batch, key.height, key.width, 3), dtype=np.uint8), valid, lattice=True)
+        plan.run(np.zeros((key.batch, key.height, key.width, 3), dtype=np.uint8), valid, lattice=LATTICE)
         return plan

@@ -208,3 +208,14 @@ def test_a_warm_up_failure_names_the_model_and_what_failed(tmp_path):
     with pytest.raises(ScoringError, match="warm-up failed: tiny") as caught:
         Pipeline([str(path)], settings=dataclasses.replace(SETTINGS, warm_up=True))
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_float16_maps_come_back_from_the_device_as_float16(pipeline_of):
+    pipeline = pipeline_of(patch_net(classes=6))
+    pixels = np.random.default_rng(3).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    full = pipeline.score(raw(pixels, scales=[64], return_maps=True))
+    half = pipeline.score(raw(pixels, scales=[64], return_maps=True, map_dtype=scoring_pb2.FLOAT16, flip=True))
+    plain = pipeline.score(raw(pixels, scales=[64], return_maps=True, flip=True))
+    assert half.maps[0].scores.dtype == "float16" and len(half.maps[0].scores.data) == len(full.maps[0].scores.data) // 2
+    np.testing.assert_allclose(decode(half.maps[0].scores).astype(np.float32), decode(plain.maps[0].scores),
+                               rtol=2e-3, atol=2e-3)
