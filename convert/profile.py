@@ -38,6 +38,8 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper, shape_inference
 
 from convert.card import METADATA_KEY, CardError, ImageInput, Layout, batch_shape, channel_axis, label, read_card, spatial_axes
+from convert.graph import real_inputs
+from convert.graph import skeleton as graph_skeleton
 from convert.memory_model import Device, MemoryTerms, predict
 
 __all__ = [
@@ -185,11 +187,6 @@ def _dtype_name(elem_type: int) -> str:
             TensorProto.BFLOAT16: "bf16"}.get(elem_type, helper.tensor_dtype_to_np_dtype(elem_type).name)
 
 
-# Initializers at most this many elements keep their values in the skeleton: shape inference needs
-# the small ones (Reshape targets, Slice bounds); the big ones only contribute their shapes.
-_KEEP_VALUES_UP_TO = 64
-
-
 @dataclasses.dataclass(frozen=True)
 class Skeleton:
     """The graph without its large weights: what shape inference needs, cheap to copy. Every
@@ -234,43 +231,30 @@ def _image_layout(model: onnx.ModelProto, image: onnx.ValueInfoProto, layout: in
 
 def _skeleton(model: onnx.ModelProto, layout: int | None = None) -> Skeleton:
     graph = model.graph
-    initializer_names = {init.name for init in graph.initializer}
-    inputs = [value for value in graph.input if value.name not in initializer_names]
+    inputs = real_inputs(graph)
     if len(inputs) != 1:
         raise ProfileError(f"expected a graph with one image input, got {len(inputs)}: "
                            f"{[value.name for value in inputs]}")
     image = inputs[0]
-    if len(image.type.tensor_type.shape.dim) != 4:
-        raise ProfileError(f"expected a 4-d NCHW or NHWC image input, got {image.name!r} with "
-                           f"{len(image.type.tensor_type.shape.dim)} dimensions")
+    dims = image.type.tensor_type.shape.dim
+    if len(dims) != 4:
+        raise ProfileError(f"expected a 4-d NCHW or NHWC image input, got {image.name!r} with {len(dims)} dimensions")
     layout, channels = _image_layout(model, image, layout)
     weights: dict[str, tuple[tuple[int, ...], int]] = {}
     bytes_by_type: dict[int, int] = {}
-    kept: list[TensorProto] = []
-    weight_inputs: list[onnx.ValueInfoProto] = []
     for init in graph.initializer:
         shape = tuple(int(d) for d in init.dims)
         weights[init.name] = (shape, _element_size(init.data_type))
         bytes_by_type[init.data_type] = bytes_by_type.get(init.data_type, 0) + math.prod(shape) * _element_size(init.data_type)
-        if math.prod(shape) <= _KEEP_VALUES_UP_TO and init.data_location != TensorProto.EXTERNAL:
-            kept.append(init)
-        else:
-            weight_inputs.append(helper.make_tensor_value_info(init.name, init.data_type, shape))
-    nodes = []
     for node in graph.node:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             tensor = node.attribute[0].t
-            shape = tuple(int(d) for d in tensor.dims)
-            weights[node.output[0]] = (shape, _element_size(tensor.data_type))
-        nodes.append(node)
-    skeleton_graph = helper.make_graph(
-        nodes, graph.name, [image, *weight_inputs],
-        [helper.make_tensor_value_info(out.name, out.type.tensor_type.elem_type, None) for out in graph.output],
-        initializer=kept,
-    )
-    skeleton = helper.make_model(skeleton_graph, ir_version=model.ir_version, opset_imports=model.opset_import)
+            weights[node.output[0]] = (tuple(int(d) for d in tensor.dims), _element_size(tensor.data_type))
+    symbolic = [dim.dim_value if dim.HasField("dim_value") else (dim.dim_param or f"unknown_{axis}")
+                for axis, dim in enumerate(dims)]
     main_type = max(bytes_by_type, key=bytes_by_type.get) if bytes_by_type else image.type.tensor_type.elem_type
-    return Skeleton(skeleton, image.name, weights, _dtype_name(main_type), layout, channels)
+    return Skeleton(graph_skeleton(model, input_shape=symbolic), image.name, weights, _dtype_name(main_type),
+                    layout, channels)
 
 
 @functools.lru_cache(maxsize=16)
