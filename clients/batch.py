@@ -34,7 +34,8 @@ from clients.retry import Interrupted
 from clients.run_options import run_options, settle_options
 from protos import scoring_pb2
 
-__all__ = ["Scorer", "BatchSummary", "ErrorKind", "RunAborted", "run_batch", "RUN_LEVEL_CODES", "RESULTS_NAME"]
+__all__ = ["Scorer", "BatchSummary", "ErrorKind", "RunAborted", "run_batch", "files_to_score", "RUN_LEVEL_CODES",
+           "RESULTS_NAME"]
 
 log = logging.getLogger(__name__)
 
@@ -180,20 +181,34 @@ def refuse_shared_outputs(todo: Sequence[ImageFile], recorded: dict[str, dict[st
                                     "or pass their folders rather than the files themselves")
 
 
+def files_to_score(images: Sequence[ImageFile], recorded: dict[str, dict[str, Any]], out: Path, *,
+                   options_id: str, retry_failed: bool, maps: bool, heatmaps: bool
+                   ) -> tuple[list[ImageFile], list[ImageFile]]:
+    """(the distinct files, those still to score): not recorded, recorded under other options, or
+    failed when `retry_failed`. Refuses a selection whose outputs would share a name."""
+    unique = list({image.key: image for image in images}.values())
+    todo = [image for image in unique
+            if image.key not in recorded or recorded[image.key].get("options", options_id) != options_id
+            or (retry_failed and recorded[image.key].get("status") != "OK")]
+    refuse_shared_outputs(todo, recorded, out, maps=maps, heatmaps=heatmaps)
+    return unique, todo
+
+
 def score_one(image: ImageFile, scorer: Scorer, options: ScoreOptions, out_dir: Path, *,
                maps: bool, heatmaps: bool, timeout: float | None, options_id: str) -> dict[str, Any]:
     """Score one file, write its outputs atomically; its results.jsonl record."""
     started = time.perf_counter()
     record: dict[str, Any] = {"key": image.key, "path": str(image.path), "options": options_id}
     try:
-        request = build_request(image.path, options)
+        content = image.content()
+        request = build_request(content, options)
         result = result_from_response(scorer.score_request(request, timeout=timeout))
         record.update(result.to_record())
         outputs = _output_files(image, maps=maps, heatmaps=heatmaps)
         if maps:
             atomic_write(out_dir / outputs["maps_file"], _npz_bytes(result.map_arrays()))
         if heatmaps:
-            atomic_write(out_dir / outputs["heatmap_file"], heatmap_png(open_photo(image.path), result))
+            atomic_write(out_dir / outputs["heatmap_file"], heatmap_png(open_photo(content), result))
         record.update(outputs)
         record["status"] = "OK"
     except Interrupted:
@@ -244,13 +259,9 @@ def run_batch(
     started = time.perf_counter()
     with ResultsLog(out / RESULTS_NAME) as results:
         recorded = results.records()
-        unique = list({image.key: image for image in images}.values())
-        summary.found = len(unique)
-        todo = [image for image in unique
-                if image.key not in recorded or recorded[image.key].get("options", options_id) != options_id
-                or (retry_failed and recorded[image.key].get("status") != "OK")]
-        summary.skipped = summary.found - len(todo)
-        refuse_shared_outputs(todo, recorded, out, maps=maps, heatmaps=heatmaps)
+        unique, todo = files_to_score(images, recorded, out, options_id=options_id, retry_failed=retry_failed,
+                                      maps=maps, heatmaps=heatmaps)
+        summary.found, summary.skipped = len(unique), len(unique) - len(todo)
         if on_start:
             on_start(len(todo))
         queue = iter(todo)

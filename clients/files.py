@@ -13,12 +13,14 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
+from functools import partial
+from pathlib import Path, PurePath
 from typing import Any, Callable, Iterable, Iterator
 
-from clients.images import looks_like_image
+from clients.images import ImageLike, looks_like_image
 
-__all__ = ["ImageFile", "PARTIAL_SUFFIX", "ResultsLog", "atomic_write", "find_images", "read_records", "remove_partials"]
+__all__ = ["ImageFile", "PARTIAL_SUFFIX", "ResultsLog", "atomic_write", "find_images", "is_image_file",
+           "read_records", "remove_partials", "unique_label"]
 
 # Suffix of in-progress temporary files; leftovers from a killed run are removed at start.
 PARTIAL_SUFFIX = ".partial"
@@ -54,13 +56,35 @@ class ImageFile:
         """The identity used to resume a run: the absolute, symlink-resolved path."""
         return os.path.realpath(self.path)
 
+    def content(self) -> ImageLike:
+        """What is scored: the path (read when the request is built); files elsewhere give their bytes."""
+        return self.path
 
-def _is_image(path: Path) -> bool:
+
+def _read_head(path: Path, size: int) -> bytes:
+    with open(path, "rb") as handle:
+        return handle.read(size)
+
+
+def is_image_file(name: str, read_head: Callable[[int], bytes]) -> bool:
+    """Whether a file found in a folder is scored: an image suffix, or an image signature in the
+    bytes `read_head(n)` gives (so files behind any filesystem are judged alike); unreadable is no."""
+    if PurePath(name).suffix.lower() in IMAGE_SUFFIXES:
+        return True
     try:
-        with open(path, "rb") as handle:
-            return looks_like_image(handle.read(SIGNATURE_BYTES))
+        return looks_like_image(read_head(SIGNATURE_BYTES))
     except OSError:
         return False
+
+
+def unique_label(name: str, taken: set[str]) -> str:
+    """`name`, or `name-2`, `name-3`... if taken; the label is added to `taken`."""
+    label, n = name, 1
+    while label in taken:
+        n += 1
+        label = f"{name}-{n}"
+    taken.add(label)
+    return label
 
 
 def find_images(paths: Iterable[str | os.PathLike], *,
@@ -81,13 +105,7 @@ def find_images(paths: Iterable[str | os.PathLike], *,
         root = Path(given)
         prefix = Path()
         if len(given_paths) > 1 and root.is_dir():
-            name = os.path.basename(os.path.realpath(root)) or "root"
-            label, n = name, 1
-            while label in labels:
-                n += 1
-                label = f"{name}-{n}"
-            labels.add(label)
-            prefix = Path(label)
+            prefix = Path(unique_label(os.path.basename(os.path.realpath(root)) or "root", labels))
         if root.is_dir():
             for folder, dirs, names in os.walk(root):
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
@@ -95,7 +113,7 @@ def find_images(paths: Iterable[str | os.PathLike], *,
                     path = Path(folder) / name
                     if name.startswith(".") or not path.is_file():
                         continue
-                    if path.suffix.lower() in IMAGE_SUFFIXES or _is_image(path):
+                    if is_image_file(name, partial(_read_head, path)):
                         yield ImageFile(path, prefix / path.relative_to(root))
                     elif on_skip:
                         on_skip(path)

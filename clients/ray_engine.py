@@ -8,8 +8,12 @@ receives, so a file is recorded once even when an actor dies and Ray retries its
 (the outputs of the lost attempt are rewritten whole, by rename). The run is resumable as the
 single-machine one: what results.jsonl holds is skipped, partial files are removed.
 
+Inputs may be local paths or pyarrow filesystem URIs (s3://, gs://, hdfs://, file://): a URI is
+listed on the driver and each file read by the actors through the same pyarrow filesystem; its
+record's key and path are the file's URI, so a re-run with the same URI skips what is recorded.
+
 On a cluster the workers need scoremap installed and see the model file and OUT at the same path
-(a shared filesystem), as a batch job's nodes usually do.
+(a shared filesystem), as a batch job's nodes usually do; images given by URI need not be there.
 """
 
 from __future__ import annotations
@@ -18,23 +22,25 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import grpc
 
-from clients.batch import (RESULTS_NAME, BatchSummary, RunAborted, refuse_shared_outputs,
-                           score_one)
+from clients.batch import RESULTS_NAME, BatchSummary, RunAborted, files_to_score, score_one
 from clients.errors import ScoremapError
-from clients.files import ImageFile, ResultsLog, remove_partials
+from clients.files import ImageFile, ResultsLog, find_images, is_image_file, remove_partials, unique_label
 from clients.options import ScoreOptions
 from clients.run_options import run_options, settle_options
 from clients.settings import ClientSettings
 
-__all__ = ["run_ray_batch", "connect", "FILES_PER_BATCH"]
+__all__ = ["run_ray_batch", "connect", "find_inputs", "UriImage", "FILES_PER_BATCH"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,98 @@ FILES_PER_BATCH = 16
 LOCAL_CLUSTER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 LOOPBACK = "127.0.0.1"
 ABORTED = "aborted"  # the record field an actor sets when the service, not the file, failed
+# An input naming a pyarrow filesystem (scheme://...) rather than a local path.
+URI_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+LOCAL = -1  # a row's filesystem index when the actor reads a local path
+
+
+@dataclass(frozen=True)
+class UriImage(ImageFile):
+    """An image behind a pyarrow filesystem: `path` is its URI (its key and recorded path),
+    `location` its path within `filesystem`, through which it is read."""
+
+    path: str  # type: ignore[assignment]  # a URI is no local Path ("s3://b" would become "s3:/b")
+    location: str = ""
+    filesystem: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def key(self) -> str:
+        return self.path
+
+    def content(self) -> bytes:
+        with self.filesystem.open_input_file(self.location) as handle:
+            return handle.readall()
+
+
+def _pyarrow_fs():
+    try:
+        from pyarrow import fs
+    except ModuleNotFoundError as missing:
+        raise ScoremapError(grpc.StatusCode.INVALID_ARGUMENT, f"URI inputs need pyarrow ({missing}): "
+                            "pip install 'scoremap[ray]'") from missing
+    return fs
+
+
+def _uri_images(uri: str, labels: set[str] | None,
+                on_skip: Callable[[str], None] | None) -> Iterator[UriImage]:
+    """The images under `uri` (a folder: recursively, sorted, hidden entries and non-images skipped,
+    as find_images does) or the file it names. With `labels` (several inputs), a folder's files are
+    named under its last name, made unique among `labels`."""
+    fs = _pyarrow_fs()
+    try:
+        filesystem, root = fs.FileSystem.from_uri(uri)
+        info = filesystem.get_file_info(root)
+        found = (filesystem.get_file_info(fs.FileSelector(root, recursive=True))
+                 if info.type == fs.FileType.Directory else [])
+    except (ValueError, OSError) as error:  # pyarrow's ArrowInvalid is a ValueError
+        raise ScoremapError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"cannot list {uri!r} ({error}); expected a local path or a URI pyarrow.fs opens "
+                            "(s3://bucket/folder, gs://, hdfs://, file:///absolute/folder) with its "
+                            "credentials in the environment") from error
+    base = uri.rstrip("/")
+    if info.type == fs.FileType.File:
+        yield UriImage(base, Path(info.base_name), location=root, filesystem=filesystem)
+        return
+    if info.type != fs.FileType.Directory:
+        raise FileNotFoundError(f"no such file or folder: {uri!r}")
+    prefix = Path(unique_label(PurePosixPath(root).name or "root", labels)) if labels is not None else Path()
+    inside = len(root.rstrip("/")) + 1
+    for entry in sorted(found, key=lambda entry: entry.path):
+        relative = entry.path[inside:]
+        if entry.type != fs.FileType.File or any(part.startswith(".") for part in relative.split("/")):
+            continue
+        if is_image_file(entry.base_name, partial(_read_head, filesystem, entry.path)):
+            yield UriImage(f"{base}/{relative}", prefix / relative, location=entry.path, filesystem=filesystem)
+        elif on_skip:
+            on_skip(f"{base}/{relative}")
+
+
+def _read_head(filesystem, location: str, size: int) -> bytes:
+    with filesystem.open_input_file(location) as handle:
+        return handle.read(size)
+
+
+def find_inputs(paths: Iterable[str | os.PathLike], *,
+                on_skip: Callable[[Any], None] | None = None) -> Iterator[ImageFile]:
+    """clients.files.find_images, with pyarrow filesystem URIs among the paths.
+
+    Without a URI, exactly find_images. With several paths, each folder's files are named under
+    its last name (made unique), as find_images names them.
+    """
+    given = [str(path) for path in paths]
+    if not any(URI_PATTERN.match(path) for path in given):
+        yield from find_images(given, on_skip=on_skip)
+        return
+    labels: set[str] | None = set() if len(given) > 1 else None
+    for path in given:
+        if URI_PATTERN.match(path):
+            yield from _uri_images(path, labels, on_skip)
+        elif labels is not None and Path(path).is_dir():
+            prefix = Path(unique_label(os.path.basename(os.path.realpath(path)) or "root", labels))
+            for image in find_images([path], on_skip=on_skip):
+                yield dataclasses.replace(image, relative=prefix / image.relative)
+        else:
+            yield from find_images([path], on_skip=on_skip)
 
 
 def connect(address: str | None) -> bool:
@@ -71,7 +169,7 @@ class FileScorer:
 
     def __init__(self, model_path: str, *, options: ScoreOptions, out_dir: str, maps: bool, heatmaps: bool,
                  timeout: float | None, options_id: str, concurrency: int, intra_op_threads: int,
-                 client_settings: ClientSettings) -> None:
+                 client_settings: ClientSettings, filesystems: Sequence[Any] = ()) -> None:
         from clients.local import LocalScorer  # imports the server package: only in the actors
         from server.settings import Settings
 
@@ -80,9 +178,11 @@ class FileScorer:
         self._step = dict(options=options, out_dir=Path(out_dir), maps=maps, heatmaps=heatmaps, timeout=timeout,
                           options_id=options_id)
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="scoremap-ray")
+        self._filesystems = list(filesystems)  # the pyarrow filesystems of the URI inputs, by row index
 
-    def _one(self, path: str, relative: str) -> str:
-        image = ImageFile(Path(path), Path(relative))
+    def _one(self, path: str, relative: str, location: str, filesystem: int) -> str:
+        image = (ImageFile(Path(path), Path(relative)) if filesystem == LOCAL else
+                 UriImage(path, Path(relative), location=location, filesystem=self._filesystems[filesystem]))
         try:
             record = score_one(image, self._scorer, **self._step)
         except RunAborted as aborted:
@@ -90,7 +190,8 @@ class FileScorer:
         return json.dumps(record)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[str]]:
-        return {"record": list(self._pool.map(self._one, batch["path"], batch["relative"]))}
+        return {"record": list(self._pool.map(self._one, batch["path"], batch["relative"], batch["location"],
+                                              batch["filesystem"]))}
 
 
 def _pool_size(ray_module) -> tuple[int, float, int]:
@@ -140,13 +241,9 @@ def run_ray_batch(
     try:
         with ResultsLog(out / RESULTS_NAME) as results:
             recorded = results.records()
-            unique = list({image.key: image for image in images}.values())
-            summary.found = len(unique)
-            todo = [image for image in unique
-                    if image.key not in recorded or recorded[image.key].get("options", options_id) != options_id
-                    or (retry_failed and recorded[image.key].get("status") != "OK")]
-            summary.skipped = summary.found - len(todo)
-            refuse_shared_outputs(todo, recorded, out, maps=maps, heatmaps=heatmaps)
+            unique, todo = files_to_score(images, recorded, out, options_id=options_id, retry_failed=retry_failed,
+                                          maps=maps, heatmaps=heatmaps)
+            summary.found, summary.skipped = len(unique), len(unique) - len(todo)
             if on_start:
                 on_start(len(todo))
             if todo:
@@ -168,14 +265,25 @@ def _score_on_ray(ray, todo: list[ImageFile], model_path: str, out: Path, result
                   client_settings: ClientSettings, on_progress: Callable[[dict[str, Any]], None] | None) -> None:
     """Stream `todo` through the actor pool; append each record once, as it comes back."""
     size, gpus, threads = _pool_size(ray)
-    files = ray.data.from_items([{"path": str(image.path), "relative": str(image.relative)} for image in todo])
+    filesystems: list[Any] = []  # the URI inputs' pyarrow filesystems, sent once to each actor; rows name theirs
+    index_of: dict[int, int] = {}
+
+    def as_row(image: ImageFile) -> dict[str, Any]:
+        if not isinstance(image, UriImage):
+            return {"path": str(image.path), "relative": str(image.relative), "location": "", "filesystem": LOCAL}
+        index = index_of.setdefault(id(image.filesystem), len(filesystems))
+        if index == len(filesystems):
+            filesystems.append(image.filesystem)
+        return {"path": image.path, "relative": str(image.relative), "location": image.location, "filesystem": index}
+
+    files = ray.data.from_items([as_row(image) for image in todo])
     scored = files.map_batches(
         FileScorer, batch_size=FILES_PER_BATCH, compute=ray.data.ActorPoolStrategy(size=actors or size),
         num_gpus=gpus, num_cpus=threads,
         fn_constructor_args=(str(Path(model_path).resolve()),),
         fn_constructor_kwargs=dict(options=options, out_dir=str(out), maps=maps, heatmaps=heatmaps, timeout=timeout,
                                    options_id=options_id, concurrency=max(1, concurrency), intra_op_threads=threads,
-                                   client_settings=client_settings),
+                                   client_settings=client_settings, filesystems=filesystems),
     )
     written: set[str] = set()  # Ray emits a retried batch's rows once; this makes "once" ours to keep
     for row in scored.iter_rows():

@@ -173,7 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         options = ScoreOptions(model=args.model, scales=tuple(args.scales), stride=args.stride, shift=args.shift,
                                flip=args.flip, map_dtype=args.map_dtype, top_k=args.top_k)
-        images = list(find_images(args.paths, on_skip=not_images.append))
+        find = find_images
+        if args.engine == "ray":
+            from clients.ray_engine import find_inputs as find  # pyarrow filesystem URIs: this engine reads them
+        images = list(find(args.paths, on_skip=not_images.append))
     except (ScoremapError, FileNotFoundError) as error:
         parser.error(str(error))
     if not images:
