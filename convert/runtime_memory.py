@@ -138,6 +138,15 @@ def _cuda_used_bytes(cudart: ctypes.CDLL) -> int:
     return total.value - free.value
 
 
+def cuda_free_bytes() -> int | None:
+    """Free memory on the current CUDA device (cudaMemGetInfo), or None without a CUDA runtime and device."""
+    cudart = _cudart()
+    if cudart is None:
+        return None
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    return int(free.value) if cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) == 0 else None
+
+
 def cuda_used_bytes() -> int | None:
     """Device memory in use on the current CUDA device (every process's), or None without CUDA."""
     cudart = _cudart()

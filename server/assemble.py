@@ -32,6 +32,7 @@ class ScaleJob:
     resized: tuple[int, int]
     canvas: tuple[int, int]
     cells: tuple[int, int]
+    batch_limit: int  # items of this canvas one batch may hold in memory (a batch bucket)
 
 
 def response_bytes(request: scoring_pb2.ScoreRequest, jobs: list[ScaleJob], *, classes: int) -> int:
@@ -55,8 +56,8 @@ def scale_map(
     if lattices is None:
         return scale_map
     lattice = dense.average_flips(lattices)
-    if not holes:
-        require_finite(lattice, f"the score map at scale {job.scale}")
+    # A diagonal shift's unscored cells are NaN by contract; a NaN the net gave shows in the probabilities.
+    require_finite(lattice[~np.isnan(lattice)] if holes else lattice, f"the score map at scale {job.scale}")
     if request.return_maps:
         chosen = lattice[list(request.classes)] if request.classes else lattice
         scale_map.classes.extend(request.classes)

@@ -244,5 +244,5 @@ class Batcher:
                 self._seconds_per_item = per_item if not self._seconds_per_item else (
                     SMOOTHING * per_item + (1 - SMOOTHING) * self._seconds_per_item)
             for work, result in zip(batch, results):
-                work.result, work.run_seconds = result, elapsed
+                work.result, work.run_seconds = result, elapsed - setup
                 work.done.set()

@@ -119,13 +119,6 @@ def canvas(image: np.ndarray, size: tuple[int, int], fill: np.ndarray) -> np.nda
     return out
 
 
-def valid_cells(lattice: tuple[int, int], kept: tuple[int, int]) -> np.ndarray:
-    """[HL, WL] float32 mask of the plan's lattice: 1 on the `kept` top-left cells, 0 on the padding's."""
-    mask = np.zeros(lattice, dtype=np.float32)
-    mask[:kept[0], :kept[1]] = 1.0
-    return mask
-
-
 def mirror_back(lattice: np.ndarray, *, resized_width: int, first_center_x: float, stride: int) -> np.ndarray:
     """A mirrored image's [K, h, w] lattice put back on the unmirrored lattice's columns, NaN where none lands.
 

@@ -7,14 +7,12 @@ own `get_providers()` is the truth reported to callers.
 
 from __future__ import annotations
 
-import ctypes.util
-import glob
 import logging
 from dataclasses import dataclass
 
 import onnxruntime
 
-from convert.runtime_memory import PREDICTABLE_CUDA_OPTIONS, predictable_session_options
+from convert.runtime_memory import PREDICTABLE_CUDA_OPTIONS, cuda_free_bytes, predictable_session_options
 from server.settings import Settings
 
 LOG = logging.getLogger(__name__)
@@ -56,10 +54,8 @@ def choose_providers(
 
 
 def cuda_device_present() -> bool:
-    """A CUDA device node and the CUDA runtime library both exist on this machine."""
-    has_device = bool(glob.glob("/dev/nvidia[0-9]*"))
-    has_runtime = any(ctypes.util.find_library(name) for name in ("cudart", "cuda"))
-    return has_device and has_runtime
+    """A CUDA runtime loads and sees a device: the one probe (convert.runtime_memory) memory measurement uses too."""
+    return cuda_free_bytes() is not None
 
 
 class Engine:
@@ -110,13 +106,4 @@ class Engine:
 
     def free_gpu_bytes(self) -> int | None:
         """Free device memory from the CUDA runtime (cudaMemGetInfo), when running on the GPU."""
-        if not self.on_gpu:
-            return None
-        name = ctypes.util.find_library("cudart")
-        if name is None:
-            return None
-        runtime = ctypes.CDLL(name)
-        free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        if runtime.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:
-            return None
-        return int(free.value)
+        return cuda_free_bytes() if self.on_gpu else None

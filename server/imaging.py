@@ -20,7 +20,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from protos.scoring_pb2 import RawImage
 
 __all__ = ["FILTERS", "FORMATS", "ImageError", "OpenedImage", "check_pixels", "decode", "from_raw", "load",
-           "open_image", "resize", "to_rgb"]
+           "open_image", "resample_filter", "resize", "to_rgb"]
 
 FILTERS = {
     "nearest": Image.Resampling.NEAREST,
@@ -159,12 +159,17 @@ def from_raw(raw: RawImage, *, max_pixels: int) -> OpenedImage:
     return OpenedImage(raw.height, raw.width, image)
 
 
+def resample_filter(name: str) -> Image.Resampling:
+    """The PIL filter a card names (bilinear when it names none); ImageError naming the choices."""
+    try:
+        return FILTERS[(name or "bilinear").lower()]
+    except KeyError:
+        raise ImageError(f"model card resize_filter {name!r} is not one of {sorted(FILTERS)}") from None
+
+
 def resize(image: Image.Image, size: tuple[int, int], *, filter_name: str) -> np.ndarray:
     """[H, W, 3] uint8 at `size` (height, width), resized with the card's PIL filter."""
-    try:
-        resample = FILTERS[(filter_name or "bilinear").lower()]
-    except KeyError as error:
-        raise ImageError(f"model card resize_filter {filter_name!r} is not one of {sorted(FILTERS)}") from error
+    resample = resample_filter(filter_name)
     height, width = size
     if (image.height, image.width) != (height, width):
         image = image.resize((width, height), resample=resample)

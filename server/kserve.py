@@ -339,6 +339,7 @@ class InferenceServicer(ServicerBase):
             return service_pb2.ModelConfigResponse(config=config)
 
     def _infer(self, request: service_pb2.ModelInferRequest, call: Call) -> service_pb2.ModelInferResponse:
+        self.scoring.require_ready()
         score = score_request(request)
         check_size(score, self.scoring.settings.max_message_bytes)
         response = self.pipeline.score(score, deadline=call.deadline, cancelled=call.cancelled)

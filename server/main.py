@@ -208,6 +208,11 @@ def create_server(
                 server.warm_up_error = error
                 LOG.error("warm-up failed, health stays NOT_SERVING: %s", error.message)
                 return
+            except Exception as error:  # a bug, but never a silent thread death with health stuck at NOT_SERVING
+                server.warm_up_error = ScoringError(grpc.StatusCode.INTERNAL, f"warm-up failed: {error}")
+                LOG.exception("warm-up failed, health stays NOT_SERVING")
+                return
+        servicer.ready.set()
         if not servicer.draining.is_set():
             for service in ("", SERVICE_NAME):
                 health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -309,12 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
                           help="largest target shorter side, in pixels")
     batching = parser.add_argument_group("batching and memory")
     batching.add_argument("--max-batch", metavar="N", type=int, default=defaults.max_batch,
-                          help="passes of one shape run together, up to this many; 1 turns batching off "
+                          help="images of one canvas run together, up to this many; 1 turns batching off "
                                "(default: 8 on a GPU, 1 on the CPU)")
     batching.add_argument("--max-queue-delay-ms", metavar="MS", type=float, default=defaults.max_queue_delay_ms,
-                          help="how long the first pass of a batch waits for others of its shape")
+                          help="how long the first image of a batch waits for others of its canvas")
     batching.add_argument("--queue-depth", metavar="N", type=int, default=defaults.queue_depth,
-                          help="passes waiting per model before RESOURCE_EXHAUSTED")
+                          help="images (a scale or its mirror) waiting per model before RESOURCE_EXHAUSTED")
     batching.add_argument("--max-queue-ms", metavar="MS", type=float, default=defaults.max_queue_ms,
                           help="longest a pass may wait in the queue; a request expected to wait longer is "
                                "refused before decoding")
@@ -451,20 +456,23 @@ def is_loopback(host: str) -> bool:
 
 
 def check_exposure(host: str, *, tls: bool, token: bool, insecure: bool) -> None:
-    """Refuse to listen beyond loopback with neither TLS nor a token unless --insecure says so (issue 10, item 3)."""
+    """Beyond loopback, refuse what fails open unless --insecure says the network is yours alone (issue 10,
+    item 3): no TLS and no token (anyone may call), or a token without TLS (it travels in clear text,
+    to be read and replayed; the clients refuse to send one that way). TLS without a token only warns:
+    it hides the traffic but lets any client in."""
     if is_loopback(host):
         return
-    if not tls and not token:
+    if not tls:
+        problem = ("the bearer token would travel in clear text, to be read and replayed" if token else
+                   "with neither TLS nor a token anyone who can reach it may use it")
         if not insecure:
             raise StartRefused(
-                f"--host {host} reaches beyond this machine, and with neither TLS nor a token anyone who can "
-                f"reach it may use it: give --tls-cert/--tls-key and --token-file (or ${TOKEN_ENV}), or --insecure "
-                "if the network is yours alone"
+                f"--host {host} reaches beyond this machine, and {problem}: give --tls-cert/--tls-key "
+                f"(and --token-file or ${TOKEN_ENV}), or --insecure if the network is yours alone"
             )
-        LOG.warning("INSECURE: serving on %s without TLS or a token (--insecure): anyone who can reach it may use it",
-                    host)
-    elif token and not tls:
-        LOG.warning("the bearer token travels in clear text on %s: add --tls-cert/--tls-key", host)
+        LOG.warning("INSECURE: serving on %s without TLS (--insecure): %s", host, problem)
+    elif not token:
+        LOG.warning("serving on %s with TLS but no token: any client that reaches it may call (add --token-file)", host)
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:

@@ -40,7 +40,8 @@ class Metrics:
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )
         self.batch_size = Histogram(
-            "scoremap_batch_size", "Passes per inference batch", ["model"], buckets=BATCH_BUCKETS, registry=self.registry
+            "scoremap_batch_size", "Images (scales or mirrors) per inference batch, each running its passes", ["model"],
+            buckets=BATCH_BUCKETS, registry=self.registry
         )
         self.batch_memory = Histogram(
             "scoremap_batch_predicted_bytes", "Predicted peak memory of each batch", ["model"],
@@ -50,8 +51,12 @@ class Metrics:
             "scoremap_plan_bytes", "Memory of each plan: measured after warm-up, and predicted (server/admission.py)",
             ["model", "plan", "kind"], registry=self.registry,
         )
+        self.plans_made = Counter(
+            "scoremap_plans_made", "Plans made for traffic: shapes outside the warm-up's (each costs a session)",
+            ["model"], registry=self.registry,
+        )
         self.in_flight = Gauge("scoremap_in_flight", "Calls in the servicer", registry=self.registry)
-        self.queue_depth = Gauge("scoremap_queue_depth", "Passes waiting for a batch", ["model"], registry=self.registry)
+        self.queue_depth = Gauge("scoremap_queue_depth", "Images (scales or mirrors) waiting for a batch", ["model"], registry=self.registry)
         self._http = None
 
     def count_request(self, method: str, code: str, model: str = NO_MODEL) -> None:
@@ -64,7 +69,7 @@ class Metrics:
             self.latency.labels(stage.value, model).observe(value)
 
     def record_batch(self, model: str, size: int, predicted_bytes: int | None = None) -> None:
-        """One batch run: how many passes, and the memory admission predicted for it."""
+        """One batch run: how many images, and the memory admission predicted for it."""
         self.batch_size.labels(model).observe(size)
         if predicted_bytes is not None:
             self.batch_memory.labels(model).observe(predicted_bytes)

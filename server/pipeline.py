@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -30,6 +30,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from convert.memory_model import Device
+from convert.profile import ProfileError
 from convert.runtime_memory import configure_allocator, release_free_memory
 from convert.card import CardError, ImageInput, Precision, batch_shape, label, read_card
 from protos import model_card_pb2, scoring_pb2
@@ -122,13 +123,24 @@ class LoadedModel:
     def label(self, index: int) -> str:
         return self.card.labels[index] if index < len(self.card.labels) else str(index)
 
-    def __post_init__(self) -> None:
-        # Per instance (functools.lru_cache on the method would be shared, and keep every model alive).
-        self.net_cells = functools.lru_cache(maxsize=CELLS_CACHE_SIZE)(self._net_cells)
+    @property
+    def multiple(self) -> int:
+        """What sizes are rounded to: the card's size multiple, else the model's stride."""
+        return self.card.size_multiple or self.card.output_stride
 
-    def _net_cells(self, height: int, width: int) -> tuple[int, int]:
-        """Cells (rows, columns) the net gives for an unpadded input of this size: what a map keeps per pass.
-        (0, 0) when the input is below what the net can take."""
+    def __post_init__(self) -> None:
+        # Per instance (functools.lru_cache on a method would be shared, and keep every model alive).
+        self._rows = functools.lru_cache(maxsize=CELLS_CACHE_SIZE)(lambda height: self._net_cells(height, None)[0])
+        self._columns = functools.lru_cache(maxsize=CELLS_CACHE_SIZE)(lambda width: self._net_cells(None, width)[1])
+
+    def net_cells(self, height: int, width: int) -> tuple[int, int]:
+        """Cells (rows, columns) the net gives for an unpadded input of this size: what a map keeps per pass;
+        0 along an axis below the training size. Each axis depends on that side only, so each is cached alone."""
+        return self._rows(height), self._columns(width)
+
+    def _net_cells(self, height: int | None, width: int | None) -> tuple[int, int]:
+        height = height or self.card.training_height
+        width = width or self.card.training_width
         if height < self.card.training_height or width < self.card.training_width:
             return 0, 0
         shape = batch_shape(self.image.layout, batch=1, channels=3, height=height, width=width)
@@ -195,14 +207,14 @@ class Pipeline:
             net = onnx.load(path)
             card = read_card(net)
             image = ImageInput.of(card)
-        except (CardError, DecodeError, OSError) as error:
+            imaging.resample_filter(image.resize_filter)
+        except (CardError, DecodeError, OSError, imaging.ImageError) as error:
             raise ScoringError(grpc.StatusCode.INVALID_ARGUMENT, f"{path}: {error}") from error
         settings = self.settings
         name = name or card.name or path
         admission = Admission(net, budget_bytes=self.budget.total_bytes // share if self.budget.total_bytes else None,
                               device=self.budget.device, name=name, shared=self.budget, metrics=self.metrics)
         max_batch = settings.batch_limit(on_gpu=self.engine.on_gpu)
-        multiple = card.size_multiple or card.output_stride
         plans_of = [dense.plan_passes(native_stride=card.output_stride, output_stride=s, shift=0)
                     for s in dense.offered_strides(card.output_stride)]
         if settings.shape_buckets:
@@ -210,7 +222,8 @@ class Pipeline:
         else:
             shape_buckets = buckets.default_buckets(
                 scales=settings.warm_up_scales or (card.default_scale or FALLBACK_SCALE,),
-                slacks=sorted({p.slack for p in plans_of}), multiple=multiple, max_batch=max_batch,
+                slacks=sorted({p.slack for p in plans_of}), multiple=card.size_multiple or card.output_stride,
+                max_batch=max_batch,
             )
         training = batch_shape(image.layout, batch=1, channels=3, height=card.training_height, width=card.training_width)
         try:
@@ -283,7 +296,7 @@ class Pipeline:
             passes = dense.plan_passes(native_stride=model.card.output_stride, output_stride=stride, shift=0)
             for scale in self.settings.warm_up_scales or (model.default_scale,):
                 for tall, wide in buckets.COMMON_ASPECTS:
-                    size = dense.resized_size(tall, wide, scale=scale, multiple=model.card.size_multiple)
+                    size = dense.resized_size(tall, wide, scale=scale, multiple=model.multiple)
                     canvas = model.buckets.canvas_for(*size, slack=passes.slack)
                     if canvas is not None:
                         keys.extend(PlanKey(*canvas, batch, passes) for batch in model.buckets.batches)
@@ -361,29 +374,37 @@ class Pipeline:
         model.batcher.check_room(len(jobs) * len(flips), deadline=deadline)
         return Order(model, passes, opened, jobs, flips, host)
 
+    def _canvases(self, order: Order) -> list[np.ndarray]:
+        """Decode once, then per scale resize and put on the canvas, the mirror after: on a decoding thread."""
+        model = order.model
+        largest = max((job.resized for job in order.jobs), key=lambda size: size[0] * size[1])
+        image = imaging.load(order.opened, largest=largest)
+        canvases = []
+        for job in order.jobs:
+            pixels = imaging.resize(image, job.resized, filter_name=model.image.resize_filter)
+            for flip in order.flips:
+                source = np.ascontiguousarray(pixels[:, ::-1]) if flip else pixels
+                canvases.append(dense.canvas(source, job.canvas, model.fill))
+        return canvases
+
     def _fulfil(self, request: scoring_pb2.ScoreRequest, order: Order, *, started: float, deadline: float | None,
                 cancelled: threading.Event | None, record: bool) -> scoring_pb2.ScoreResponse:
         """Decode, put each scale (and its mirror) on its canvas, run them batched, assemble the response."""
         model, passes, original = order.model, order.passes, (order.opened.height, order.opened.width)
-        largest = max((job.resized for job in order.jobs), key=lambda size: size[0] * size[1])
         try:
-            image = self._decoder.submit(imaging.load, order.opened, largest=largest).result()
+            canvases = self._decoder.submit(self._canvases, order).result()
         except imaging.ImageError as error:
             raise invalid(str(error)) from error
+        except (RuntimeError, CancelledError) as error:  # the pool was shut down: the server is stopping
+            raise ScoringError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down") from error
         lattice = None
         if request.return_maps or request.cell_top_k:
             half = request.map_dtype == scoring_pb2.FLOAT16 and not request.cell_top_k  # ranks from float32
             lattice = LATTICE_FP16 if half else LATTICE
-        works = []
-        for job in order.jobs:
-            pixels = imaging.resize(image, job.resized, filter_name=model.image.resize_filter)
-            group = GroupKey(*job.canvas, passes)
-            limit = self._batch_limit(model, job, passes, original)
-            for flip in order.flips:
-                source = np.ascontiguousarray(pixels[:, ::-1]) if flip else pixels
-                item = Item(dense.canvas(source, job.canvas, model.fill), job.cells, lattice, record)
-                works.append(Work(group, item, limit, deadline))
-        del image
+        slots = [(job, flip) for job in order.jobs for flip in order.flips]
+        works = [Work(GroupKey(*job.canvas, passes), Item(canvas, job.cells, lattice, record), job.batch_limit, deadline)
+                 for (job, _flip), canvas in zip(slots, canvases)]
+        del canvases
         preprocessed = time.monotonic()
 
         model.batcher.submit(works)
@@ -391,7 +412,10 @@ class Pipeline:
         computed = time.monotonic()
         queue = max(w.started - w.enqueued for w in works)
         inference = sum({w.batch_id: w.run_seconds for w in works}.values())
-        planning = sum({w.batch_id: s.planning_seconds for w, s in zip(works, scored)}.values())
+        setups: dict[int, float] = {}
+        for work, result in zip(works, scored):
+            setups[work.batch_id] = max(setups.get(work.batch_id, 0.0), result.planning_seconds)
+        planning = sum(setups.values())
 
         response = self._assemble(request, model, passes, original, order.jobs, order.flips, scored)
         finished = time.monotonic()
@@ -478,14 +502,13 @@ class Pipeline:
                 f"canvas bucket holds ({model.buckets.describe()}); use a smaller scale, or restart the server "
                 "with a larger --shape-buckets or without --strict-shapes"
             )
-        return assemble.ScaleJob(scale, size, canvas, cells)
+        return assemble.ScaleJob(scale, size, canvas, cells, self._batch_limit(model, canvas, scale, passes, original))
 
     def _canvas(self, model: LoadedModel, size: tuple[int, int], passes: dense.PassPlan) -> tuple[int, int] | None:
         """The canvas bucket of a resized size; one planned on demand, or None under --strict-shapes."""
         canvas = model.buckets.canvas_for(*size, slack=passes.slack)
         if canvas is None and not self.settings.strict_shapes:
-            card = model.card
-            canvas = buckets.on_demand_canvas(*size, slack=passes.slack, multiple=card.size_multiple or card.output_stride)
+            canvas = buckets.on_demand_canvas(*size, slack=passes.slack, multiple=model.multiple)
         return canvas
 
     def _check_response_size(self, request: scoring_pb2.ScoreRequest, model: LoadedModel,
@@ -499,29 +522,36 @@ class Pipeline:
                 "`map_dtype` FLOAT16, fewer or smaller scales, or no maps",
             )
 
-    def _batch_limit(self, model: LoadedModel, job: assemble.ScaleJob, passes: dense.PassPlan,
+    def _batch_limit(self, model: LoadedModel, canvas: tuple[int, int], scale: int, passes: dense.PassPlan,
                      original: tuple[int, int]) -> int:
-        """How many items of this canvas fit one batch in memory (each runs all its passes)."""
-        limit = model.admission.admit(*job.canvas, scale=job.scale,
+        """How many items of this canvas one batch may hold in memory (each runs all its passes), as a batch
+        bucket: a batch is padded up to its bucket, so the limit is rounded down to one."""
+        limit = model.admission.admit(*canvas, scale=scale,
                                       largest_scale=lambda: self._largest_scale(model, original, passes))
         items = limit // len(passes.offsets)
         if items == 0:
             raise ScoringError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"scale {job.scale} needs {len(passes.offsets)} passes of {job.canvas[0]}x{job.canvas[1]} at once but "
+                f"scale {scale} needs {len(passes.offsets)} passes of {canvas[0]}x{canvas[1]} at once but "
                 f"only {limit} fit the memory budget; the largest scale that fits is "
                 f"{self._largest_scale(model, original, passes)}",
             )
-        return items
+        return max(bucket for bucket in model.buckets.batches if bucket <= items) if items < model.buckets.batches[
+            -1] else items
 
     def _largest_scale(self, model: LoadedModel, original: tuple[int, int], passes: dense.PassPlan) -> int:
         """The largest scale of this image whose passes fit the memory budget (0: none)."""
-        step = max(model.card.size_multiple, 1)
-        low, high = 0, self.settings.max_scale // step + 1  # low*step fits (0: nothing yet), high does not
+        step = model.multiple
+        low, high = self._min_scale(model) // step - 1, self.settings.max_scale // step + 1  # low fits or is 0
+        low = max(low, 0)
         while high - low > 1:
             middle = (low + high) // 2
             canvas = self._canvas(model, dense.resized_size(*original, scale=middle * step, multiple=step), passes)
-            if canvas is not None and model.admission.batch_limit(*canvas) >= len(passes.offsets):
+            try:
+                fits = canvas is not None and model.admission.batch_limit(*canvas) >= len(passes.offsets)
+            except ProfileError:  # a size the net cannot take
+                fits = False
+            if fits:
                 low = middle
             else:
                 high = middle
@@ -543,6 +573,8 @@ class Pipeline:
         except (DeviceGraphError, EngineError) as error:
             raise ScoringError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"model {model.name} cannot run {key}: {error}") from error
+        if planning and items and self.metrics is not None:
+            self.metrics.plans_made.labels(model.name).inc()  # a shape outside the warm-up's plans
         if planning:
             LOG.info("%s: planned %s in %.0f ms", model.name, key, 1000 * planning)
         pixels = np.empty((key.batch, key.height, key.width, 3), dtype=np.uint8)

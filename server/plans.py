@@ -27,6 +27,7 @@ from server.device_graph import LATTICE, LATTICE_FP16, PIXELS, PROBABILITIES, VA
 from server.engine import Engine
 
 LOG = logging.getLogger(__name__)
+MAKING = threading.Lock()  # held while a plan is made and measured: the readings are process-wide
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class PlanCache:
 
     Admission (server/admission.py) accounts every plan of every model in one budget: it reserves a
     new plan's predicted bytes (evicting what it must, here or in other models' caches through
-    `drop`), then gets the plan's measured footprint. Only the batcher thread runs plans.
+    `drop`), then gets the plan's measured footprint. Plans are made one at a time, server-wide.
     """
 
     def __init__(self, net: onnx.ModelProto, card: ModelCard, engine: Engine, admission: Admission, *,
@@ -120,17 +121,28 @@ class PlanCache:
         with self._lock:
             self._plans.pop(key, None)
 
-    def get(self, key: PlanKey, *, scale: int | None = None, largest_scale=None) -> tuple[Plan, float]:
+    def get(self, key: PlanKey) -> tuple[Plan, float]:
         """The plan of `key` and the seconds spent making it (0 when it existed); ScoringError
         (RESOURCE_EXHAUSTED, with the numbers) when it cannot fit the memory budget."""
+        plan = self._cached(key)
+        if plan is not None:
+            return plan, 0.0
+        with MAKING:  # one plan made at a time, server-wide: its footprint is a process-wide reading
+            plan = self._cached(key)  # made by another thread meanwhile
+            return (plan, 0.0) if plan is not None else self._make_measured(key)
+
+    def _cached(self, key: PlanKey) -> Plan | None:
         with self._lock:
             plan = self._plans.get(key)
             if plan is not None:
                 self._plans.move_to_end(key)
-            oldest = next(iter(self._plans)) if plan is None and len(self._plans) >= self._max_plans else None
         if plan is not None:
             self._admission.plan_used(key)
-            return plan, 0.0
+        return plan
+
+    def _make_measured(self, key: PlanKey) -> tuple[Plan, float]:
+        with self._lock:
+            oldest = next(iter(self._plans)) if len(self._plans) >= self._max_plans else None
         if oldest is not None:  # --max-plans: sessions (and their threads) per model stay bounded
             LOG.info("%s: plan %s dropped (least recently used; --max-plans %d)", self._card.name, oldest,
                      self._max_plans)
@@ -138,8 +150,7 @@ class PlanCache:
             self._admission.plan_evicted(oldest)
         started = time.monotonic()
         for evicted in self._admission.make_room(key, height=key.height, width=key.width,
-                                                 batch=key.batch * len(key.passes.offsets), scale=scale,
-                                                 largest_scale=largest_scale):
+                                                 batch=key.batch * len(key.passes.offsets)):
             LOG.info("%s: plan %s evicted (least recently used)", self._card.name, evicted)
             self.drop(evicted)
         try:

@@ -34,6 +34,7 @@ PROBES = (HEALTH_PREFIX, *(f"/inference.GRPCInferenceService/{name}"
                            for name in ("ServerLive", "ServerReady", "ModelReady")))
 # A client's own deadline timer may cancel the call a moment before the server's fires.
 DEADLINE_SLACK_SECONDS = 0.05
+WARMING_UP_RETRY_SECONDS = 1.0  # the retry hint of a call made while the server warms up
 POLL_SECONDS = 0.05  # how often a stream's reader, held back by the window, looks whether the call ended
 # When a client refused by the call limits may try again: calls here last about a request's compute.
 BUSY_RETRY_AFTER_SECONDS = 1.0
@@ -59,6 +60,7 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
         self.settings = settings
         self.metrics = metrics
         self.draining = threading.Event()
+        self.ready = threading.Event()  # set once warm-up is done: scoring before it is refused (UNAVAILABLE)
         self._names = [summary.name for summary in pipeline.models()]
         self._active = 0
         self._idle = threading.Condition()
@@ -116,8 +118,16 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
     def _score(self, request: scoring_pb2.ScoreRequest, call: Call) -> scoring_pb2.ScoreResponse:
         if call.model == NO_MODEL:
             call.model = self.model_label(request)
+        self.require_ready()
         check_size(request, self.settings.max_message_bytes)
         return self.pipeline.score(request, deadline=call.deadline, cancelled=call.cancelled)
+
+    def require_ready(self) -> None:
+        """UNAVAILABLE (retry soon) until the warm-up has made every plan: health says NOT_SERVING meanwhile,
+        and plans are made and measured one at a time."""
+        if not self.ready.is_set():
+            raise ScoringError(grpc.StatusCode.UNAVAILABLE, "the server is warming up (health NOT_SERVING); retry shortly",
+                               retry_after_seconds=WARMING_UP_RETRY_SECONDS)
 
     def model_label(self, request: scoring_pb2.ScoreRequest) -> str:
         """The loaded model a request names (or the only one); never the caller's text, which could be anything."""

@@ -43,13 +43,13 @@ class Settings:
 
     # --- batching -------------------------------------------------------------------------
     max_batch: int | None = None
-    """Passes of the same shape run together, up to this many (1 turns batching off); None: 8 on
-    a GPU, 1 on the CPU, where onnxruntime already spreads one image over every core and batching
-    lowered throughput (bench/RESULTS.md, bench_server)."""
+    """Images (a scale or its mirror, each running its passes) of one canvas run together, up to this
+    many (1 turns batching off); None: 8 on a GPU, 1 on the CPU, where onnxruntime already spreads
+    one image over every core and batching lowered throughput (bench/RESULTS.md, bench_server)."""
     max_queue_delay_ms: float = 5.0
-    """How long the first pass of a batch waits for others of its shape."""
+    """How long the first image of a batch waits for others of its canvas."""
     queue_depth: int = 128
-    """Passes waiting per model; beyond it new requests get RESOURCE_EXHAUSTED."""
+    """Images waiting per model; beyond it new requests get RESOURCE_EXHAUSTED."""
     max_queue_ms: float = 1000.0
     """Longest a pass may wait in the queue (Triton's queue policy): a request whose expected wait is
     longer is refused before its image is decoded, and a pass that waited longer is dropped; both

@@ -169,7 +169,9 @@ def test_binding_beyond_loopback_wants_tls_a_token_or_insecure(tmp_path, capsys)
     assert "--host 0.0.0.0" in message and "--insecure" in message and "--token-file" in message
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    for extra in (["--insecure"], ["--token-file", str(token)]):  # allowed: it gets as far as loading the model
+    message = refusal([model, "--host", "0.0.0.0", "--port", "0", "--token-file", str(token)], capsys)
+    assert "clear text" in message and "--tls-cert" in message  # a token without TLS could be read and replayed
+    for extra in (["--insecure"], ["--insecure", "--token-file", str(token)]):  # allowed: it gets as far as loading
         message = refusal([model, "--host", "0.0.0.0", "--port", "0", *extra], capsys)
         assert "never-loaded.onnx" in message and "cannot start" in message
 

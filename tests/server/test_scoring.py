@@ -219,3 +219,20 @@ def test_float16_maps_come_back_from_the_device_as_float16(pipeline_of):
     assert half.maps[0].scores.dtype == "float16" and len(half.maps[0].scores.data) == len(full.maps[0].scores.data) // 2
     np.testing.assert_allclose(decode(half.maps[0].scores).astype(np.float32), decode(plain.maps[0].scores),
                                rtol=2e-3, atol=2e-3)
+
+
+def test_a_shape_outside_the_warm_up_is_planned_once_and_its_cost_reported(tmp_path):
+    from server.metrics import Metrics
+
+    path = tmp_path / "tiny.onnx"
+    onnx.save(patch_net(classes=3), path)
+    metrics = Metrics()
+    pipeline = Pipeline([str(path)], settings=dataclasses.replace(SETTINGS, warm_up=True, max_batch=4), metrics=metrics)
+    try:
+        pixels = np.zeros((64, 200, 3), dtype=np.uint8)  # 64x192: no warm-up canvas holds it
+        first = pipeline.score(raw(pixels, scales=[64], flip=True))
+        again = pipeline.score(raw(pixels, scales=[64], flip=True))
+        assert first.timings.planning_ms > 0 and again.timings.planning_ms == 0
+        assert metrics.registry.get_sample_value("scoremap_plans_made_total", {"model": "tiny"}) == 1
+    finally:
+        pipeline.close()
