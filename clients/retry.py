@@ -40,12 +40,13 @@ def classify(error: ScoremapError) -> Verdict:
     """The verdict on `error`, from its status code and the server's retry hint.
 
     RESOURCE_EXHAUSTED is transient only with the hint (a full queue, an expected wait beyond the
-    deadline); without it (memory admission, message size) it is final. CANCELLED comes from a
+    deadline); without it (memory admission, message size) it is final. UNAVAILABLE with the hint
+    comes from a server still warming up: reached, so not held to the shorter connect budget. CANCELLED comes from a
     server dropping calls while it stops: a client cancels its own calls only when interrupted,
     which raises Interrupted before any verdict.
     """
-    if error.code == grpc.StatusCode.UNAVAILABLE:
-        return Verdict.RECONNECT
+    if error.code == grpc.StatusCode.UNAVAILABLE:  # with a hint the server answered: it is warming up
+        return Verdict.LATER if error.retry_after_s is not None else Verdict.RECONNECT
     if error.code == grpc.StatusCode.CANCELLED:
         return Verdict.LATER
     if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.retry_after_s is not None:

@@ -302,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="decoded images above this many pixels are refused (decompression bombs)")
     requests.add_argument("--max-resized-pixels", metavar="N", type=int, default=defaults.max_resized_pixels,
                           help="resized images above this many pixels are refused (a huge scale on a panorama)")
+    requests.add_argument("--host-memory-budget", metavar="SIZE",
+                          help="host memory the requests in flight may hold together (their estimates), e.g. 8GiB "
+                               "(default: a quarter of the available RAM, at least one largest request)")
     requests.add_argument("--max-request-host-bytes", metavar="SIZE",
                           help="host memory one request may hold, estimated from the image header before decoding, "
                                f"e.g. 4GiB (default: {defaults.max_request_host_bytes // 2**30} GiB)")
@@ -401,7 +404,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     """The flags as Settings: every flag named after a field sets it; the others are converted here."""
     fields = {field.name for field in dataclasses.fields(Settings)}
     values = {name: value for name, value in vars(args).items() if name in fields and value is not None}
-    for flag, field in (("memory_budget", "memory_budget_bytes"), ("max_request_host_bytes", "max_request_host_bytes")):
+    for flag, field in (("memory_budget", "memory_budget_bytes"), ("max_request_host_bytes", "max_request_host_bytes"),
+                        ("host_memory_budget", "host_memory_budget_bytes")):
         if getattr(args, flag):
             from convert.profile import ProfileError, parse_bytes  # imports onnx: only once the flags are read
 

@@ -79,3 +79,9 @@ def test_the_hint_is_read_from_trailing_metadata():
             return ((RETRY_AFTER_KEY, "250"),)
 
     assert from_rpc_error(Error()).retry_after_s == 0.25
+
+
+def test_a_server_warming_up_is_waited_for_as_reached_not_as_unreachable():
+    warming = ScoremapError(grpc.StatusCode.UNAVAILABLE, "the server is warming up", retry_after_s=1.0)
+    gone = ScoremapError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+    assert (classify(warming), classify(gone)) == (Verdict.LATER, Verdict.RECONNECT)

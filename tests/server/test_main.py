@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 import sys
 import urllib.request
 
@@ -104,6 +105,9 @@ def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_zero(kit, tin
         port = int(line.rsplit(":", 1)[1])
         metrics_url = process.stdout.readline().split()[-1]
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while health.Check(health_pb2.HealthCheckRequest(), timeout=10).status != health_pb2.HealthCheckResponse.SERVING:
+                time.sleep(0.05)  # scoring is refused (UNAVAILABLE) until the warm-up is done
             stub = scoring_pb2_grpc.DenseScoringStub(channel)
             outbox: queue.Queue = queue.Queue()
             answers = stub.ScoreStream(iter(outbox.get, None), timeout=120)
