@@ -54,14 +54,6 @@ def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
     return {output: node for node in graph.node for output in node.output if output}
 
 
-def consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
-    result: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            result.setdefault(name, []).append(node)
-    return result
-
-
 class Initializers(Mapping):
     """A graph's initializer values by name, each read into numpy on first use: the rewrites ask
     which inputs are constant far more often than they read a weight, and weights are large."""

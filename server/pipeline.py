@@ -597,7 +597,7 @@ class Pipeline:
     def _on_batch(self, model: LoadedModel, works: list[Work]) -> None:
         if self.metrics is not None and any(work.payload.traffic for work in works):
             group: GroupKey = works[0].key
-            passes = len(works) * len(group.passes.offsets)
+            passes = model.buckets.batch_for(len(works)) * len(group.passes.offsets)  # the padded batch runs
             self.metrics.record_batch(model.name, len(works),
                                       model.admission.predicted_bytes(group.height, group.width, passes))
 
