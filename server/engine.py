@@ -8,6 +8,7 @@ own `get_providers()` is the truth reported to callers.
 from __future__ import annotations
 
 import logging
+import tempfile
 from dataclasses import dataclass
 
 import onnxruntime
@@ -94,8 +95,14 @@ class Engine:
         return options
 
     def session(self, graph: bytes) -> onnxruntime.InferenceSession:
-        """A session of `graph` on the chosen provider; EngineError when CUDA was chosen but did not load."""
-        session = onnxruntime.InferenceSession(graph, self.options(), providers=self._providers)
+        """A session of `graph` on the chosen provider; EngineError when CUDA was chosen but did not load.
+
+        Made from a file, not the bytes: onnxruntime's Python session keeps bytes it was given for as
+        long as it lives (a second copy of the weights per plan, 18 MiB on the default model)."""
+        with tempfile.NamedTemporaryFile(suffix=".onnx") as file:
+            file.write(graph)
+            file.flush()
+            session = onnxruntime.InferenceSession(file.name, self.options(), providers=self._providers)
         actual = session.get_providers()[0]
         if actual != self.provider:
             if self.settings.require_gpu:
