@@ -40,12 +40,11 @@ import logging
 import threading
 from collections.abc import Callable, Hashable, Iterator
 
-import grpc
 import onnx
 
 from convert.memory_model import Device, MemoryTerms
 from convert.profile import ProfileError, Skeleton, largest_batch, load_skeleton, profile_model
-from server.errors import ScoringError
+from server.errors import Refusal, ScoringError
 from server.host_memory import HostEstimate
 from server.metrics import Metrics
 from server.settings import Settings
@@ -85,7 +84,7 @@ def admit_host(estimate: HostEstimate, *, limit_bytes: int) -> None:
     """RESOURCE_EXHAUSTED with every term when one request would hold more host memory than the limit."""
     if estimate.total > limit_bytes:
         raise ScoringError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            Refusal.RESOURCE_EXHAUSTED,
             f"this request needs an estimated {estimate.total} bytes of host memory, {estimate.describe()}, "
             f"but one request may hold {limit_bytes} bytes ({format_bytes(limit_bytes)}, --max-request-host-bytes); "
             "ask for fewer or smaller scales, no flip or a coarser stride",
@@ -125,7 +124,7 @@ class HostBudget:
             if self.total_bytes is not None and self._held + needed > self.total_bytes:
                 alone = needed > self.total_bytes
                 raise ScoringError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    Refusal.RESOURCE_EXHAUSTED,
                     f"this request needs an estimated {needed} bytes of host memory ({format_bytes(needed)}); "
                     f"requests in flight hold {self._held} of the server's {self.total_bytes} bytes "
                     f"({format_bytes(self.total_bytes)}, --host-memory-budget)"
@@ -263,7 +262,7 @@ class Admission:
             limit = self.batch_limit(height, width)
         except ProfileError as error:
             raise ScoringError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Refusal.INVALID_ARGUMENT,
                 f"scale {scale} gives an input of {height}x{width} the model cannot take: {error}",
             ) from error
         if limit > 0:
@@ -285,7 +284,7 @@ class Admission:
         hint = ("" if fits is None else
                 f"; the largest scale that fits is {fits}" if fits else "; no scale of this image fits")
         return ScoringError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            Refusal.RESOURCE_EXHAUSTED,
             f"{what} needs a {how} {needed} bytes ({format_bytes(needed)}) on {self.device.value} "
             f"but the memory budget is {budget} bytes ({format_bytes(budget)}){hint}",
         )
@@ -299,7 +298,7 @@ class Admission:
         try:
             predicted = self.terms(height, width, batch)
         except ProfileError as error:
-            raise ScoringError(grpc.StatusCode.INVALID_ARGUMENT,
+            raise ScoringError(Refusal.INVALID_ARGUMENT,
                                f"plan {key} ({batch}x{height}x{width}) cannot be profiled: {error}") from error
         measured = self._measured.get(key)
         record = PlanRecord(self, key, predicted, measured, next(self.shared._clock))

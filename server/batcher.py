@@ -18,9 +18,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 
-from server.errors import ScoringError
+from server.errors import Refusal, ScoringError
 
 LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting caller looks at its cancellation flag
@@ -103,7 +102,7 @@ class Batcher:
         wait = self.expected_wait()
         if wait > self._max_queue:
             raise ScoringError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Refusal.RESOURCE_EXHAUSTED,
                 f"overloaded: the expected wait in the queue is {1000 * wait:.0f} ms, beyond --max-queue-ms "
                 f"({1000 * self._max_queue:.0f} ms); retry with backoff",
                 retry_after_seconds=max(wait - self._max_queue, POLL_SECONDS),
@@ -111,7 +110,7 @@ class Batcher:
         done = wait + items * self._seconds_per_item
         if deadline is not None and time.monotonic() + done > deadline:
             raise ScoringError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Refusal.RESOURCE_EXHAUSTED,
                 f"overloaded: the request would be done in about {1000 * done:.0f} ms, after the call's deadline "
                 f"({1000 * max(deadline - time.monotonic(), 0):.0f} ms from now); retry later or with a longer deadline",
                 retry_after_seconds=max(wait, POLL_SECONDS),
@@ -121,7 +120,7 @@ class Batcher:
         """Queue all items of one request, or none: RESOURCE_EXHAUSTED when they would overflow the queue."""
         with self._condition:
             if self._closed:
-                raise ScoringError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+                raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down")
             if len(self._queue) + len(works) > self._queue_depth:
                 raise self._queue_full(len(self._queue), len(works))
             self._queue.extend(works)
@@ -129,7 +128,7 @@ class Batcher:
 
     def _queue_full(self, waiting: int, adding: int) -> ScoringError:
         return ScoringError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            Refusal.RESOURCE_EXHAUSTED,
             f"queue full: {waiting} items waiting, this request adds {adding}, the limit is {self._queue_depth} "
             "(--queue-depth); retry with backoff",
             retry_after_seconds=max(self._seconds_per_item * adding, POLL_SECONDS),
@@ -148,12 +147,12 @@ class Batcher:
             while not work.done.wait(POLL_SECONDS):
                 if cancelled is not None and cancelled.is_set():
                     self.cancel(works)
-                    raise ScoringError(grpc.StatusCode.CANCELLED, "the call was cancelled")
+                    raise ScoringError(Refusal.CANCELLED, "the call was cancelled")
                 if work.deadline is not None and time.monotonic() > work.deadline and not work.started:
                     self.cancel(works)
                     if not work.started:  # still not taken once out of the queue: never computed
                         raise ScoringError(
-                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            Refusal.DEADLINE_EXCEEDED,
                             f"the deadline passed after {1000 * (time.monotonic() - work.enqueued):.0f} ms "
                             "in the queue, before compute",
                         )
@@ -167,7 +166,7 @@ class Batcher:
         with self._condition:
             self._closed = True
             for work in self._queue:
-                work.fail(ScoringError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down"))
+                work.fail(ScoringError(Refusal.UNAVAILABLE, "the server is shutting down"))
             self._queue.clear()
             self._condition.notify_all()
         self._thread.join(timeout=CLOSE_SECONDS)
@@ -203,12 +202,12 @@ class Batcher:
             waited = now - work.enqueued
             if work.deadline is not None and now > work.deadline:
                 work.fail(ScoringError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    Refusal.DEADLINE_EXCEEDED,
                     f"the deadline passed after {1000 * waited:.0f} ms in the queue; dropped before compute",
                 ))
             elif waited > self._max_queue:
                 work.fail(ScoringError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    Refusal.RESOURCE_EXHAUSTED,
                     f"overloaded: waited {1000 * waited:.0f} ms in the queue, beyond --max-queue-ms "
                     f"({1000 * self._max_queue:.0f} ms); dropped before compute, retry with backoff",
                     retry_after_seconds=self._max_queue,
@@ -233,7 +232,7 @@ class Batcher:
                 continue
             except Exception as error:  # a failed run fails its batch, never the worker
                 LOG.exception("inference failed")
-                failure = ScoringError(grpc.StatusCode.INTERNAL, f"inference failed: {error}")
+                failure = ScoringError(Refusal.INTERNAL, f"inference failed: {error}")
                 for work in batch:
                     work.fail(failure)
                 continue

@@ -40,7 +40,7 @@ from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2
 
 from protos import scoring_pb2
-from server.errors import ScoringError
+from server.errors import Refusal, ScoringError
 from server.service import Call, DenseScoringServicer, StreamReader, check_size
 
 try:
@@ -78,7 +78,7 @@ MAP_DTYPES = {"float32": scoring_pb2.FLOAT32, "float16": scoring_pb2.FLOAT16}
 
 
 def invalid(message: str) -> ScoringError:
-    return ScoringError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    return ScoringError(Refusal.INVALID_ARGUMENT, message)
 
 
 # --- request -> ScoreRequest ------------------------------------------------------------------------
@@ -179,7 +179,7 @@ def _image(request: service_pb2.ModelInferRequest, score: scoring_pb2.ScoreReque
 def score_request(request: service_pb2.ModelInferRequest) -> scoring_pb2.ScoreRequest:
     """The ScoreRequest an inference request asks for (maps only when wanted, see the module docstring)."""
     if request.model_version not in ("", MODEL_VERSION):
-        raise ScoringError(grpc.StatusCode.NOT_FOUND, f"model {request.model_name!r} has no version "
+        raise ScoringError(Refusal.NOT_FOUND, f"model {request.model_name!r} has no version "
                            f"{request.model_version!r}: it has version {MODEL_VERSION} (or leave the version empty)")
     score = scoring_pb2.ScoreRequest(model=request.model_name, request_id=request.id)
     _image(request, score)
@@ -308,7 +308,7 @@ class InferenceServicer(ServicerBase):
             if summary.name == name and version in ("", MODEL_VERSION):
                 return summary
         names = ", ".join(summary.name for summary in self.pipeline.models())
-        raise ScoringError(grpc.StatusCode.NOT_FOUND, f"no model {name!r} version {version!r}: this server has "
+        raise ScoringError(Refusal.NOT_FOUND, f"no model {name!r} version {version!r}: this server has "
                            f"{names}, each in version {MODEL_VERSION}")
 
     def ModelMetadata(self, request, context):

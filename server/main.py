@@ -146,7 +146,7 @@ def create_server(
     from grpc_reflection.v1alpha import reflection
 
     from protos import scoring_pb2_grpc
-    from server.errors import ScoringError
+    from server.errors import Refusal, ScoringError
     from server.metrics import Metrics
     from server.pipeline import Pipeline
     from server import kserve
@@ -181,14 +181,14 @@ def create_server(
             else:
                 port = grpc_server.add_insecure_port(address)
         except RuntimeError as error:
-            raise ScoringError(grpc.StatusCode.UNAVAILABLE, f"could not bind {address} (in use?): {error}") from error
+            raise ScoringError(Refusal.UNAVAILABLE, f"could not bind {address} (in use?): {error}") from error
         metrics_port = None
         if settings.metrics_port is not None:
             try:
                 metrics_port = metrics.serve(port=settings.metrics_port, address=settings.metrics_address)
             except OSError as error:
                 where = f"{settings.metrics_address}:{settings.metrics_port}"
-                raise ScoringError(grpc.StatusCode.UNAVAILABLE,
+                raise ScoringError(Refusal.UNAVAILABLE,
                                    f"could not serve metrics on {where} (--metrics-port): {error.strerror}") from error
         grpc_server.start()
     except BaseException:
@@ -209,7 +209,7 @@ def create_server(
                 LOG.error("warm-up failed, health stays NOT_SERVING: %s", error.message)
                 return
             except Exception as error:  # a bug, but never a silent thread death with health stuck at NOT_SERVING
-                server.warm_up_error = ScoringError(grpc.StatusCode.INTERNAL, f"warm-up failed: {error}")
+                server.warm_up_error = ScoringError(Refusal.INTERNAL, f"warm-up failed: {error}")
                 LOG.exception("warm-up failed, health stays NOT_SERVING")
                 return
         servicer.ready.set()

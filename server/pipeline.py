@@ -24,7 +24,6 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import grpc
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
@@ -39,7 +38,7 @@ from server.admission import Admission, HostBudget, MemoryBudget, admit_host, av
 from server.batcher import Batcher, Work
 from server.device_graph import LATTICE, LATTICE_FP16, DeviceGraphError, scores_shape
 from server.engine import Engine, EngineError
-from server.errors import ScoringError
+from server.errors import Refusal, ScoringError
 from server.host_memory import DEVICE_PASSES, HostEstimate, estimate_request
 from server.metrics import Metrics, Stage
 from server.plans import PlanCache, PlanKey
@@ -156,7 +155,7 @@ def one_line(error: Exception, limit: int = 300) -> str:
 
 
 def invalid(message: str) -> ScoringError:
-    return ScoringError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    return ScoringError(Refusal.INVALID_ARGUMENT, message)
 
 
 class Pipeline:
@@ -169,7 +168,7 @@ class Pipeline:
         """`models`: converted .onnx paths (each named by its card) or {name: path}."""
         pairs = list(models.items()) if isinstance(models, Mapping) else [("", str(path)) for path in models]
         if not pairs:
-            raise ScoringError(grpc.StatusCode.INVALID_ARGUMENT, "no model given: pass at least one converted .onnx file")
+            raise ScoringError(Refusal.INVALID_ARGUMENT, "no model given: pass at least one converted .onnx file")
         self.settings = settings or Settings()
         self.metrics = metrics
         self._models: dict[str, LoadedModel] = {}
@@ -178,7 +177,7 @@ class Pipeline:
         try:
             self.engine = Engine(self.settings)
         except EngineError as error:
-            raise ScoringError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from error
+            raise ScoringError(Refusal.FAILED_PRECONDITION, str(error)) from error
         configure_allocator()
         self.budget = MemoryBudget(self._budget_bytes(), device=Device.CUDA if self.engine.on_gpu else Device.CPU)
         self.host_budget = HostBudget.for_settings(self.settings)
@@ -188,7 +187,7 @@ class Pipeline:
                 if model.name in self._models:
                     model.batcher.close()
                     raise ScoringError(
-                        grpc.StatusCode.INVALID_ARGUMENT,
+                        Refusal.INVALID_ARGUMENT,
                         f"two models are named {model.name!r} ({self._models[model.name].path} and {path}); "
                         "name them apart with NAME=PATH",
                     )
@@ -209,7 +208,7 @@ class Pipeline:
             image = ImageInput.of(card)
             imaging.resample_filter(image.resize_filter)
         except (CardError, DecodeError, OSError, imaging.ImageError) as error:
-            raise ScoringError(grpc.StatusCode.INVALID_ARGUMENT, f"{path}: {error}") from error
+            raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
         settings = self.settings
         name = name or card.name or path
         admission = Admission(net, budget_bytes=self.budget.total_bytes // share if self.budget.total_bytes else None,
@@ -230,7 +229,7 @@ class Pipeline:
             (_batch, classes, _h, _w), _type = scores_shape(net, input_name=image.name, scores_name=card.scores_name,
                                                             input_shape=training)
         except DeviceGraphError as error:
-            raise ScoringError(grpc.StatusCode.INVALID_ARGUMENT, f"{path}: {error}") from error
+            raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
         model = LoadedModel(
             name=name, path=path, card=card, image=image, classes=classes,
             plans=PlanCache(net, card, self.engine, admission, max_plans=settings.max_plans),
@@ -287,7 +286,7 @@ class Pipeline:
         if failures:
             shown = failures[:WARM_UP_FAILURES_SHOWN]
             more = f"; and {len(failures) - len(shown)} more" if len(failures) > len(shown) else ""
-            raise ScoringError(grpc.StatusCode.UNAVAILABLE, "warm-up failed: " + "; ".join(shown) + more)
+            raise ScoringError(Refusal.UNAVAILABLE, "warm-up failed: " + "; ".join(shown) + more)
 
     def _configured_plans(self, model: LoadedModel) -> list[PlanKey]:
         """The plans traffic at the warm-up scales will use: each common aspect x stride x batch bucket."""
@@ -330,7 +329,7 @@ class Pipeline:
             return self._models[name]
         except KeyError:
             raise ScoringError(
-                grpc.StatusCode.NOT_FOUND, f"no model named {name!r}; loaded: {', '.join(self._models)}"
+                Refusal.NOT_FOUND, f"no model named {name!r}; loaded: {', '.join(self._models)}"
             ) from None
 
     def _min_scale(self, model: LoadedModel) -> int:
@@ -396,7 +395,7 @@ class Pipeline:
         except imaging.ImageError as error:
             raise invalid(str(error)) from error
         except (RuntimeError, CancelledError) as error:  # the pool was shut down: the server is stopping
-            raise ScoringError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down") from error
+            raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down") from error
         lattice = None
         if request.return_maps or request.cell_top_k:
             half = request.map_dtype == scoring_pb2.FLOAT16 and not request.cell_top_k  # ranks from float32
@@ -516,7 +515,7 @@ class Pipeline:
         expected = assemble.response_bytes(request, jobs, classes=model.classes)
         if expected > self.settings.max_message_bytes:
             raise ScoringError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Refusal.RESOURCE_EXHAUSTED,
                 f"the response would be about {expected} bytes, above the server's --max-message-bytes "
                 f"{self.settings.max_message_bytes}; ask for fewer `classes`, a smaller `cell_top_k`, "
                 "`map_dtype` FLOAT16, fewer or smaller scales, or no maps",
@@ -531,7 +530,7 @@ class Pipeline:
         items = limit // len(passes.offsets)
         if items == 0:
             raise ScoringError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Refusal.RESOURCE_EXHAUSTED,
                 f"scale {scale} needs {len(passes.offsets)} passes of {canvas[0]}x{canvas[1]} at once but "
                 f"only {limit} fit the memory budget; the largest scale that fits is "
                 f"{self._largest_scale(model, original, passes)}",
@@ -571,7 +570,7 @@ class Pipeline:
         try:
             plan, planning = model.plans.get(key)
         except (DeviceGraphError, EngineError) as error:
-            raise ScoringError(grpc.StatusCode.FAILED_PRECONDITION,
+            raise ScoringError(Refusal.FAILED_PRECONDITION,
                                f"model {model.name} cannot run {key}: {error}") from error
         if planning and items and self.metrics is not None:
             self.metrics.plans_made.labels(model.name).inc()  # a shape outside the warm-up's plans
@@ -633,7 +632,7 @@ class Pipeline:
             response.top_k.extend(assemble.image_top_k(
                 probabilities, request.top_k or self.settings.default_top_k, model.label))
         except assemble.NonFiniteError as error:
-            raise ScoringError(grpc.StatusCode.INTERNAL, f"model {model.name} gave no usable scores: {error}") from error
+            raise ScoringError(Refusal.INTERNAL, f"model {model.name} gave no usable scores: {error}") from error
         smallest = min(original)
         if jobs[0].scale / smallest > TINY_IMAGE_FACTOR and smallest < model.training_size:
             response.warnings.append(

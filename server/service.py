@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 
 from protos import model_card_pb2, scoring_pb2, scoring_pb2_grpc
-from server.errors import RETRY_AFTER_KEY, ScoringError
+from server.errors import RETRY_AFTER_KEY, Refusal, ScoringError
 from server.metrics import NO_MODEL, Metrics
 from server.pipeline import Pipeline
 from server.settings import Settings
@@ -88,7 +88,7 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
             self._active += 1
         try:
             if self.draining.is_set():
-                raise ScoringError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
+                raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down; retry on another replica")
             yield call
         except ScoringError as error:
             code = error.code
@@ -126,7 +126,7 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
         """UNAVAILABLE (retry soon) until the warm-up has made every plan: health says NOT_SERVING meanwhile,
         and plans are made and measured one at a time."""
         if not self.ready.is_set():
-            raise ScoringError(grpc.StatusCode.UNAVAILABLE, "the server is warming up (health NOT_SERVING); retry shortly",
+            raise ScoringError(Refusal.UNAVAILABLE, "the server is warming up (health NOT_SERVING); retry shortly",
                                retry_after_seconds=WARMING_UP_RETRY_SECONDS)
 
     def model_label(self, request: scoring_pb2.ScoreRequest) -> str:
@@ -180,7 +180,7 @@ def check_size(request: scoring_pb2.ScoreRequest, limit: int) -> None:
     size = request.ByteSize()
     if size > limit:
         raise ScoringError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            Refusal.RESOURCE_EXHAUSTED,
             f"the request is {size} bytes, over this server's limit of {limit} bytes: send a smaller image "
             "(re-encoded, or resized to the largest scale you ask for), or start the server with a larger "
             "--max-message-bytes",
@@ -228,7 +228,7 @@ class StreamReader:
                 idle = time.monotonic() - self._active_at
                 if idle > self._idle_seconds:
                     raise ScoringError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        Refusal.DEADLINE_EXCEEDED,
                         f"no request for {idle:.0f} s on this stream, whose answers were all sent: the server "
                         f"ends streams idle for {self._idle_seconds:g} s (--stream-idle-seconds); open a new "
                         "stream when you have more to send",
@@ -259,7 +259,7 @@ def answer(request_id: str, future: Future) -> scoring_pb2.ScoreResponse:
         return future.result()
     except ScoringError as error:
         message = f"request {request_id!r}: {error.message}" if request_id else error.message
-        raise ScoringError(error.code, message, retry_after_seconds=error.retry_after_seconds) from error
+        raise ScoringError(error.refusal, message, retry_after_seconds=error.retry_after_seconds) from error
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -337,7 +337,7 @@ class CallLimits(grpc.ServerInterceptor):
                 self._by_peer[peer] += 1
         if refusal is not None:
             self._metrics.count_request(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-            refuse(context, ScoringError(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal,
+            refuse(context, ScoringError(Refusal.RESOURCE_EXHAUSTED, refusal,
                                          retry_after_seconds=BUSY_RETRY_AFTER_SECONDS))
         try:
             yield
