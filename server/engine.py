@@ -86,11 +86,10 @@ class Engine:
         intra-op thread that does not spin, since the host only launches kernels."""
         options = predictable_session_options()
         options.log_severity_level = 3
-        if self.on_gpu:
-            options.intra_op_num_threads = 1
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        else:
-            options.intra_op_num_threads = self.settings.intra_op_threads
+        # No spinning: a server holds many plans, each with its own thread pool, and spinning pools of
+        # idle plans would take the cores from the one that runs.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.intra_op_num_threads = 1 if self.on_gpu else self.settings.intra_op_threads
         options.inter_op_num_threads = self.settings.inter_op_threads
         return options
 

@@ -47,7 +47,7 @@ from server.settings import Settings
 LOG = logging.getLogger(__name__)
 FALLBACK_SCALE = 384  # when a card names no default scale
 CELLS_CACHE_SIZE = 4096  # resized sizes whose cell counts each model remembers
-LARGE_REQUEST_BYTES = 256 * 2**20  # after a request holding more host memory, freed memory goes back at once
+TRIM_AFTER_BYTES = 256 * 2**20  # host memory held by requests since the last trim that makes going idle trim
 WARM_UP_FAILURES_SHOWN = 3  # failed plans named in the warm-up error (the log line stays readable)
 TINY_IMAGE_FACTOR = 4  # an image enlarged more than this many times is scored with a warning
 
@@ -181,6 +181,9 @@ class Pipeline:
         configure_allocator()
         self.budget = MemoryBudget(self._budget_bytes(), device=Device.CUDA if self.engine.on_gpu else Device.CPU)
         self.host_budget = HostBudget.for_settings(self.settings)
+        self._idle = threading.Lock()  # guards the two counts below
+        self._in_flight = 0
+        self._held_since_trim = 0
         try:
             for name, path in pairs:
                 model = self._load(name, str(path), share=len(pairs))
@@ -348,12 +351,27 @@ class Pipeline:
         `record` False for the server's own warm-up (not traffic, not in the metrics)."""
         started = time.monotonic()
         order = self._admit(request, deadline=deadline)
-        with self.host_budget.hold(order.host):
-            response = self._fulfil(request, order, started=started, deadline=deadline, cancelled=cancelled,
+        with self._idle:
+            self._in_flight += 1
+        try:
+            with self.host_budget.hold(order.host):
+                return self._fulfil(request, order, started=started, deadline=deadline, cancelled=cancelled,
                                     record=record)
-        if order.host.total > LARGE_REQUEST_BYTES:
-            release_free_memory()  # glibc would keep the freed arenas: idle RSS ratcheted up (issue 14)
-        return response
+        finally:
+            self._finished(order.host.total)
+
+    def _finished(self, held_bytes: int) -> None:
+        """When the last request in flight ends and requests have held `TRIM_AFTER_BYTES` since the last
+        time, give glibc's freed memory back (malloc_trim): it would keep it, and idle RSS ratcheted up
+        after large requests (issue 14). Not after each request: memory given back is faulted in again."""
+        with self._idle:
+            self._in_flight -= 1
+            self._held_since_trim += held_bytes
+            trim = self._in_flight == 0 and self._held_since_trim > TRIM_AFTER_BYTES
+            if trim:
+                self._held_since_trim = 0
+        if trim:
+            release_free_memory()
 
     def _admit(self, request: scoring_pb2.ScoreRequest, *, deadline: float | None) -> Order:
         """Everything that can refuse a request, from its fields and its image's header only."""
