@@ -65,14 +65,16 @@ T = TypeVar("T")
 RUNS = 2
 # A measurement child that takes longer than this is stopped.
 TIMEOUT_SECONDS = 600
-# Allocations from this size up get their own mapping, unmapped when freed; setting it also stops
-# glibc raising it after large frees, so what the heap keeps stays bounded. Not glibc's initial
-# 128 KiB: then every activation buffer is mapped and faulted in again at each run, which made a
-# default-model run 1.5-1.7x slower on the CPU (a 512x512 plan: 131 vs 77 ms); at 32 MiB a run
-# reuses the heap (77 ms) and the resident set stays flat from run to run (40.8 MiB).
-MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+# Allocations from this size up get their own mapping, unmapped when freed (glibc's initial
+# threshold; setting it also stops glibc raising it after large frees), so the resident set follows
+# the live activations the prediction counts. The price is CPU time, paid by the CPU provider only
+# (on a GPU the activations live on the device): every activation buffer is mapped and faulted in
+# afresh at each run, 1.2-1.7x slower default-model runs here (bench_memory measures it). A 32 MiB
+# threshold was measured too: runs as fast as glibc's defaults, but freed buffers below it stay in
+# the heap and the prediction fell to 0.44-0.91x of the measured peak, outside its +-25%.
+MMAP_THRESHOLD_BYTES = 128 * 1024
 # Free memory above the heap's top beyond this is returned at once.
-TRIM_THRESHOLD_BYTES = 64 * 1024 * 1024
+TRIM_THRESHOLD_BYTES = 0
 # mallopt(3) parameter numbers (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
