@@ -149,7 +149,7 @@ def run() -> str:
         f"Throughput, closed loop, at least {MIN_REQUESTS} requests per level, best of {ROUNDS} alternating rounds "
         "(the machine is shared):",
         "",
-        "| clients | batching on: req/s | passes/batch | batching off: req/s | passes/batch | on/off |",
+        "| clients | batching on: req/s | images/batch | batching off: req/s | images/batch | on/off |",
         "|---|---|---|---|---|---|",
         *rows,
     ])
