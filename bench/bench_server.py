@@ -72,7 +72,7 @@ def latency(model: str, settings: Settings) -> tuple[list[float], list[float]]:
 
 
 def throughput(stub: scoring_pb2_grpc.DenseScoringStub, server: ScoringServer, concurrency: int) -> tuple[float, float]:
-    """(requests per second, mean passes per batch) for a closed loop of `concurrency` clients."""
+    """(requests per second, mean images per batch) for a closed loop of `concurrency` clients."""
     job = request()
     registry = server.metrics.registry
     labels = {"model": server.pipeline.models()[0].name}
