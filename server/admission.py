@@ -3,10 +3,9 @@
 Predictions are `convert.profile`'s for the device the model runs on (the terms `scoremap-inspect
 --device` prints), so what users are shown is what the server enforces. Two ways to use it:
 
-* Per batch (one session per model): `admit(height, width, scale=, largest_scale=)` returns the
-  largest batch of that input size within the model's `budget_bytes`, or refuses with
-  RESOURCE_EXHAUSTED and the numbers; `fits(height, width)` and `predicted_bytes(height, width,
-  batch)` answer the questions behind it.
+* Per batch: `admit(height, width, scale=, largest_scale=)` returns the largest batch of that
+  input size within the model's `budget_bytes`, or refuses with RESOURCE_EXHAUSTED and the
+  numbers; `batch_limit` and `predicted_bytes(height, width, batch)` answer the questions behind it.
 * Per plan (one session per fixed shape, server/plans.py): every model's plans draw on one
   `MemoryBudget` per server. The plan cache asks, before making a plan,
 
@@ -269,15 +268,6 @@ class Admission:
             return limit
         raise self._too_large(f"scale {scale} ({height}x{width} input)", self.predicted_bytes(height, width),
                               "predicted", self.budget_bytes, largest_scale)
-
-    def fits(self, height: int, width: int) -> bool:
-        """One pass of this input size fits the budget."""
-        if self.budget_bytes is None:
-            return True
-        try:
-            return self.predicted_bytes(height, width) <= self.budget_bytes
-        except ProfileError:
-            return False
 
     def _too_large(self, what: str, needed: int, how: str, budget: int, largest_scale: Callable[[], int] | None) -> ScoringError:
         fits = largest_scale() if largest_scale is not None else None

@@ -18,14 +18,10 @@ which the default limits would let reach 5 GiB: what the device path saves.
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
-import warnings
 from collections.abc import Sequence
 
-from PIL import Image
-
-__all__ = ["HostPath", "HOST_PASSES", "DEVICE_PASSES", "HostEstimate", "image_header", "estimate_request",
+__all__ = ["HostPath", "HOST_PASSES", "DEVICE_PASSES", "HostEstimate", "estimate_request",
            "worst_request"]
 
 FLOAT32 = 4
@@ -68,18 +64,6 @@ class HostEstimate:
         parts = ", ".join(f"{field.name} {getattr(self, field.name) / 2**20:,.0f} MiB"
                           for field in dataclasses.fields(self))
         return f"{self.total / 2**20:,.0f} MiB ({parts})"
-
-
-def image_header(data: bytes) -> tuple[int, int] | None:
-    """(height, width) from an encoded image's header (PIL reads no pixels for this); None when the
-    bytes are not an image PIL knows, which decoding then reports."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as image:
-                return image.height, image.width
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
-        return None
 
 
 def estimate_request(

@@ -112,10 +112,6 @@ class PlanCache:
         self.made = 0
         admission.on_evict = self.drop
 
-    def keys(self) -> list[PlanKey]:
-        with self._lock:
-            return list(self._plans)
-
     def drop(self, key: PlanKey) -> None:
         """Forget a plan (its session goes once no batch runs it)."""
         with self._lock:
