@@ -364,8 +364,8 @@ def run() -> str:
         f"ratios {min(ratios):.3f} to {max(ratios):.3f}.",
         "Predicted = weights + live activation peak + allowance (convert.profile with convert.memory_model's CPU terms: "
         "8 MiB run workspace + 0.05 x live peak). Measured (convert.runtime_memory): peak RSS of a clean child "
-        "process over its baseline before session creation, in the server's configuration (no memory pattern, no CPU "
-        "arena, glibc's allocator set by configure_allocator as the server sets it at start), the high-water mark "
+        "process over its baseline before session creation, in the server's configuration (onnxruntime's memory "
+        "pattern for the one shape, no CPU arena, glibc's allocator set by configure_allocator as the server sets it at start), the high-water mark "
         "reset after session creation, whose own transient peak is the last column. MiB throughout.",
         "",
         "| model | input | batch | weights | activations, naive sum | activations, live peak | allowance | predicted | measured | predicted/measured | session-creation peak |",
@@ -384,9 +384,9 @@ def run() -> str:
         "### Cost of the predictable session options",
         "",
         f"efficientnet-lite0 dense, 384x384, batch 1, median of {SPEED_RUNS} runs: onnxruntime defaults "
-        f"{default_seconds * 1000:.0f} ms, no memory pattern + no CPU arena {predictable_seconds * 1000:.0f} ms "
-        f"(ratio {predictable_seconds / default_seconds:.2f}). With the defaults the arena's fragmentation and the "
-        "per-shape memory pattern measured 1.7-2x the live activations on a VGG-style graph.",
+        f"{default_seconds * 1000:.0f} ms, no CPU arena {predictable_seconds * 1000:.0f} ms "
+        f"(ratio {predictable_seconds / default_seconds:.2f}). With the arena its fragmentation measured 1.7-2x the "
+        "live activations on a VGG-style graph.",
         "",
         f"The allocator configuration (convert.runtime_memory.configure_allocator: a fixed 128 KiB mmap threshold, "
         f"heap top trimmed at once), same model and size, fresh processes: glibc defaults {glibc_ms:.0f} ms, "
