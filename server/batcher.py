@@ -4,8 +4,9 @@ As in Triton's dynamic batcher: the first waiting item waits at most `max_delay`
 key, up to a batch limit (the smaller of `max_batch` and what fits the memory budget). The queue
 is bounded (RESOURCE_EXHAUSTED when full); as Triton's queue policy, an item that waited longer
 than `max_queue` is refused before compute, and so is a request whose expected wait exceeds it or
-its deadline (`expected_wait`, asked before the image is even decoded). A cancelled request's
-items leave the queue at once.
+its deadline (`reserve`, asked before the image is even decoded). A request holds its places from
+then on, while it decodes, so requests admitted meanwhile count it. A cancelled request's items
+leave the queue at once.
 """
 
 from __future__ import annotations
@@ -25,6 +26,21 @@ LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting caller looks at its cancellation flag
 CLOSE_SECONDS = 10.0  # how long close waits for the batch being computed before leaving the (daemon) worker
 SMOOTHING = 0.2  # weight of the newest batch in the moving average of seconds per item
+
+
+class Reservation:
+    """Places a request holds in the queue from its admission until its items are queued (or it fails):
+    counted in the queue's room and the expected wait, so requests admitted while it decodes see it."""
+
+    def __init__(self, batcher: Batcher, items: int) -> None:
+        self._batcher = batcher
+        self.items = items
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._batcher.release(self)
 
 
 @dataclass(eq=False)
@@ -74,6 +90,7 @@ class Batcher:
         self._max_queue = max_queue_seconds
         self._on_batch = on_batch
         self._queue: list[Work] = []
+        self._reserved = 0  # places held by admitted requests still decoding
         self._condition = threading.Condition()
         self._closed = False
         self._busy_until = 0.0  # when the running batch is expected to end
@@ -88,41 +105,64 @@ class Batcher:
             return len(self._queue)
 
     def expected_wait(self) -> float:
-        """Seconds a new item would wait before it runs: the running batch and the queue ahead, at the recent pace."""
+        """Seconds a new item would wait before it runs: the running batch, then the queue and the places
+        reserved ahead, at the recent pace."""
         with self._condition:
-            running = max(0.0, self._busy_until - time.monotonic())
-            return running + len(self._queue) * self._seconds_per_item
+            return self._expected_wait()
 
-    def check_room(self, items: int, *, deadline: float | None) -> None:
-        """RESOURCE_EXHAUSTED (with a retry hint) when `items` more would overflow the queue or wait too long."""
-        with self._condition:
-            waiting = len(self._queue)
-        if waiting + items > self._queue_depth:
-            raise self._queue_full(waiting, items)
-        wait = self.expected_wait()
-        if wait > self._max_queue:
-            raise ScoringError(
-                Refusal.RESOURCE_EXHAUSTED,
-                f"overloaded: the expected wait in the queue is {1000 * wait:.0f} ms, beyond --max-queue-ms "
-                f"({1000 * self._max_queue:.0f} ms); retry with backoff",
-                retry_after_seconds=max(wait - self._max_queue, POLL_SECONDS),
-            )
-        done = wait + items * self._seconds_per_item
-        if deadline is not None and time.monotonic() + done > deadline:
-            raise ScoringError(
-                Refusal.RESOURCE_EXHAUSTED,
-                f"overloaded: the request would be done in about {1000 * done:.0f} ms, after the call's deadline "
-                f"({1000 * max(deadline - time.monotonic(), 0):.0f} ms from now); retry later or with a longer deadline",
-                retry_after_seconds=max(wait, POLL_SECONDS),
-            )
+    def _expected_wait(self) -> float:
+        running = max(0.0, self._busy_until - time.monotonic())
+        return running + (len(self._queue) + self._reserved) * self._seconds_per_item
 
-    def submit(self, works: Sequence[Work]) -> None:
-        """Queue all items of one request, or none: RESOURCE_EXHAUSTED when they would overflow the queue."""
+    def reserve(self, items: int, *, deadline: float | None) -> Reservation:
+        """Hold `items` places for a request about to decode; RESOURCE_EXHAUSTED (with a retry hint) when they
+        would overflow the queue, would not start within `max_queue` less a headroom, or would end after
+        `deadline`. The headroom, one item's time (at most half the limit): the wait is an estimate, and a
+        request admitted just under the limit would often pass it and be dropped after its decode, having
+        cost work and a second of its caller's time for a refusal."""
         with self._condition:
+            waiting = len(self._queue) + self._reserved
+            if waiting + items > self._queue_depth:
+                raise self._queue_full(waiting, items)
+            wait = self._expected_wait()
+            limit = self._max_queue - min(self._seconds_per_item, self._max_queue / 2)
+            if wait > limit:
+                raise ScoringError(
+                    Refusal.RESOURCE_EXHAUSTED,
+                    f"overloaded: the expected wait in the queue is {1000 * wait:.0f} ms, within one item's time "
+                    f"of --max-queue-ms ({1000 * self._max_queue:.0f} ms); retry with backoff",
+                    retry_after_seconds=max(wait - limit, POLL_SECONDS),
+                )
+            done = wait + items * self._seconds_per_item
+            if deadline is not None and time.monotonic() + done > deadline:
+                raise ScoringError(
+                    Refusal.RESOURCE_EXHAUSTED,
+                    f"overloaded: the request would be done in about {1000 * done:.0f} ms, after the call's "
+                    f"deadline ({1000 * max(deadline - time.monotonic(), 0):.0f} ms from now); retry later or with "
+                    "a longer deadline",
+                    retry_after_seconds=max(wait, POLL_SECONDS),
+                )
+            self._reserved += items
+            return Reservation(self, items)
+
+    def release(self, reservation: Reservation) -> None:
+        """Give back what `reservation` still holds (nothing once its items are queued)."""
+        with self._condition:
+            self._reserved -= reservation.items
+            reservation.items = 0
+
+    def submit(self, works: Sequence[Work], reservation: Reservation | None = None) -> None:
+        """Queue all items of one request, or none, in the places `reservation` held for them:
+        RESOURCE_EXHAUSTED when they would overflow the queue."""
+        with self._condition:
+            if reservation is not None:
+                self._reserved -= reservation.items
+                reservation.items = 0
             if self._closed:
                 raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down")
-            if len(self._queue) + len(works) > self._queue_depth:
-                raise self._queue_full(len(self._queue), len(works))
+            waiting = len(self._queue) + self._reserved
+            if waiting + len(works) > self._queue_depth:
+                raise self._queue_full(waiting, len(works))
             self._queue.extend(works)
             self._condition.notify_all()
 

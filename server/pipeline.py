@@ -35,7 +35,7 @@ from convert.card import CardError, ImageInput, Precision, batch_shape, label, r
 from protos import model_card_pb2, scoring_pb2
 from server import assemble, buckets, dense, imaging
 from server.admission import Admission, HostBudget, MemoryBudget, admit_host, available_memory_bytes
-from server.batcher import Batcher, Work
+from server.batcher import Batcher, Reservation, Work
 from server.device_graph import LATTICE, LATTICE_FP16, DeviceGraphError, scores_shape
 from server.engine import Engine, EngineError
 from server.errors import Refusal, ScoringError
@@ -90,6 +90,7 @@ class Order:
     jobs: list[assemble.ScaleJob]
     flips: tuple[bool, ...]
     host: HostEstimate
+    places: Reservation  # its items' places in the model's queue, held while it decodes
 
 
 @dataclass(eq=False)
@@ -354,7 +355,7 @@ class Pipeline:
         with self._idle:
             self._in_flight += 1
         try:
-            with self.host_budget.hold(order.host):
+            with order.places, self.host_budget.hold(order.host):
                 return self._fulfil(request, order, started=started, deadline=deadline, cancelled=cancelled,
                                     record=record)
         finally:
@@ -388,8 +389,8 @@ class Pipeline:
             native_stride=model.card.output_stride, output_stride=passes.stride, path=DEVICE_PASSES,
         )
         admit_host(host, limit_bytes=self.settings.max_request_host_bytes)
-        model.batcher.check_room(len(jobs) * len(flips), deadline=deadline)
-        return Order(model, passes, opened, jobs, flips, host)
+        places = model.batcher.reserve(len(jobs) * len(flips), deadline=deadline)
+        return Order(model, passes, opened, jobs, flips, host, places)
 
     def _canvases(self, order: Order) -> list[np.ndarray]:
         """Decode once, then per scale resize and put on the canvas, the mirror after: on a decoding thread."""
@@ -424,7 +425,7 @@ class Pipeline:
         del canvases
         preprocessed = time.monotonic()
 
-        model.batcher.submit(works)
+        model.batcher.submit(works, order.places)
         scored: list[Scored] = model.batcher.wait(works, cancelled=cancelled)
         computed = time.monotonic()
         queue = max(w.started - w.enqueued for w in works)

@@ -75,7 +75,7 @@ def test_a_full_queue_refuses_with_a_retry_hint_and_cancelled_calls_free_their_p
     wait_until_running(running[0])
     queued = works(8)
     batcher.submit(queued)
-    for refuse in (lambda: batcher.submit(works(1)), lambda: batcher.check_room(1, deadline=None)):
+    for refuse in (lambda: batcher.submit(works(1)), lambda: batcher.reserve(1, deadline=None)):
         with pytest.raises(ScoringError, match="queue full") as caught:
             refuse()
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
@@ -85,28 +85,60 @@ def test_a_full_queue_refuses_with_a_retry_hint_and_cancelled_calls_free_their_p
         batcher.wait(queued, cancelled=cancelled)
     assert caught.value.code == grpc.StatusCode.CANCELLED
     assert batcher.depth() == 0
-    batcher.check_room(8, deadline=None)  # room again
+    with batcher.reserve(8, deadline=None):  # room again
+        pass
     runner.gate.set()
     assert batcher.wait(running) == [0, 2, 4, 6]
 
 
-def test_expected_wait_beyond_the_deadline_or_the_queue_limit_is_refused_before_queueing():
+def paced_batcher(seconds_per_item: float, *, max_queue_seconds: float, queue_depth: int = 100) -> Batcher:
+    """A batcher whose recent pace is `seconds_per_item`, nothing running or queued."""
     runner = GatedRunner()
     runner.gate.set()
-    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.0, queue_depth=100, max_queue_seconds=0.5)
+    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.0, queue_depth=queue_depth,
+                      max_queue_seconds=max_queue_seconds)
+    paced = works(1)
+    batcher.submit(paced)
+    batcher.wait(paced)
+    batcher._seconds_per_item = seconds_per_item
+    return batcher
+
+
+def test_expected_wait_beyond_the_deadline_or_the_queue_limit_is_refused_before_queueing():
+    batcher = paced_batcher(0.1, max_queue_seconds=0.5)
     try:
-        paced = works(1)
-        batcher.submit(paced)
-        batcher.wait(paced)
-        batcher._seconds_per_item = 0.2  # the recent pace: 0.2 s per item
-        batcher.check_room(10, deadline=None)  # nothing ahead: its own run time is no queueing
-        batcher._queue.extend(works(3, "waiting"))  # 0.6 s ahead of a new request: beyond --max-queue-ms 0.5 s
+        with batcher.reserve(10, deadline=None):  # nothing ahead: its own run time is no queueing
+            pass
+        batcher._queue.extend(works(5, "waiting"))  # 0.5 s ahead: within one item's time of the 0.5 s limit
         with pytest.raises(ScoringError, match="--max-queue-ms") as caught:
-            batcher.check_room(1, deadline=None)
+            batcher.reserve(1, deadline=None)
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
+        del batcher._queue[:2]  # 0.3 s ahead: admitted
+        with batcher.reserve(1, deadline=None):
+            pass
         batcher._queue.clear()
         with pytest.raises(ScoringError, match="deadline"):
-            batcher.check_room(1, deadline=time.monotonic() + 0.1)  # 0.2 s of its own work
+            batcher.reserve(2, deadline=time.monotonic() + 0.1)  # 0.2 s of its own work
+    finally:
+        batcher.close()
+
+
+def test_places_of_requests_still_decoding_count_until_they_are_queued_or_given_back():
+    batcher = paced_batcher(0.1, max_queue_seconds=0.5, queue_depth=6)
+    try:
+        decoding = batcher.reserve(3, deadline=None)  # admitted, its image not yet decoded
+        assert batcher.expected_wait() == pytest.approx(0.3)
+        with pytest.raises(ScoringError, match="queue full"):
+            batcher.reserve(4, deadline=None)  # 3 held + 4 > 6 places
+        with batcher.reserve(2, deadline=None):  # 0.3 s ahead: admitted, and now 0.5 s are held
+            with pytest.raises(ScoringError, match="--max-queue-ms"):
+                batcher.reserve(1, deadline=None)
+        batcher.submit(works(3, "held"), decoding)  # its items take the places it held: counted once
+        assert batcher.depth() == 3 and batcher.expected_wait() == pytest.approx(0.3)
+        batcher._queue.clear()
+        with batcher.reserve(2, deadline=None) as failing:  # a request whose decode fails gives its places back
+            assert batcher.expected_wait() == pytest.approx(0.2)
+        assert failing.items == 0 and batcher.expected_wait() == 0
     finally:
         batcher.close()
 

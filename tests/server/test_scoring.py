@@ -1,6 +1,7 @@
 """The data path end to end on real onnxruntime sessions: plans of one shape each, canvases, passes, crops, flips."""
 
 import dataclasses
+import io
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -8,6 +9,7 @@ import grpc
 import numpy as np
 import onnx
 import pytest
+from PIL import Image
 
 from protos import scoring_pb2
 from server import plans
@@ -196,6 +198,35 @@ def test_a_full_queue_is_refused_before_the_image_is_decoded(pipeline_of):
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
         gate.set()
         assert first.result().top_k and second.result().top_k
+
+
+def test_a_request_still_decoding_holds_its_place_in_the_queue_until_it_is_queued_or_fails(pipeline_of):
+    pipeline = pipeline_of(patch_net(classes=3), queue_depth=1)
+    model = pipeline._model("")
+    gate, entered = threading.Event(), threading.Event()
+    decode = pipeline._canvases
+
+    def held(order):
+        entered.set()
+        gate.wait(10)
+        return decode(order)
+
+    pipeline._canvases = held
+    pixels = np.zeros((64, 64, 3), dtype=np.uint8)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(pipeline.score, raw(pixels))
+        assert entered.wait(10) and model.batcher.depth() == 0  # admitted, decoding, not queued yet
+        with pytest.raises(ScoringError, match="queue full"):
+            pipeline.score(raw(pixels))  # its place is taken all the same
+        gate.set()
+        assert first.result().top_k
+    pipeline._canvases = decode
+    encoded = io.BytesIO()
+    Image.fromarray(np.full((64, 64, 3), 9, np.uint8)).save(encoded, format="PNG")
+    truncated = scoring_pb2.ScoreRequest(encoded=encoded.getvalue()[:60])  # a readable header, no pixels
+    with pytest.raises(ScoringError, match="cannot decode"):
+        pipeline.score(truncated)
+    assert pipeline.score(raw(pixels)).top_k  # the failed request gave its place back
 
 
 def test_a_warm_up_failure_names_the_model_and_what_failed(tmp_path):
