@@ -51,9 +51,9 @@ class Settings:
     queue_depth: int = 128
     """Images waiting per model; beyond it new requests get RESOURCE_EXHAUSTED."""
     max_queue_ms: float = 1000.0
-    """Longest a pass may wait in the queue (Triton's queue policy): a request whose expected wait is
-    longer is refused before its image is decoded, and a pass that waited longer is dropped; both
-    RESOURCE_EXHAUSTED with a retry hint."""
+    """Longest a pass may wait in the queue (Triton's queue policy): a request expected to wait within
+    one item's time of it is refused before its image is decoded, and a pass that waited longer is
+    dropped; both RESOURCE_EXHAUSTED with a retry hint."""
     stream_window: int = 4
     """Requests of one ScoreStream scored concurrently (answers stay in order)."""
 
