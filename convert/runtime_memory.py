@@ -5,7 +5,7 @@
   glibc's defaults the mmap threshold grows to 32 MiB after the first large free, activations then
   come from the heap, fragment it and stay: the default model peaked at 110 MB for 512x512 (the
   prediction, 63 MB, was 0.57x of it) and a server's idle RSS ratcheted from 1.0 to 6.3 GB (issue
-  14); configured, 53-59 MB, within 4% of the prediction. `release_free_memory()` (malloc_trim) gives back the holes left
+  14); configured, within 7% of the prediction (bench_memory). `release_free_memory()` (malloc_trim) gives back the holes left
   inside the heaps after a large request.
 * `measure_footprint()`: what creating and warming up a plan (a session) really costs, in the
   running process: device memory (cudaMemGetInfo) on CUDA, resident set (current, not peak) on both.
@@ -68,10 +68,11 @@ TIMEOUT_SECONDS = 600
 # Allocations from this size up get their own mapping, unmapped when freed (glibc's initial
 # threshold; setting it also stops glibc raising it after large frees), so the resident set follows
 # the live activations the prediction counts. The price is CPU time, paid by the CPU provider only
-# (on a GPU the activations live on the device): every activation buffer is mapped and faulted in
-# afresh at each run, 1.2-1.7x slower default-model runs here (bench_memory measures it). A 32 MiB
-# threshold was measured too: runs as fast as glibc's defaults, but freed buffers below it stay in
-# the heap and the prediction fell to 0.44-0.91x of the measured peak, outside its +-25%.
+# (on a GPU the activations live on the device): a run's activation block (the memory pattern) is
+# mapped and faulted in afresh at each run, 1.12x slower default-model runs here (bench_memory
+# measures it). A 32 MiB threshold was measured too, without the memory pattern: runs as fast as
+# glibc's defaults, but freed buffers below it stayed in the heap and the prediction fell to
+# 0.44-0.91x of the measured peak, outside its +-25%.
 MMAP_THRESHOLD_BYTES = 128 * 1024
 # Free memory above the heap's top beyond this is returned at once.
 TRIM_THRESHOLD_BYTES = 0
