@@ -101,7 +101,7 @@ def load(opened: OpenedImage, *, largest: tuple[int, int]) -> Image.Image:
             needed = largest if (image.height, image.width) == (opened.height, opened.width) else largest[::-1]
             image.draft("RGB", (needed[1], needed[0]))
         image.load()
-        image = ImageOps.exif_transpose(image)
+        ImageOps.exif_transpose(image, in_place=True)  # not a copy of every upright image
     except (OSError, SyntaxError, ValueError) as error:
         raise ImageError(f"cannot decode the {image.format} image ({opened.encoded_bytes} bytes): {error}") from error
     return to_rgb(image)

@@ -596,7 +596,7 @@ class Pipeline:
         if planning:
             LOG.info("%s: planned %s in %.0f ms", model.name, key, 1000 * planning)
         pixels = np.empty((key.batch, key.height, key.width, 3), dtype=np.uint8)
-        pixels[:] = model.fill
+        pixels[len(items):] = model.fill  # the batch bucket's padding: the canvases hold their own fill
         valid = np.zeros((key.batch, *plan.lattice_shape[2:]), dtype=np.float32)
         for index, item in enumerate(items):
             pixels[index] = item.canvas
