@@ -47,27 +47,27 @@ def response_bytes(request: scoring_pb2.ScoreRequest, jobs: list[ScaleJob], *, c
     return total
 
 
-def scale_map(
-    request: scoring_pb2.ScoreRequest, job: ScaleJob, lattices: list[np.ndarray] | None, geometry: scoring_pb2.MapGeometry,
-    *, holes: bool,
-) -> scoring_pb2.ScaleMap:
-    """One scale's map message; `lattices` (unmirrored first, mirrored-back next) only when maps or cell top-k are asked."""
-    scale_map = scoring_pb2.ScaleMap(scale=job.scale, height=job.cells[0], width=job.cells[1], geometry=geometry)
+def fill_scale_map(
+    scale_map: scoring_pb2.ScaleMap, request: scoring_pb2.ScoreRequest, job: ScaleJob,
+    lattices: list[np.ndarray] | None, geometry: scoring_pb2.MapGeometry, *, holes: bool,
+) -> None:
+    """Fill one scale's map message in place (the response's own: a map's bytes are copied into it once);
+    `lattices` (unmirrored first, mirrored-back next) only when maps or cell top-k are asked."""
+    scale_map.scale, scale_map.height, scale_map.width = job.scale, *job.cells
+    scale_map.geometry.CopyFrom(geometry)
     if lattices is None:
-        return scale_map
+        return
     lattice = dense.average_flips(lattices)
     # A diagonal shift's unscored cells are NaN by contract; a NaN the net gave shows in the probabilities.
     require_finite(lattice[~np.isnan(lattice)] if holes else lattice, f"the score map at scale {job.scale}")
     if request.return_maps:
         chosen = lattice[list(request.classes)] if request.classes else lattice
         scale_map.classes.extend(request.classes)
-        dtype = "float16" if request.map_dtype == scoring_pb2.FLOAT16 else "float32"
-        scale_map.scores.CopyFrom(tensor(chosen, dtype))
+        write_tensor(scale_map.scores, chosen, "float16" if request.map_dtype == scoring_pb2.FLOAT16 else "float32")
     if request.cell_top_k:
         indices, values = dense.cell_top_k(lattice, request.cell_top_k)
-        scale_map.cell_top_k_indices.CopyFrom(tensor(indices, "int32"))
-        scale_map.cell_top_k_scores.CopyFrom(tensor(values, "float32"))
-    return scale_map
+        write_tensor(scale_map.cell_top_k_indices, indices, "int32")
+        write_tensor(scale_map.cell_top_k_scores, values, "float32")
 
 
 def image_top_k(probabilities: list[np.ndarray], k: int, labels) -> list[scoring_pb2.Label]:
@@ -86,7 +86,8 @@ def require_finite(values: np.ndarray, what: str) -> None:
         raise NonFiniteError(f"{what} holds {bad} NaN or infinite values out of {values.size}")
 
 
-def tensor(array: np.ndarray, dtype: str) -> scoring_pb2.Tensor:
-    """Packed little-endian bytes with dtype and shape."""
-    packed = np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<"))
-    return scoring_pb2.Tensor(dtype=dtype, shape=list(array.shape), data=packed.tobytes())
+def write_tensor(message: scoring_pb2.Tensor, array: np.ndarray, dtype: str) -> None:
+    """Packed little-endian bytes with dtype and shape, written into `message`."""
+    message.dtype = dtype
+    message.shape.extend(array.shape)
+    message.data = np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()

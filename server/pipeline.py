@@ -646,8 +646,8 @@ class Pipeline:
                     original=original, resized=job.resized, canvas=job.canvas, cells=job.cells,
                     stride=passes.stride, field_size=field.size, first_center=first,
                 )
-                response.maps.append(assemble.scale_map(
-                    request, job, lattices, geometry, holes=passes.shift == scoring_pb2.SHIFT_DIAGONAL))
+                assemble.fill_scale_map(response.maps.add(), request, job, lattices, geometry,
+                                        holes=passes.shift == scoring_pb2.SHIFT_DIAGONAL)
             response.top_k.extend(assemble.image_top_k(
                 probabilities, request.top_k or self.settings.default_top_k, model.label))
         except assemble.NonFiniteError as error:
