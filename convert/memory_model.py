@@ -9,7 +9,9 @@ numbers it was fitted on (issue 14):
 * CPU (onnxruntime 1.2x, CPU provider, `convert.runtime_memory.predictable_session_options`, the
   allocator as `configure_allocator` sets it): peak RSS over the process before the session was
   weights + live peak + 6-9 MiB on EfficientNet-Lite0 dense and VGG16 dense at 224-512 px, batch
-  1-4 (bench/RESULTS.md, 12 cases, predicted/measured 0.996-1.038). The CPU provider repacks
+  1-4, with onnxruntime's memory pattern off (12 cases, predicted/measured 0.996-1.038). With the
+  pattern on, as plans now run, the pattern's block holds up to 1.14x EfficientNet's live peak
+  (VGG16's 1.0x): predicted/measured 0.933-1.024 (bench/RESULTS.md). The CPU provider repacks
   convolution weights in place of the originals (no copy); of the 8 MiB constant, ~1 MiB stays with
   the session between runs (the resident set a warmed-up plan of a 0.1 MiB net left: 0.6-0.9 MiB)
   and the rest is the run's workspace; the 5% is the NCHWc reorders' channel padding.
@@ -61,7 +63,8 @@ PROVIDER_TERMS = {
     Device.CPU: ProviderTerms(
         weight_copies=0.0, session_bytes=1 * MiB, workspace_bytes=7 * MiB, activation_factor=1.05, keeps_run_memory=False,
         fitted_on="peak RSS, onnxruntime CPU provider, EfficientNet-Lite0 dense and VGG16 dense at 224/384/512 px, "
-                  "batch 1 and 4 (bench/RESULTS.md): 6-9 MiB over weights + live peak",
+                  "batch 1 and 4 (bench/RESULTS.md): 6-9 MiB over weights + live peak with the memory pattern off; "
+                  "with it on, predicted/measured 0.933-1.024",
     ),
     Device.CUDA: ProviderTerms(
         weight_copies=0.8, session_bytes=76 * MiB, workspace_bytes=66 * MiB, activation_factor=2.0, keeps_run_memory=True,

@@ -51,8 +51,10 @@ def fill_scale_map(
     scale_map: scoring_pb2.ScaleMap, request: scoring_pb2.ScoreRequest, job: ScaleJob,
     lattices: list[np.ndarray] | None, geometry: scoring_pb2.MapGeometry, *, holes: bool,
 ) -> None:
-    """Fill one scale's map message in place (the response's own: a map's bytes are copied into it once);
-    `lattices` (unmirrored first, mirrored-back next) only when maps or cell top-k are asked."""
+    """Fill one scale's map message in place, the response's own, so a map's bytes are copied twice (the
+    packed array, then protobuf's copy: the least Python allows; a message built apart and appended took
+    four); `lattices` (unmirrored first, mirrored-back next) only when maps or cell top-k are asked. On
+    NonFiniteError the message is left part-filled: the response is to be dropped."""
     scale_map.scale, scale_map.height, scale_map.width = job.scale, *job.cells
     scale_map.geometry.CopyFrom(geometry)
     if lattices is None:

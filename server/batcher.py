@@ -3,10 +3,11 @@
 As in Triton's dynamic batcher: the first waiting item waits at most `max_delay` for others of its
 key, up to a batch limit (the smaller of `max_batch` and what fits the memory budget). The queue
 is bounded (RESOURCE_EXHAUSTED when full); as Triton's queue policy, an item that waited longer
-than `max_queue` is refused before compute, and so is a request whose expected wait exceeds it or
-its deadline (`reserve`, asked before the image is even decoded). A request holds its places from
-then on, while it decodes, so requests admitted meanwhile count it. A cancelled request's items
-leave the queue at once.
+than `max_queue` is refused before compute, and so is a request not expected to start within it
+(less a margin for the estimate) or to end by its deadline (`reserve`, asked before the image is
+even decoded). A request holds its places from then on, while it decodes, so requests admitted
+meanwhile count it. The limit is on the wait for a request's first item: once that runs, its other
+items are its own work, not queueing. A cancelled request's items leave the queue at once.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Work:
     limit: int
     deadline: float | None
     enqueued: float = field(default_factory=time.monotonic)
+    request: Sequence[Work] = ()  # every item of its request, this one included (set by `submit`)
     started: float = 0.0
     run_seconds: float = 0.0
     batch_id: int = -1
@@ -104,34 +106,33 @@ class Batcher:
         with self._condition:
             return len(self._queue)
 
-    def expected_wait(self) -> float:
-        """Seconds a new item would wait before it runs: the running batch, then the queue and the places
-        reserved ahead, at the recent pace."""
-        with self._condition:
-            return self._expected_wait()
-
     def _expected_wait(self) -> float:
+        """Seconds a new item would wait before it runs: the running batch, then the queue and the places
+        reserved ahead, at the recent pace (under the condition's lock)."""
         running = max(0.0, self._busy_until - time.monotonic())
         return running + (len(self._queue) + self._reserved) * self._seconds_per_item
 
     def reserve(self, items: int, *, deadline: float | None) -> Reservation:
-        """Hold `items` places for a request about to decode; RESOURCE_EXHAUSTED (with a retry hint) when they
-        would overflow the queue, would not start within `max_queue` less a headroom, or would end after
-        `deadline`. The headroom, one item's time (at most half the limit): the wait is an estimate, and a
-        request admitted just under the limit would often pass it and be dropped after its decode, having
-        cost work and a second of its caller's time for a refusal."""
+        """Hold `items` places for a request about to decode; UNAVAILABLE once closed, RESOURCE_EXHAUSTED
+        (with a retry hint) when they would overflow the queue, would not start within `max_queue` less a
+        margin, or would end after `deadline`. The margin, one item's time (at most half the limit) when
+        items wait ahead: the wait is an estimate, and a request admitted just under the limit would often
+        pass it and be dropped after its decode, having cost work and its caller's time for a refusal."""
         with self._condition:
+            if self._closed:
+                raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down")
             waiting = len(self._queue) + self._reserved
             if waiting + items > self._queue_depth:
                 raise self._queue_full(waiting, items)
             wait = self._expected_wait()
-            limit = self._max_queue - min(self._seconds_per_item, self._max_queue / 2)
-            if wait > limit:
+            margin = min(self._seconds_per_item, self._max_queue / 2) if waiting else 0.0
+            if wait > self._max_queue - margin:
                 raise ScoringError(
                     Refusal.RESOURCE_EXHAUSTED,
-                    f"overloaded: the expected wait in the queue is {1000 * wait:.0f} ms, within one item's time "
-                    f"of --max-queue-ms ({1000 * self._max_queue:.0f} ms); retry with backoff",
-                    retry_after_seconds=max(wait - limit, POLL_SECONDS),
+                    f"overloaded: the expected wait in the queue is {1000 * wait:.0f} ms, beyond --max-queue-ms "
+                    f"({1000 * self._max_queue:.0f} ms) less a margin of one item's time ({1000 * margin:.0f} ms) "
+                    "for the estimate; retry with backoff",
+                    retry_after_seconds=max(wait + margin - self._max_queue, POLL_SECONDS),
                 )
             done = wait + items * self._seconds_per_item
             if deadline is not None and time.monotonic() + done > deadline:
@@ -154,6 +155,10 @@ class Batcher:
     def submit(self, works: Sequence[Work], reservation: Reservation | None = None) -> None:
         """Queue all items of one request, or none, in the places `reservation` held for them:
         RESOURCE_EXHAUSTED when they would overflow the queue."""
+        if reservation is not None and reservation.items != len(works):
+            raise ValueError(f"{len(works)} items submitted in {reservation.items} reserved places")
+        for work in works:
+            work.request = works
         with self._condition:
             if reservation is not None:
                 self._reserved -= reservation.items
@@ -169,7 +174,8 @@ class Batcher:
     def _queue_full(self, waiting: int, adding: int) -> ScoringError:
         return ScoringError(
             Refusal.RESOURCE_EXHAUSTED,
-            f"queue full: {waiting} items waiting, this request adds {adding}, the limit is {self._queue_depth} "
+            f"queue full: {waiting} items waiting or decoding, this request adds {adding}, the limit is "
+            f"{self._queue_depth} "
             "(--queue-depth); retry with backoff",
             retry_after_seconds=max(self._seconds_per_item * adding, POLL_SECONDS),
         )
@@ -245,7 +251,7 @@ class Batcher:
                     Refusal.DEADLINE_EXCEEDED,
                     f"the deadline passed after {1000 * waited:.0f} ms in the queue; dropped before compute",
                 ))
-            elif waited > self._max_queue:
+            elif waited > self._max_queue and not any(item.started for item in work.request):
                 work.fail(ScoringError(
                     Refusal.RESOURCE_EXHAUSTED,
                     f"overloaded: waited {1000 * waited:.0f} ms in the queue, beyond --max-queue-ms "

@@ -84,7 +84,7 @@ class Engine:
     def options(self) -> onnxruntime.SessionOptions:
         """The options under which admission's prediction (convert.profile) was validated; on the GPU one
         intra-op thread that does not spin, since the host only launches kernels."""
-        options = predictable_session_options()
+        options = predictable_session_options(on_gpu=self.on_gpu)
         options.log_severity_level = 3
         # No spinning: a server holds many plans, each with its own thread pool, and spinning pools of
         # idle plans would take the cores from the one that runs.

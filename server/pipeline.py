@@ -352,14 +352,15 @@ class Pipeline:
         `record` False for the server's own warm-up (not traffic, not in the metrics)."""
         started = time.monotonic()
         order = self._admit(request, deadline=deadline)
-        with self._idle:
-            self._in_flight += 1
-        try:
-            with order.places, self.host_budget.hold(order.host):
-                return self._fulfil(request, order, started=started, deadline=deadline, cancelled=cancelled,
-                                    record=record)
-        finally:
-            self._finished(order.host.total)
+        with order.places:  # given back unless its items are queued
+            with self._idle:
+                self._in_flight += 1
+            try:
+                with self.host_budget.hold(order.host):
+                    return self._fulfil(request, order, started=started, deadline=deadline, cancelled=cancelled,
+                                        record=record)
+            finally:
+                self._finished(order.host.total)
 
     def _finished(self, held_bytes: int) -> None:
         """When the last request in flight ends and requests have held `TRIM_AFTER_BYTES` since the last
@@ -425,6 +426,8 @@ class Pipeline:
         del canvases
         preprocessed = time.monotonic()
 
+        if cancelled is not None and cancelled.is_set():  # the caller left while its image decoded
+            raise ScoringError(Refusal.CANCELLED, "the call was cancelled")
         model.batcher.submit(works, order.places)
         scored: list[Scored] = model.batcher.wait(works, cancelled=cancelled)
         computed = time.monotonic()

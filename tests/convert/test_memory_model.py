@@ -35,11 +35,11 @@ def test_the_recorded_inputs_are_the_profiles_of_the_measured_graphs(profiles):
 
 
 def test_the_cpu_terms_are_the_validated_cpu_prediction():
-    """weights + 1.05 x live peak + 8 MiB: within 4% of onnxruntime's CPU peak (bench/RESULTS.md)."""
-    recorded = [(17.7, 6.3, 32.4), (17.7, 74.2, 100.4), (527.8, 25.1, 559.2), (527.8, 524.0, 1058.1)]
+    """weights + 1.05 x live peak + 8 MiB: within 7% of onnxruntime's CPU peak, memory pattern on (bench/RESULTS.md)."""
+    recorded = [(17.7, 6.3, 33.0), (17.7, 132.0, 176.0), (527.8, 25.1, 559.4), (527.8, 524.0, 1060.3)]
     for weights_mib, peak_mib, measured_mib in recorded:
         terms = predict(Device.CPU, weights_bytes=int(weights_mib * MiB), peak_activation_bytes=int(peak_mib * MiB))
-        assert abs(terms.total / (measured_mib * MiB) - 1) <= 0.05
+        assert abs(terms.total / (measured_mib * MiB) - 1) <= 0.07
         assert terms.weight_copies == 0 and terms.session_state + terms.run_workspace == 8 * MiB
 
 

@@ -92,14 +92,10 @@ def test_a_full_queue_refuses_with_a_retry_hint_and_cancelled_calls_free_their_p
 
 
 def paced_batcher(seconds_per_item: float, *, max_queue_seconds: float, queue_depth: int = 100) -> Batcher:
-    """A batcher whose recent pace is `seconds_per_item`, nothing running or queued."""
-    runner = GatedRunner()
-    runner.gate.set()
-    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.0, queue_depth=queue_depth,
+    """A batcher whose recent pace is `seconds_per_item` and whose worker takes nothing (it waits a minute
+    for a batch to fill): what is queued stays queued."""
+    batcher = Batcher(GatedRunner(), max_batch=100, max_delay_seconds=60, queue_depth=queue_depth,
                       max_queue_seconds=max_queue_seconds)
-    paced = works(1)
-    batcher.submit(paced)
-    batcher.wait(paced)
     batcher._seconds_per_item = seconds_per_item
     return batcher
 
@@ -121,25 +117,59 @@ def test_expected_wait_beyond_the_deadline_or_the_queue_limit_is_refused_before_
             batcher.reserve(2, deadline=time.monotonic() + 0.1)  # 0.2 s of its own work
     finally:
         batcher.close()
+    with pytest.raises(ScoringError, match="shutting down") as caught:
+        batcher.reserve(1, deadline=None)
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_margin_is_kept_only_when_items_wait_ahead():
+    batcher = paced_batcher(0.6, max_queue_seconds=1.0)  # a slow model: 0.6 s an item
+    try:
+        batcher._busy_until = time.monotonic() + 0.55  # only the running batch ahead, 0.55 s from its end
+        with batcher.reserve(1, deadline=None):  # admitted: it starts within the limit, nothing to misjudge
+            pass
+        batcher._queue.extend(works(1, "waiting"))  # 1.15 s ahead
+        with pytest.raises(ScoringError, match="--max-queue-ms"):
+            batcher.reserve(1, deadline=None)
+    finally:
+        batcher.close()
 
 
 def test_places_of_requests_still_decoding_count_until_they_are_queued_or_given_back():
     batcher = paced_batcher(0.1, max_queue_seconds=0.5, queue_depth=6)
     try:
         decoding = batcher.reserve(3, deadline=None)  # admitted, its image not yet decoded
-        assert batcher.expected_wait() == pytest.approx(0.3)
+        assert batcher._expected_wait() == pytest.approx(0.3)
         with pytest.raises(ScoringError, match="queue full"):
             batcher.reserve(4, deadline=None)  # 3 held + 4 > 6 places
         with batcher.reserve(2, deadline=None):  # 0.3 s ahead: admitted, and now 0.5 s are held
             with pytest.raises(ScoringError, match="--max-queue-ms"):
                 batcher.reserve(1, deadline=None)
         batcher.submit(works(3, "held"), decoding)  # its items take the places it held: counted once
-        assert batcher.depth() == 3 and batcher.expected_wait() == pytest.approx(0.3)
+        assert batcher.depth() == 3 and batcher._expected_wait() == pytest.approx(0.3)
         batcher._queue.clear()
         with batcher.reserve(2, deadline=None) as failing:  # a request whose decode fails gives its places back
-            assert batcher.expected_wait() == pytest.approx(0.2)
-        assert failing.items == 0 and batcher.expected_wait() == 0
+            assert batcher._expected_wait() == pytest.approx(0.2)
+        assert failing.items == 0 and batcher._expected_wait() == 0
     finally:
+        batcher.close()
+
+
+def test_a_requests_later_items_are_its_own_work_not_queueing():
+    runner = GatedRunner()
+    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.0, queue_depth=8, max_queue_seconds=0.05)
+    try:
+        mine, behind = works(3), works(1, "b")
+        batcher.submit(mine)
+        wait_until_running(mine[0])
+        batcher.submit(behind)
+        time.sleep(0.1)  # every queued item has now waited beyond the 50 ms limit
+        runner.gate.set()
+        assert batcher.wait(mine) == [0, 2, 4]  # its first item ran in time: the others run after it
+        with pytest.raises(ScoringError, match="max-queue-ms"):
+            batcher.wait(behind)  # another request's item that never started is dropped
+    finally:
+        runner.gate.set()
         batcher.close()
 
 

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import scoring_pb2, scoring_pb2_grpc
-from server.main import main, model_sources, parse_args, settings_from
+from server.main import StartRefused, main, model_sources, parse_args, settings_from
 
 PIXELS = np.random.default_rng(5).integers(0, 256, (64, 64, 3), dtype=np.uint8)
 
@@ -43,6 +43,9 @@ def test_flags_become_settings():
     assert settings.stream_idle_seconds == 5 and settings.max_calls_per_peer == 3 and settings.expose_paths
     assert settings.shape_buckets == ((384, 512), (512, 384)) and settings.max_request_host_bytes == 2**30
     assert parse_args(["m.onnx"]).host == "127.0.0.1"
+    for wait in ("0", "-5"):
+        with pytest.raises(StartRefused, match="--max-queue-ms must be above 0"):
+            settings_from(parse_args(["m.onnx", "--max-queue-ms", wait]))
 
 
 def test_models_are_paths_or_all_named(tmp_path, capsys):

@@ -229,6 +229,28 @@ def test_a_request_still_decoding_holds_its_place_in_the_queue_until_it_is_queue
     assert pipeline.score(raw(pixels)).top_k  # the failed request gave its place back
 
 
+def test_a_call_cancelled_while_its_image_decodes_is_never_queued(pipeline_of):
+    pipeline = pipeline_of(patch_net(classes=3), queue_depth=1)
+    model = pipeline._model("")
+    ran = []
+    run = model.batcher._run
+    model.batcher._run = lambda works: ran.append(works) or run(works)
+    cancelled = threading.Event()
+    decode = pipeline._canvases
+
+    def decode_then_leave(order):
+        canvases = decode(order)
+        cancelled.set()  # the caller hangs up meanwhile
+        return canvases
+
+    pipeline._canvases = decode_then_leave
+    with pytest.raises(ScoringError) as caught:
+        pipeline.score(raw(np.zeros((64, 64, 3), dtype=np.uint8)), cancelled=cancelled)
+    assert caught.value.code == grpc.StatusCode.CANCELLED and not ran
+    pipeline._canvases = decode
+    assert pipeline.score(raw(np.zeros((64, 64, 3), dtype=np.uint8))).top_k  # its place was given back
+
+
 def test_a_warm_up_failure_names_the_model_and_what_failed(tmp_path):
     net = patch_net(classes=3)  # its scores reshaped to one cell: it loads (32 x 32) but no larger plan runs
     net.graph.node[0].output[0] = "cells"
