@@ -45,6 +45,15 @@ class Reservation:
 
 
 @dataclass(eq=False)
+class RequestStart:
+    """What the items of one request share: whether one of them has started (its later items are then
+    its own work, not queueing). No reference back to the items: a cycle would keep their canvases
+    alive until the garbage collector runs."""
+
+    started: bool = False
+
+
+@dataclass(eq=False)
 class Work:
     """One item: its plan group `key`, what the runner needs, and what it gave back."""
 
@@ -53,7 +62,7 @@ class Work:
     limit: int
     deadline: float | None
     enqueued: float = field(default_factory=time.monotonic)
-    request: Sequence[Work] = ()  # every item of its request, this one included (set by `submit`)
+    request: RequestStart = field(default_factory=RequestStart)  # shared by its request's items (`submit`)
     started: float = 0.0
     run_seconds: float = 0.0
     batch_id: int = -1
@@ -157,8 +166,9 @@ class Batcher:
         RESOURCE_EXHAUSTED when they would overflow the queue."""
         if reservation is not None and reservation.items != len(works):
             raise ValueError(f"{len(works)} items submitted in {reservation.items} reserved places")
+        shared = RequestStart()
         for work in works:
-            work.request = works
+            work.request = shared
         with self._condition:
             if reservation is not None:
                 self._reserved -= reservation.items
@@ -239,6 +249,7 @@ class Batcher:
                 self._busy_until = started + self._seconds_per_item * len(same)
                 for work in same:  # marked under the lock, so a cancel sees them as started
                     work.started, work.batch_id, work.batch_size = started, batch_id, len(same)
+                    work.request.started = True
                 return same
 
     def _drop_expired(self) -> None:
@@ -251,7 +262,7 @@ class Batcher:
                     Refusal.DEADLINE_EXCEEDED,
                     f"the deadline passed after {1000 * waited:.0f} ms in the queue; dropped before compute",
                 ))
-            elif waited > self._max_queue and not any(item.started for item in work.request):
+            elif waited > self._max_queue and not work.request.started:
                 work.fail(ScoringError(
                     Refusal.RESOURCE_EXHAUSTED,
                     f"overloaded: waited {1000 * waited:.0f} ms in the queue, beyond --max-queue-ms "
