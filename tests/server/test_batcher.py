@@ -155,38 +155,21 @@ def test_places_of_requests_still_decoding_count_until_they_are_queued_or_given_
         batcher.close()
 
 
-def test_a_requests_later_items_are_its_own_work_not_queueing():
+def test_items_waiting_longer_than_the_queue_limit_are_dropped_before_compute_but_not_a_started_requests():
     runner = GatedRunner()
     batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.0, queue_depth=8, max_queue_seconds=0.05)
     try:
-        mine, behind = works(3), works(1, "b")
-        batcher.submit(mine)
-        wait_until_running(mine[0])
-        batcher.submit(behind)
+        running, late = works(3), works(1, "b")
+        batcher.submit(running)
+        wait_until_running(running[0])
+        batcher.submit(late)
         time.sleep(0.1)  # every queued item has now waited beyond the 50 ms limit
         runner.gate.set()
-        assert batcher.wait(mine) == [0, 2, 4]  # its first item ran in time: the others run after it
-        with pytest.raises(ScoringError, match="max-queue-ms"):
-            batcher.wait(behind)  # another request's item that never started is dropped
-    finally:
-        runner.gate.set()
-        batcher.close()
-
-
-def test_items_waiting_longer_than_the_queue_limit_are_dropped_before_compute():
-    runner = GatedRunner()
-    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.0, queue_depth=8, max_queue_seconds=0.05)
-    try:
-        blocker, late = works(1), works(1, "b")
-        batcher.submit(blocker)
-        wait_until_running(blocker[0])
-        batcher.submit(late)
-        time.sleep(0.1)
-        runner.gate.set()
+        assert batcher.wait(running) == [0, 2, 4]  # its first item ran in time: the others are its own work
         with pytest.raises(ScoringError, match="max-queue-ms") as caught:
-            batcher.wait(late)
+            batcher.wait(late)  # another request's item that never started is dropped
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert [len(batch) for batch in runner.batches] == [1]  # the late item never ran
+        assert [len(batch) for batch in runner.batches] == [1, 1, 1]  # the late item never ran
     finally:
         runner.gate.set()
         batcher.close()
