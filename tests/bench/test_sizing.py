@@ -60,3 +60,11 @@ def test_the_command_prints_units_and_memory_per_plan(tmp_path, capsys):
     assert "| GPU gRPC: grid | 610.50 | GPU | 6 |" in out
     cpu_mib = profile_model(str(tmp_path / "tiny.onnx"), height=64, width=96, batch=1, device=Device.CPU)
     assert f"| 64x96 | stride 32, batch 1 | {cpu_mib.predicted_peak_bytes / 2**20:,.0f} |" in out
+
+
+def test_the_repositorys_own_results_give_every_cpu_rate():
+    """The sections bench/RESULTS.md holds now are read, whatever their modules last wrote."""
+    from bench.__main__ import HERE, read_sections
+
+    found = {rate.source for rate in rates(read_sections(HERE / "RESULTS.md")) if rate.per_unit > 0}
+    assert {"bench_host median", "bench_server best level"} <= found
