@@ -111,9 +111,9 @@ class Batcher:
         self._thread.start()
 
     def depth(self) -> int:
-        """Items waiting (not yet running)."""
+        """Items waiting to run or still decoding (their places held): what `queue_depth` bounds."""
         with self._condition:
-            return len(self._queue)
+            return len(self._queue) + self._reserved
 
     def _expected_wait(self) -> float:
         """Seconds a new item would wait before it runs: the running batch, then the queue and the places

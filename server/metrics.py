@@ -56,7 +56,7 @@ class Metrics:
             ["model"], registry=self.registry,
         )
         self.in_flight = Gauge("scoremap_in_flight", "Calls in the servicer", registry=self.registry)
-        self.queue_depth = Gauge("scoremap_queue_depth", "Images (scales or mirrors) waiting for a batch", ["model"], registry=self.registry)
+        self.queue_depth = Gauge("scoremap_queue_depth", "Images (scales or mirrors) waiting for a batch or still decoding (--queue-depth bounds it)", ["model"], registry=self.registry)
         self._http = None
 
     def count_request(self, method: str, code: str, model: str = NO_MODEL) -> None:
@@ -75,7 +75,7 @@ class Metrics:
             self.batch_memory.labels(model).observe(predicted_bytes)
 
     def track_queue(self, model: str, depth: Callable[[], float]) -> None:
-        """Read `depth()` (passes waiting for `model`) at each scrape."""
+        """Read `depth()` (images waiting or decoding for `model`) at each scrape."""
         self.queue_depth.labels(model).set_function(depth)
 
     def serve(self, *, port: int, address: str) -> int:

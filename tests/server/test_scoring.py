@@ -215,7 +215,7 @@ def test_a_request_still_decoding_holds_its_place_in_the_queue_until_it_is_queue
     pixels = np.zeros((64, 64, 3), dtype=np.uint8)
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(pipeline.score, raw(pixels))
-        assert entered.wait(10) and model.batcher.depth() == 0  # admitted, decoding, not queued yet
+        assert entered.wait(10) and model.batcher.depth() == 1  # admitted and decoding: its place is held
         with pytest.raises(ScoringError, match="queue full"):
             pipeline.score(raw(pixels))  # its place is taken all the same
         gate.set()
