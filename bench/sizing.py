@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import onnx
 
 from bench.__main__ import HERE, read_sections
-from bench.bench_host import WALL_COLUMN
+from bench.bench_host import HOST_COLUMN
 from convert.card import read_card
 from convert.memory_model import Device
 from convert.profile import parse_bytes, profile_model
@@ -71,7 +71,7 @@ def rates(sections: dict[str, str]) -> list[Rate]:
         section = sections["bench_host"]
         for row in tables(section)[0]:
             found.append(Rate(f"host path, the most a core feeds a GPU (null model): {row['request']}",
-                              1000 / float(row[WALL_COLUMN]) / cores(section), "core", "bench_host median"))
+                              1000 / float(row[HOST_COLUMN]), "core", "bench_host fastest host path"))
     if "bench_server" in sections:
         section = sections["bench_server"]
         best = max(float(value) for row in tables(section)[0] for column, value in row.items() if "req/s" in column)

@@ -72,7 +72,7 @@ class Work:
     done: threading.Event = field(default_factory=threading.Event)
 
     def fail(self, error: ScoringError) -> None:
-        self.error = error
+        self.error = error.detached()
         self.done.set()
 
 
@@ -136,11 +136,11 @@ class Batcher:
             wait = self._expected_wait()
             margin = min(self._seconds_per_item, self._max_queue / 2) if waiting else 0.0
             if wait > self._max_queue - margin:
+                kept = f" less {1000 * margin:.0f} ms kept as a margin for the estimate" if margin else ""
                 raise ScoringError(
                     Refusal.RESOURCE_EXHAUSTED,
                     f"overloaded: the expected wait in the queue is {1000 * wait:.0f} ms, beyond --max-queue-ms "
-                    f"({1000 * self._max_queue:.0f} ms) less a margin of one item's time ({1000 * margin:.0f} ms) "
-                    "for the estimate; retry with backoff",
+                    f"({1000 * self._max_queue:.0f} ms){kept}; retry with backoff",
                     retry_after_seconds=max(wait + margin - self._max_queue, POLL_SECONDS),
                 )
             done = wait + items * self._seconds_per_item
@@ -166,9 +166,9 @@ class Batcher:
         RESOURCE_EXHAUSTED when they would overflow the queue."""
         if reservation is not None and reservation.items != len(works):
             raise ValueError(f"{len(works)} items submitted in {reservation.items} reserved places")
-        shared = RequestStart()
-        for work in works:
-            work.request = shared
+        shared, now = RequestStart(), time.monotonic()
+        for work in works:  # one request: its items expire together
+            work.request, work.enqueued = shared, now
         with self._condition:
             if reservation is not None:
                 self._reserved -= reservation.items
@@ -214,7 +214,7 @@ class Batcher:
                         )
             if work.error is not None:
                 self.cancel(works)
-                raise work.error
+                raise work.error.detached()  # a fresh one per caller: a batch's items share their error
         return [work.result for work in works]
 
     def close(self) -> None:
@@ -275,30 +275,33 @@ class Batcher:
 
     def _loop(self) -> None:
         while (batch := self._take_batch()) is not None:
-            if self._on_batch is not None:
-                try:
-                    self._on_batch(batch)
-                except Exception:  # a failing metrics hook is a bug to log, never a reason to stop serving
-                    LOG.exception("the batch hook failed; the batch runs anyway")
-            started = time.monotonic()
+            self._run_batch(batch)
+            del batch  # an idle worker must not keep the last batch's arrays alive
+
+    def _run_batch(self, batch: list[Work]) -> None:
+        if self._on_batch is not None:
             try:
-                results = self._run(batch)
-            except ScoringError as error:  # a refusal found at run time (a plan that cannot be made)
-                for work in batch:
-                    work.fail(error)
-                continue
-            except Exception as error:  # a failed run fails its batch, never the worker
-                LOG.exception("inference failed")
-                failure = ScoringError(Refusal.INTERNAL, f"inference failed: {error}")
-                for work in batch:
-                    work.fail(failure)
-                continue
-            elapsed = time.monotonic() - started
-            setup = sum(getattr(result, "planning_seconds", 0.0) for result in results)
-            per_item = max(elapsed - setup, 0.0) / len(batch)
-            with self._condition:
-                self._seconds_per_item = per_item if not self._seconds_per_item else (
-                    SMOOTHING * per_item + (1 - SMOOTHING) * self._seconds_per_item)
-            for work, result in zip(batch, results):
-                work.result, work.run_seconds = result, elapsed - setup
-                work.done.set()
+                self._on_batch(batch)
+            except Exception:  # a failing metrics hook is a bug to log, never a reason to stop serving
+                LOG.exception("the batch hook failed; the batch runs anyway")
+        started = time.monotonic()
+        try:
+            results = self._run(batch)
+        except ScoringError as error:  # a refusal found at run time (a plan that cannot be made)
+            for work in batch:
+                work.fail(error)
+            return
+        except Exception as error:  # a failed run fails its batch, never the worker
+            LOG.exception("inference failed")
+            for work in batch:
+                work.fail(ScoringError(Refusal.INTERNAL, f"inference failed: {error}"))
+            return
+        elapsed = time.monotonic() - started
+        setup = sum(getattr(result, "planning_seconds", 0.0) for result in results)
+        per_item = max(elapsed - setup, 0.0) / len(batch)
+        with self._condition:
+            self._seconds_per_item = per_item if not self._seconds_per_item else (
+                SMOOTHING * per_item + (1 - SMOOTHING) * self._seconds_per_item)
+        for work, result in zip(batch, results):
+            work.result, work.run_seconds = result, elapsed - setup
+            work.done.set()

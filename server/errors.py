@@ -41,6 +41,11 @@ class ScoringError(Exception):
         self.message = message
         self.retry_after_seconds = retry_after_seconds
 
+    def detached(self) -> ScoringError:
+        """The same refusal with no traceback or cause: safe to keep or raise again, where a raised one's
+        frames would keep the request's arrays alive (a reference cycle, freed only by the collector)."""
+        return ScoringError(self.refusal, self.message, retry_after_seconds=self.retry_after_seconds)
+
     @property
     def code(self) -> grpc.StatusCode:
         """The gRPC status the edge answers with."""

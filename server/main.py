@@ -324,8 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     batching.add_argument("--queue-depth", metavar="N", type=int, default=defaults.queue_depth,
                           help="images (a scale or its mirror) waiting per model before RESOURCE_EXHAUSTED")
     batching.add_argument("--max-queue-ms", metavar="MS", type=float, default=defaults.max_queue_ms,
-                          help="longest a request may wait in the queue; one not expected to start within it "
-                               "(less one item's time as a margin) is refused before decoding")
+                          help="longest a request may wait before its first image runs; one not expected to "
+                               "start within it (less one item's time, at most half, when items wait "
+                               "ahead) is refused before decoding")
     batching.add_argument("--stream-window", metavar="N", type=int, default=defaults.stream_window,
                           help="requests of one ScoreStream scored at once (answers stay in order)")
     batching.add_argument("--memory-budget", metavar="SIZE", help="predicted peak memory allowed per batch, e.g. 2GiB "

@@ -51,10 +51,10 @@ class Settings:
     queue_depth: int = 128
     """Images waiting per model; beyond it new requests get RESOURCE_EXHAUSTED."""
     max_queue_ms: float = 1000.0
-    """Longest a request may wait in the queue for its first pass (Triton's queue policy): a request not
-    expected to start within it, less a margin of one item's time when items wait ahead, is refused
-    before its image is decoded, and one that waited longer is dropped; both RESOURCE_EXHAUSTED with
-    a retry hint."""
+    """Longest a request may wait before its first image (a scale or its mirror) runs, as Triton's queue
+    policy: a request not expected to start within it, less a margin of one item's time (at most half
+    the limit) when items wait ahead, is refused before its image is decoded, and one that waited
+    longer is dropped; both RESOURCE_EXHAUSTED with a retry hint."""
     stream_window: int = 4
     """Requests of one ScoreStream scored concurrently (answers stay in order)."""
 

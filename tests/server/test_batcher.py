@@ -1,15 +1,19 @@
 """The batcher's queue rules, with a runner held by an event: nothing here depends on how fast a model is."""
 
+import contextlib
 import dataclasses
+import gc
 import threading
 import time
+import weakref
 
 import grpc
 import numpy as np
 import pytest
 
+from server import batcher as batcher_module
 from server.batcher import Batcher, Work
-from server.errors import ScoringError
+from server.errors import Refusal, ScoringError
 from server.metrics import Metrics
 from server.pipeline import Pipeline
 from server.settings import Settings
@@ -171,6 +175,57 @@ def test_items_waiting_longer_than_the_queue_limit_are_dropped_before_compute_bu
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert [len(batch) for batch in runner.batches] == [1, 1, 1]  # the late item never ran
     finally:
+        runner.gate.set()
+        batcher.close()
+
+
+class OutcomeRunner:
+    """Runs a batch as `outcome` says; a batch keyed "blocker" waits for `gate`."""
+
+    def __init__(self, outcome: str) -> None:
+        self.outcome = outcome
+        self.gate = threading.Event()
+
+    def __call__(self, works: list[Work]) -> list:
+        if works[0].key == "blocker":
+            self.gate.wait(10)
+        elif self.outcome == "refused":
+            raise ScoringError(Refusal.FAILED_PRECONDITION, "no plan for this shape")
+        elif self.outcome == "crashed":
+            raise RuntimeError("a kernel failed")
+        return [0.0 for _ in works]
+
+
+def finished_request(batcher: Batcher) -> weakref.ref:
+    """Score one request whose payload only the request holds; a weak reference to that payload."""
+    payload = np.ones(1024)
+    works = [Work("a", payload, 1, None), Work("a", payload, 1, None)]
+    batcher.submit(works)
+    with contextlib.suppress(ScoringError):
+        batcher.wait(works)
+    return weakref.ref(payload)
+
+
+@pytest.mark.parametrize("outcome", ["scored", "refused", "crashed", "dropped"])
+def test_a_requests_arrays_are_freed_when_it_ends_without_the_garbage_collector(outcome, monkeypatch):
+    monkeypatch.setattr(batcher_module.LOG, "propagate", False)  # pytest's log capture keeps tracebacks
+    runner = OutcomeRunner(outcome)
+    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.0, queue_depth=8,
+                      max_queue_seconds=0.05 if outcome == "dropped" else 60)
+    gc.disable()  # a reference cycle would keep the payload until the collector ran
+    try:
+        if outcome == "dropped":
+            blocker = works(1, "blocker")
+            batcher.submit(blocker)
+            wait_until_running(blocker[0])
+            threading.Timer(0.1, runner.gate.set).start()  # the request waits past the limit meanwhile
+        alive = finished_request(batcher)
+        patience = time.monotonic() + 5  # the worker may still be leaving the batch
+        while alive() is not None and time.monotonic() < patience:
+            time.sleep(0.01)
+        assert alive() is None, f"{outcome}: the request's payload outlived it"
+    finally:
+        gc.enable()
         runner.gate.set()
         batcher.close()
 

@@ -187,7 +187,7 @@ def test_a_full_queue_is_refused_before_the_image_is_decoded(pipeline_of):
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(pipeline.score, raw(pixels))
         assert entered.wait(10)
-        second = pool.submit(pipeline.score, raw(pixels))  # waits in the queue (depth 1)
+        second = pool.submit(pipeline.score, raw(pixels))  # holds the one place (--queue-depth 1)
         while model.batcher.depth() == 0:
             entered.wait(0.01)
         bomb = scoring_pb2.ScoreRequest(encoded=b"\x89PNG\r\n\x1a\n" + b"\x00" * 64)  # would fail to decode
