@@ -158,8 +158,11 @@ class Batcher:
     def release(self, reservation: Reservation) -> None:
         """Give back what `reservation` still holds (nothing once its items are queued)."""
         with self._condition:
-            self._reserved -= reservation.items
-            reservation.items = 0
+            self._release(reservation)
+
+    def _release(self, reservation: Reservation) -> None:
+        self._reserved -= reservation.items
+        reservation.items = 0
 
     def submit(self, works: Sequence[Work], reservation: Reservation | None = None) -> None:
         """Queue all items of one request, or none, in the places `reservation` held for them:
@@ -171,8 +174,7 @@ class Batcher:
             work.request, work.enqueued = shared, now
         with self._condition:
             if reservation is not None:
-                self._reserved -= reservation.items
-                reservation.items = 0
+                self._release(reservation)
             if self._closed:
                 raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down")
             waiting = len(self._queue) + self._reserved
@@ -185,8 +187,7 @@ class Batcher:
         return ScoringError(
             Refusal.RESOURCE_EXHAUSTED,
             f"queue full: {waiting} items waiting or decoding, this request adds {adding}, the limit is "
-            f"{self._queue_depth} "
-            "(--queue-depth); retry with backoff",
+            f"{self._queue_depth} (--queue-depth); retry with backoff",
             retry_after_seconds=max(self._seconds_per_item * adding, POLL_SECONDS),
         )
 

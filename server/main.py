@@ -415,7 +415,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
             except (ProfileError, ValueError) as error:
                 raise StartRefused(f"--{flag.replace('_', '-')}: {error}") from error
     values.update(warm_up=not args.no_warm_up, warm_up_scales=tuple(args.warm_up_scales))
-    if values.get("max_queue_ms", 1.0) <= 0:
+    if args.max_queue_ms <= 0:
         raise StartRefused(f"--max-queue-ms must be above 0 (received {args.max_queue_ms:g}): every pass would be "
                            "dropped; give the longest wait to allow, e.g. 1000")
     return dataclasses.replace(Settings(), **values)
