@@ -171,7 +171,7 @@ def test_bad_requests_are_refused_before_any_compute(pipeline_of, fields, code, 
     assert pipeline._model("").plans.made == 0  # refused before a plan was made or run
 
 
-def test_a_full_queue_is_refused_before_the_image_is_decoded(pipeline_of):
+def test_a_full_queue_is_refused_before_the_image_is_even_parsed(pipeline_of):
     pipeline = pipeline_of(patch_net(classes=3), queue_depth=1)
     model = pipeline._model("")
     gate, entered = threading.Event(), threading.Event()
@@ -184,20 +184,22 @@ def test_a_full_queue_is_refused_before_the_image_is_decoded(pipeline_of):
 
     model.batcher._run = held
     pixels = np.zeros((64, 64, 3), dtype=np.uint8)
+    broken = scoring_pb2.ScoreRequest(encoded=b"\x89PNG\r\n\x1a\n" + b"\x00" * 64)  # its header cannot be read
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(pipeline.score, raw(pixels))
         assert entered.wait(10)
         second = pool.submit(pipeline.score, raw(pixels))  # holds the one place (--queue-depth 1)
         while model.batcher.depth() == 0:
             entered.wait(0.01)
-        bomb = scoring_pb2.ScoreRequest(encoded=b"\x89PNG\r\n\x1a\n" + b"\x00" * 64)  # would fail to decode
-        with pytest.raises(ScoringError, match="cannot decode"):
-            pipeline.score(bomb)  # a broken header is still found first...
-        with pytest.raises(ScoringError, match="queue full") as caught:
-            pipeline.score(raw(pixels))  # ...but a good one is refused before decoding, with a retry hint
-        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
+        for request in (raw(pixels), broken):  # refused from the fields alone, with a retry hint
+            with pytest.raises(ScoringError, match="queue full") as caught:
+                pipeline.score(request)
+            assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
         gate.set()
         assert first.result().top_k and second.result().top_k
+    with pytest.raises(ScoringError, match="cannot decode"):  # with room, its header is read, and found broken
+        pipeline.score(broken)
+    assert model.batcher.depth() == 0 and pipeline.score(raw(pixels)).top_k  # the place it held is given back
 
 
 def test_a_request_still_decoding_holds_its_place_in_the_queue_until_it_is_queued_or_fails(pipeline_of):
