@@ -1,4 +1,6 @@
 import io
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -75,6 +77,24 @@ def test_decompression_bomb_is_refused_before_decoding():
         imaging.decode(bomb, max_pixels=1_000_000)
 
 
+def png_header(width: int, height: int) -> bytes:
+    """A PNG's signature, size and an empty data chunk, its end: any size, in 57 bytes."""
+
+    def chunk(kind: bytes, fields: bytes) -> bytes:
+        return struct.pack(">I", len(fields)) + kind + fields + struct.pack(">I", zlib.crc32(kind + fields))
+
+    size = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", size) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("side", [10_000, 20_000])  # 100 and 400 Mpx: beyond PIL's own warning and error limits
+def test_the_pixel_limit_is_the_flag_alone(side):
+    opened = imaging.open_image(png_header(side, side), max_pixels=side * side)
+    assert (opened.height, opened.width) == (side, side)
+    with pytest.raises(imaging.ImageError, match=f"{side * side} pixels exceeds the limit .*--max-image-pixels"):
+        imaging.open_image(png_header(side, side), max_pixels=side * side - 1)
+
+
 def test_raw_pixels_are_checked_against_their_shape():
     pixels = np.arange(2 * 3 * 4, dtype=np.uint8)
     opened = imaging.from_raw(RawImage(data=pixels.tobytes(), height=2, width=3, channels=4), max_pixels=LIMIT)
@@ -87,13 +107,16 @@ def test_raw_pixels_are_checked_against_their_shape():
         imaging.from_raw(RawImage(data=b"", height=0, width=3, channels=3), max_pixels=LIMIT)
 
 
-def test_opening_reads_the_upright_size_without_decoding():
+@pytest.mark.parametrize("kind", ["JPEG", "PNG"])
+def test_opening_reads_the_upright_size_without_decoding(kind):
     exif = Image.Exif()
     exif[0x0112] = 6  # stored 40 wide, shown 30 wide
-    opened = imaging.open_image(encode(gradient(40, 30), "JPEG", exif=exif), max_pixels=LIMIT)
+    opened = imaging.open_image(encode(gradient(40, 30), kind, exif=exif), max_pixels=LIMIT)
     assert (opened.height, opened.width) == (40, 30)
     assert opened.image._im is None  # header only: no pixel decoded yet
     assert imaging.load(opened, largest=(40, 30)).size == (30, 40)
+    plain = imaging.open_image(encode(gradient(40, 30), kind), max_pixels=LIMIT)  # no EXIF at all
+    assert (plain.height, plain.width) == (30, 40) and plain.image._im is None
 
 
 def test_a_large_jpeg_is_draft_decoded_no_smaller_than_needed():
