@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import os
 import sys
 import threading
 import time
@@ -42,7 +41,7 @@ from clients.files import find_images
 from clients.latency import LevelReport, Sample, format_table, stable, summarise, to_csv, to_json
 from clients.options import SHIFTS, ScoreOptions, build_request
 from clients.server_metrics import MetricsSnapshot, scrape, server_split
-from clients.settings import TOKEN_ENV, ClientSettings
+from clients.settings import ClientSettings, env_token
 from clients.version import version
 from protos import scoring_pb2, scoring_pb2_grpc
 
@@ -464,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ScoremapError as error:
         parser.error(error.message)
     settings = ClientSettings(timeout_s=args.timeout)
-    token = os.environ.get(TOKEN_ENV) or None
+    token = env_token()
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
     try:
         root = args.root_cert.read_bytes() if args.root_cert else None

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -33,7 +32,7 @@ from clients.options import MAP_DTYPES, SHIFTS, ScoreOptions
 from clients.preflight import RunRefused, check_run
 from clients.retry import Interrupted
 from clients.run_options import OptionsChanged
-from clients.settings import BATCH_RETRY_BUDGET_S, TOKEN_ENV, ClientSettings
+from clients.settings import BATCH_RETRY_BUDGET_S, TOKEN_ENV, ClientSettings, env_token
 from clients.version import version
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_FAILURES", "EXIT_USAGE", "EXIT_UNAVAILABLE",
@@ -124,7 +123,7 @@ def _open_scorer(args: argparse.Namespace):
     from clients.api import ScoremapClient
     root = args.root_cert.read_bytes() if args.root_cert else None
     return ScoremapClient(args.server, tls=args.tls, root_certificates=root,
-                          token=os.environ.get(TOKEN_ENV) or None, settings=settings)
+                          token=env_token(), settings=settings)
 
 
 def _kinds(table: dict[tuple[str, str], ErrorKind]) -> list[ErrorKind]:

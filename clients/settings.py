@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ClientSettings", "TOKEN_ENV", "BATCH_RETRY_BUDGET_S"]
+__all__ = ["ClientSettings", "TOKEN_ENV", "BATCH_RETRY_BUDGET_S", "env_token"]
 
 # Environment variable holding the bearer token of the command lines (kept off the command line,
 # where `ps` shows it).
 TOKEN_ENV = "SCOREMAP_TOKEN"
+
+
+def env_token(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The command lines' bearer token: `$TOKEN_ENV` stripped, as the server strips its own; None if unset or blank."""
+    return environ.get(TOKEN_ENV, "").strip() or None
+
 # How long (seconds) scoremap-score keeps retrying an unreachable server by default (--retry-for):
 # long enough to ride out a server restart during an overnight run.
 BATCH_RETRY_BUDGET_S = 120.0

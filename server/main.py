@@ -152,6 +152,8 @@ def create_server(
     from server import kserve
     from server.service import SERVICE_NAME, CallLimits, DenseScoringServicer, TokenInterceptor
 
+    if token is not None and not token.strip():
+        raise ValueError("an empty token would turn authentication off; pass token=None to serve without one")
     settings = settings or Settings()
     metrics = Metrics()
     pipeline = Pipeline(models, settings=dataclasses.replace(settings, warm_up=False), metrics=metrics)
@@ -159,7 +161,7 @@ def create_server(
     try:
         limits = CallLimits(total=max(1, settings.grpc_workers - settings.reserved_workers),
                             per_peer=settings.max_calls_per_peer, metrics=metrics)
-        interceptors = [TokenInterceptor(token), limits] if token else [limits]
+        interceptors = [TokenInterceptor(token), limits] if token is not None else [limits]
         grpc_server = grpc.server(
             ThreadPoolExecutor(max_workers=settings.grpc_workers, thread_name_prefix="rpc"),
             options=server_options(settings), interceptors=interceptors,

@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from clients.api import ScoremapClient
+from clients.errors import ScoremapError
+from clients.settings import TOKEN_ENV, env_token
 from protos import scoring_pb2, scoring_pb2_grpc
-from server.main import create_server
+from server.main import create_server, read_token
 from server.settings import Settings
 
 PIXELS = np.zeros((32, 32, 3), dtype=np.uint8)
@@ -73,3 +76,21 @@ def test_list_models_tells_file_paths_only_with_expose_paths(kit, tiny_model_pat
     with kit.serving([tiny_model_path], expose_paths=True) as (_server, _port, stub):
         (summary,) = stub.ListModels(scoring_pb2.ListModelsRequest()).models
         assert summary.path == tiny_model_path
+
+
+def test_a_token_file_with_a_line_break_enforces_the_token_and_clients_strip_theirs(kit, tiny_model_path, tmp_path):
+    (tmp_path / "token").write_text("s3cret\n")
+    token = read_token(str(tmp_path / "token"), {})
+    server, port = create_server([tiny_model_path], settings=Settings(warm_up=False, intra_op_threads=1), token=token)
+    try:
+        with ScoremapClient(f"127.0.0.1:{port}", token=env_token({TOKEN_ENV: " s3cret\n"})) as client:
+            assert client.score_request(request(kit)).top_k
+        with ScoremapClient(f"127.0.0.1:{port}", token=env_token({})) as anonymous:
+            with pytest.raises(ScoremapError) as caught:
+                anonymous.score_request(request(kit))
+            assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        server.stop(0).wait(10)
+    for blank in ("", " \n"):  # the Python API fails closed too
+        with pytest.raises(ValueError, match="turn authentication off"):
+            create_server([tiny_model_path], settings=Settings(warm_up=False), token=blank)
