@@ -420,7 +420,16 @@ def settings_from(args: argparse.Namespace) -> Settings:
     if args.max_queue_ms <= 0:
         raise StartRefused(f"--max-queue-ms must be above 0 (received {args.max_queue_ms:g}): every pass would be "
                            "dropped; give the longest wait to allow, e.g. 1000")
-    return dataclasses.replace(Settings(), **values)
+    settings = dataclasses.replace(Settings(), **values)
+    scoring = settings.grpc_workers - settings.reserved_workers
+    if scoring < 1:
+        raise StartRefused(f"--reserved-workers {settings.reserved_workers} leaves none of the {settings.grpc_workers} "
+                           "--grpc-workers for scoring calls; reserve fewer, or give more workers")
+    if settings.max_calls_per_peer >= scoring:
+        raise StartRefused(f"--max-calls-per-peer {settings.max_calls_per_peer} lets one client address hold all "
+                           f"{scoring} workers that take scoring calls (--grpc-workers less --reserved-workers); "
+                           f"give at most {scoring - 1}, or 0 for no per-peer limit")
+    return settings
 
 
 def read_token(token_file: str | None, environ: Mapping[str, str]) -> str | None:

@@ -114,7 +114,8 @@ class Settings:
     calls run at once, beyond that RESOURCE_EXHAUSTED with a retry hint (issue 10, item 4)."""
     max_calls_per_peer: int = 16
     """Calls one client address may have running at once (0: no limit), so one peer cannot hold
-    every worker; beyond it RESOURCE_EXHAUSTED with a retry hint."""
+    every worker; beyond it RESOURCE_EXHAUSTED with a retry hint. Below the workers scoring calls
+    may take, or the server refuses to start."""
     stream_idle_seconds: float = 60.0
     """A ScoreStream with every answer sent and no new request for this long is ended
     (DEADLINE_EXCEEDED), so idle streams give their worker back."""

@@ -46,6 +46,12 @@ def test_flags_become_settings():
     for wait in ("0", "-5"):
         with pytest.raises(StartRefused, match="--max-queue-ms must be above 0"):
             settings_from(parse_args(["m.onnx", "--max-queue-ms", wait]))
+    with pytest.raises(StartRefused, match="--reserved-workers 4 leaves none of the 4 --grpc-workers"):
+        settings_from(parse_args(["m.onnx", "--grpc-workers", "4", "--reserved-workers", "4"]))
+    with pytest.raises(StartRefused, match="--max-calls-per-peer 16 lets one client address hold all 6 workers"):
+        settings_from(parse_args(["m.onnx", "--grpc-workers", "8"]))  # the default per-peer limit, fewer workers
+    assert settings_from(parse_args(["m.onnx", "--grpc-workers", "8", "--max-calls-per-peer", "5"])).grpc_workers == 8
+    assert settings_from(parse_args(["m.onnx", "--grpc-workers", "8", "--max-calls-per-peer", "0"])).grpc_workers == 8
 
 
 def test_models_are_paths_or_all_named(tmp_path, capsys):
