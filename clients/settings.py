@@ -44,7 +44,9 @@ class ClientSettings:
     initial_reconnect_backoff_ms: int = 100
     max_reconnect_backoff_ms: int = 2_000
     # Retries (clients/retry.py: UNAVAILABLE, a server dropping calls as it stops, refusals the
-    # server marks transient) are bounded by time alone: `retry_budget_s` seconds per call.
+    # server marks transient) are bounded by time alone: `retry_budget_s` seconds per call. No attempt
+    # starts after it; the one running then keeps its own deadline (`timeout_s`), so a call lasts at
+    # most about `retry_budget_s + timeout_s`.
     retry_budget_s: float = 30.0
     # A server never reached at all is more likely a wrong address than a restart: give up on it
     # after this many seconds, whatever the budget.
