@@ -17,7 +17,8 @@ from protos import scoring_pb2
 from server import dense
 
 FLOAT16_BYTES, FLOAT32_BYTES, INT32_BYTES = 2, 4, 4
-OVERHEAD_BYTES = 4096  # geometry, top-k, timings and framing of a response, generously
+OVERHEAD_BYTES = 4096  # geometry, timings and framing of a response, generously
+ENTRY_FRAMING_BYTES = 8  # an image-level top-k entry's tags and lengths
 
 
 class NonFiniteError(ArithmeticError):
@@ -35,9 +36,11 @@ class ScaleJob:
     batch_limit: int  # items of this canvas one batch may hold in memory (a batch bucket)
 
 
-def response_bytes(request: scoring_pb2.ScoreRequest, jobs: list[ScaleJob], *, classes: int) -> int:
-    """An upper estimate of the response's size, known before any compute."""
-    total = OVERHEAD_BYTES
+def response_bytes(request: scoring_pb2.ScoreRequest, jobs: list[ScaleJob], *, classes: int, top_k: int,
+                   label_bytes: int) -> int:
+    """An upper estimate of the response's size, known before any compute: the maps, the cells' top-k,
+    and the image's `top_k` entries, each with a label of up to `label_bytes`."""
+    total = OVERHEAD_BYTES + min(top_k, classes) * (INT32_BYTES + FLOAT32_BYTES + label_bytes + ENTRY_FRAMING_BYTES)
     for job in jobs:
         cells = job.cells[0] * job.cells[1]
         if request.return_maps:

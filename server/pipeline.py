@@ -123,6 +123,11 @@ class LoadedModel:
     def label(self, index: int) -> str:
         return self.card.labels[index] if index < len(self.card.labels) else str(index)
 
+    @functools.cached_property
+    def label_bytes(self) -> int:
+        """The longest label's size in a response (UTF-8), for its size estimate."""
+        return max(len(self.label(index).encode()) for index in range(self.classes))
+
     @property
     def multiple(self) -> int:
         """What sizes are rounded to: the card's size multiple, else the model's stride."""
@@ -541,7 +546,9 @@ class Pipeline:
 
     def _check_response_size(self, request: scoring_pb2.ScoreRequest, model: LoadedModel,
                              jobs: list[assemble.ScaleJob]) -> None:
-        expected = assemble.response_bytes(request, jobs, classes=model.classes)
+        expected = assemble.response_bytes(request, jobs, classes=model.classes,
+                                           top_k=request.top_k or self.settings.default_top_k,
+                                           label_bytes=model.label_bytes)
         if expected > self.settings.max_message_bytes:
             raise ScoringError(
                 Refusal.RESOURCE_EXHAUSTED,
