@@ -3,6 +3,7 @@
 import dataclasses
 import io
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -307,3 +308,30 @@ def test_the_response_size_estimate_holds_every_response(pipeline_of, fields):
         estimate = assemble.response_bytes(request, order.jobs, classes=model.classes, top_k=request.top_k,
                                            label_bytes=model.label_bytes)
     assert pipeline.score(request).ByteSize() <= estimate
+
+
+def test_an_item_queued_past_max_queue_ms_is_dropped_before_compute(pipeline_of):
+    pipeline = pipeline_of(patch_net(classes=3), max_queue_ms=50)
+    model = pipeline._model("")
+    gate, entered = threading.Event(), threading.Event()
+    run = model.batcher._run
+
+    def held(works):
+        entered.set()
+        gate.wait(10)
+        return run(works)
+
+    model.batcher._run = held
+    pixels = np.zeros((64, 64, 3), dtype=np.uint8)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(pipeline.score, raw(pixels))
+        assert entered.wait(10)
+        second = pool.submit(pipeline.score, raw(pixels))  # admitted: nothing waits ahead of it yet
+        while model.batcher.depth() == 0:
+            entered.wait(0.01)
+        time.sleep(0.2)  # it waits past the 50 ms limit behind the held run
+        gate.set()
+        assert first.result().top_k
+        with pytest.raises(ScoringError, match=r"beyond --max-queue-ms \(50 ms\); dropped before compute") as caught:
+            second.result()
+    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
