@@ -1,4 +1,5 @@
-"""Idle streams, call limits and calls that wait for a worker (issue 10, item 4), on a real server.
+"""Idle streams, call limits, connection lifetimes and calls that wait for a worker (issue 10, item 4),
+on a real server.
 
 Workers are held by open ScoreStreams that send nothing: deterministic on any device, however fast
 the model, since nothing here waits for a model to be slow.
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from protos import scoring_pb2_grpc
 from server.errors import RETRY_AFTER_KEY
 
 PIXELS = np.random.default_rng(11).integers(0, 256, (64, 64, 3), dtype=np.uint8)
@@ -127,3 +129,36 @@ def test_calls_that_expire_or_are_cancelled_while_waiting_for_a_worker_cost_no_c
         held.close()
         assert stub.Score(request, timeout=60).maps  # behind both in the worker's queue
         assert counted("scoremap_batch_size_sum", {"model": "tiny"}) == 2 * one_request
+
+
+def connection_lost(channel: grpc.Channel, stub, request, *, within: float, keep_calling: bool) -> bool:
+    """Whether the channel's READY connection is closed by the server within `within` seconds (calling
+    every 0.1 s meanwhile when `keep_calling`, each call answered)."""
+    states: list[grpc.ChannelConnectivity] = []
+    channel.subscribe(states.append)
+    assert stub.Score(request, timeout=10).top_k
+    until = time.monotonic() + within
+    while time.monotonic() < until:
+        ready = [n for n, state in enumerate(states) if state == grpc.ChannelConnectivity.READY]
+        if ready and grpc.ChannelConnectivity.IDLE in states[ready[0]:]:
+            return True
+        if keep_calling:
+            assert stub.Score(request, timeout=10).top_k
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("limits, keep_calling", [
+    ({"connection_idle_seconds": 0.5}, False),  # an idle client's connection is closed
+    ({"connection_age_seconds": 0.5, "connection_age_grace_seconds": 0.5}, True),  # a busy one's is recycled
+])
+def test_connections_are_closed_when_idle_and_recycled_when_old(kit, tiny_model_path, limits, keep_calling):
+    request = kit.raw_request(PIXELS, scales=[64])
+    with kit.serving([tiny_model_path], **limits) as (_server, port, _stub):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = scoring_pb2_grpc.DenseScoringStub(channel)
+            assert connection_lost(channel, stub, request, within=10, keep_calling=keep_calling)
+    with kit.serving([tiny_model_path]) as (_server, port, _stub):  # the defaults keep it well past that
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = scoring_pb2_grpc.DenseScoringStub(channel)
+            assert not connection_lost(channel, stub, request, within=2, keep_calling=keep_calling)
