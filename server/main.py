@@ -522,6 +522,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from(args)
         token = read_token(args.token_file, os.environ)
         check_exposure(args.host, tls=bool(args.tls_cert), token=token is not None, insecure=args.insecure)
+        if settings.metrics_port is not None and not is_loopback(settings.metrics_address):
+            LOG.warning("metrics on %s are open to anyone who reaches it (no TLS, no token): model names, traffic "
+                        "and latencies; bind them to loopback or keep the network private", settings.metrics_address)
         tls = None
         if args.tls_cert:
             try:

@@ -189,6 +189,14 @@ def test_binding_beyond_loopback_wants_tls_a_token_or_insecure(tmp_path, capsys)
         assert "never-loaded.onnx" in message and "cannot start" in message
 
 
+def test_metrics_beyond_loopback_are_warned_of(tmp_path, capsys, caplog):
+    model = str(tmp_path / "never-loaded.onnx")
+    for address, warned in (("127.0.0.1", False), ("0.0.0.0", True)):
+        caplog.clear()
+        refusal([model, "--port", "0", "--metrics-port", "0", "--metrics-address", address], capsys)
+        assert any("metrics on 0.0.0.0 are open to anyone" in r.getMessage() for r in caplog.records) == warned
+
+
 def test_a_busy_port_is_one_line_and_exit_2_before_models_load(tmp_path, capsys):
     model = str(tmp_path / "never-loaded.onnx")
     with socket.socket() as busy:
