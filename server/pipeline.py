@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pathlib
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -219,7 +220,7 @@ class Pipeline:
         except (CardError, DecodeError, OSError, imaging.ImageError) as error:
             raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
         settings = self.settings
-        name = name or card.name or path
+        name = name or card.name or pathlib.Path(path).stem  # never the folders, which ListModels would show
         admission = Admission(net, budget_bytes=self.budget.total_bytes // share if self.budget.total_bytes else None,
                               device=self.budget.device, name=name, shared=self.budget, metrics=self.metrics)
         max_batch = settings.batch_limit(on_gpu=self.engine.on_gpu)

@@ -4,6 +4,7 @@ import subprocess
 
 import grpc
 import numpy as np
+import onnx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -13,6 +14,7 @@ from clients.settings import TOKEN_ENV, env_token
 from protos import scoring_pb2, scoring_pb2_grpc
 from server.main import create_server, read_token
 from server.settings import Settings
+from tests.tiny_models import patch_net
 
 PIXELS = np.zeros((32, 32, 3), dtype=np.uint8)
 
@@ -66,7 +68,7 @@ def test_tls_and_token(kit, tiny_model_path, certificate):
         server.stop(0).wait(10)
 
 
-def test_list_models_tells_file_paths_only_with_expose_paths(kit, tiny_model_path):
+def test_list_models_tells_file_paths_only_with_expose_paths(kit, tiny_model_path, tmp_path):
     from server.main import parse_args, settings_from
 
     assert not settings_from(parse_args(["m.onnx"])).expose_paths
@@ -76,6 +78,12 @@ def test_list_models_tells_file_paths_only_with_expose_paths(kit, tiny_model_pat
     with kit.serving([tiny_model_path], expose_paths=True) as (_server, _port, stub):
         (summary,) = stub.ListModels(scoring_pb2.ListModelsRequest()).models
         assert summary.path == tiny_model_path
+    unnamed = tmp_path / "private" / "unnamed.onnx"  # a card without a name
+    unnamed.parent.mkdir()
+    onnx.save(patch_net(classes=3, name=""), unnamed)
+    with kit.serving([str(unnamed)]) as (_server, _port, stub):
+        (summary,) = stub.ListModels(scoring_pb2.ListModelsRequest()).models
+        assert summary.name == "unnamed" and summary.path == ""  # named after its file, not its folders
 
 
 def test_a_token_file_with_a_line_break_enforces_the_token_and_clients_strip_theirs(kit, tiny_model_path, tmp_path):
