@@ -62,11 +62,20 @@ def fill_scale_map(
     scale_map.geometry.CopyFrom(geometry)
     if lattices is None:
         return
+
+    def require_finite_map(values: np.ndarray) -> None:
+        # A diagonal shift's unscored cells are NaN by contract; a NaN the net gave shows in the probabilities.
+        # A score beyond float16's range (the device's half lattice, or maps cast for sending) is infinite.
+        half = " in float16 (ask for map_dtype FLOAT32)" if values.dtype == np.float16 else ""
+        require_finite(values[~np.isnan(values)] if holes else values, f"the score map at scale {job.scale}{half}")
+
     lattice = dense.average_flips(lattices)
-    # A diagonal shift's unscored cells are NaN by contract; a NaN the net gave shows in the probabilities.
-    require_finite(lattice[~np.isnan(lattice)] if holes else lattice, f"the score map at scale {job.scale}")
+    require_finite_map(lattice)
     if request.return_maps:
         chosen = lattice[list(request.classes)] if request.classes else lattice
+        if request.map_dtype == scoring_pb2.FLOAT16 and chosen.dtype != np.float16:  # ranked in float32
+            chosen = chosen.astype(np.float16)
+            require_finite_map(chosen)
         scale_map.classes.extend(request.classes)
         write_tensor(scale_map.scores, chosen, "float16" if request.map_dtype == scoring_pb2.FLOAT16 else "float32")
     if request.cell_top_k:

@@ -1,9 +1,11 @@
 """The default EfficientNet-Lite0, served: shifted passes of the stride-32 graph vs its à trous stride-16 graph."""
 
+import io
 import pathlib
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from protos import scoring_pb2
 
@@ -36,3 +38,18 @@ def test_atrous_and_grid_lattices_line_up(kit, default_model_path, default_model
     assert difference < 0.1 and difference < 0.75 * neighbours, (difference, neighbours)
     assert (first.argmax(0) == second.argmax(0)).mean() >= 0.95
     assert grid.top_k[0].label == atrous.top_k[0].label and "cat" in grid.top_k[0].label
+
+
+def test_the_issue_s_one_cell_wide_flip_is_finite(kit, default_model_path):
+    """Issue 10, item 1: cat.jpg cropped to 300x300 at scale 224 with flip gave a map one cell wide and
+    an image-level top-k of NaN."""
+    with Image.open(SAMPLES / "cat.jpg") as image:
+        crop = io.BytesIO()
+        image.convert("RGB").crop((0, 0, 300, 300)).save(crop, "JPEG")
+    with kit.serving([default_model_path]) as (_server, _port, stub):
+        for stride in (32, 16):
+            response = stub.Score(scoring_pb2.ScoreRequest(encoded=crop.getvalue(), scales=[224], flip=True,
+                                                           return_maps=True, output_stride=stride, top_k=5))
+            assert np.isfinite(kit.decode_tensor(response.maps[0].scores)).all()
+            probabilities = [label.probability for label in response.top_k]
+            assert np.isfinite(probabilities).all() and 0 < sum(probabilities) <= 1 + 1e-4

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from clients.results import decode_tensor
 from protos import scoring_pb2
 
 SAMPLES = pathlib.Path(__file__).resolve().parents[2] / "samples"
@@ -105,8 +106,16 @@ def requests(draw) -> scoring_pb2.ScoreRequest:
     return request
 
 
-def check(response: scoring_pb2.ScoreResponse) -> None:
+def check(response: scoring_pb2.ScoreResponse, request: scoring_pb2.ScoreRequest) -> None:
+    """Finite or an error (issue 10, item 1): the top-k, and the maps save the cells a diagonal shift
+    leaves unscored, NaN by contract."""
     assert all(math.isfinite(label.probability) for label in response.top_k), response.top_k
+    holes = request.shift == scoring_pb2.SHIFT_DIAGONAL
+    for scale_map in response.maps:
+        for tensor in (scale_map.scores, scale_map.cell_top_k_scores):
+            values = decode_tensor(tensor)
+            if values is not None:
+                assert np.isfinite(values[~np.isnan(values)] if holes else values).all(), (scale_map.scale, request)
 
 
 def resident_bytes() -> int:
@@ -147,10 +156,10 @@ def test_fuzzed_requests_get_answers_or_deliberate_statuses(fuzzed):
     def exchange(batch, streamed):
         try:
             if streamed:
-                for response in stub.ScoreStream(iter(batch), timeout=30):
-                    check(response)
+                for response, request in zip(stub.ScoreStream(iter(batch), timeout=30), batch):  # in order
+                    check(response, request)
             else:
-                check(stub.Score(batch[0], timeout=30))
+                check(stub.Score(batch[0], timeout=30), batch[0])
             codes["OK"] = codes.get("OK", 0) + 1
         except grpc.RpcError as error:
             assert error.code() not in BUGS, (error.code(), error.details(), batch)

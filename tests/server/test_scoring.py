@@ -12,6 +12,7 @@ import onnx
 import pytest
 from PIL import Image
 
+from clients.results import decode_tensor
 from protos import scoring_pb2
 from server import assemble, plans
 from server.errors import ScoringError
@@ -335,3 +336,14 @@ def test_an_item_queued_past_max_queue_ms_is_dropped_before_compute(pipeline_of)
         with pytest.raises(ScoringError, match=r"beyond --max-queue-ms \(50 ms\); dropped before compute") as caught:
             second.result()
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
+
+
+def test_float16_maps_beyond_its_range_are_an_error_not_infinities(pipeline_of):
+    pipeline = pipeline_of(patch_net(classes=3, weights=np.full((3, 3, 32, 32), 100.0, dtype=np.float32)))
+    request = raw(np.full((64, 64, 3), 255, dtype=np.uint8), return_maps=True)  # logits of about 8e6
+    assert np.isfinite(decode_tensor(pipeline.score(request).maps[0].scores)).all()
+    request.map_dtype = scoring_pb2.FLOAT16
+    for cell_top_k in (0, 2):  # the device's half lattice; a float32 one (to rank cells) cast for sending
+        request.cell_top_k = cell_top_k
+        with pytest.raises(ScoringError, match="in float16 \\(ask for map_dtype FLOAT32\\)"):
+            pipeline.score(request)
