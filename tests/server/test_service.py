@@ -363,3 +363,16 @@ def test_a_cancelled_lockstep_stream_releases_its_handler(kit, tiny_model_path):
         answers.cancel()
         assert server.servicer.wait_idle(5), "the handler still waits for an answer that cannot come"
         outbox.put(None)
+
+
+@pytest.mark.parametrize("flag, lowest", [(None, 32), (96, 96)])  # the tiny model's training size is 32
+def test_the_smallest_scale_is_the_model_s_or_min_scale_and_is_told(kit, tiny_model_path, flag, lowest):
+    pixels = np.zeros((128, 128, 3), dtype=np.uint8)
+    with kit.serving([tiny_model_path], **({"min_scale": flag} if flag else {})) as (_server, _port, stub):
+        (summary,) = stub.ListModels(scoring_pb2.ListModelsRequest()).models
+        assert summary.min_scale == lowest
+        assert stub.Score(kit.raw_request(pixels, scales=[lowest])).maps
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Score(kit.raw_request(pixels, scales=[lowest - 1]))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"outside [{lowest}, " in caught.value.details() and "training size 32" in caught.value.details()
