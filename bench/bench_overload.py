@@ -5,7 +5,7 @@ GIL), default model, samples/cat.jpg, scale 384, stride 32 (one pass), CPU, batc
 default) and the default `--max-queue-ms`. Capacity: closed loop, enough callers to keep the
 model busy. Then open-loop arrivals at multiples of it, latency counted from each request's
 scheduled send time (no coordinated omission), no retries. Targets at 5x: goodput >= 90% of
-capacity, median rejection < 5 ms, admitted requests' time in the queue (as the server reports it)
+capacity (measured before the levels and after them, averaged), median rejection < 5 ms, admitted requests' time in the queue (as the server reports it)
 within `--max-queue-ms` at p99, their latency p99 within `--max-queue-ms` plus their own time at that
 load (their median latency outside the queue: contention slows the work itself, which no queue limit
 bounds), and at most 1% of them dropped after their decode (admitted, then found to have waited past
@@ -24,11 +24,13 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.models import converted
 from clients.latency import LevelReport, Sample, summarise
@@ -52,7 +54,6 @@ SERVER_START_SECONDS = 300.0
 GOODPUT_TARGET = 0.90  # of capacity, at 5x
 REJECTION_MEDIAN_TARGET_MS = 5.0
 REJECTED = grpc.StatusCode.RESOURCE_EXHAUSTED.name
-DROPPED = "dropped before compute"  # how the server words a refusal after admission (server/batcher.py)
 DROPPED_TARGET = 0.01  # of admitted requests
 
 
@@ -65,7 +66,8 @@ class Level:
     queue_ms: np.ndarray  # each OK answer's time in the queue, as the server reports it
     outside_ms: np.ndarray  # each OK answer's latency less that: its own time at this load
     rejected_ms: np.ndarray  # latency of each RESOURCE_EXHAUSTED answered inside the window
-    dropped: int  # of the rejections, how many came after the request was admitted and decoded
+    dropped: int  # images admitted, decoded, then dropped before compute inside the window (the server's count)
+    admitted: int  # requests admitted and answered inside the window: OK, or dropped
     hinted: int  # of those, how many carried the retry hint
 
 
@@ -76,24 +78,24 @@ class Answer:
     sample: Sample
     queue_ms: float  # the server's figure, OK answers only (else NaN)
     hinted: bool  # RESOURCE_EXHAUSTED with the retry hint
-    dropped: bool  # RESOURCE_EXHAUSTED after admission and decode
 
 
 def request() -> scoring_pb2.ScoreRequest:
     return build_request(ROOT / "samples" / "cat.jpg", ScoreOptions(scales=(SCALE,), stride=STRIDE))
 
 
-def start_server(model: str, log: pathlib.Path) -> tuple[subprocess.Popen, str]:
-    """`scoremap-serve` on a free port, on the CPU, no per-peer limit; (process, address) once SERVING."""
-    command = [sys.executable, "-m", "server.main", model, "--port", "0", "--provider", "cpu",
+def start_server(model: str, log: pathlib.Path) -> tuple[subprocess.Popen, str, str]:
+    """`scoremap-serve` on a free port, on the CPU, no per-peer limit; (process, address, metrics URL) once
+    SERVING."""
+    command = [sys.executable, "-m", "server.main", model, "--port", "0", "--provider", "cpu", "--metrics-port", "0",
                "--max-calls-per-peer", "0", "--warm-up-scales", str(SCALE), "--log-level", "WARNING"]
     with log.open("w") as errors:
         server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
-    line = server.stdout.readline()
-    if "listening on" not in line:
+    lines = [server.stdout.readline(), server.stdout.readline()]  # where it listens, then its metrics
+    if "listening on" not in lines[0] or "metrics on" not in lines[1]:
         server.kill()
         raise RuntimeError(f"scoremap-serve did not start (exit status {server.wait()}): {log.read_text()[-2000:]}")
-    address = line.rsplit(" ", 1)[1].strip()
+    address, metrics_url = (line.rsplit(" ", 1)[1].strip() for line in lines)
     with grpc.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         until = time.monotonic() + SERVER_START_SECONDS
@@ -103,7 +105,15 @@ def start_server(model: str, log: pathlib.Path) -> tuple[subprocess.Popen, str]:
                 server.kill()
                 raise RuntimeError(f"scoremap-serve never reported SERVING: {log.read_text()[-2000:]}")
             time.sleep(0.2)
-    return server, address
+    return server, address, metrics_url
+
+
+def dropped_images(metrics_url: str) -> float:
+    """The server's count of images admitted, decoded, then dropped before compute (`scoremap_dropped_total`)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as page:
+        text = page.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) if family.name == "scoremap_dropped"
+               for sample in family.samples if sample.name == "scoremap_dropped_total")
 
 
 def own_time_ms(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreRequest) -> float:
@@ -124,8 +134,8 @@ def capacity(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreRequ
     return closed_loop(stub, [job], concurrency=CAPACITY_CLIENTS, plan=plan, limits=limits)
 
 
-def open_loop(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreRequest, *, factor: float,
-              rate: float, seconds: float) -> Level:
+def open_loop(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreRequest, metrics_url: str, *,
+              factor: float, rate: float, seconds: float) -> Level:
     """Arrivals at `rate`/s for `seconds`, every one sent however the server fares; figures over the
     window from SETTLE_SECONDS to the end of sending, counting what completed inside it.
 
@@ -142,20 +152,23 @@ def open_loop(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreReq
             Sample(now, now - scheduled, code.name),
             queue_ms=call.result().timings.queue_ms if code == grpc.StatusCode.OK else float("nan"),
             hinted=refused and any(key == RETRY_AFTER_KEY for key, _ in call.trailing_metadata() or ()),
-            dropped=refused and DROPPED in (call.details() or ""),
         )
         with answered:
             answers.append(answer)
             answered.notify_all()
 
     total = int(rate * seconds)
+    dropped_before = None  # the server's count as the window opens
     started = time.perf_counter()
     for n in range(total):
         scheduled = started + n / rate
+        if dropped_before is None and scheduled >= started + SETTLE_SECONDS:
+            dropped_before = dropped_images(metrics_url)
         time.sleep(max(0.0, scheduled - time.perf_counter()))
         call = stub.Score.future(job, timeout=TIMEOUT_S)
         call.add_done_callback(functools.partial(done, scheduled))
     sent_until = time.perf_counter()
+    dropped = round(dropped_images(metrics_url) - dropped_before)  # inside the window; one image per request
     window = (started + SETTLE_SECONDS, sent_until)
     with answered:  # every call has a deadline, so every one is answered within it
         answered.wait_for(lambda: len(answers) == total, timeout=TIMEOUT_S + SETTLE_SECONDS)
@@ -167,7 +180,7 @@ def open_loop(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreReq
         factor, report, queue_ms=queue_ms,
         outside_ms=np.array([1000 * a.sample.latency_s for a in scored]) - queue_ms,
         rejected_ms=np.array([1000 * a.sample.latency_s for a in inside if a.sample.status == REJECTED]),
-        dropped=sum(a.dropped for a in inside), hinted=sum(a.hinted for a in inside),
+        dropped=dropped, admitted=report.completed + dropped, hinted=sum(a.hinted for a in inside),
     )
 
 
@@ -189,7 +202,6 @@ def verdicts(level: Level, capacity_rps: float, max_queue_ms: float) -> str:
     report, rejected = level.report, level.rejected_ms
     goodput = report.throughput_rps / capacity_rps
     median = float(np.median(rejected)) if rejected.size else float("nan")
-    admitted = report.completed + level.dropped
     queue_p99 = float(np.percentile(level.queue_ms, 99))
     bound_ms = max_queue_ms + float(np.median(level.outside_ms))
 
@@ -201,8 +213,8 @@ def verdicts(level: Level, capacity_rps: float, max_queue_ms: float) -> str:
             f"{REJECTION_MEDIAN_TARGET_MS:g} ms: {said(median < REJECTION_MEDIAN_TARGET_MS)}); admitted requests' "
             f"queue time p99 {queue_p99:.0f} ms (limit {max_queue_ms:g} ms: {said(queue_p99 <= max_queue_ms)}), "
             f"latency p99 {report.p99_ms:.0f} ms (bound {bound_ms:.0f} ms: {said(report.p99_ms <= bound_ms)}); dropped "
-            f"after their decode {level.dropped} of {admitted} (target <= {DROPPED_TARGET:.0%}: "
-            f"{said(level.dropped <= DROPPED_TARGET * admitted)}).")
+            f"after their decode {level.dropped} of {level.admitted} (target <= {DROPPED_TARGET:.0%}: "
+            f"{said(level.dropped <= DROPPED_TARGET * level.admitted)}).")
 
 
 def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float = OVERLOAD_SECONDS) -> str:
@@ -212,17 +224,19 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
     job = request()
     with tempfile.TemporaryDirectory() as folder:
         model = converted(folder, output_stride=STRIDE)
-        server, address = start_server(model, pathlib.Path(folder) / "server.log")
+        server, address, metrics_url = start_server(model, pathlib.Path(folder) / "server.log")
         try:
             with grpc.insecure_channel(address) as channel:
                 stub = scoring_pb2_grpc.DenseScoringStub(channel)
                 own_ms = own_time_ms(stub, job)
-                closed = capacity(stub, job, seconds=capacity_seconds)
-                levels = [open_loop(stub, job, factor=factor, rate=factor * closed.throughput_rps,
+                before = capacity(stub, job, seconds=capacity_seconds)
+                levels = [open_loop(stub, job, metrics_url, factor=factor, rate=factor * before.throughput_rps,
                                     seconds=overload_seconds) for factor in OVERLOAD_FACTORS]
+                after = capacity(stub, job, seconds=capacity_seconds)  # the machine's pace drifts by a few %
         finally:
             server.terminate()
             server.wait(30)
+    capacity_rps = (before.throughput_rps + after.throughput_rps) / 2
     return "\n".join([
         "## Overload (bench_overload)",
         "",
@@ -231,8 +245,10 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
         f"{TIMEOUT_S:g} s, no retries.",
         "",
         f"One request alone: {own_ms:.0f} ms (median of {SINGLE_CALLS}). Capacity, closed loop, {CAPACITY_CLIENTS} "
-        f"clients, {closed.duration_s:.0f} s: {closed.throughput_rps:.2f} requests/s "
-        f"(p50 {closed.p50_ms:.0f} ms, errors: {by_status(closed.errors)}).",
+        f"clients, {before.duration_s:.0f} s before the levels and again after them: {before.throughput_rps:.2f} and "
+        f"{after.throughput_rps:.2f} requests/s (p50 {before.p50_ms:.0f} and {after.p50_ms:.0f} ms, errors: "
+        f"{by_status(before.errors)} and {by_status(after.errors)}); their mean, {capacity_rps:.2f}, is the "
+        "capacity below (the levels' rates are multiples of the first).",
         "",
         f"Open loop, {overload_seconds:g} s of arrivals per level, latency from the scheduled send time; figures "
         f"over the window after the first {SETTLE_SECONDS:g} s (answers completed inside it):",
@@ -240,11 +256,12 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
         "| offered | req/s | goodput req/s | of capacity | admitted p50 / p99 ms | queue p99 ms | own time p50 ms "
         "| dropped after decode | rejected | rejection p50 / p99 ms | retry hint | errors by status |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        *(row(level, closed.throughput_rps) for level in levels),
+        *(row(level, capacity_rps) for level in levels),
         "",
-        *(verdicts(level, closed.throughput_rps, max_queue_ms) for level in levels),
+        *(verdicts(level, capacity_rps, max_queue_ms) for level in levels),
         "",
-        "Queue p99: the admitted requests' time in the queue, as the server reports it (`timings.queue_ms`). Own "
+        "Queue p99: the admitted requests' time in the queue, as the server reports it (`timings.queue_ms`). "
+        "Dropped after decode: the server's `scoremap_dropped_total` over the window. Own "
         "time: their latency outside the queue (decode, run, answer), median; the latency bound is --max-queue-ms "
         f"plus it, as contention slows the work itself (alone: {own_ms:.0f} ms). Load average "
         f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores.",

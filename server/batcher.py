@@ -12,6 +12,7 @@ items are its own work, not queueing. A cancelled request's items leave the queu
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import threading
@@ -27,6 +28,13 @@ LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting caller looks at its cancellation flag
 CLOSE_SECONDS = 10.0  # how long close waits for the batch being computed before leaving the (daemon) worker
 SMOOTHING = 0.2  # weight of the newest batch in the moving average of seconds per item
+
+
+class Dropped(enum.Enum):
+    """Why an admitted item left the queue without running (the metrics' `reason` label)."""
+
+    QUEUE_TIME = "queue_time"  # it waited past `max_queue`
+    DEADLINE = "deadline"  # its call's deadline passed
 
 
 class Reservation:
@@ -92,6 +100,7 @@ class Batcher:
         queue_depth: int,
         max_queue_seconds: float,
         on_batch: Callable[[list[Work]], None] | None = None,
+        on_drop: Callable[[Dropped], None] | None = None,
         name: str = "model",
     ) -> None:
         self._run = run
@@ -100,6 +109,7 @@ class Batcher:
         self._queue_depth = queue_depth
         self._max_queue = max_queue_seconds
         self._on_batch = on_batch
+        self._on_drop = on_drop
         self._queue: list[Work] = []
         self._reserved = 0  # places held by admitted requests still decoding
         self._condition = threading.Condition()
@@ -259,19 +269,23 @@ class Batcher:
         for work in self._queue:
             waited = now - work.enqueued
             if work.deadline is not None and now > work.deadline:
-                work.fail(ScoringError(
+                reason, error = Dropped.DEADLINE, ScoringError(
                     Refusal.DEADLINE_EXCEEDED,
                     f"the deadline passed after {1000 * waited:.0f} ms in the queue; dropped before compute",
-                ))
+                )
             elif waited > self._max_queue and not work.request.started:
-                work.fail(ScoringError(
+                reason, error = Dropped.QUEUE_TIME, ScoringError(
                     Refusal.RESOURCE_EXHAUSTED,
                     f"overloaded: waited {1000 * waited:.0f} ms in the queue, beyond --max-queue-ms "
                     f"({1000 * self._max_queue:.0f} ms); dropped before compute, retry with backoff",
                     retry_after_seconds=self._max_queue,
-                ))
+                )
             else:
                 kept.append(work)
+                continue
+            work.fail(error)
+            if self._on_drop is not None:
+                self._on_drop(reason)
         self._queue = kept
 
     def _loop(self) -> None:

@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from server.batcher import Dropped
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 MEMORY_BUCKETS = tuple(2.0**power for power in range(20, 37))  # 1 MiB .. 64 GiB
@@ -55,6 +57,11 @@ class Metrics:
             "scoremap_plans_made", "Plans made for traffic: shapes outside the warm-up's (each costs a session)",
             ["model"], registry=self.registry,
         )
+        self.dropped = Counter(
+            "scoremap_dropped", "Images admitted, decoded, then dropped before compute: waited past --max-queue-ms "
+            "(reason queue_time) or past their call's deadline (reason deadline); work spent on a refusal",
+            ["model", "reason"], registry=self.registry,
+        )
         self.in_flight = Gauge("scoremap_in_flight", "Calls in the servicer", registry=self.registry)
         self.queue_depth = Gauge("scoremap_queue_depth", "Images (scales or mirrors) waiting for a batch or still decoding (--queue-depth bounds it)", ["model"], registry=self.registry)
         self._http = None
@@ -62,6 +69,10 @@ class Metrics:
     def count_request(self, method: str, code: str, model: str = NO_MODEL) -> None:
         """One answered RPC; `model` only when it is a loaded model's name (never a caller's free text)."""
         self.requests.labels(method, code, model).inc()
+
+    def count_dropped(self, model: str, reason: Dropped) -> None:
+        """One image dropped from the queue before it ran."""
+        self.dropped.labels(model, reason.value).inc()
 
     def record_stages(self, model: str, seconds: Mapping[Stage, float]) -> None:
         """One request's time in each stage it went through."""

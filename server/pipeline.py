@@ -252,6 +252,7 @@ class Pipeline:
             max_queue_seconds=settings.max_queue_ms / 1000,
             queue_depth=settings.queue_depth,
             on_batch=lambda works: self._on_batch(model, works),
+            on_drop=None if self.metrics is None else functools.partial(self.metrics.count_dropped, name),
             name=name,
         )
         if self.metrics is not None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from server import batcher as batcher_module
-from server.batcher import Batcher, Work
+from server.batcher import Batcher, Dropped, Work
 from server.errors import Refusal, ScoringError
 from server.metrics import Metrics
 from server.pipeline import Pipeline
@@ -160,8 +160,9 @@ def test_places_of_requests_still_decoding_count_until_they_are_queued_or_given_
 
 
 def test_items_waiting_longer_than_the_queue_limit_are_dropped_before_compute_but_not_a_started_requests():
-    runner = GatedRunner()
-    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.0, queue_depth=8, max_queue_seconds=0.05)
+    runner, drops = GatedRunner(), []
+    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.0, queue_depth=8, max_queue_seconds=0.05,
+                      on_drop=drops.append)
     try:
         running, late = works(3), works(1, "b")
         batcher.submit(running)
@@ -174,6 +175,7 @@ def test_items_waiting_longer_than_the_queue_limit_are_dropped_before_compute_bu
             batcher.wait(late)  # another request's item that never started is dropped
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert [len(batch) for batch in runner.batches] == [1, 1, 1]  # the late item never ran
+        assert drops == [Dropped.QUEUE_TIME]
     finally:
         runner.gate.set()
         batcher.close()

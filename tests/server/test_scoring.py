@@ -16,6 +16,7 @@ from clients.results import decode_tensor
 from protos import scoring_pb2
 from server import assemble, plans
 from server.errors import ScoringError
+from server.metrics import Metrics
 from server.pipeline import Pipeline
 from server.settings import Settings
 from tests.tiny_models import coordinate_image, coordinate_net, heavy_net, patch_net, tolerance
@@ -37,10 +38,10 @@ def raw(pixels: np.ndarray, **fields) -> scoring_pb2.ScoreRequest:
 def pipeline_of(tmp_path):
     made = []
 
-    def make(net: onnx.ModelProto, **settings) -> Pipeline:
+    def make(net: onnx.ModelProto, metrics: Metrics | None = None, **settings) -> Pipeline:
         path = tmp_path / f"model{len(made)}.onnx"
         onnx.save(net, path)
-        pipeline = Pipeline([str(path)], settings=dataclasses.replace(SETTINGS, **settings))
+        pipeline = Pipeline([str(path)], settings=dataclasses.replace(SETTINGS, **settings), metrics=metrics)
         made.append(pipeline)
         return pipeline
 
@@ -312,7 +313,8 @@ def test_the_response_size_estimate_holds_every_response(pipeline_of, fields):
 
 
 def test_an_item_queued_past_max_queue_ms_is_dropped_before_compute(pipeline_of):
-    pipeline = pipeline_of(patch_net(classes=3), max_queue_ms=50)
+    metrics = Metrics()
+    pipeline = pipeline_of(patch_net(classes=3), metrics=metrics, max_queue_ms=50)
     model = pipeline._model("")
     gate, entered = threading.Event(), threading.Event()
     run = model.batcher._run
@@ -336,6 +338,7 @@ def test_an_item_queued_past_max_queue_ms_is_dropped_before_compute(pipeline_of)
         with pytest.raises(ScoringError, match=r"beyond --max-queue-ms \(50 ms\); dropped before compute") as caught:
             second.result()
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
+    assert metrics.registry.get_sample_value("scoremap_dropped_total", {"model": "tiny", "reason": "queue_time"}) == 1
 
 
 def test_float16_maps_beyond_its_range_are_an_error_not_infinities(pipeline_of):
