@@ -294,8 +294,9 @@ def test_a_full_queue_is_resource_exhausted_with_a_retry_hint(kit, tiny_model_pa
             list(stub.ScoreStream(iter([kit.raw_request(pixels, scales=[64], request_id="r7")]), timeout=30))
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "'r7'" in caught.value.details()
         assert int(dict(caught.value.trailing_metadata())[RETRY_AFTER_KEY]) > 0
-        with pytest.raises(grpc.RpcError) as caught:  # a refusal that is not transient has none
-            stub.Score(scoring_pb2.ScoreRequest(encoded=b"junk"))
+        with pytest.raises(grpc.RpcError) as caught:  # a refusal that is not transient (from the fields) has none
+            stub.Score(kit.raw_request(pixels, scales=[16]))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert RETRY_AFTER_KEY not in dict(caught.value.trailing_metadata() or ())
 
 
