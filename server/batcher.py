@@ -218,6 +218,8 @@ class Batcher:
                 if work.deadline is not None and time.monotonic() > work.deadline and not work.started:
                     self.cancel(works)
                     if not work.started:  # still not taken once out of the queue: never computed
+                        for _ in (w for w in works if not w.started):
+                            self._report_drop(Dropped.DEADLINE)
                         raise ScoringError(
                             Refusal.DEADLINE_EXCEEDED,
                             f"the deadline passed after {1000 * (time.monotonic() - work.enqueued):.0f} ms "
@@ -284,9 +286,18 @@ class Batcher:
                 kept.append(work)
                 continue
             work.fail(error)
-            if self._on_drop is not None:
-                self._on_drop(reason)
+            self._report_drop(reason)
         self._queue = kept
+
+    def _report_drop(self, reason: Dropped) -> None:
+        """Tell the hook (the metrics; it must not take this batcher's lock) of an item dropped before compute;
+        a failing hook is a bug to log, never a reason to stop the worker."""
+        if self._on_drop is None:
+            return
+        try:
+            self._on_drop(reason)
+        except Exception:
+            LOG.exception("the drop hook failed")
 
     def _loop(self) -> None:
         while (batch := self._take_batch()) is not None:

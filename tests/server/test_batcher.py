@@ -181,6 +181,38 @@ def test_items_waiting_longer_than_the_queue_limit_are_dropped_before_compute_bu
         batcher.close()
 
 
+def test_every_drop_is_reported_and_a_failing_drop_hook_never_stops_the_worker():
+    runner, drops = GatedRunner(), []
+
+    def broken_hook(reason: Dropped) -> None:
+        drops.append(reason)
+        raise RuntimeError("a broken metrics hook")
+
+    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.0, queue_depth=8, max_queue_seconds=0.05,
+                      on_drop=broken_hook)
+    try:
+        running = works(1)
+        batcher.submit(running)
+        wait_until_running(running[0])
+        expiring = works(2, "b", deadline=time.monotonic() + 0.02)
+        batcher.submit(expiring)
+        with pytest.raises(ScoringError, match="deadline"):  # its caller sees the deadline pass in the queue
+            batcher.wait(expiring)
+        late = works(1, "c")
+        batcher.submit(late)
+        time.sleep(0.1)  # past the 50 ms queue limit, behind the held run
+        runner.gate.set()
+        with pytest.raises(ScoringError, match="max-queue-ms"):  # the worker drops it
+            batcher.wait(late)
+        assert drops == [Dropped.DEADLINE, Dropped.DEADLINE, Dropped.QUEUE_TIME]
+        again = works(1)
+        batcher.submit(again)
+        assert batcher.wait(again) == [0]  # the worker lives on
+    finally:
+        runner.gate.set()
+        batcher.close()
+
+
 class OutcomeRunner:
     """Runs a batch as `outcome` says; a batch keyed "blocker" waits for `gate`."""
 
