@@ -1,7 +1,7 @@
 """Stage 1, decode: image bytes or raw pixels to a resized uint8 RGB array.
 
 An image is first *opened* (`open_image`): PIL reads the header only, so its size is known, and
-bombs and overload are refused, before any pixel is decoded. `load` then decodes it — a large
+bombs are refused, before any pixel is decoded. `load` then decodes it — a large
 JPEG in PIL's draft mode, which lets the decoder skip detail finer than the largest size asked
 for (12 MP: 67 ms full, 32 ms draft on the issue's machine) — applies the EXIF orientation and
 converts any mode to RGB; `resize` uses the card's PIL filter. Normalisation happens on the device
@@ -14,11 +14,11 @@ import io
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps
 
 from protos.scoring_pb2 import RawImage
 
-__all__ = ["FILTERS", "FORMATS", "ImageError", "OpenedImage", "check_pixels", "decode", "from_raw", "load",
+__all__ = ["FILTERS", "FORMATS", "ImageError", "OpenedImage", "check_encoded", "check_pixels", "decode", "from_raw", "load",
            "open_image", "resample_filter", "resize", "to_rgb"]
 
 FILTERS = {
@@ -30,9 +30,6 @@ FILTERS = {
     "hamming": Image.Resampling.HAMMING,
 }
 FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "TIFF")
-SIGNATURES = {  # how each accepted format's bytes begin, to tell "not an image" from "a broken one"
-    b"\xff\xd8\xff": "JPEG", b"\x89PNG\r\n\x1a\n": "PNG", b"II*\x00": "TIFF", b"MM\x00*": "TIFF", b"BM": "BMP",
-}
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 TRANSPOSED_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 EXIF_ORIENTATION = 0x0112
@@ -57,16 +54,22 @@ class OpenedImage:
 
 
 def signature(data: bytes) -> str | None:
-    """The accepted format the bytes start like, if any."""
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "WEBP"
-    return next((name for start, name in SIGNATURES.items() if data.startswith(start)), None)
+    """The accepted format the bytes start like, if any, as PIL's plugins (which open them) tell it."""
+    Image.init()  # registers the plugins; at once after the first call
+    return next((name for name in FORMATS if Image.OPEN[name][1](data[:16])), None)
+
+
+def check_encoded(data: bytes) -> None:
+    """Refuse bytes that cannot be an accepted image, from their first bytes alone (no header parsed)."""
+    if not data:
+        raise ImageError("the image is empty (0 bytes); send JPEG, PNG, WebP, BMP or TIFF bytes, or raw pixels")
+    if signature(data) is None:
+        raise ImageError(f"{len(data)} bytes starting {data[:8]!r} are not a JPEG, PNG, WebP, BMP or TIFF image")
 
 
 def open_image(data: bytes, *, max_pixels: int) -> OpenedImage:
     """Read the header of encoded bytes (no pixel decoded): the upright size; bombs refused here."""
-    if not data:
-        raise ImageError("the image is empty (0 bytes); send JPEG, PNG, WebP, BMP or TIFF bytes, or raw pixels")
+    check_encoded(data)
     try:
         image = Image.open(io.BytesIO(data), formats=FORMATS)
         check_pixels(image.width, image.height, max_pixels=max_pixels)
@@ -74,22 +77,12 @@ def open_image(data: bytes, *, max_pixels: int) -> OpenedImage:
         orientation = Image.Image.getexif(image).get(EXIF_ORIENTATION, 1)
     except ImageError:
         raise
-    except UnidentifiedImageError as error:
-        raise undecodable(data, error) from error
-    except (OSError, SyntaxError, ValueError) as error:
-        raise undecodable(data, error) from error
+    except (OSError, SyntaxError, ValueError) as error:  # UnidentifiedImageError is an OSError
+        raise ImageError(f"cannot decode the {signature(data)} image ({len(data)} bytes): {error}") from error
     height, width = image.height, image.width
     if orientation in TRANSPOSED_ORIENTATIONS:
         height, width = width, height
     return OpenedImage(height, width, image, len(data))
-
-
-def undecodable(data: bytes, error: Exception) -> ImageError:
-    """The error for bytes PIL could not read: a broken image of a known format, or not an image at all."""
-    kind = signature(data)
-    if kind is not None:
-        return ImageError(f"cannot decode the {kind} image ({len(data)} bytes): {error}")
-    return ImageError(f"{len(data)} bytes starting {data[:8]!r} are not a JPEG, PNG, WebP, BMP or TIFF image")
 
 
 def load(opened: OpenedImage, *, largest: tuple[int, int]) -> Image.Image:

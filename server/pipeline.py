@@ -5,9 +5,9 @@ flows one way through four stages, each a module it passes through once:
 
     decode (imaging)  ->  plan (dense, buckets)  ->  run (batcher, plans, device_graph)  ->  assemble
 
-Before any pixel is decoded the image's header gives its size, so the request is checked whole
-first: scales, strides, the canvas bucket of every scale, the response's size, the memory and
-the queue's expected wait. Then the image is decoded and resized in a thread pool, each scale
+The request is checked whole before any pixel is decoded: its fields (the image's first bytes
+included), then the queue's room and expected wait, then what the image's header tells (its size):
+the canvas bucket of every scale, the response's size, the memory. Then the image is decoded and resized in a thread pool, each scale
 (and its mirror) is put on its uint8 canvas and batched with others of the same plan; the device
 graph makes the shifted passes, normalises, runs the net and averages probabilities, so the host
 only stacks uint8 arrays and copies back what the response holds.
@@ -385,8 +385,10 @@ class Pipeline:
     def _admit(self, request: scoring_pb2.ScoreRequest, *, deadline: float | None) -> Order:
         """Everything that can refuse a request, from its fields and its image's header only.
 
-        The queue is asked first, from the fields alone: under overload most requests are refused, and
-        each refusal then costs no header parsing or planning (a third of its server CPU, measured)."""
+        The queue is asked once the fields are checked (the image's presence and first bytes included),
+        before the header is read: under overload most requests are refused, and each refusal then costs
+        no header parsing or planning (26% of its server CPU, measured). A broken header is found once
+        there is room, so under overload it is first refused as transient."""
         model = self._model(request.model)
         scales, passes = self._validate(request, model)
         flips = (False, True) if request.flip else (False,)
@@ -498,18 +500,24 @@ class Pipeline:
             )
         except dense.PlanError as error:
             raise invalid(f"model {model.name}: {error}") from error
+        kind = request.WhichOneof("image")
+        if kind is None:
+            raise invalid("the request has no image: set `encoded` (JPEG, PNG, WebP, BMP, TIFF bytes) or `raw` pixels")
+        if kind == "encoded":
+            try:
+                imaging.check_encoded(request.encoded)  # its first bytes: a permanent refusal stays one under load
+            except imaging.ImageError as error:
+                raise invalid(str(error)) from error
         return scales, passes
 
     def _open(self, request: scoring_pb2.ScoreRequest) -> imaging.OpenedImage:
-        kind = request.WhichOneof("image")
+        """The image's header read (`_validate` has made sure there is one)."""
         try:
-            if kind == "encoded":
+            if request.WhichOneof("image") == "encoded":
                 return imaging.open_image(request.encoded, max_pixels=self.settings.max_image_pixels)
-            if kind == "raw":
-                return imaging.from_raw(request.raw, max_pixels=self.settings.max_image_pixels)
+            return imaging.from_raw(request.raw, max_pixels=self.settings.max_image_pixels)
         except imaging.ImageError as error:
             raise invalid(str(error)) from error
-        raise invalid("the request has no image: set `encoded` (JPEG, PNG, WebP, BMP, TIFF bytes) or `raw` pixels")
 
     def _plan_scale(self, model: LoadedModel, original: tuple[int, int], scale: int,
                     passes: dense.PassPlan) -> assemble.ScaleJob:

@@ -198,6 +198,11 @@ def test_a_full_queue_is_refused_before_the_image_is_even_parsed(pipeline_of):
             with pytest.raises(ScoringError, match="queue full") as caught:
                 pipeline.score(request)
             assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
+        for request, words in ((scoring_pb2.ScoreRequest(), "no image"),  # what the fields show is never transient
+                               (scoring_pb2.ScoreRequest(encoded=b"GIF89a" + b"\x00" * 64), "are not a JPEG")):
+            with pytest.raises(ScoringError, match=words) as caught:
+                pipeline.score(request)
+            assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
         gate.set()
         assert first.result().top_k and second.result().top_k
     with pytest.raises(ScoringError, match="cannot decode"):  # with room, its header is read, and found broken
