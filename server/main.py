@@ -152,15 +152,15 @@ def create_server(
     from server import kserve
     from server.service import SERVICE_NAME, CallLimits, DenseScoringServicer, TokenInterceptor
 
-    if token is not None and not token.strip():
-        raise ValueError("an empty token would turn authentication off; pass token=None to serve without one")
+    if token is not None and (problem := token_problem(token)):
+        raise ValueError(f"the token {problem}; pass token=None to serve without one")
     settings = settings or Settings()
+    settings.check_call_limits()
     metrics = Metrics()
     pipeline = Pipeline(models, settings=dataclasses.replace(settings, warm_up=False), metrics=metrics)
     grpc_server = None
     try:
-        limits = CallLimits(total=max(1, settings.grpc_workers - settings.reserved_workers),
-                            per_peer=settings.max_calls_per_peer, metrics=metrics)
+        limits = CallLimits(total=settings.scoring_workers, per_peer=settings.max_calls_per_peer, metrics=metrics)
         interceptors = [TokenInterceptor(token), limits] if token is not None else [limits]
         grpc_server = grpc.server(
             ThreadPoolExecutor(max_workers=settings.grpc_workers, thread_name_prefix="rpc"),
@@ -421,14 +421,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise StartRefused(f"--max-queue-ms must be above 0 (received {args.max_queue_ms:g}): every pass would be "
                            "dropped; give the longest wait to allow, e.g. 1000")
     settings = dataclasses.replace(Settings(), **values)
-    scoring = settings.grpc_workers - settings.reserved_workers
-    if scoring < 1:
-        raise StartRefused(f"--reserved-workers {settings.reserved_workers} leaves none of the {settings.grpc_workers} "
-                           "--grpc-workers for scoring calls; reserve fewer, or give more workers")
-    if settings.max_calls_per_peer >= scoring:
-        raise StartRefused(f"--max-calls-per-peer {settings.max_calls_per_peer} lets one client address hold all "
-                           f"{scoring} workers that take scoring calls (--grpc-workers less --reserved-workers); "
-                           f"give at most {scoring - 1}, or 0 for no per-peer limit")
+    try:
+        settings.check_call_limits()
+    except ValueError as error:
+        raise StartRefused(str(error)) from error
     return settings
 
 
@@ -451,13 +447,20 @@ def read_token(token_file: str | None, environ: Mapping[str, str]) -> str | None
         source = f"${TOKEN_ENV}"
     else:
         return None
-    if not token:
-        raise StartRefused(f"{source} is empty: that would turn authentication off; put the token in it, "
-                           f"or remove it ({'the flag' if token_file else 'unset the variable'}) to serve without one")
-    if not token.isascii() or any(char.isspace() or not char.isprintable() for char in token):
-        raise StartRefused(f"{source} holds {len(token)} characters with spaces, line breaks or non-ASCII ones: "
-                           "a token is one word of printable ASCII (it travels in an HTTP/2 header)")
+    if problem := token_problem(token):
+        raise StartRefused(f"{source}: the token {problem}; put one word of printable ASCII in it, or remove it "
+                           f"({'the flag' if token_file else 'unset the variable'}) to serve without one")
     return token
+
+
+def token_problem(token: str) -> str | None:
+    """Why `token` cannot be the bearer token (None: it can): an empty one would turn authentication off."""
+    if not token:
+        return "is empty: that would turn authentication off"
+    if not token.isascii() or any(char.isspace() or not char.isprintable() for char in token):
+        return (f"holds {len(token)} characters with spaces, line breaks or non-ASCII ones: a token is one word "
+                "of printable ASCII (it travels in an HTTP/2 header)")
+    return None
 
 
 def is_loopback(host: str) -> bool:

@@ -114,8 +114,23 @@ class Settings:
     calls run at once, beyond that RESOURCE_EXHAUSTED with a retry hint (issue 10, item 4)."""
     max_calls_per_peer: int = 16
     """Calls one client address may have running at once (0: no limit), so one peer cannot hold
-    every worker; beyond it RESOURCE_EXHAUSTED with a retry hint. Below the workers scoring calls
-    may take, or the server refuses to start."""
+    every worker; beyond it RESOURCE_EXHAUSTED with a retry hint. Below `scoring_workers`, or the
+    server refuses to start."""
+
+    @property
+    def scoring_workers(self) -> int:
+        """Worker threads scoring calls may take; the reserved ones answer probes and refusals."""
+        return self.grpc_workers - self.reserved_workers
+
+    def check_call_limits(self) -> None:
+        """ValueError when the call limits would let calls hold every worker (issue 10, item 4)."""
+        if self.scoring_workers < 1:
+            raise ValueError(f"--reserved-workers {self.reserved_workers} leaves none of the {self.grpc_workers} "
+                             "--grpc-workers for scoring calls; reserve fewer, or give more workers")
+        if self.max_calls_per_peer >= self.scoring_workers:
+            raise ValueError(f"--max-calls-per-peer {self.max_calls_per_peer} lets one client address hold all "
+                             f"{self.scoring_workers} workers that take scoring calls (--grpc-workers less "
+                             f"--reserved-workers); give at most {self.scoring_workers - 1}, or 0 for no per-peer limit")
     stream_idle_seconds: float = 60.0
     """A ScoreStream with every answer sent and no new request for this long is ended
     (DEADLINE_EXCEEDED), so idle streams give their worker back."""

@@ -48,7 +48,7 @@ def hold(server, stub, count: int) -> list[HeldStream]:
 
 
 def test_health_is_answered_while_streams_hold_every_worker_scoring_may_use(kit, tiny_model_path):
-    with kit.serving([tiny_model_path], grpc_workers=3, reserved_workers=1) as (server, port, stub):
+    with kit.serving([tiny_model_path], grpc_workers=3, reserved_workers=1, max_calls_per_peer=0) as (server, port, stub):
         held = hold(server, stub, 2)
         extra = HeldStream(stub)
         with pytest.raises(grpc.RpcError) as caught:
@@ -101,7 +101,8 @@ def test_calls_beyond_max_concurrent_rpcs_get_resource_exhausted_then_recover(ki
 
     assert settings_from(parse_args(["m.onnx", "--max-concurrent-rpcs", "5"])).max_concurrent_rpcs == 5
     request = kit.raw_request(PIXELS, scales=[64])
-    with kit.serving([tiny_model_path], grpc_workers=1, reserved_workers=0, max_concurrent_rpcs=2) as (server, _p, stub):
+    with kit.serving([tiny_model_path], grpc_workers=1, reserved_workers=0, max_calls_per_peer=0,
+                     max_concurrent_rpcs=2) as (server, _p, stub):
         (held,) = hold(server, stub, 1)  # one call running on the only worker
         calls = [stub.Score.future(request, timeout=60) for _ in range(2)]  # one waits for it, one is too many
         finished: queue.Queue = queue.Queue()
@@ -116,7 +117,7 @@ def test_calls_beyond_max_concurrent_rpcs_get_resource_exhausted_then_recover(ki
 
 def test_calls_that_expire_or_are_cancelled_while_waiting_for_a_worker_cost_no_compute(kit, tiny_model_path):
     request = kit.raw_request(PIXELS, scales=[64])
-    with kit.serving([tiny_model_path], grpc_workers=1, reserved_workers=0) as (server, _port, stub):
+    with kit.serving([tiny_model_path], grpc_workers=1, reserved_workers=0, max_calls_per_peer=0) as (server, _port, stub):
         counted = server.metrics.registry.get_sample_value
         assert stub.Score(request, timeout=60).maps
         one_request = counted("scoremap_batch_size_sum", {"model": "tiny"})

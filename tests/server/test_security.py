@@ -99,6 +99,8 @@ def test_a_token_file_with_a_line_break_enforces_the_token_and_clients_strip_the
             assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
     finally:
         server.stop(0).wait(10)
-    for blank in ("", " \n"):  # the Python API fails closed too
-        with pytest.raises(ValueError, match="turn authentication off"):
-            create_server([tiny_model_path], settings=Settings(warm_up=False), token=blank)
+    for bad, words in (("", "turn authentication off"), ("s3cret\n", "one word")):  # the Python API fails closed too
+        with pytest.raises(ValueError, match=words):
+            create_server([tiny_model_path], settings=Settings(warm_up=False), token=bad)
+    with pytest.raises(ValueError, match="--max-calls-per-peer 16 lets one client address hold all 6 workers"):
+        create_server([tiny_model_path], settings=Settings(warm_up=False, grpc_workers=8))
