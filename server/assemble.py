@@ -17,7 +17,7 @@ from protos import scoring_pb2
 from server import dense
 
 FLOAT16_BYTES, FLOAT32_BYTES, INT32_BYTES = 2, 4, 4
-OVERHEAD_BYTES = 4096  # geometry, timings and framing of a response, generously
+OVERHEAD_BYTES = 4096  # geometry, timings, model name, warnings and framing of a response, generously
 ENTRY_FRAMING_BYTES = 8  # an image-level top-k entry's tags and lengths
 
 
@@ -39,8 +39,9 @@ class ScaleJob:
 def response_bytes(request: scoring_pb2.ScoreRequest, jobs: list[ScaleJob], *, classes: int, top_k: int,
                    label_bytes: int) -> int:
     """An upper estimate of the response's size, known before any compute: the maps, the cells' top-k,
-    and the image's `top_k` entries, each with a label of up to `label_bytes`."""
-    total = OVERHEAD_BYTES + min(top_k, classes) * (INT32_BYTES + FLOAT32_BYTES + label_bytes + ENTRY_FRAMING_BYTES)
+    the image's `top_k` entries, each with a label of up to `label_bytes`, and the echoed request id."""
+    total = OVERHEAD_BYTES + len(request.request_id.encode()) + min(top_k, classes) * (
+        INT32_BYTES + FLOAT32_BYTES + label_bytes + ENTRY_FRAMING_BYTES)
     for job in jobs:
         cells = job.cells[0] * job.cells[1]
         if request.return_maps:

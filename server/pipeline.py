@@ -557,7 +557,7 @@ class Pipeline:
     def _check_response_size(self, request: scoring_pb2.ScoreRequest, model: LoadedModel,
                              jobs: list[assemble.ScaleJob]) -> None:
         expected = assemble.response_bytes(request, jobs, classes=model.classes,
-                                           top_k=request.top_k or self.settings.default_top_k,
+                                           top_k=self._top_k(request),
                                            label_bytes=model.label_bytes)
         if expected > self.settings.max_message_bytes:
             raise ScoringError(
@@ -647,6 +647,10 @@ class Pipeline:
                                       model.admission.predicted_bytes(group.height, group.width, passes))
 
     # --- assemble ---------------------------------------------------------------------------------
+    def _top_k(self, request: scoring_pb2.ScoreRequest) -> int:
+        """How many of the image's classes the response lists."""
+        return request.top_k or self.settings.default_top_k
+
     def _assemble(self, request: scoring_pb2.ScoreRequest, model: LoadedModel, passes: dense.PassPlan,
                   original: tuple[int, int], jobs: list[assemble.ScaleJob], flips: tuple[bool, ...],
                   scored: list[Scored]) -> scoring_pb2.ScoreResponse:
@@ -676,7 +680,7 @@ class Pipeline:
                 assemble.fill_scale_map(response.maps.add(), request, job, lattices, geometry,
                                         holes=passes.shift == scoring_pb2.SHIFT_DIAGONAL)
             response.top_k.extend(assemble.image_top_k(
-                probabilities, request.top_k or self.settings.default_top_k, model.label))
+                probabilities, self._top_k(request), model.label))
         except assemble.NonFiniteError as error:
             raise ScoringError(Refusal.INTERNAL, f"model {model.name} gave no usable scores: {error}") from error
         smallest = min(original)

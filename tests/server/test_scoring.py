@@ -305,6 +305,8 @@ def test_a_shape_outside_the_warm_up_is_planned_once_and_its_cost_reported(tmp_p
     {"top_k": 500},  # the image's top-k alone: labels of every class
     {"top_k": 3, "return_maps": True, "cell_top_k": 5},
     {"top_k": 500, "return_maps": True, "map_dtype": scoring_pb2.FLOAT16, "classes": [1, 2, 3]},
+    {"request_id": "r" * 20_000},  # echoed back
+    {},  # the default top-k
 ])
 def test_the_response_size_estimate_holds_every_response(pipeline_of, fields):
     pipeline = pipeline_of(patch_net(classes=500))
@@ -312,8 +314,8 @@ def test_the_response_size_estimate_holds_every_response(pipeline_of, fields):
     request = raw(np.zeros((96, 128, 3), dtype=np.uint8), **fields)
     order = pipeline._admit(request, deadline=None)
     with order.places:
-        estimate = assemble.response_bytes(request, order.jobs, classes=model.classes, top_k=request.top_k,
-                                           label_bytes=model.label_bytes)
+        estimate = assemble.response_bytes(request, order.jobs, classes=model.classes,
+                                           top_k=pipeline._top_k(request), label_bytes=model.label_bytes)
     assert pipeline.score(request).ByteSize() <= estimate
 
 
