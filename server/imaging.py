@@ -73,7 +73,9 @@ def open_image(data: bytes, *, max_pixels: int) -> OpenedImage:
     try:
         image = Image.open(io.BytesIO(data), formats=FORMATS)
         check_pixels(image.width, image.height, max_pixels=max_pixels)
-        # The base class's reader: PNG's own decodes every pixel to look for EXIF after them.
+        # The base class's reader: PNG's own decodes every pixel to look for EXIF after them. An EXIF block
+        # stored after a PNG's pixels (rare; PIL and cameras write it before) is then not applied, at
+        # load either (PIL keeps the EXIF read here): the image stays as stored, never distorted.
         orientation = Image.Image.getexif(image).get(EXIF_ORIENTATION, 1)
     except ImageError:
         raise
