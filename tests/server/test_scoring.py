@@ -174,9 +174,8 @@ def test_bad_requests_are_refused_before_any_compute(pipeline_of, fields, code, 
     assert pipeline._model("").plans.made == 0  # refused before a plan was made or run
 
 
-def test_a_full_queue_is_refused_before_the_image_is_even_parsed(pipeline_of):
-    pipeline = pipeline_of(patch_net(classes=3), queue_depth=1)
-    model = pipeline._model("")
+def hold_runs(model) -> tuple[threading.Event, threading.Event]:
+    """Make `model`'s batches wait for the first event (the gate); the second is set once one has started."""
     gate, entered = threading.Event(), threading.Event()
     run = model.batcher._run
 
@@ -186,6 +185,13 @@ def test_a_full_queue_is_refused_before_the_image_is_even_parsed(pipeline_of):
         return run(works)
 
     model.batcher._run = held
+    return gate, entered
+
+
+def test_a_full_queue_is_refused_before_the_image_is_even_parsed(pipeline_of):
+    pipeline = pipeline_of(patch_net(classes=3), queue_depth=1)
+    model = pipeline._model("")
+    gate, entered = hold_runs(model)
     pixels = np.zeros((64, 64, 3), dtype=np.uint8)
     broken = scoring_pb2.ScoreRequest(encoded=b"\x89PNG\r\n\x1a\n" + b"\x00" * 64)  # its header cannot be read
     with ThreadPoolExecutor(2) as pool:
@@ -323,15 +329,7 @@ def test_an_item_queued_past_max_queue_ms_is_dropped_before_compute(pipeline_of)
     metrics = Metrics()
     pipeline = pipeline_of(patch_net(classes=3), metrics=metrics, max_queue_ms=50)
     model = pipeline._model("")
-    gate, entered = threading.Event(), threading.Event()
-    run = model.batcher._run
-
-    def held(works):
-        entered.set()
-        gate.wait(10)
-        return run(works)
-
-    model.batcher._run = held
+    gate, entered = hold_runs(model)
     pixels = np.zeros((64, 64, 3), dtype=np.uint8)
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(pipeline.score, raw(pixels))
