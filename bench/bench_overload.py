@@ -24,18 +24,17 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.models import converted
 from clients.latency import LevelReport, Sample, summarise
 from clients.loadtest import LevelPlan, LoadLimits, closed_loop
 from clients.options import ScoreOptions, build_request
+from clients.server_metrics import scrape
 from clients.settings import ClientSettings
 from protos import RETRY_AFTER_KEY, scoring_pb2, scoring_pb2_grpc
 from server.settings import Settings
@@ -51,6 +50,7 @@ OVERLOAD_SECONDS = 30.0  # sending time per level
 SETTLE_SECONDS = 3.0  # the first seconds of a level (queue filling up) are left out of its figures
 TIMEOUT_S = ClientSettings.timeout_s  # every call's deadline: an ordinary client's
 SERVER_START_SECONDS = 300.0
+METRICS_TIMEOUT_S = 10.0
 GOODPUT_TARGET = 0.90  # of capacity, at 5x
 REJECTION_MEDIAN_TARGET_MS = 5.0
 REJECTED = grpc.StatusCode.RESOURCE_EXHAUSTED.name
@@ -109,11 +109,8 @@ def start_server(model: str, log: pathlib.Path) -> tuple[subprocess.Popen, str, 
 
 
 def dropped_images(metrics_url: str) -> float:
-    """The server's count of images admitted, decoded, then dropped before compute (`scoremap_dropped_total`)."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as page:
-        text = page.read().decode()
-    return sum(sample.value for family in text_string_to_metric_families(text) if family.name == "scoremap_dropped"
-               for sample in family.samples if sample.name == "scoremap_dropped_total")
+    """The server's count of images admitted, decoded, then dropped before compute."""
+    return scrape(metrics_url, timeout_s=METRICS_TIMEOUT_S).dropped
 
 
 def own_time_ms(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreRequest) -> float:

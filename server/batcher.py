@@ -218,7 +218,7 @@ class Batcher:
                 if work.deadline is not None and time.monotonic() > work.deadline and not work.started:
                     self.cancel(works)
                     if not work.started:  # still not taken once out of the queue: never computed
-                        for _ in (w for w in works if not w.started):
+                        for _ in range(sum(not w.started for w in works)):
                             self._report_drop(Dropped.DEADLINE)
                         raise ScoringError(
                             Refusal.DEADLINE_EXCEEDED,

@@ -188,12 +188,16 @@ def test_metrics_parse_and_split_by_stage_and_model():
         'scoremap_stage_seconds_count{model="b",stage="inference"} 1.0',
         'scoremap_batch_size_sum{model="a"} 12.0',
         'scoremap_batch_size_count{model="a"} 4.0',
+        'scoremap_dropped_total{model="a",reason="queue_time"} 2.0',
+        'scoremap_dropped_total{model="a",reason="deadline"} 1.0',
+        'scoremap_dropped_total{model="b",reason="queue_time"} 5.0',
     ]) + "\n"
     before = parse("", model="a")
     split = server_split(before, parse(page, model="a"))
     assert split["inference_ms"] == pytest.approx(750.0) and split["batch_size"] == 3.0
     assert math.isnan(split["queue_ms"])
     assert server_split(before, parse(page))["inference_ms"] == pytest.approx(103 / 5 * 1000)
+    assert (parse(page, model="a").dropped, parse(page).dropped) == (3.0, 8.0)  # every reason
 
 
 def test_refuses_a_token_in_clear_text_to_a_remote_target(monkeypatch, caplog):
