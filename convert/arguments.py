@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["DEFAULT_OUTPUT_STRIDE", "SUPPORTED_OUTPUT_STRIDES", "size_pair"]
+__all__ = ["DEFAULT_OUTPUT_STRIDE", "PORT", "SUPPORTED_OUTPUT_STRIDES", "number_in", "size_pair"]
 
 # Native stride when a caller asks for none finer: one cell per 32 px, the classic dense evaluation.
 DEFAULT_OUTPUT_STRIDE = 32
@@ -22,3 +22,28 @@ def size_pair(text: str) -> tuple[int, int]:
     if len(values) not in (1, 2) or min(values) <= 0:
         raise argparse.ArgumentTypeError(f"got {text!r}; expected N or HxW with positive sizes")
     return (values[0], values[-1])
+
+
+def number_in(kind: type[int] | type[float], low: float | None = None, high: float | None = None):
+    """An argparse type: `kind` (int or float) within [low, high] (None: unbounded on that side).
+
+    A bad value exits 2 with the flag named, before anything is loaded (issue 24: `--port 70000`
+    listened on 4464, `--max-batch 0` failed only in warm-up)."""
+    word = "an integer" if kind is int else "a number"
+    bounds = ("" if low is None and high is None else f" from {low} to {high}" if low is not None and high is not None
+              else f" >= {low}" if low is not None else f" <= {high}")
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected {word}{bounds}") from None
+        if value != value or (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected {word}{bounds}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+PORT = number_in(int, 0, 65535)  # 0: any free port
