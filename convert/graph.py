@@ -1,16 +1,17 @@
-"""Small read/write helpers over onnx.GraphProto shared by the graph rewrites.
+"""Helpers over the graph for the conversion passes (onnx_ir) and a few ONNX-proto readers for the edges.
 
-Kept deliberately thin: the rewrites work on plain ONNX protos so every stage is a function
-from graph to graph that a test can build and check with onnx.helper.
+The passes work on one IR, onnx_ir's `ir.Model` (see convert.pipeline for the convention). Protos
+appear only where a tool reads or writes them: the source and onnx's version converter on the way
+in, onnxruntime, the model card and the profile's skeleton on the way out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+import onnx_ir as ir
+from onnx import helper
+from onnx_ir.passes.common import _c_api_utils
 
 # The first IR version whose initializers need not be graph inputs (below it, onnx's shape inference ignores them).
 MIN_IR_VERSION = 4
@@ -19,71 +20,96 @@ MIN_IR_VERSION = 4
 SHAPE_VALUE_ELEMENTS = 64
 
 
-def attr(node: onnx.NodeProto, name: str, default=None):
-    """The value of attribute `name` of `node`, or `default`."""
-    for attribute in node.attribute:
-        if attribute.name == name:
-            value = helper.get_attribute_value(attribute)
-            return value.decode() if isinstance(value, bytes) else value
-    return default
+# ---- Reading and editing an ir.Model (the passes) ----
 
 
-def set_attr(node: onnx.NodeProto, name: str, value) -> None:
+def attr(node: ir.Node, name: str, default=None):
+    """The value of attribute `name` of `node` (int lists as lists), or `default`."""
+    attribute = node.attributes.get(name)
+    if attribute is None:
+        return default
+    value = attribute.value
+    return list(value) if isinstance(value, tuple) else value
+
+
+def set_attr(node: ir.Node, name: str, value) -> None:
     """Replace (or add) attribute `name` of `node`."""
-    kept = [a for a in node.attribute if a.name != name]
-    del node.attribute[:]
-    node.attribute.extend(kept)
-    node.attribute.append(helper.make_attribute(name, value))
+    node.attributes[name] = ir.convenience.convert_attribute(name, value)
 
 
-def describe(node: onnx.NodeProto) -> str:
+def describe(node: ir.Node) -> str:
     """How error messages name a node: its type, its name and its first output."""
     label = f" {node.name!r}" if node.name else ""
-    return f"{node.op_type}{label} (output {node.output[0]!r})" if node.output else f"{node.op_type}{label}"
+    return f"{node.op_type}{label} (output {node.outputs[0].name!r})" if node.outputs else f"{node.op_type}{label}"
 
 
-def opset(model: onnx.ModelProto) -> int:
+def constant(value: ir.Value | None) -> np.ndarray | None:
+    """The value of a constant tensor (an initializer) in numpy, or None for a computed one."""
+    if value is None or value.const_value is None:
+        return None
+    return value.const_value.numpy()
+
+
+def computed_inputs(node: ir.Node) -> list[ir.Value]:
+    """The inputs of `node` that are computed from the image (not constants)."""
+    return [value for value in node.inputs if value is not None and value.const_value is None]
+
+
+def image_input(model: ir.Model) -> ir.Value:
+    """The graph's first input that is not a weight (old exporters list weights as inputs)."""
+    return next(value for value in model.graph.inputs if not value.is_initializer())
+
+
+def fresh_name(graph: ir.Graph, base: str) -> str:
+    """A value name not yet used in `graph`."""
+    taken = {value.name for value in graph.inputs} | set(graph.initializers)
+    taken.update(output.name for node in graph for output in node.outputs)
+    name, index = base, 0
+    while name in taken:
+        index += 1
+        name = f"{base}_{index}"
+    return name
+
+
+def add_constant(graph: ir.Graph, array: np.ndarray, name: str) -> ir.Value:
+    """A new initializer of `graph` holding `array`, named `name` (made unique)."""
+    value = ir.Value(name=fresh_name(graph, name), const_value=ir.tensor(np.ascontiguousarray(array)))
+    value.shape, value.dtype = value.const_value.shape, value.const_value.dtype
+    graph.register_initializer(value)
+    return value
+
+
+def inferred(model: ir.Model, input_shape: list[int | str] | None = None, *, strict: bool = False) -> onnx.ModelProto:
+    """onnx's shape inference over the model without its weights' data, the image fixed at `input_shape`
+    when given (output shapes are then left to inference); `model` is left as it was.
+
+    The weights are left out the way onnx_ir's own ShapeInferencePass leaves them out."""
+    image = image_input(model)
+    saved = image.shape, [output.shape for output in model.graph.outputs]
+    if input_shape is not None:
+        image.shape = ir.Shape(input_shape)
+        for output in model.graph.outputs:
+            output.shape = None
+    try:
+        return _c_api_utils.call_onnx_api(
+            lambda proto: onnx.shape_inference.infer_shapes(proto, strict_mode=strict, data_prop=True), model)
+    finally:
+        image.shape = saved[0]
+        for output, shape in zip(model.graph.outputs, saved[1]):
+            output.shape = shape
+
+
+# ---- ONNX protos (the edges) ----
+
+
+def opset(model: onnx.ModelProto | ir.Model) -> int:
     """The default-domain opset the model imports."""
+    if isinstance(model, ir.Model):
+        return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
     for entry in model.opset_import:
         if entry.domain in ("", "ai.onnx"):
             return entry.version
     return 1
-
-
-def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
-    return {output: node for node in graph.node for output in node.output if output}
-
-
-class Initializers(Mapping):
-    """A graph's initializer values by name, each read into numpy on first use: the rewrites ask
-    which inputs are constant far more often than they read a weight, and weights are large."""
-
-    def __init__(self, graph: onnx.GraphProto) -> None:
-        self._protos = {init.name: init for init in graph.initializer}
-        self._arrays: dict[str, np.ndarray] = {}
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self._arrays:
-            self._arrays[name] = numpy_helper.to_array(self._protos[name])
-        return self._arrays[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._protos
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._protos)
-
-    def __len__(self) -> int:
-        return len(self._protos)
-
-
-def initializers(graph: onnx.GraphProto) -> Initializers:
-    return Initializers(graph)
-
-
-def data_inputs(node: onnx.NodeProto, constants: dict[str, np.ndarray]) -> list[str]:
-    """The inputs of `node` that are computed from the image (not constants)."""
-    return [name for name in node.input if name and name not in constants]
 
 
 def input_dims(value: onnx.ValueInfoProto) -> list[int | str]:
@@ -92,17 +118,6 @@ def input_dims(value: onnx.ValueInfoProto) -> list[int | str]:
     for dim in value.type.tensor_type.shape.dim:
         dims.append(dim.dim_value if dim.HasField("dim_value") else (dim.dim_param or "?"))
     return dims
-
-
-def set_input_dims(value: onnx.ValueInfoProto, dims: Iterable[int | str]) -> None:
-    shape = value.type.tensor_type.shape
-    shape.ClearField("dim")
-    for size in dims:
-        dim = shape.dim.add()
-        if isinstance(size, str):
-            dim.dim_param = size
-        else:
-            dim.dim_value = size
 
 
 def skeleton(model: onnx.ModelProto, *, input_shape: list[int | str] | None = None) -> onnx.ModelProto:
@@ -122,18 +137,21 @@ def skeleton(model: onnx.ModelProto, *, input_shape: list[int | str] | None = No
                              ir_version=max(model.ir_version, MIN_IR_VERSION), opset_imports=model.opset_import)
 
 
-def static_shapes(model: onnx.ModelProto, input_shape: list[int]) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape with the image input fixed to `input_shape` (tensors left unknown are absent)."""
-    inferred = onnx.shape_inference.infer_shapes(skeleton(model, input_shape=input_shape), data_prop=True)
+def static_shapes(model: onnx.ModelProto | ir.Model, input_shape: list[int]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, by name, with the image input fixed to `input_shape` (tensors left unknown are absent)."""
+    if isinstance(model, ir.Model):
+        result = inferred(model, input_shape)
+    else:
+        result = onnx.shape_inference.infer_shapes(skeleton(model, input_shape=input_shape), data_prop=True)
     shapes: dict[str, tuple[int, ...]] = {}
-    for value in list(inferred.graph.value_info) + list(inferred.graph.output) + list(inferred.graph.input):
+    for value in list(result.graph.value_info) + list(result.graph.output) + list(result.graph.input):
         tensor_type = value.type.tensor_type
         if not tensor_type.HasField("shape"):
             continue
         dims = tensor_type.shape.dim
         if all(d.HasField("dim_value") for d in dims):
             shapes[value.name] = tuple(d.dim_value for d in dims)
-    for init in inferred.graph.initializer:
+    for init in result.graph.initializer:
         shapes[init.name] = tuple(init.dims)
     return shapes
 
@@ -144,34 +162,10 @@ def real_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
     return [value for value in graph.input if value.name not in names]
 
 
-def prune(graph: onnx.GraphProto) -> onnx.GraphProto:
-    """Drop nodes and initializers that no graph output depends on; returns `graph`."""
-    image_inputs = {value.name for value in real_inputs(graph)}
-    needed = {output.name for output in graph.output}
-    kept: list[onnx.NodeProto] = []
-    for node in reversed(graph.node):
-        if any(name in needed for name in node.output):
-            kept.append(node)
-            needed.update(name for name in node.input if name)
-    kept.reverse()
-    del graph.node[:]
-    graph.node.extend(kept)
-    used_initializers = [init for init in graph.initializer if init.name in needed]
-    del graph.initializer[:]
-    graph.initializer.extend(used_initializers)
-    used_inputs = [value for value in graph.input if value.name in image_inputs or value.name in needed]
-    del graph.input[:]
-    graph.input.extend(used_inputs)
-    return graph
+def check(model: ir.Model) -> None:
+    """onnx's checker and strict shape inference over the model without its weights' data; raises their errors."""
+    def both(proto: onnx.ModelProto) -> None:
+        onnx.checker.check_model(proto)
+        onnx.shape_inference.infer_shapes(proto, strict_mode=True)
 
-
-def unique_name(graph: onnx.GraphProto, base: str) -> str:
-    """A tensor name not yet used in `graph`."""
-    taken = {name for node in graph.node for name in list(node.input) + list(node.output)}
-    taken.update(init.name for init in graph.initializer)
-    taken.update(value.name for value in graph.input)
-    name, index = base, 0
-    while name in taken:
-        index += 1
-        name = f"{base}_{index}"
-    return name
+    _c_api_utils.call_onnx_api(both, model)

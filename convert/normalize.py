@@ -23,14 +23,14 @@ import logging
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import helper, version_converter
+from onnx import version_converter
 from onnx_ir.passes import common as passes
 from onnxscript import rewriter
 from onnxscript.optimizer import fold_constants
 from onnxscript.rewriter.rules.common import fuse_batchnorm_into_conv_rule, fuse_batchnorm_into_gemm_rule
 
 from convert.errors import ConversionError
-from convert.graph import MIN_IR_VERSION, describe, opset, real_inputs, unique_name
+from convert.graph import MIN_IR_VERSION, attr, describe, fresh_name, image_input, opset
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def runnable(model: onnx.ModelProto) -> onnx.ModelProto:
             if version <= LEGACY_BROADCAST_OPSET:
                 if version < LEGACY_BROADCAST_OPSET:
                     upgraded = version_converter.convert_version(model, LEGACY_BROADCAST_OPSET)
-                upgraded = explicit_broadcast_axes(onnx.shape_inference.infer_shapes(upgraded))
+                upgraded = ir.to_proto(explicit_broadcast_axes(ir.from_proto(onnx.shape_inference.infer_shapes(upgraded))))
             upgraded = version_converter.convert_version(upgraded, TARGET_OPSET)
         except Exception as error:  # the converter raises bare RuntimeErrors naming the op
             raise ConversionError(
@@ -81,36 +81,29 @@ def runnable(model: onnx.ModelProto) -> onnx.ModelProto:
     return upgraded
 
 
-def explicit_broadcast_axes(model: onnx.ModelProto) -> onnx.ModelProto:
+def explicit_broadcast_axes(model: ir.Model) -> ir.Model:
     """Legacy `broadcast=1, axis=k` (Caffe2's per-channel Add/Mul of a [C] vector at axis 1) as an
-    Unsqueeze to B's trailing axes, then plain suffix broadcasting; returns `model`, edited.
+    Unsqueeze to B's trailing axes, then plain suffix broadcasting. Edits `model` and returns it.
 
     onnx's version converter ignores `axis` (it unsqueezes a [C] bias to [C, 1, 1, 1] against
-    [N, C, H, W]), so these nodes are made axis-free before it runs."""
+    [N, C, H, W]), so these nodes are made axis-free before it runs; it needs the inputs' shapes inferred."""
     graph = model.graph
-    ranks = {value.name: len(value.type.tensor_type.shape.dim)
-             for value in [*graph.input, *graph.value_info] if value.type.tensor_type.HasField("shape")}
-    ranks.update({init.name: len(init.dims) for init in graph.initializer})
-    nodes = []
-    for node in graph.node:
-        axis = next((a.i for a in node.attribute if a.name == "axis"), None)
-        broadcast = any(a.name == "broadcast" and a.i == 1 for a in node.attribute)
-        if broadcast and axis is not None and len(node.input) == 2:
-            a, b = node.input
-            if a not in ranks or b not in ranks:
-                raise ConversionError(f"{describe(node)} broadcasts at axis {axis} but the ranks of its inputs are unknown; "
-                                      "expected shapes onnx can infer")
-            trailing = ranks[a] - (axis % ranks[a]) - ranks[b]
-            if trailing > 0:
-                unsqueezed = unique_name(graph, f"{b}_at_axis_{axis}")
-                nodes.append(helper.make_node("Unsqueeze", [b], [unsqueezed], axes=list(range(ranks[b], ranks[b] + trailing))))
-                node.input[1] = unsqueezed
-            kept = [attribute for attribute in node.attribute if attribute.name != "axis"]
-            del node.attribute[:]
-            node.attribute.extend(kept)
-        nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(nodes)
+    for node in list(graph):
+        axis = attr(node, "axis")
+        if attr(node, "broadcast", 0) != 1 or axis is None or len(node.inputs) != 2:
+            continue
+        a, b = node.inputs
+        if a is None or b is None or a.shape is None or b.shape is None:
+            raise ConversionError(f"{describe(node)} broadcasts at axis {axis} but the ranks of its inputs are unknown; "
+                                  "expected shapes onnx can infer")
+        trailing = len(a.shape) - (axis % len(a.shape)) - len(b.shape)
+        if trailing > 0:
+            name = fresh_name(graph, f"{b.name}_at_axis_{axis}")
+            unsqueeze = ir.node("Unsqueeze", [b], {"axes": list(range(len(b.shape), len(b.shape) + trailing))}, name=name)
+            unsqueeze.outputs[0].name = name
+            graph.insert_before(node, unsqueeze)
+            node.replace_input_with(1, unsqueeze.outputs[0])
+        del node.attributes["axis"]
     return model
 
 
@@ -131,17 +124,20 @@ def fold_constant_of_shape(node: ir.Node) -> bool | None:
 
 
 def normalize(model: onnx.ModelProto, *, input_shape: list[int]) -> onnx.ModelProto:
-    """A new, canonical copy of a runnable classifier with its image input fixed at `input_shape` (batch 1, training size)."""
-    graph_ir = ir.from_proto(model)
-    image = real_inputs(model.graph)[0].name
-    for value in graph_ir.graph.inputs:
-        if value.name == image:
-            value.shape = ir.Shape(input_shape)
-    passes.RemoveInitializersFromInputsPass()(graph_ir)
-    passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(graph_ir)
-    fold_constants(graph_ir, onnx_shape_inference=True, input_size_limit=MAX_FOLDED_ELEMENTS,
+    """`canonical` for a proto: a new, canonical copy of a runnable classifier (tools and tests that hold protos)."""
+    return ir.to_proto(canonical(ir.from_proto(model), input_shape=input_shape))
+
+
+def canonical(model: ir.Model, *, input_shape: list[int]) -> ir.Model:
+    """A runnable classifier in canonical form, its image input fixed at `input_shape` (batch 1, training size).
+
+    Edits `model` and returns it."""
+    image_input(model).shape = ir.Shape(input_shape)
+    passes.RemoveInitializersFromInputsPass()(model)
+    passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
+    fold_constants(model, onnx_shape_inference=True, input_size_limit=MAX_FOLDED_ELEMENTS,
                    output_size_limit=MAX_FOLDED_ELEMENTS, should_fold=fold_constant_of_shape)
-    rewriter.rewrite(graph_ir, [fuse_batchnorm_into_conv_rule, fuse_batchnorm_into_gemm_rule])
+    rewriter.rewrite(model, [fuse_batchnorm_into_conv_rule, fuse_batchnorm_into_gemm_rule])
     for step in (
         passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
         passes.IdentityEliminationPass(),
@@ -149,9 +145,9 @@ def normalize(model: onnx.ModelProto, *, input_shape: list[int]) -> onnx.ModelPr
         passes.NameFixPass(),
         passes.TopologicalSortPass(),
     ):
-        step(graph_ir)
+        step(model)
     try:  # the pass infers on the graph without its weights' data: no copy of them
-        passes.ShapeInferencePass()(graph_ir)
+        passes.ShapeInferencePass()(model)
     except Exception as error:  # onnx raises InferenceError, wrapped by the pass manager
         raise ConversionError(f"shape inference fails at input shape {input_shape}: {error}") from error
-    return ir.to_proto(graph_ir)
+    return model

@@ -1,10 +1,24 @@
-"""convert_classifier: source → ONNX → normalisation → surgery → (à trous) → verification → model card."""
+"""convert_classifier: source → ONNX → normalisation → surgery → (à trous) → verification → model card.
+
+The passes share one IR and one convention, onnx-graphsurgeon's: a pass takes an onnx_ir
+`ir.Model`, edits it in place and returns it, so the steps read as a chain
+(`atrous(fully_convolutional(canonical(model, ...), head), ...)`). Editing in place, not copying:
+a classifier's weights are most of its size (VGG's are 0.5 GB), onnx_ir's own passes edit in place,
+and the one copy is made where the source is read, so the caller's proto is never touched. What a
+pass needs to know first is read by functions that only read and return values (`find_head`,
+`receptive_fields`), so the head's refusals come before any edit. ONNX protos appear only at the
+edges: the source and onnx's version converter (`runnable`, which never edits the caller's proto)
+on the way in; onnxruntime (verification), the model card and the returned `onnx.ModelProto` on the
+way out. convert.precision works on such a finished proto and returns a second one, since its
+check compares the two.
+"""
 
 from __future__ import annotations
 
 import logging
 
 import onnx
+import onnx_ir as ir
 
 from convert.arguments import DEFAULT_OUTPUT_STRIDE, SUPPORTED_OUTPUT_STRIDES
 from convert.atrous import atrous
@@ -22,11 +36,11 @@ from convert.card import (
 )
 from convert.errors import ConversionError, UsageError
 from convert.graph import input_dims, opset, real_inputs
-from convert.normalize import normalize, reference, runnable
+from convert.normalize import canonical, reference, runnable
 from convert.presets import PRESETS
 from convert.receptive_field import output_field
 from convert.sources import load_source
-from convert.surgery import SCORES, fully_convolutional
+from convert.surgery import SCORES, find_head, fully_convolutional
 from convert.verify import verify
 from protos.model_card_pb2 import Preprocessing
 
@@ -80,14 +94,16 @@ def convert_classifier(
                                channels=channels, required=require_preprocessing)
     batch_one = batch_shape(layout, batch=1, channels=channels, height=size[0], width=size[1])
 
-    model = normalize(upgraded, input_shape=batch_one)
-    dense, head = fully_convolutional(model, training_size=size, layout=layout)
+    model = canonical(ir.from_proto(upgraded), input_shape=batch_one)
+    head = find_head(model, training_size=size, layout=layout)
     names = labels or loaded.labels or [f"class_{k}" for k in range(head.num_classes)]
     if len(names) != head.num_classes:
         raise UsageError(f"got {len(names)} labels for a classifier with {head.num_classes} classes; expected one per class")
-    native = output_field(dense, input_shape=batch_one, layout=layout).jump[0]
-    dense = atrous(dense, output_stride=output_stride, input_shape=batch_one, layout=layout)
-    field = output_field(dense, input_shape=batch_one, layout=layout)
+    model = fully_convolutional(model, head)
+    native = output_field(model, input_shape=batch_one, layout=layout).jump[0]
+    model = atrous(model, output_stride=output_stride, input_shape=batch_one, layout=layout)
+    field = output_field(model, input_shape=batch_one, layout=layout)
+    dense = ir.to_proto(model)
     compared = reference(loaded.model, upgraded)
     check = verify(compared, dense, preprocessing=prep, training_size=size, channels=channels)
     if compared is not loaded.model:

@@ -1,17 +1,17 @@
 """Receptive fields follow kernels, strides, dilations, explicit and automatic padding, Pad nodes and Transposes."""
 
 import numpy as np
-import onnx
+import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
 from convert.receptive_field import receptive_fields
 from protos.model_card_pb2 import LAYOUT_NCHW, LAYOUT_NHWC
 
 
-def graph(nodes, inits, layout_dims) -> onnx.ModelProto:
+def graph(nodes, inits, layout_dims) -> ir.Model:
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, layout_dims)],
                           [helper.make_tensor_value_info(nodes[-1].output[0], TensorProto.FLOAT, None)], inits)
-    return helper.make_model(g, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
+    return ir.from_proto(helper.make_model(g, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]))
 
 
 def test_fields_through_conv_pool_and_dilation():
