@@ -6,7 +6,8 @@ The passes share one IR and one convention, onnx-graphsurgeon's: a pass takes an
 a classifier's weights are most of its size (VGG's are 0.5 GB), onnx_ir's own passes edit in place,
 and the one copy is made where the source is read, so the caller's proto is never touched. What a
 pass needs to know first is read by functions that only read and return values (`find_head`,
-`receptive_fields`), so the head's refusals come before any edit. ONNX protos appear only at the
+`receptive_fields`); a pass that refuses raises ConversionError, and the half-edited model is
+dropped with the conversion. ONNX protos appear only at the
 edges: the source and onnx's version converter (`runnable`, which never edits the caller's proto)
 on the way in; onnxruntime (verification), the model card and the returned `onnx.ModelProto` on the
 way out. convert.precision works on such a finished proto and returns a second one, since its
