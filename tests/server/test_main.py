@@ -189,6 +189,37 @@ def test_binding_beyond_loopback_wants_tls_a_token_or_insecure(tmp_path, capsys)
         assert "never-loaded.onnx" in message and "cannot start" in message
 
 
+def test_numeric_flags_out_of_range_exit_2_naming_the_flag_before_models_load(tmp_path, capsys):
+    """Issue 24, item 4: --port 70000 listened on 4464, --port -5 blamed --host, --metrics-port 70000 died
+    of an OverflowError after loading, --max-batch 0 failed only in warm-up."""
+    model = str(tmp_path / "never-loaded.onnx")
+    for flag, value in (("--port", "70000"), ("--port", "-5"), ("--metrics-port", "70000"), ("--max-batch", "0"),
+                        ("--queue-depth", "0"), ("--max-message-bytes", str(2**31)), ("--max-scales", "x"),
+                        ("--keepalive-seconds", "nan"), ("--warm-up-scales", "0"), ("--host-memory-fraction", "2")):
+        with pytest.raises(SystemExit) as exited:
+            main([model, flag, value])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and f"argument {flag}: got '{value}'" in err, err
+        assert "never-loaded" not in err and "Traceback" not in err
+
+
+def test_every_setting_is_a_flag_with_its_default_and_the_readme_table_is_made_from_them():
+    import dataclasses
+    import pathlib
+
+    from server import settings as declared
+    from server.settings import Settings
+
+    assert settings_from(parse_args(["m.onnx"])) == Settings()  # each flag's default is its setting's
+    names = [field.name for field in dataclasses.fields(Settings)]
+    grouped = [field.name for group in declared.GROUPS.values() for field in dataclasses.fields(group)]
+    assert sorted(names) == sorted(grouped) and len(set(grouped)) == len(grouped)  # each in exactly one group
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    start = readme.index("<!-- settings table")
+    table = readme[readme.index("\n", start) + 1:readme.index("<!-- end of settings table -->")]
+    assert table == declared.markdown_table(), "regenerate it: python -m server.settings"
+
+
 def test_metrics_beyond_loopback_are_warned_of(tmp_path, capsys, caplog):
     model = str(tmp_path / "never-loaded.onnx")
     for address, warned in (("127.0.0.1", False), ("0.0.0.0", True)):
