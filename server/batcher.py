@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from server.errors import Refusal, ScoringError
+from server.errors import Refusal, ScoringError, Transient, retry_after
 
 LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting caller looks at its cancellation flag
@@ -50,6 +50,21 @@ class Reservation:
 
     def __exit__(self, *exc_info: object) -> None:
         self._batcher.release(self)
+
+
+@dataclass(frozen=True)
+class NoRoom:
+    """Why `reserve` holds no places: `why` None when the batcher is closed; the numbers behind it."""
+
+    why: Transient | None
+    waiting: int  # items queued or decoding
+    adding: int
+    depth: int
+    wait: float  # expected seconds before a new item runs
+    margin: float
+    done: float  # expected seconds until the request's items are all done
+    max_queue: float
+    seconds_per_item: float
 
 
 @dataclass(eq=False)
@@ -131,39 +146,30 @@ class Batcher:
         running = max(0.0, self._busy_until - time.monotonic())
         return running + (len(self._queue) + self._reserved) * self._seconds_per_item
 
-    def reserve(self, items: int, *, deadline: float | None) -> Reservation:
-        """Hold `items` places for a request about to decode; UNAVAILABLE once closed, RESOURCE_EXHAUSTED
-        (with a retry hint) when they would overflow the queue, would not start within `max_queue` less a
-        margin, or would end after `deadline`. The margin, one item's time (at most half the limit) when
-        items wait ahead: the wait is an estimate, and a request admitted just under the limit would often
-        pass it and be dropped after its decode, having cost work and its caller's time for a refusal."""
+    def reserve(self, items: int, *, deadline: float | None) -> Reservation | NoRoom:
+        """Hold `items` places for a request about to decode, or say why not (admission refuses with it):
+        closed, the queue would overflow, the items would not start within `max_queue` less a margin, or would
+        end after `deadline`. The margin, one item's time (at most half the limit) when items wait ahead: the
+        wait is an estimate, and a request admitted just under the limit would often pass it and be dropped
+        after its decode, having cost work and its caller's time for a refusal."""
         with self._condition:
-            if self._closed:
-                raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down")
             waiting = len(self._queue) + self._reserved
-            if waiting + items > self._queue_depth:
-                raise self._queue_full(waiting, items)
             wait = self._expected_wait()
             margin = min(self._seconds_per_item, self._max_queue / 2) if waiting else 0.0
-            if wait > self._max_queue - margin:
-                kept = f" less {1000 * margin:.0f} ms kept as a margin for the estimate" if margin else ""
-                raise ScoringError(
-                    Refusal.RESOURCE_EXHAUSTED,
-                    f"overloaded: the expected wait in the queue is {1000 * wait:.0f} ms, beyond --max-queue-ms "
-                    f"({1000 * self._max_queue:.0f} ms){kept}; retry with backoff",
-                    retry_after_seconds=max(wait + margin - self._max_queue, POLL_SECONDS),
-                )
             done = wait + items * self._seconds_per_item
-            if deadline is not None and time.monotonic() + done > deadline:
-                raise ScoringError(
-                    Refusal.RESOURCE_EXHAUSTED,
-                    f"overloaded: the request would be done in about {1000 * done:.0f} ms, after the call's "
-                    f"deadline ({1000 * max(deadline - time.monotonic(), 0):.0f} ms from now); retry later or with "
-                    "a longer deadline",
-                    retry_after_seconds=max(wait, POLL_SECONDS),
-                )
-            self._reserved += items
-            return Reservation(self, items)
+            if self._closed:
+                why: Transient | None = None
+            elif waiting + items > self._queue_depth:
+                why = Transient.QUEUE_FULL
+            elif wait > self._max_queue - margin:
+                why = Transient.QUEUE_WAIT
+            elif deadline is not None and time.monotonic() + done > deadline:
+                why = Transient.DEADLINE
+            else:
+                self._reserved += items
+                return Reservation(self, items)
+            return NoRoom(why, waiting=waiting, adding=items, depth=self._queue_depth, wait=wait, margin=margin,
+                          done=done, max_queue=self._max_queue, seconds_per_item=self._seconds_per_item)
 
     def release(self, reservation: Reservation) -> None:
         """Give back what `reservation` still holds (nothing once its items are queued)."""
@@ -198,7 +204,7 @@ class Batcher:
             Refusal.RESOURCE_EXHAUSTED,
             f"queue full: {waiting} items waiting or decoding, this request adds {adding}, the limit is "
             f"{self._queue_depth} (--queue-depth); retry with backoff",
-            retry_after_seconds=max(self._seconds_per_item * adding, POLL_SECONDS),
+            retry_after_seconds=retry_after(Transient.QUEUE_FULL, self._seconds_per_item * adding),
         )
 
     def cancel(self, works: Sequence[Work]) -> None:
@@ -280,7 +286,7 @@ class Batcher:
                     Refusal.RESOURCE_EXHAUSTED,
                     f"overloaded: waited {1000 * waited:.0f} ms in the queue, beyond --max-queue-ms "
                     f"({1000 * self._max_queue:.0f} ms); dropped before compute, retry with backoff",
-                    retry_after_seconds=self._max_queue,
+                    retry_after_seconds=retry_after(Transient.QUEUE_TIME, self._max_queue),
                 )
             else:
                 kept.append(work)

@@ -5,11 +5,13 @@ width, batch size, passes): uint8 canvases in, lattices and image-level probabil
 buffers are bound once (IO binding on the GPU), so a run is: copy the canvases in, run, copy back
 what the responses hold. A model's plans are made on first use or at warm-up, measured, and dropped
 least recently used when a new one would not fit the memory budget (issues 9 and 14).
+
+The run stage is `PlanCache.run`, the batcher's runner: a batch of items padded up to its batch
+bucket, with the valid mask saying which cells each item keeps.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -22,9 +24,15 @@ import onnxruntime
 from convert.runtime_memory import measure_footprint
 from protos.model_card_pb2 import ModelCard
 from server.admission import Admission
-from server.dense import PassPlan
-from server.device_graph import LATTICE, LATTICE_FP16, PIXELS, PROBABILITIES, VALID, build_plan_graph
-from server.engine import Engine
+from server.batcher import Work
+from server.buckets import Buckets
+from server.dense import Passes
+from server.device_graph import (LATTICE, LATTICE_FP16, PIXELS, PROBABILITIES, VALID, DeviceGraphError,
+                                 build_plan_graph)
+from server.engine import Engine, EngineError
+from server.errors import Refusal, ScoringError
+from server.metrics import Metrics
+from server.request import GroupKey, Item, Scored
 
 LOG = logging.getLogger(__name__)
 MAKING = threading.Lock()  # held while a plan is made and measured: the readings are process-wide
@@ -37,7 +45,7 @@ class PlanKey:
     height: int
     width: int
     batch: int
-    passes: PassPlan
+    passes: Passes
 
     def __str__(self) -> str:
         return f"{self.batch}x{self.height}x{self.width}x{len(self.passes.offsets)} passes"
@@ -92,8 +100,8 @@ class Plan:
 
 
 class PlanCache:
-    """A model's plans by key, made on demand, dropped least recently used when the memory budget needs room
-    or the model has `max_plans`.
+    """A model's plans by key, made on demand, dropped least recently used (in the memory budget's one
+    server-wide order) when the budget needs room or the model has `max_plans`.
 
     Admission (server/admission.py) accounts every plan of every model in one budget: it reserves a
     new plan's predicted bytes (evicting what it must, here or in other models' caches through
@@ -101,16 +109,58 @@ class PlanCache:
     """
 
     def __init__(self, net: onnx.ModelProto, card: ModelCard, engine: Engine, admission: Admission, *,
-                 max_plans: int) -> None:
+                 max_plans: int, buckets: Buckets, fill: np.ndarray, metrics: Metrics | None = None,
+                 name: str = "") -> None:
+        self._buckets = buckets
+        self._fill = fill
+        self._metrics = metrics
+        self._name = name or card.name
         self._net = net
         self._card = card
         self._engine = engine
         self._admission = admission
         self._max_plans = max(1, max_plans)
-        self._plans: collections.OrderedDict[PlanKey, Plan] = collections.OrderedDict()
+        self._plans: dict[PlanKey, Plan] = {}  # in no order: the memory budget keeps the one LRU order
         self._lock = threading.Lock()
         self.made = 0
         admission.on_evict = self.drop
+
+    def run(self, works: list[Work]) -> list[Scored]:
+        """Score one batch of the batcher's (items of one group), on the batcher's thread."""
+        group: GroupKey = works[0].key
+        key = PlanKey(group.height, group.width, self._buckets.batch_for(len(works)), group.passes)
+        items: list[Item] = [work.payload for work in works]
+        wanted = {item.lattice for item in items}
+        lattice = LATTICE if LATTICE in wanted else LATTICE_FP16 if LATTICE_FP16 in wanted else None
+        return self.run_plan(key, items, lattice=lattice)
+
+    def run_plan(self, key: PlanKey, items: list[Item], *, lattice: str | None) -> list[Scored]:
+        """Run `items` (at most key.batch; the rest of the batch is padding) through the plan of `key`;
+        no items: a warm-up run."""
+        try:
+            plan, planning = self.get(key)
+        except (DeviceGraphError, EngineError) as error:
+            raise ScoringError(Refusal.FAILED_PRECONDITION, f"model {self._name} cannot run {key}: {error}") from error
+        if planning and items and self._metrics is not None:
+            self._metrics.plans_made.labels(self._name).inc()  # a shape outside the warm-up's plans
+        if planning:
+            LOG.info("%s: planned %s in %.0f ms", self._name, key, 1000 * planning)
+        pixels = np.empty((key.batch, key.height, key.width, 3), dtype=np.uint8)
+        pixels[len(items):] = self._fill  # the batch bucket's padding: the canvases hold their own fill
+        valid = np.zeros((key.batch, *plan.lattice_shape[2:]), dtype=np.float32)
+        for index, item in enumerate(items):
+            pixels[index] = item.canvas
+            valid[index, :item.cells[0], :item.cells[1]] = 1.0
+        if not items:
+            valid[:, :1, :1] = 1.0  # a warm-up run: one cell each, so the averages are defined
+        lattices, probabilities = plan.run(pixels, valid, lattice=lattice)
+        return [
+            Scored(
+                lattices[index, :, :item.cells[0], :item.cells[1]].copy() if item.lattice else None,
+                probabilities[index].copy(), planning if index == 0 else 0.0,
+            )
+            for index, item in enumerate(items)
+        ]
 
     def drop(self, key: PlanKey) -> None:
         """Forget a plan (its session goes once no batch runs it)."""
@@ -130,15 +180,14 @@ class PlanCache:
     def _cached(self, key: PlanKey) -> Plan | None:
         with self._lock:
             plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
         if plan is not None:
             self._admission.plan_used(key)
         return plan
 
     def _make_measured(self, key: PlanKey) -> tuple[Plan, float]:
         with self._lock:
-            oldest = next(iter(self._plans)) if len(self._plans) >= self._max_plans else None
+            full = len(self._plans) >= self._max_plans
+        oldest = self._admission.oldest_plan() if full else None
         if oldest is not None:  # --max-plans: sessions (and their threads) per model stay bounded
             LOG.info("%s: plan %s dropped (least recently used; --max-plans %d)", self._card.name, oldest,
                      self._max_plans)

@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import model_card_pb2, scoring_pb2, scoring_pb2_grpc
-from server.errors import RETRY_AFTER_KEY, Refusal, ScoringError
+from server.errors import RETRY_AFTER_KEY, Refusal, ScoringError, Transient, retry_after
 from server.exposure import token_problem
 from server.metrics import NO_MODEL, Metrics
 from server.pipeline import Pipeline
@@ -38,10 +38,7 @@ PROBES = (HEALTH_PREFIX, *(f"/inference.GRPCInferenceService/{name}"
                            for name in ("ServerLive", "ServerReady", "ModelReady")))
 # A client's own deadline timer may cancel the call a moment before the server's fires.
 DEADLINE_SLACK_SECONDS = 0.05
-WARMING_UP_RETRY_SECONDS = 1.0  # the retry hint of a call made while the server warms up
 POLL_SECONDS = 0.05  # how often a stream's reader, held back by the window, looks whether the call ended
-# When a client refused by the call limits may try again: calls here last about a request's compute.
-BUSY_RETRY_AFTER_SECONDS = 1.0
 # gRPC cuts off requests above its receive limit with its own words, before any code of ours runs;
 # set this many times above --max-message-bytes, the servicer refuses the requests in between with
 # a message that names the flag (issue 10, item 8). Larger ones still get gRPC's message.
@@ -135,7 +132,7 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
         and plans are made and measured one at a time."""
         if not self.ready.is_set():
             raise ScoringError(Refusal.UNAVAILABLE, "the server is warming up (health NOT_SERVING); retry shortly",
-                               retry_after_seconds=WARMING_UP_RETRY_SECONDS)
+                               retry_after_seconds=retry_after(Transient.WARMING_UP))
 
     def model_label(self, request: scoring_pb2.ScoreRequest) -> str:
         """The loaded model a request names (or the only one); never the caller's text, which could be anything."""
@@ -346,7 +343,7 @@ class CallLimits(grpc.ServerInterceptor):
         if refusal is not None:
             self._metrics.count_request(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
             refuse(context, ScoringError(Refusal.RESOURCE_EXHAUSTED, refusal,
-                                         retry_after_seconds=BUSY_RETRY_AFTER_SECONDS))
+                                         retry_after_seconds=retry_after(Transient.CALLS_BUSY)))
         try:
             yield
         finally:
