@@ -553,7 +553,7 @@ def read_header(ticket: Ticket) -> ScoringError | None:
     return None
 
 
-def plan_scales(ticket: Ticket) -> ScoringError | None:
+def fit_scales(ticket: Ticket) -> ScoringError | None:
     """Each scale's resized size, canvas bucket, kept cells and batch limit; refused when the image cannot take it."""
     try:
         ticket.jobs = [scale_job(ticket.model, ticket.original, scale, ticket.passes) for scale in ticket.scales]
@@ -660,7 +660,7 @@ def check_host_memory(ticket: Ticket) -> ScoringError | None:
 # The measured order: the cheap checks of the fields first, then the queue's room and expected wait,
 # then the header, then what the header tells (the canvas of every scale, the response's size, memory).
 CHECKS: tuple[Callable[[Ticket], ScoringError | None], ...] = (
-    check_scales, check_fields, choose_passes, check_image_field, hold_places, read_header, plan_scales,
+    check_scales, check_fields, choose_passes, check_image_field, hold_places, read_header, fit_scales,
     check_response_size, check_host_memory,
 )
 

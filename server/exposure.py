@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from protos import TOKEN_ENV, is_loopback
 
-__all__ = ["StartRefused", "check_exposure", "check_port_free", "read_token", "token_problem"]
+__all__ = ["StartRefused", "check_exposure", "check_port_free", "read_tls", "read_token", "token_problem"]
 
 LOG = logging.getLogger("scoremap.serve")
 
@@ -57,6 +57,17 @@ def token_problem(token: str) -> str | None:
         return (f"holds {len(token)} characters with spaces, line breaks or non-ASCII ones: a token is one word "
                 "of printable ASCII (it travels in an HTTP/2 header)")
     return None
+
+
+def read_tls(cert_path: str | None, key_path: str | None) -> tuple[bytes, bytes] | None:
+    """(certificate chain PEM, private key PEM) from `--tls-cert`/`--tls-key`; None when not given."""
+    if not cert_path:
+        return None
+    try:
+        with open(cert_path, "rb") as cert, open(key_path, "rb") as key:
+            return cert.read(), key.read()
+    except OSError as error:
+        raise StartRefused(f"--tls-cert/--tls-key: cannot read {error.filename} ({error.strerror})") from error
 
 
 def check_exposure(host: str, *, tls: bool, token: bool, insecure: bool) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 from convert.arguments import PORT
 from protos import TOKEN_ENV, is_loopback, version
 from server import settings as declared
-from server.exposure import StartRefused, check_exposure, check_port_free, read_token
+from server.exposure import StartRefused, check_exposure, check_port_free, read_tls, read_token
 from server.settings import Settings
 
 __all__ = ["StartRefused", "create_server", "main", "model_sources", "parse_args", "read_token", "settings_from"]
@@ -133,13 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if settings.metrics_port is not None and not is_loopback(settings.metrics_address, resolve=True):
             LOG.warning("metrics on %s are open to anyone who reaches it (no TLS, no token): model names, traffic "
                         "and latencies; bind them to loopback or keep the network private", settings.metrics_address)
-        tls = None
-        if args.tls_cert:
-            try:
-                with open(args.tls_cert, "rb") as cert, open(args.tls_key, "rb") as key:
-                    tls = (cert.read(), key.read())
-            except OSError as error:
-                raise StartRefused(f"--tls-cert/--tls-key: cannot read {error.filename} ({error.strerror})") from error
+        tls = read_tls(args.tls_cert, args.tls_key)
         check_port_free(args.host, args.port, "--port")
         if settings.metrics_port is not None:
             check_port_free(settings.metrics_address, settings.metrics_port, "--metrics-port")
