@@ -38,12 +38,15 @@ class Dropped(enum.Enum):
 
 
 class Reservation:
-    """Places a request holds in the queue from its admission until its items are queued (or it fails):
-    counted in the queue's room and the expected wait, so requests admitted while it decodes see it."""
+    """One request in the queue: the places it holds from its admission until its items are queued (or it
+    fails), counted in the queue's room and the expected wait, so requests admitted while it decodes see it;
+    then whether one of its items has started (its later items are then its own work, not queueing). No
+    reference to the items: a cycle would keep their canvases alive until the garbage collector runs."""
 
     def __init__(self, batcher: Batcher, items: int) -> None:
         self._batcher = batcher
         self.items = items
+        self.started = False
 
     def __enter__(self) -> Reservation:
         return self
@@ -68,15 +71,6 @@ class NoRoom:
 
 
 @dataclass(eq=False)
-class RequestStart:
-    """What the items of one request share: whether one of them has started (its later items are then
-    its own work, not queueing). No reference back to the items: a cycle would keep their canvases
-    alive until the garbage collector runs."""
-
-    started: bool = False
-
-
-@dataclass(eq=False)
 class Work:
     """One item: its plan group `key`, what the runner needs, and what it gave back."""
 
@@ -85,7 +79,7 @@ class Work:
     limit: int
     deadline: float | None
     enqueued: float = field(default_factory=time.monotonic)
-    request: RequestStart = field(default_factory=RequestStart)  # shared by its request's items (`submit`)
+    request: Reservation | None = None  # shared by its request's items (`submit`)
     started: float = 0.0
     run_seconds: float = 0.0
     batch_id: int = -1
@@ -185,7 +179,7 @@ class Batcher:
         RESOURCE_EXHAUSTED when they would overflow the queue."""
         if reservation is not None and reservation.items != len(works):
             raise ValueError(f"{len(works)} items submitted in {reservation.items} reserved places")
-        shared, now = RequestStart(), time.monotonic()
+        shared, now = reservation if reservation is not None else Reservation(self, 0), time.monotonic()
         for work in works:  # one request: its items expire together
             work.request, work.enqueued = shared, now
         with self._condition:
