@@ -2,11 +2,11 @@
 
 As in Triton's dynamic batcher: the first waiting item waits at most `max_delay` for others of its
 key, up to a batch limit (the smaller of `max_batch` and what fits the memory budget). The queue
-is bounded (RESOURCE_EXHAUSTED when full); as Triton's queue policy, an item that waited longer
-than `max_queue` is refused before compute, and so is a request not expected to start within it
-(less a margin for the estimate) or to end by its deadline (`reserve`, asked before the image is
-even decoded). A request holds its places from then on, while it decodes, so requests admitted
-meanwhile count it. The limit is on the wait for a request's first item: once that runs, its other
+is bounded; as Triton's queue policy, an item that waited longer than `max_queue` is dropped before
+compute, and `reserve`, asked by admission before the image is even decoded, finds no room for a
+request that would overflow the queue, not start within `max_queue` (less a margin for the estimate)
+or not end by its deadline: it says why (`NoRoom`), admission refuses. A request holds its places
+from then on, while it decodes, so requests admitted meanwhile count it. The limit is on the wait for a request's first item: once that runs, its other
 items are its own work, not queueing. A cancelled request's items leave the queue at once.
 """
 
