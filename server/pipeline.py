@@ -150,7 +150,7 @@ class Pipeline:
             scored = model.batcher.wait(works, cancelled=cancelled)
             computed = time.monotonic()
             response = assemble.response(ticket, scored, provider=self.engine.provider)
-        seconds = assemble.timings(response, works, scored, started=started, decoded=decoded, computed=computed)
+            seconds = assemble.timings(response, works, scored, started=started, decoded=decoded, computed=computed)
         if record and self.metrics is not None:
             self.metrics.record_stages(model.name, seconds)
         return response
