@@ -55,15 +55,15 @@ from convert.profile import ProfileError, Skeleton, largest_batch, load_skeleton
 from convert.runtime_memory import release_free_memory
 from protos import scoring_pb2
 from server import dense, imaging
-from server.batcher import Batcher, NoRoom, Reservation
 from server.device_graph import DeviceGraphError
-from server.errors import Refusal, ScoringError, Transient, retry_after
+from server.errors import NoRoom, Refusal, ScoringError, Transient, retry_after
 from server.host_memory import DEVICE_PASSES, HostEstimate, estimate_request
 from server.metrics import Metrics
 from server.request import ScaleJob, top_k
 from server.settings import Settings
 
 if TYPE_CHECKING:
+    from server.batcher import Batcher, Reservation
     from server.loading import Model
 
 LOG = logging.getLogger(__name__)

@@ -16,13 +16,13 @@ import numpy as np
 
 from protos import scoring_pb2
 from server import dense
-from server.batcher import Work
 from server.errors import Refusal, ScoringError
 from server.metrics import Stage
 from server.request import ScaleJob, Scored, top_k
 
 if TYPE_CHECKING:
     from server.admission import Ticket
+    from server.batcher import Work
 
 TINY_IMAGE_FACTOR = 4  # an image enlarged more than this many times is scored with a warning
 

@@ -12,7 +12,6 @@ items are its own work, not queueing. A cancelled request's items leave the queu
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import threading
@@ -22,19 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from server.errors import Refusal, ScoringError, Transient, retry_after
+from server.errors import Dropped, NoRoom, Refusal, ScoringError, Transient, retry_after
 
 LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting caller looks at its cancellation flag
 CLOSE_SECONDS = 10.0  # how long close waits for the batch being computed before leaving the (daemon) worker
 SMOOTHING = 0.2  # weight of the newest batch in the moving average of seconds per item
-
-
-class Dropped(enum.Enum):
-    """Why an admitted item left the queue without running (the metrics' `reason` label)."""
-
-    QUEUE_TIME = "queue_time"  # it waited past `max_queue`
-    DEADLINE = "deadline"  # its call's deadline passed
 
 
 class Reservation:
@@ -53,21 +45,6 @@ class Reservation:
 
     def __exit__(self, *exc_info: object) -> None:
         self._batcher.release(self)
-
-
-@dataclass(frozen=True)
-class NoRoom:
-    """Why `reserve` holds no places: `why` None when the batcher is closed; the numbers behind it."""
-
-    why: Transient | None
-    waiting: int  # items queued or decoding
-    adding: int
-    depth: int
-    wait: float  # expected seconds before a new item runs
-    margin: float
-    done: float  # expected seconds until the request's items are all done
-    max_queue: float
-    seconds_per_item: float
 
 
 @dataclass(eq=False)

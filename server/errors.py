@@ -1,4 +1,6 @@
-"""The one exception type of the server package: why a request is refused, and a message for the caller.
+"""Why a request does not get its answer, below every other server module: the one exception type,
+and the reasons the stages share (a refusal, a transient one's retry hint, a queue's lack of room,
+a drop before compute).
 
 The core (pipeline, batcher, admission) says *why* with a `Refusal`; only the gRPC edge turns it into
 a status code (`ScoringError.code`, used by service.py and kserve.py), so no core module imports grpc.
@@ -7,12 +9,13 @@ a status code (`ScoringError.code`, used by service.py and kserve.py), so no cor
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import grpc
 
 from protos import RETRY_AFTER_KEY
 
-__all__ = ["RETRY_AFTER_KEY", "Refusal", "ScoringError", "Transient", "retry_after"]
+__all__ = ["Dropped", "NoRoom", "RETRY_AFTER_KEY", "Refusal", "ScoringError", "Transient", "retry_after"]
 
 
 class Refusal(enum.Enum):
@@ -53,6 +56,28 @@ RETRY_AFTER_SECONDS = {
 def retry_after(why: Transient, estimate: float = 0.0) -> float:
     """The retry hint of a transient refusal: the estimated seconds until there is room, at least the table's."""
     return max(estimate, RETRY_AFTER_SECONDS[why])
+
+
+class Dropped(enum.Enum):
+    """Why an admitted item left the queue without running (the metrics' `reason` label)."""
+
+    QUEUE_TIME = "queue_time"  # it waited past `max_queue`
+    DEADLINE = "deadline"  # its call's deadline passed
+
+
+@dataclass(frozen=True)
+class NoRoom:
+    """Why a queue holds no places for a request (server/batcher.py `reserve`): `why` None when the batcher is closed; the numbers behind it."""
+
+    why: Transient | None
+    waiting: int  # items queued or decoding
+    adding: int
+    depth: int
+    wait: float  # expected seconds before a new item runs
+    margin: float
+    done: float  # expected seconds until the request's items are all done
+    max_queue: float
+    seconds_per_item: float
 
 
 class ScoringError(Exception):

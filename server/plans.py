@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -23,8 +24,6 @@ import onnxruntime
 
 from convert.runtime_memory import measure_footprint
 from protos.model_card_pb2 import ModelCard
-from server.admission import Admission
-from server.batcher import Work
 from server.buckets import Buckets
 from server.dense import Passes
 from server.device_graph import (LATTICE, LATTICE_FP16, PIXELS, PROBABILITIES, VALID, DeviceGraphError,
@@ -33,6 +32,10 @@ from server.engine import Engine, EngineError
 from server.errors import Refusal, ScoringError
 from server.metrics import Metrics
 from server.request import GroupKey, Item, Scored
+
+if TYPE_CHECKING:
+    from server.admission import Admission
+    from server.batcher import Work
 
 LOG = logging.getLogger(__name__)
 MAKING = threading.Lock()  # held while a plan is made and measured: the readings are process-wide
