@@ -338,3 +338,21 @@ def test_create_server_refuses_a_busy_metrics_port_with_its_error_type(tiny_mode
         settings = Settings(warm_up=False, intra_op_threads=1, metrics_port=busy.getsockname()[1])
         with pytest.raises(ScoringError, match="--metrics-port"):
             create_server([tiny_model_path], settings=settings)
+
+
+def test_a_name_counts_as_loopback_for_the_server_binding_it_never_for_a_client_sending_a_token(monkeypatch):
+    """One is_loopback, two deliberate behaviours: the server resolves the name it binds; a client about to
+    send a token in clear text trusts only a literal loopback address (a name's resolution can change)."""
+    from protos import is_loopback
+
+    for literal in ("127.0.0.1", "127.0.0.1:5", "[::1]:5", "[::1]", "::1", "localhost:5"):
+        assert is_loopback(literal) and is_loopback(literal, resolve=True), literal
+    for remote in ("10.0.0.1:5", "[2001:db8::1]:5", "0.0.0.0"):
+        assert not is_loopback(remote) and not is_loopback(remote, resolve=True), remote
+    answers = {"inside.example": "127.0.0.2", "outside.example": "192.0.2.1"}
+    monkeypatch.setattr(socket, "getaddrinfo",
+                        lambda host, *_args, **_kw: [(0, 0, 0, "", (answers[host], 0))] if host in answers
+                        else (_ for _ in ()).throw(socket.gaierror(-2, "Name or service not known")))
+    assert is_loopback("inside.example", resolve=True) and is_loopback("inside.example:5", resolve=True)
+    assert not is_loopback("inside.example:5")  # a client never sends a token in clear on a name's word
+    assert not is_loopback("outside.example", resolve=True) and not is_loopback("nowhere.example", resolve=True)
