@@ -38,9 +38,7 @@ Memory: what a batch or a plan will need, against a budget, before it runs. Pred
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import itertools
 import logging
 import threading
 import time
@@ -64,6 +62,7 @@ from server.settings import Settings
 
 if TYPE_CHECKING:
     from server.batcher import Batcher, Reservation
+    from server.plans import MemoryBudget
     from server.loading import Model
 
 LOG = logging.getLogger(__name__)
@@ -71,7 +70,7 @@ PROFILE_CACHE_SIZE = 1024  # input sizes (and batch sizes) whose predictions eac
 PREDICTION_TOLERANCE = 0.25  # a plan measured further than this from its prediction is logged ...
 MEASUREMENT_RESOLUTION_BYTES = 4 * 2**20  # ... and by more than this: RSS moves by a few MiB on its own
 
-__all__ = ["Admission", "MemoryBudget", "PlanRecord", "HostBudget", "admit_host", "available_memory_bytes",
+__all__ = ["Admission", "HostBudget", "admit_host", "available_memory_bytes",
            "format_bytes"]
 TRIM_AFTER_BYTES = 256 * 2**20  # host memory held by requests since the last trim that makes going idle trim
 
@@ -176,89 +175,6 @@ class HostBudget:
             self.give_back(estimate.total)
 
 
-@dataclasses.dataclass
-class PlanRecord:
-    """One plan in the budget: its prediction, its measurement once made, and when it was last used."""
-
-    owner: Admission
-    key: Hashable
-    predicted: MemoryTerms
-    measured_bytes: int | None
-    last_used: int
-
-    @property
-    def accounted_bytes(self) -> int:
-        """What the plan holds (measured, else predicted) plus what its runs take back on the CPU."""
-        if self.measured_bytes is None:
-            return self.predicted.total
-        return self.measured_bytes + self.predicted.transient
-
-
-class MemoryBudget:
-    """The bytes every loaded model's plans may hold together on one device: one per server, and the one
-    order of the plans' use, server-wide, that evictions and each model's --max-plans follow."""
-
-    def __init__(self, total_bytes: int | None, *, device: Device) -> None:
-        self.total_bytes = total_bytes
-        self.device = device
-        self._plans: dict[tuple[int, Hashable], PlanRecord] = {}
-        self._lock = threading.Lock()
-        self._clock = itertools.count()
-
-    def used_bytes(self) -> int:
-        with self._lock:
-            return sum(record.accounted_bytes for record in self._plans.values())
-
-    def plans(self) -> list[PlanRecord]:
-        """Every plan accounted, least recently used first."""
-        with self._lock:
-            return sorted(self._plans.values(), key=lambda record: record.last_used)
-
-    def oldest(self, owner: Admission) -> Hashable | None:
-        """`owner`'s least recently used plan, or None when it has none."""
-        mine = [record for record in self.plans() if record.owner is owner]
-        return mine[0].key if mine else None
-
-    def reserve(self, record: PlanRecord) -> list[PlanRecord] | None:
-        """Account `record` as the most recently used, evicting least recently used plans to fit; the
-        evicted, or None when it cannot fit even alone (nothing changed then)."""
-        slot = (id(record.owner), record.key)
-        with self._lock:
-            record.last_used = next(self._clock)
-            others = sorted((r for s, r in self._plans.items() if s != slot), key=lambda r: r.last_used)
-            if self.total_bytes is not None and record.accounted_bytes > self.total_bytes:
-                return None
-            used = sum(r.accounted_bytes for r in others) + record.accounted_bytes
-            victims = []
-            for victim in others:
-                if self.total_bytes is None or used <= self.total_bytes:
-                    break
-                victims.append(victim)
-                used -= victim.accounted_bytes
-            for victim in victims:
-                del self._plans[(id(victim.owner), victim.key)]
-            self._plans[slot] = record
-            return victims
-
-    def measured(self, owner: Admission, key: Hashable, measured_bytes: int) -> PlanRecord | None:
-        with self._lock:
-            record = self._plans.get((id(owner), key))
-            if record is not None:
-                record.measured_bytes = measured_bytes
-                record.last_used = next(self._clock)
-            return record
-
-    def touch(self, owner: Admission, key: Hashable) -> None:
-        with self._lock:
-            record = self._plans.get((id(owner), key))
-            if record is not None:
-                record.last_used = next(self._clock)
-
-    def drop(self, owner: Admission, key: Hashable) -> None:
-        with self._lock:
-            self._plans.pop((id(owner), key), None)
-
-
 class Admission:
     """The memory check for one model, on the device it runs on, cached per input shape.
 
@@ -336,8 +252,7 @@ class Admission:
             raise ScoringError(Refusal.INVALID_ARGUMENT,
                                f"plan {key} ({batch}x{height}x{width}) cannot be profiled: {error}") from error
         measured = self._measured.get(key)
-        record = PlanRecord(self, key, predicted, measured, last_used=-1)
-        victims = self.shared.reserve(record)
+        record, victims = self.shared.reserve(self, key, predicted, measured)
         if victims is None:
             what = f"plan {key}" + (f" for scale {scale}" if scale is not None else "")
             how = "measured" if measured is not None else "predicted"

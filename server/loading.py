@@ -20,13 +20,13 @@ from google.protobuf.message import DecodeError
 from convert.card import CardError, ImageInput, batch_shape, read_card
 from protos import model_card_pb2, scoring_pb2
 from server import buckets, dense, imaging
-from server.admission import Admission, HostBudget, MemoryBudget
+from server.admission import Admission, HostBudget
 from server.batcher import Batcher, Work
 from server.device_graph import LATTICE, DeviceGraphError, scores_shape
 from server.engine import Engine
 from server.errors import Refusal, ScoringError
 from server.metrics import Metrics
-from server.plans import PlanCache, PlanKey
+from server.plans import MemoryBudget, PlanCache, PlanKey
 from server.request import GroupKey
 from server.settings import RequestLimits, Settings
 

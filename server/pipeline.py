@@ -28,12 +28,13 @@ from convert.memory_model import Device
 from convert.runtime_memory import configure_allocator
 from protos import model_card_pb2, scoring_pb2
 from server import admission, assemble, imaging, loading
-from server.admission import HostBudget, MemoryBudget, Ticket, available_memory_bytes
+from server.admission import HostBudget, Ticket, available_memory_bytes
 from server.batcher import Work
 from server.device_graph import LATTICE, LATTICE_FP16
 from server.engine import Engine, EngineError
 from server.errors import Refusal, ScoringError
 from server.metrics import Metrics
+from server.plans import MemoryBudget
 from server.request import GroupKey, Item
 from server.settings import Settings
 

@@ -12,9 +12,11 @@ bucket, with the valid mask saying which cells each item keeps.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +24,7 @@ import numpy as np
 import onnx
 import onnxruntime
 
+from convert.memory_model import Device, MemoryTerms
 from convert.runtime_memory import measure_footprint
 from protos.model_card_pb2 import ModelCard
 from server.buckets import Buckets
@@ -52,6 +55,91 @@ class PlanKey:
 
     def __str__(self) -> str:
         return f"{self.batch}x{self.height}x{self.width}x{len(self.passes.offsets)} passes"
+
+
+@dataclass
+class PlanRecord:
+    """One plan in the budget: its prediction, its measurement once made, and when it was last used."""
+
+    owner: Admission
+    key: Hashable
+    predicted: MemoryTerms
+    measured_bytes: int | None
+    last_used: int
+
+    @property
+    def accounted_bytes(self) -> int:
+        """What the plan holds (measured, else predicted) plus what its runs take back on the CPU."""
+        if self.measured_bytes is None:
+            return self.predicted.total
+        return self.measured_bytes + self.predicted.transient
+
+
+class MemoryBudget:
+    """Every loaded model's plans, one per server: the one order of their use, server-wide, that evictions
+    and each model's --max-plans follow, and the one account of the bytes they may hold together on one
+    device. Each model's `Admission` (server/admission.py) predicts and refuses; this only accounts."""
+
+    def __init__(self, total_bytes: int | None, *, device: Device) -> None:
+        self.total_bytes = total_bytes
+        self.device = device
+        self._plans: dict[tuple[int, Hashable], PlanRecord] = {}
+        self._lock = threading.Lock()
+        self._clock = itertools.count()
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(record.accounted_bytes for record in self._plans.values())
+
+    def plans(self) -> list[PlanRecord]:
+        """Every plan accounted, least recently used first."""
+        with self._lock:
+            return sorted(self._plans.values(), key=lambda record: record.last_used)
+
+    def oldest(self, owner: Admission) -> Hashable | None:
+        """`owner`'s least recently used plan, or None when it has none."""
+        mine = [record for record in self.plans() if record.owner is owner]
+        return mine[0].key if mine else None
+
+    def reserve(self, owner: Admission, key: Hashable, predicted: MemoryTerms,
+                measured_bytes: int | None) -> tuple[PlanRecord, list[PlanRecord] | None]:
+        """Account a plan about to be made as the most recently used, evicting least recently used plans to
+        fit: its record, and the evicted, or None when it cannot fit even alone (nothing changed then)."""
+        slot = (id(owner), key)
+        with self._lock:
+            record = PlanRecord(owner, key, predicted, measured_bytes, next(self._clock))
+            others = sorted((r for s, r in self._plans.items() if s != slot), key=lambda r: r.last_used)
+            if self.total_bytes is not None and record.accounted_bytes > self.total_bytes:
+                return record, None
+            used = sum(r.accounted_bytes for r in others) + record.accounted_bytes
+            victims = []
+            for victim in others:
+                if self.total_bytes is None or used <= self.total_bytes:
+                    break
+                victims.append(victim)
+                used -= victim.accounted_bytes
+            for victim in victims:
+                del self._plans[(id(victim.owner), victim.key)]
+            self._plans[slot] = record
+            return record, victims
+
+    def measured(self, owner: Admission, key: Hashable, measured_bytes: int) -> PlanRecord | None:
+        with self._lock:
+            record = self._plans.get((id(owner), key))
+            if record is not None:
+                record.measured_bytes = measured_bytes
+                record.last_used = next(self._clock)
+            return record
+
+    def touch(self, owner: Admission, key: Hashable) -> None:
+        with self._lock:
+            record = self._plans.get((id(owner), key))
+            if record is not None:
+                record.last_used = next(self._clock)
+
+    def drop(self, owner: Admission, key: Hashable) -> None:
+        with self._lock:
+            self._plans.pop((id(owner), key), None)
 
 
 class Plan:
