@@ -129,9 +129,9 @@ class RequestLimits:
         64 * MiB, "largest request or response (gRPC's 4 MB default would refuse a 12-megapixel JPEG); larger "
         "requests get RESOURCE_EXHAUSTED naming this flag", parse=MESSAGE_BYTES, metavar="BYTES", shown="64 MiB")
     max_scales: int = setting(4, "scales one request may ask for", parse=COUNT, metavar="N")
-    min_scale: int | None = setting(None, "smallest target shorter side, in pixels (raised to each model's "
-                                    "training size, the least it can take)", parse=COUNT, metavar="N",
-                                    shown="the model's training size")
+    min_scale: int | None = setting(None, "smallest target shorter side, in pixels (one below a model's "
+                                    "training size, the least it can take, is raised to it)", parse=COUNT,
+                                    metavar="N", shown="the model's training size")
     max_scale: int = setting(2048, "largest target shorter side, in pixels", parse=COUNT, metavar="N")
     max_resized_pixels: int = setting(2048 * 2048, "resized images above this many pixels are refused (a huge "
                                       "scale on a panorama)", parse=COUNT, metavar="N", shown="2048²")
