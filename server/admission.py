@@ -6,14 +6,15 @@ queue's room and expected wait, then the image's header, then what the header te
 canvas and batch limit in memory, the response's size, the host memory). The ticket holds the queue
 places and the host bytes together and gives both back in `release`, the one way out.
 
-Memory: what a batch or a plan will need, against a budget, before it runs. Predictions are `convert.profile`'s for the device the model runs on (the terms `scoremap-inspect
---device` prints), so what users are shown is what the server enforces. Two ways to use it:
+Memory: what a batch or a plan will need, against a budget, before it runs. Predictions are
+`convert.profile`'s for the device the model runs on (the terms `scoremap-inspect --device` prints),
+so what users are shown is what the server enforces. Two ways to use it:
 
-* Per batch: `admit(height, width, scale=, largest_scale=)` returns the largest batch of that
+* Per batch: `Admission.admit(height, width, scale=, largest_scale=)` returns the largest batch of that
   input size within the model's `budget_bytes`, or refuses with RESOURCE_EXHAUSTED and the
   numbers; `batch_limit` and `predicted_bytes(height, width, batch)` answer the questions behind it.
 * Per plan (one session per fixed shape, server/plans.py): every model's plans draw on one
-  `MemoryBudget` per server. The plan cache asks, before making a plan,
+  `MemoryBudget` per server (server/plans.py). The plan cache asks, before making a plan,
 
       evict = admission.make_room(key, height=, width=, batch=, scale=, largest_scale=)
 

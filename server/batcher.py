@@ -1,13 +1,14 @@
-"""Dynamic batching: items of the same plan group from concurrent requests run as one batch.
+"""Dynamic batching: items of one group (a canvas shape and its passes) from concurrent requests run as one batch.
 
 As in Triton's dynamic batcher: the first waiting item waits at most `max_delay` for others of its
-key, up to a batch limit (the smaller of `max_batch` and what fits the memory budget). The queue
-is bounded; as Triton's queue policy, an item that waited longer than `max_queue` is dropped before
+key, up to a batch limit (the smaller of `max_batch` and what fits the memory budget). The queue is
+bounded; as Triton's queue policy, an item that waited longer than `max_queue` is dropped before
 compute, and `reserve`, asked by admission before the image is even decoded, finds no room for a
 request that would overflow the queue, not start within `max_queue` (less a margin for the estimate)
 or not end by its deadline: it says why (`NoRoom`), admission refuses. A request holds its places
-from then on, while it decodes, so requests admitted meanwhile count it. The limit is on the wait for a request's first item: once that runs, its other
-items are its own work, not queueing. A cancelled request's items leave the queue at once.
+from then on, while it decodes, so requests admitted meanwhile count it. The limit is on the wait
+for a request's first item: once that runs, its other items are its own work, not queueing. A
+cancelled request's items leave the queue at once.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Reservation:
 
 @dataclass(eq=False)
 class Work:
-    """One item: its plan group `key`, what the runner needs, and what it gave back."""
+    """One item: its group `key` (items of one key can share a batch), what the runner needs, and what it gave back."""
 
     key: Hashable
     payload: Any

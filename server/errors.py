@@ -67,7 +67,8 @@ class Dropped(enum.Enum):
 
 @dataclass(frozen=True)
 class NoRoom:
-    """Why a queue holds no places for a request (server/batcher.py `reserve`): `why` None when the batcher is closed; the numbers behind it."""
+    """Why a queue holds no places for a request (server/batcher.py `reserve`), with the numbers behind it;
+    `why` None when the batcher is closed."""
 
     why: Transient | None
     waiting: int  # items queued or decoding
