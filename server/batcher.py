@@ -171,6 +171,12 @@ class Batcher:
             self._queue.extend(works)
             self._condition.notify_all()
 
+    def process(self, works: Sequence[Work], reservation: Reservation, *,
+                cancelled: threading.Event | None = None) -> list[Any]:
+        """The run stage for one request: its items queued in the places it held, then their results."""
+        self.submit(works, reservation)
+        return self.wait(works, cancelled=cancelled)
+
     def _queue_full(self, waiting: int, adding: int) -> ScoringError:
         return ScoringError(
             Refusal.RESOURCE_EXHAUSTED,

@@ -147,8 +147,7 @@ class Pipeline:
             decoded = time.monotonic()
             if cancelled is not None and cancelled.is_set():  # the caller left while its image decoded
                 raise ScoringError(Refusal.CANCELLED, "the call was cancelled")
-            model.batcher.submit(works, ticket.places)
-            scored = model.batcher.wait(works, cancelled=cancelled)
+            scored = model.batcher.process(works, ticket.places, cancelled=cancelled)
             computed = time.monotonic()
             response = assemble.response(ticket, scored, provider=self.engine.provider)
             seconds = assemble.timings(response, works, scored, started=started, decoded=decoded, computed=computed)
