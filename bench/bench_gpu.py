@@ -149,7 +149,7 @@ def device_bound(scheme: Scheme, *, batch: int, engine: Engine, seconds: float) 
     """(plan, images/s through the server's Plan, images/s of the bare loop) for one plan shape."""
     net = onnx.load(scheme.model)
     card = read_card(net)
-    passes = dense.plan_passes(native_stride=card.output_stride, output_stride=16, shift=scheme.shift)
+    passes = dense.passes_for(native_stride=card.output_stride, output_stride=16, shift=scheme.shift)
     height, width = buckets.on_demand_canvas(*RESIZED, slack=passes.slack, multiple=card.size_multiple)
     graph = build_plan_graph(net, card, batch=batch, height=height, width=width, offsets=passes.offsets,
                              factor=passes.factor, stride=passes.stride)

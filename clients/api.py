@@ -9,7 +9,6 @@ the gRPC status and the server's message.
 from __future__ import annotations
 
 import collections
-import ipaddress
 import math
 import threading
 from typing import Callable, Iterable, Iterator, Sequence, TypeVar
@@ -23,23 +22,11 @@ from clients.options import ScoreOptions, build_request
 from clients.results import ScoreResult, result_from_response
 from clients.retry import Backoff, Interrupted, Retrying, Verdict, WaitNotice, call_with_retries
 from clients.settings import ClientSettings
-from protos import model_card_pb2, scoring_pb2, scoring_pb2_grpc
+from protos import is_loopback, model_card_pb2, scoring_pb2, scoring_pb2_grpc
 
 __all__ = ["ScoremapClient", "channel_options", "is_loopback", "open_channel"]
 
 T = TypeVar("T")
-
-
-def is_loopback(target: str) -> bool:
-    """Whether a HOST:PORT target names this machine (localhost, 127.0.0.0/8, ::1)."""
-    host = target.rsplit(":", 1)[0] if target.count(":") == 1 or target.startswith("[") else target
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def channel_options(settings: ClientSettings) -> list[tuple[str, int]]:

@@ -42,7 +42,7 @@ from clients.latency import LevelReport, Sample, format_table, stable, summarise
 from clients.options import SHIFTS, ScoreOptions, build_request
 from clients.server_metrics import MetricsSnapshot, scrape, server_split
 from clients.settings import ClientSettings, env_token
-from clients.version import version
+from protos import version
 from protos import scoring_pb2, scoring_pb2_grpc
 
 __all__ = ["LoadLimits", "LevelPlan", "closed_loop", "open_loop", "run_level", "load_inputs", "synthetic_images",

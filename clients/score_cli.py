@@ -33,7 +33,7 @@ from clients.preflight import RunRefused, check_run
 from clients.retry import Interrupted
 from clients.run_options import OptionsChanged
 from clients.settings import BATCH_RETRY_BUDGET_S, TOKEN_ENV, ClientSettings, env_token
-from clients.version import version
+from protos import version
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_FAILURES", "EXIT_USAGE", "EXIT_UNAVAILABLE",
            "EXIT_REFUSED", "EXIT_INTERRUPTED"]

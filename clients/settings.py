@@ -6,11 +6,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ClientSettings", "TOKEN_ENV", "BATCH_RETRY_BUDGET_S", "env_token"]
+from protos import TOKEN_ENV
 
-# Environment variable holding the bearer token of the command lines (kept off the command line,
-# where `ps` shows it).
-TOKEN_ENV = "SCOREMAP_TOKEN"
+__all__ = ["ClientSettings", "TOKEN_ENV", "BATCH_RETRY_BUDGET_S", "env_token"]
 
 
 def env_token(environ: Mapping[str, str] = os.environ) -> str | None:

@@ -1,13 +1,20 @@
-"""Memory admission: what a batch or a plan will need, against a budget, before it runs.
+"""Admission, the one module that refuses a request before compute, and the memory it accounts.
 
-Predictions are `convert.profile`'s for the device the model runs on (the terms `scoremap-inspect
---device` prints), so what users are shown is what the server enforces. Two ways to use it:
+`admit(request, model, deadline=) -> Ticket` runs `CHECKS`, one ordered list of small checks each
+returning its refusal (or None): the request's fields (the image's first bytes included), then the
+queue's room and expected wait, then the image's header, then what the header tells (every scale's
+canvas and batch limit in memory, the response's size, the host memory). The ticket holds the queue
+places and the host bytes together and gives both back in `release`, the one way out.
 
-* Per batch: `admit(height, width, scale=, largest_scale=)` returns the largest batch of that
+Memory: what a batch or a plan will need, against a budget, before it runs. Predictions are
+`convert.profile`'s for the device the model runs on (the terms `scoremap-inspect --device` prints),
+so what users are shown is what the server enforces. Two ways to use it:
+
+* Per batch: `Admission.admit(height, width, scale=, largest_scale=)` returns the largest batch of that
   input size within the model's `budget_bytes`, or refuses with RESOURCE_EXHAUSTED and the
   numbers; `batch_limit` and `predicted_bytes(height, width, batch)` answer the questions behind it.
 * Per plan (one session per fixed shape, server/plans.py): every model's plans draw on one
-  `MemoryBudget` per server. The plan cache asks, before making a plan,
+  `MemoryBudget` per server (server/plans.py). The plan cache asks, before making a plan,
 
       evict = admission.make_room(key, height=, width=, batch=, scale=, largest_scale=)
 
@@ -32,31 +39,41 @@ Predictions are `convert.profile`'s for the device the model runs on (the terms 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import onnx
 
 from convert.memory_model import Device, MemoryTerms
 from convert.profile import ProfileError, Skeleton, largest_batch, load_skeleton, profile_model
-from server.errors import Refusal, ScoringError
-from server.host_memory import HostEstimate
+from convert.runtime_memory import release_free_memory
+from protos import scoring_pb2
+from server import dense, imaging
+from server.device_graph import DeviceGraphError
+from server.errors import NoRoom, Refusal, ScoringError, Transient, retry_after
+from server.host_memory import DEVICE_PASSES, HostEstimate, estimate_request
 from server.metrics import Metrics
+from server.request import ScaleJob, top_k
 from server.settings import Settings
+
+if TYPE_CHECKING:
+    from server.batcher import Batcher, Reservation
+    from server.plans import MemoryBudget
+    from server.loading import Model
 
 LOG = logging.getLogger(__name__)
 PROFILE_CACHE_SIZE = 1024  # input sizes (and batch sizes) whose predictions each model remembers
 PREDICTION_TOLERANCE = 0.25  # a plan measured further than this from its prediction is logged ...
 MEASUREMENT_RESOLUTION_BYTES = 4 * 2**20  # ... and by more than this: RSS moves by a few MiB on its own
 
-__all__ = ["Admission", "MemoryBudget", "PlanRecord", "HostBudget", "admit_host", "available_memory_bytes",
+__all__ = ["Admission", "HostBudget", "admit_host", "available_memory_bytes",
            "format_bytes"]
-# A request refused because the requests in flight hold the host budget is told to retry after this.
-HOST_RETRY_SECONDS = 0.5
+TRIM_AFTER_BYTES = 256 * 2**20  # host memory held by requests since the last trim that makes going idle trim
 
 
 def available_memory_bytes() -> int | None:
@@ -101,6 +118,8 @@ class HostBudget:
     def __init__(self, total_bytes: int | None) -> None:
         self.total_bytes = total_bytes
         self._held = 0
+        self._requests = 0  # in flight
+        self._since_trim = 0  # bytes held by the requests ended since the last trim
         self._lock = threading.Lock()
 
     @classmethod
@@ -116,8 +135,8 @@ class HostBudget:
         with self._lock:
             return self._held
 
-    @contextlib.contextmanager
-    def hold(self, estimate: HostEstimate) -> Iterator[None]:
+    def take(self, estimate: HostEstimate) -> None:
+        """Hold a request's estimated bytes; RESOURCE_EXHAUSTED when the requests in flight leave too little."""
         needed = estimate.total
         with self._lock:
             if self.total_bytes is not None and self._held + needed > self.total_bytes:
@@ -128,90 +147,33 @@ class HostBudget:
                     f"requests in flight hold {self._held} of the server's {self.total_bytes} bytes "
                     f"({format_bytes(self.total_bytes)}, --host-memory-budget)"
                     + ("; it does not fit even alone" if alone else "; retry with backoff"),
-                    retry_after_seconds=None if alone else HOST_RETRY_SECONDS,
+                    retry_after_seconds=None if alone else retry_after(Transient.HOST_MEMORY),
                 )
             self._held += needed
+            self._requests += 1
+
+    def give_back(self, held_bytes: int) -> None:
+        """A request ended. When it was the last in flight and requests have held `TRIM_AFTER_BYTES` since the
+        last time, glibc's freed memory goes back to the system (malloc_trim): it would keep it, and idle RSS
+        ratcheted up after large requests (issue 14). Not after each request: memory given back is faulted in
+        again."""
+        with self._lock:
+            self._held -= held_bytes
+            self._requests -= 1
+            self._since_trim += held_bytes
+            trim = self._requests == 0 and self._since_trim > TRIM_AFTER_BYTES
+            if trim:
+                self._since_trim = 0
+        if trim:
+            release_free_memory()
+
+    @contextlib.contextmanager
+    def hold(self, estimate: HostEstimate) -> Iterator[None]:
+        self.take(estimate)
         try:
             yield
         finally:
-            with self._lock:
-                self._held -= needed
-
-
-@dataclasses.dataclass
-class PlanRecord:
-    """One plan in the budget: its prediction, its measurement once made, and when it was last used."""
-
-    owner: Admission
-    key: Hashable
-    predicted: MemoryTerms
-    measured_bytes: int | None
-    last_used: int
-
-    @property
-    def accounted_bytes(self) -> int:
-        """What the plan holds (measured, else predicted) plus what its runs take back on the CPU."""
-        if self.measured_bytes is None:
-            return self.predicted.total
-        return self.measured_bytes + self.predicted.transient
-
-
-class MemoryBudget:
-    """The bytes every loaded model's plans may hold together on one device: one per server."""
-
-    def __init__(self, total_bytes: int | None, *, device: Device) -> None:
-        self.total_bytes = total_bytes
-        self.device = device
-        self._plans: dict[tuple[int, Hashable], PlanRecord] = {}
-        self._lock = threading.Lock()
-        self._clock = itertools.count()
-
-    def used_bytes(self) -> int:
-        with self._lock:
-            return sum(record.accounted_bytes for record in self._plans.values())
-
-    def plans(self) -> list[PlanRecord]:
-        """Every plan accounted, least recently used first."""
-        with self._lock:
-            return sorted(self._plans.values(), key=lambda record: record.last_used)
-
-    def _reserve(self, record: PlanRecord) -> list[PlanRecord] | None:
-        """Account `record`, evicting least recently used plans to fit; the evicted, or None when it
-        cannot fit even alone (nothing changed then)."""
-        slot = (id(record.owner), record.key)
-        with self._lock:
-            others = sorted((r for s, r in self._plans.items() if s != slot), key=lambda r: r.last_used)
-            if self.total_bytes is not None and record.accounted_bytes > self.total_bytes:
-                return None
-            used = sum(r.accounted_bytes for r in others) + record.accounted_bytes
-            victims = []
-            for victim in others:
-                if self.total_bytes is None or used <= self.total_bytes:
-                    break
-                victims.append(victim)
-                used -= victim.accounted_bytes
-            for victim in victims:
-                del self._plans[(id(victim.owner), victim.key)]
-            self._plans[slot] = record
-            return victims
-
-    def _measured(self, owner: Admission, key: Hashable, measured_bytes: int) -> PlanRecord | None:
-        with self._lock:
-            record = self._plans.get((id(owner), key))
-            if record is not None:
-                record.measured_bytes = measured_bytes
-                record.last_used = next(self._clock)
-            return record
-
-    def _touch(self, owner: Admission, key: Hashable) -> None:
-        with self._lock:
-            record = self._plans.get((id(owner), key))
-            if record is not None:
-                record.last_used = next(self._clock)
-
-    def _drop(self, owner: Admission, key: Hashable) -> None:
-        with self._lock:
-            self._plans.pop((id(owner), key), None)
+            self.give_back(estimate.total)
 
 
 class Admission:
@@ -291,8 +253,7 @@ class Admission:
             raise ScoringError(Refusal.INVALID_ARGUMENT,
                                f"plan {key} ({batch}x{height}x{width}) cannot be profiled: {error}") from error
         measured = self._measured.get(key)
-        record = PlanRecord(self, key, predicted, measured, next(self.shared._clock))
-        victims = self.shared._reserve(record)
+        record, victims = self.shared.reserve(self, key, predicted, measured)
         if victims is None:
             what = f"plan {key}" + (f" for scale {scale}" if scale is not None else "")
             how = "measured" if measured is not None else "predicted"
@@ -311,7 +272,7 @@ class Admission:
     def plan_created(self, key: Hashable, measured_bytes: int) -> None:
         """Record a made and warmed-up plan's measured footprint (device bytes on CUDA, RSS on the CPU)."""
         self._measured[key] = measured_bytes
-        record = self.shared._measured(self, key, measured_bytes) if self.shared is not None else None
+        record = self.shared.measured(self, key, measured_bytes) if self.shared is not None else None
         if record is None:
             return
         expected = record.predicted.resident
@@ -328,12 +289,16 @@ class Admission:
     def plan_used(self, key: Hashable) -> None:
         """The plan ran: most recently used now."""
         if self.shared is not None:
-            self.shared._touch(self, key)
+            self.shared.touch(self, key)
+
+    def oldest_plan(self) -> Hashable | None:
+        """This model's least recently used plan in the shared budget's order (None: none, or no budget)."""
+        return self.shared.oldest(self) if self.shared is not None else None
 
     def plan_evicted(self, key: Hashable) -> None:
         """The plan was dropped (or could not be made): its bytes go back to the budget."""
         if self.shared is not None:
-            self.shared._drop(self, key)
+            self.shared.drop(self, key)
         self._forget_gauge(key)
 
     def _forget_gauge(self, key: Hashable) -> None:
@@ -344,3 +309,308 @@ class Admission:
                 self.metrics.plan_memory.remove(self.name, str(key), kind)
             except KeyError:
                 pass
+
+
+# --- the request: every check before compute, in one ordered list ---------------------------------
+
+@dataclass(eq=False)
+class Ticket:
+    """A request being admitted, then admitted: what it will run, and what it holds until `release`
+    (its places in the model's queue, until its items are queued; its host bytes, until it ends)."""
+
+    request: scoring_pb2.ScoreRequest
+    model: Model
+    deadline: float | None
+    scales: list[int] = field(default_factory=list)
+    passes: dense.Passes | None = None
+    flips: tuple[bool, ...] = (False,)
+    places: Reservation | None = None
+    opened: imaging.OpenedImage | None = None
+    jobs: list[ScaleJob] = field(default_factory=list)
+    host: HostEstimate | None = None
+    held_bytes: int = 0
+
+    @property
+    def original(self) -> tuple[int, int]:
+        return self.opened.height, self.opened.width
+
+    def release(self) -> None:
+        """Give back the queue places (nothing once queued) and the host bytes; once, the one way out."""
+        if self.places is not None:
+            self.model.batcher.release(self.places)
+        held, self.held_bytes = self.held_bytes, 0
+        if held:
+            self.model.host_budget.give_back(held)
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def invalid(message: str) -> ScoringError:
+    return ScoringError(Refusal.INVALID_ARGUMENT, message)
+
+
+def check_scales(ticket: Ticket) -> ScoringError | None:
+    model, limits = ticket.model, ticket.model.limits
+    scales = ticket.scales = list(ticket.request.scales) or [model.default_scale]
+    if len(scales) > limits.max_scales:
+        return invalid(f"{len(scales)} scales requested; at most {limits.max_scales} are allowed (--max-scales)")
+    for scale in scales:
+        if not model.min_scale <= scale <= limits.max_scale:
+            return invalid(
+                f"scale {scale} is outside [{model.min_scale}, {limits.max_scale}] (the target shorter side in "
+                f"pixels; model {model.name} needs at least its training size {model.training_size})"
+            )
+    if len(set(scales)) != len(scales):
+        return invalid(f"scales {scales} repeat a value; give each scale once")
+    return None
+
+
+def check_fields(ticket: Ticket) -> ScoringError | None:
+    request, model = ticket.request, ticket.model
+    if request.top_k < 0 or request.cell_top_k < 0:
+        return invalid(f"top_k and cell_top_k must be >= 0; received {request.top_k} and {request.cell_top_k}")
+    bad = [c for c in request.classes if not 0 <= c < model.classes]
+    if bad:
+        return invalid(f"classes {bad} are out of range: model {model.name} has classes 0..{model.classes - 1}")
+    if request.map_dtype not in scoring_pb2.MapDtype.values():
+        return invalid(f"map_dtype {request.map_dtype} is not a MapDtype; use one of "
+                       f"{', '.join(scoring_pb2.MapDtype.keys())}")
+    if request.output_stride < 0:
+        return invalid(f"output_stride must be 0 (native) or positive; received {request.output_stride}")
+    return None
+
+
+def choose_passes(ticket: Ticket) -> ScoringError | None:
+    request, model = ticket.request, ticket.model
+    try:
+        ticket.passes = dense.passes_for(native_stride=model.card.output_stride, output_stride=request.output_stride,
+                                         shift=request.shift)
+    except dense.PassesError as error:
+        return invalid(f"model {model.name}: {error}")
+    ticket.flips = (False, True) if request.flip else (False,)
+    return None
+
+
+def check_image_field(ticket: Ticket) -> ScoringError | None:
+    """The image is there, and its first bytes are an image's: a permanent refusal stays one under load."""
+    kind = ticket.request.WhichOneof("image")
+    if kind is None:
+        return invalid("the request has no image: set `encoded` (JPEG, PNG, WebP, BMP, TIFF bytes) or `raw` pixels")
+    if kind == "encoded":
+        try:
+            imaging.check_encoded(ticket.request.encoded)
+        except imaging.ImageError as error:
+            return invalid(str(error))
+    return None
+
+
+def hold_places(ticket: Ticket) -> ScoringError | None:
+    """Places in the model's queue, before the header is read: under overload most requests are refused,
+    and each refusal then costs no header parsing or planning (26% of its server CPU, measured). A broken
+    header is found once there is room, so under overload it is first refused as transient."""
+    try:
+        ticket.places = queue_places(ticket.model.batcher, len(ticket.scales) * len(ticket.flips),
+                                     deadline=ticket.deadline)
+    except ScoringError as error:
+        return error
+    return None
+
+
+def queue_places(batcher: Batcher, items: int, *, deadline: float | None) -> Reservation:
+    """`items` places in `batcher`'s queue, or the refusal saying why there is no room."""
+    held = batcher.reserve(items, deadline=deadline)
+    if isinstance(held, NoRoom):
+        raise no_room(held, deadline=deadline)
+    return held
+
+
+def no_room(busy: NoRoom, *, deadline: float | None) -> ScoringError:
+    """The refusal of a queue with no room for a request, with a retry hint from the queue's pace."""
+    if busy.why is None:
+        return ScoringError(Refusal.UNAVAILABLE, "the server is shutting down")
+    if busy.why is Transient.QUEUE_FULL:
+        return ScoringError(
+            Refusal.RESOURCE_EXHAUSTED,
+            f"queue full: {busy.waiting} items waiting or decoding, this request adds {busy.adding}, the limit is "
+            f"{busy.depth} (--queue-depth); retry with backoff",
+            retry_after_seconds=retry_after(busy.why, busy.seconds_per_item * busy.adding),
+        )
+    if busy.why is Transient.QUEUE_WAIT:
+        kept = f" less {1000 * busy.margin:.0f} ms kept as a margin for the estimate" if busy.margin else ""
+        return ScoringError(
+            Refusal.RESOURCE_EXHAUSTED,
+            f"overloaded: the expected wait in the queue is {1000 * busy.wait:.0f} ms, beyond --max-queue-ms "
+            f"({1000 * busy.max_queue:.0f} ms){kept}; retry with backoff",
+            retry_after_seconds=retry_after(busy.why, busy.wait + busy.margin - busy.max_queue),
+        )
+    left = max(deadline - time.monotonic(), 0) if deadline is not None else 0
+    return ScoringError(
+        Refusal.RESOURCE_EXHAUSTED,
+        f"overloaded: the request would be done in about {1000 * busy.done:.0f} ms, after the call's "
+        f"deadline ({1000 * left:.0f} ms from now); retry later or with a longer deadline",
+        retry_after_seconds=retry_after(busy.why, busy.wait),
+    )
+
+
+def read_header(ticket: Ticket) -> ScoringError | None:
+    """The image's header: its size, and nothing decoded yet."""
+    request, limit = ticket.request, ticket.model.limits.max_image_pixels
+    try:
+        if request.WhichOneof("image") == "encoded":
+            ticket.opened = imaging.open_image(request.encoded, max_pixels=limit)
+        else:
+            ticket.opened = imaging.from_raw(request.raw, max_pixels=limit)
+    except imaging.ImageError as error:
+        return invalid(str(error))
+    return None
+
+
+def fit_scales(ticket: Ticket) -> ScoringError | None:
+    """Each scale's resized size, canvas bucket, kept cells and batch limit; refused when the image cannot take it."""
+    try:
+        ticket.jobs = [scale_job(ticket.model, ticket.original, scale, ticket.passes) for scale in ticket.scales]
+    except ScoringError as error:
+        return error
+    return None
+
+
+def scale_job(model: Model, original: tuple[int, int], scale: int, passes: dense.Passes) -> ScaleJob:
+    limit = model.limits.max_resized_pixels
+    size = dense.resized_size(*original, scale=scale, multiple=model.card.size_multiple)
+    if size[0] * size[1] > limit:
+        raise invalid(
+            f"scale {scale} resizes the {original[0]}x{original[1]} image to {size[0]}x{size[1]} = "
+            f"{size[0] * size[1]} pixels, above the limit of {limit} (--max-resized-pixels)"
+        )
+    try:
+        cells = tuple(passes.factor * side for side in model.net_cells(*size))
+    except DeviceGraphError as error:
+        raise invalid(f"scale {scale} gives a {size[0]}x{size[1]} input model {model.name} cannot take: {error}") from error
+    if 0 in cells:
+        raise invalid(
+            f"scale {scale} resizes the {original[0]}x{original[1]} image to {size[0]}x{size[1]}, smaller than "
+            f"model {model.name}'s training size {model.card.training_height}x{model.card.training_width}; "
+            "use a larger scale"
+        )
+    canvas = model.canvas_for(size, passes)
+    if canvas is None:
+        raise invalid(
+            f"scale {scale} gives a {size[0]}x{size[1]} image (+{passes.slack} px for shifted passes) that no "
+            f"canvas bucket holds ({model.buckets.describe()}); use a smaller scale, or restart the server "
+            "with a larger --shape-buckets or without --strict-shapes"
+        )
+    return ScaleJob(scale, size, canvas, cells, batch_limit(model, canvas, scale, passes, original))
+
+
+def batch_limit(model: Model, canvas: tuple[int, int], scale: int, passes: dense.Passes,
+                original: tuple[int, int]) -> int:
+    """How many items of this canvas one batch may hold in memory (each runs all its passes), as a batch
+    bucket: a batch is padded up to its bucket, so the limit is rounded down to one."""
+    limit = model.admission.admit(*canvas, scale=scale, largest_scale=lambda: largest_scale(model, original, passes))
+    items = limit // len(passes.offsets)
+    if items == 0:
+        raise ScoringError(
+            Refusal.RESOURCE_EXHAUSTED,
+            f"scale {scale} needs {len(passes.offsets)} passes of {canvas[0]}x{canvas[1]} at once but "
+            f"only {limit} fit the memory budget; the largest scale that fits is "
+            f"{largest_scale(model, original, passes)}",
+        )
+    if items >= model.buckets.batches[-1]:
+        return items
+    return max(bucket for bucket in model.buckets.batches if bucket <= items)
+
+
+def largest_scale(model: Model, original: tuple[int, int], passes: dense.Passes) -> int:
+    """The largest scale of this image whose passes fit the memory budget (0: none)."""
+    step = model.multiple
+    low, high = max(model.min_scale // step - 1, 0), model.limits.max_scale // step + 1  # low fits or is 0
+    while high - low > 1:
+        middle = (low + high) // 2
+        canvas = model.canvas_for(dense.resized_size(*original, scale=middle * step, multiple=step), passes)
+        try:
+            fits = canvas is not None and model.admission.batch_limit(*canvas) >= len(passes.offsets)
+        except ProfileError:  # a size the net cannot take
+            fits = False
+        if fits:
+            low = middle
+        else:
+            high = middle
+    return low * step
+
+
+def check_response_size(ticket: Ticket) -> ScoringError | None:
+    request, model, limit = ticket.request, ticket.model, ticket.model.limits.max_message_bytes
+    expected = response_bytes(request, ticket.jobs, classes=model.classes, top_k=top_k(request, model.limits),
+                              label_bytes=model.label_bytes)
+    if expected > limit:
+        return ScoringError(
+            Refusal.RESOURCE_EXHAUSTED,
+            f"the response would be about {expected} bytes, above the server's --max-message-bytes {limit}; ask "
+            "for fewer `classes`, a smaller `cell_top_k`, `map_dtype` FLOAT16, fewer or smaller scales, or no maps",
+        )
+    return None
+
+
+def check_host_memory(ticket: Ticket) -> ScoringError | None:
+    """What the request will hold on the host, estimated from the header: within one request's limit, then
+    held from the budget the requests in flight share."""
+    request, model, passes = ticket.request, ticket.model, ticket.passes
+    ticket.host = estimate_request(
+        encoded_bytes=ticket.opened.encoded_bytes, image_size=ticket.original,
+        resized_sizes=[job.canvas for job in ticket.jobs], passes=len(passes.offsets), flip=request.flip,
+        classes=model.classes, native_stride=model.card.output_stride, output_stride=passes.stride, path=DEVICE_PASSES,
+    )
+    try:
+        admit_host(ticket.host, limit_bytes=model.limits.max_request_host_bytes)
+        model.host_budget.take(ticket.host)
+    except ScoringError as error:
+        return error
+    ticket.held_bytes = ticket.host.total
+    return None
+
+
+# The measured order: the cheap checks of the fields first, then the queue's room and expected wait,
+# then the header, then what the header tells (the canvas of every scale, the response's size, memory).
+CHECKS: tuple[Callable[[Ticket], ScoringError | None], ...] = (
+    check_scales, check_fields, choose_passes, check_image_field, hold_places, read_header, fit_scales,
+    check_response_size, check_host_memory,
+)
+
+
+def admit(request: scoring_pb2.ScoreRequest, model: Model, *, deadline: float | None) -> Ticket:
+    """The request checked whole before any pixel is decoded, or the first check's refusal; the ticket
+    holds its queue places and host bytes until released (`with admit(...) as ticket:`)."""
+    ticket = Ticket(request, model, deadline)
+    try:
+        for check in CHECKS:
+            refused = check(ticket)
+            if refused is not None:
+                raise refused
+    except BaseException:
+        ticket.release()
+        raise
+    return ticket
+
+
+FLOAT16_BYTES, FLOAT32_BYTES, INT32_BYTES = 2, 4, 4
+OVERHEAD_BYTES = 4096  # geometry, timings, model name, warnings and framing of a response, generously
+ENTRY_FRAMING_BYTES = 8  # an image-level top-k entry's tags and lengths
+
+
+def response_bytes(request: scoring_pb2.ScoreRequest, jobs: list[ScaleJob], *, classes: int, top_k: int,
+                   label_bytes: int) -> int:
+    """An upper estimate of the response's size, known before any compute: the maps, the cells' top-k,
+    the image's `top_k` entries, each with a label of up to `label_bytes`, and the echoed request id."""
+    total = OVERHEAD_BYTES + len(request.request_id.encode()) + min(top_k, classes) * (
+        INT32_BYTES + FLOAT32_BYTES + label_bytes + ENTRY_FRAMING_BYTES)
+    for job in jobs:
+        cells = job.cells[0] * job.cells[1]
+        if request.return_maps:
+            width = FLOAT16_BYTES if request.map_dtype == scoring_pb2.FLOAT16 else FLOAT32_BYTES
+            total += cells * (len(request.classes) or classes) * width
+        total += cells * min(request.cell_top_k, classes) * (INT32_BYTES + FLOAT32_BYTES)
+    return total

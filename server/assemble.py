@@ -1,4 +1,4 @@
-"""Stage 4, assemble: the plans' outputs of one request into its response.
+"""The assemble stage: the plans' outputs of one request into its response (`response`), and its timings.
 
 Per scale: the kept lattices (the mirrored one moved back), averaged over flips, as maps, per-cell
 top-k and geometry; over everything: the image-level top-k from the mean of the device's
@@ -9,46 +9,26 @@ contract documents.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from protos import scoring_pb2
 from server import dense
+from server.errors import Refusal, ScoringError
+from server.metrics import Stage
+from server.request import ScaleJob, Scored, top_k
 
-FLOAT16_BYTES, FLOAT32_BYTES, INT32_BYTES = 2, 4, 4
-OVERHEAD_BYTES = 4096  # geometry, timings, model name, warnings and framing of a response, generously
-ENTRY_FRAMING_BYTES = 8  # an image-level top-k entry's tags and lengths
+if TYPE_CHECKING:
+    from server.admission import Ticket
+    from server.batcher import Work
+
+TINY_IMAGE_FACTOR = 4  # an image enlarged more than this many times is scored with a warning
 
 
 class NonFiniteError(ArithmeticError):
     """The net produced NaN or infinity where a score belongs; the message says where."""
-
-
-@dataclass(frozen=True)
-class ScaleJob:
-    """One scale of a request as planned: sizes, the canvas bucket and the cells kept."""
-
-    scale: int
-    resized: tuple[int, int]
-    canvas: tuple[int, int]
-    cells: tuple[int, int]
-    batch_limit: int  # items of this canvas one batch may hold in memory (a batch bucket)
-
-
-def response_bytes(request: scoring_pb2.ScoreRequest, jobs: list[ScaleJob], *, classes: int, top_k: int,
-                   label_bytes: int) -> int:
-    """An upper estimate of the response's size, known before any compute: the maps, the cells' top-k,
-    the image's `top_k` entries, each with a label of up to `label_bytes`, and the echoed request id."""
-    total = OVERHEAD_BYTES + len(request.request_id.encode()) + min(top_k, classes) * (
-        INT32_BYTES + FLOAT32_BYTES + label_bytes + ENTRY_FRAMING_BYTES)
-    for job in jobs:
-        cells = job.cells[0] * job.cells[1]
-        if request.return_maps:
-            width = FLOAT16_BYTES if request.map_dtype == scoring_pb2.FLOAT16 else FLOAT32_BYTES
-            total += cells * (len(request.classes) or classes) * width
-        total += cells * min(request.cell_top_k, classes) * (INT32_BYTES + FLOAT32_BYTES)
-    return total
 
 
 def fill_scale_map(
@@ -106,3 +86,63 @@ def write_tensor(message: scoring_pb2.Tensor, array: np.ndarray, dtype: str) -> 
     message.dtype = dtype
     message.shape.extend(array.shape)
     message.data = np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
+
+
+def response(ticket: Ticket, scored: list[Scored], *, provider: str) -> scoring_pb2.ScoreResponse:
+    """The response of an admitted request from its items' results, in the ticket's order (scale, then flip)."""
+    request, model, passes, original = ticket.request, ticket.model, ticket.passes, ticket.original
+    answer = scoring_pb2.ScoreResponse(
+        model=model.name, request_id=request.request_id, image_height=original[0], image_width=original[1],
+        execution_provider=provider, output_stride=passes.stride, shift=passes.shift,
+    )
+    field = model.card.receptive_field
+    first = (field.center_y - passes.slack, field.center_x - passes.slack)
+    results = iter(scored)
+    probabilities = []
+    try:
+        for job in ticket.jobs:
+            mine = [next(results) for _flip in ticket.flips]
+            probabilities.extend(result.probabilities for result in mine)
+            lattices = None
+            if mine[0].lattice is not None:
+                lattices = [mine[0].lattice] + [
+                    dense.mirror_back(result.lattice, resized_width=job.resized[1], first_center_x=first[1],
+                                      stride=passes.stride)
+                    for result in mine[1:]
+                ]
+            geometry = dense.cell_geometry(
+                original=original, resized=job.resized, canvas=job.canvas, cells=job.cells,
+                stride=passes.stride, field_size=field.size, first_center=first,
+            )
+            fill_scale_map(answer.maps.add(), request, job, lattices, geometry,
+                           holes=passes.shift == scoring_pb2.SHIFT_DIAGONAL)
+        answer.top_k.extend(image_top_k(probabilities, top_k(request, model.limits), model.label))
+    except NonFiniteError as error:
+        raise ScoringError(Refusal.INTERNAL, f"model {model.name} gave no usable scores: {error}") from error
+    smallest = min(original)
+    if ticket.jobs[0].scale / smallest > TINY_IMAGE_FACTOR and smallest < model.training_size:
+        answer.warnings.append(
+            f"the image is {original[0]}x{original[1]}, far below model {model.name}'s training size "
+            f"{model.training_size}: enlarged {ticket.jobs[0].scale / smallest:.1f}x, its scores may mean little"
+        )
+    return answer
+
+
+def timings(answer: scoring_pb2.ScoreResponse, works: list[Work], scored: list[Scored], *, started: float,
+            decoded: float, computed: float) -> dict[Stage, float]:
+    """Fill the response's timings (ms) from the stages' instants and its items' batches; the seconds by stage."""
+    finished = time.monotonic()
+    queue = max(work.started - work.enqueued for work in works)
+    inference = sum({work.batch_id: work.run_seconds for work in works}.values())
+    setups: dict[int, float] = {}
+    for work, result in zip(works, scored):
+        setups[work.batch_id] = max(setups.get(work.batch_id, 0.0), result.planning_seconds)
+    shown = answer.timings
+    shown.queue_ms = 1000 * queue
+    shown.preprocess_ms = 1000 * (decoded - started)
+    shown.inference_ms = 1000 * inference
+    shown.postprocess_ms = 1000 * (finished - computed)
+    shown.total_ms = 1000 * (finished - started)
+    shown.planning_ms = 1000 * sum(setups.values())
+    return {Stage.QUEUE: queue, Stage.PREPROCESS: decoded - started, Stage.INFERENCE: inference,
+            Stage.POSTPROCESS: finished - computed}

@@ -1,18 +1,18 @@
-"""Dynamic batching: items of the same plan group from concurrent requests run as one batch.
+"""Dynamic batching: items of one group (a canvas shape and its passes) from concurrent requests run as one batch.
 
 As in Triton's dynamic batcher: the first waiting item waits at most `max_delay` for others of its
-key, up to a batch limit (the smaller of `max_batch` and what fits the memory budget). The queue
-is bounded (RESOURCE_EXHAUSTED when full); as Triton's queue policy, an item that waited longer
-than `max_queue` is refused before compute, and so is a request not expected to start within it
-(less a margin for the estimate) or to end by its deadline (`reserve`, asked before the image is
-even decoded). A request holds its places from then on, while it decodes, so requests admitted
-meanwhile count it. The limit is on the wait for a request's first item: once that runs, its other
-items are its own work, not queueing. A cancelled request's items leave the queue at once.
+key, up to a batch limit (the smaller of `max_batch` and what fits the memory budget). The queue is
+bounded; as Triton's queue policy, an item that waited longer than `max_queue` is dropped before
+compute, and `reserve`, asked by admission before the image is even decoded, finds no room for a
+request that would overflow the queue, not start within `max_queue` (less a margin for the estimate)
+or not end by its deadline: it says why (`NoRoom`), admission refuses. A request holds its places
+from then on, while it decodes, so requests admitted meanwhile count it. The limit is on the wait
+for a request's first item: once that runs, its other items are its own work, not queueing. A
+cancelled request's items leave the queue at once.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import threading
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from server.errors import Refusal, ScoringError
+from server.errors import Dropped, NoRoom, Refusal, ScoringError, Transient, retry_after
 
 LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting caller looks at its cancellation flag
@@ -30,20 +30,16 @@ CLOSE_SECONDS = 10.0  # how long close waits for the batch being computed before
 SMOOTHING = 0.2  # weight of the newest batch in the moving average of seconds per item
 
 
-class Dropped(enum.Enum):
-    """Why an admitted item left the queue without running (the metrics' `reason` label)."""
-
-    QUEUE_TIME = "queue_time"  # it waited past `max_queue`
-    DEADLINE = "deadline"  # its call's deadline passed
-
-
 class Reservation:
-    """Places a request holds in the queue from its admission until its items are queued (or it fails):
-    counted in the queue's room and the expected wait, so requests admitted while it decodes see it."""
+    """One request in the queue: the places it holds from its admission until its items are queued (or it
+    fails), counted in the queue's room and the expected wait, so requests admitted while it decodes see it;
+    then whether one of its items has started (its later items are then its own work, not queueing). No
+    reference to the items: a cycle would keep their canvases alive until the garbage collector runs."""
 
     def __init__(self, batcher: Batcher, items: int) -> None:
         self._batcher = batcher
         self.items = items
+        self.started = False
 
     def __enter__(self) -> Reservation:
         return self
@@ -53,24 +49,15 @@ class Reservation:
 
 
 @dataclass(eq=False)
-class RequestStart:
-    """What the items of one request share: whether one of them has started (its later items are then
-    its own work, not queueing). No reference back to the items: a cycle would keep their canvases
-    alive until the garbage collector runs."""
-
-    started: bool = False
-
-
-@dataclass(eq=False)
 class Work:
-    """One item: its plan group `key`, what the runner needs, and what it gave back."""
+    """One item: its group `key` (items of one key can share a batch), what the runner needs, and what it gave back."""
 
     key: Hashable
     payload: Any
     limit: int
     deadline: float | None
     enqueued: float = field(default_factory=time.monotonic)
-    request: RequestStart = field(default_factory=RequestStart)  # shared by its request's items (`submit`)
+    request: Reservation | None = None  # shared by its request's items (`submit`)
     started: float = 0.0
     run_seconds: float = 0.0
     batch_id: int = -1
@@ -131,39 +118,30 @@ class Batcher:
         running = max(0.0, self._busy_until - time.monotonic())
         return running + (len(self._queue) + self._reserved) * self._seconds_per_item
 
-    def reserve(self, items: int, *, deadline: float | None) -> Reservation:
-        """Hold `items` places for a request about to decode; UNAVAILABLE once closed, RESOURCE_EXHAUSTED
-        (with a retry hint) when they would overflow the queue, would not start within `max_queue` less a
-        margin, or would end after `deadline`. The margin, one item's time (at most half the limit) when
-        items wait ahead: the wait is an estimate, and a request admitted just under the limit would often
-        pass it and be dropped after its decode, having cost work and its caller's time for a refusal."""
+    def reserve(self, items: int, *, deadline: float | None) -> Reservation | NoRoom:
+        """Hold `items` places for a request about to decode, or say why not (admission refuses with it):
+        closed, the queue would overflow, the items would not start within `max_queue` less a margin, or would
+        end after `deadline`. The margin, one item's time (at most half the limit) when items wait ahead: the
+        wait is an estimate, and a request admitted just under the limit would often pass it and be dropped
+        after its decode, having cost work and its caller's time for a refusal."""
         with self._condition:
-            if self._closed:
-                raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down")
             waiting = len(self._queue) + self._reserved
-            if waiting + items > self._queue_depth:
-                raise self._queue_full(waiting, items)
             wait = self._expected_wait()
             margin = min(self._seconds_per_item, self._max_queue / 2) if waiting else 0.0
-            if wait > self._max_queue - margin:
-                kept = f" less {1000 * margin:.0f} ms kept as a margin for the estimate" if margin else ""
-                raise ScoringError(
-                    Refusal.RESOURCE_EXHAUSTED,
-                    f"overloaded: the expected wait in the queue is {1000 * wait:.0f} ms, beyond --max-queue-ms "
-                    f"({1000 * self._max_queue:.0f} ms){kept}; retry with backoff",
-                    retry_after_seconds=max(wait + margin - self._max_queue, POLL_SECONDS),
-                )
             done = wait + items * self._seconds_per_item
-            if deadline is not None and time.monotonic() + done > deadline:
-                raise ScoringError(
-                    Refusal.RESOURCE_EXHAUSTED,
-                    f"overloaded: the request would be done in about {1000 * done:.0f} ms, after the call's "
-                    f"deadline ({1000 * max(deadline - time.monotonic(), 0):.0f} ms from now); retry later or with "
-                    "a longer deadline",
-                    retry_after_seconds=max(wait, POLL_SECONDS),
-                )
-            self._reserved += items
-            return Reservation(self, items)
+            if self._closed:
+                why: Transient | None = None
+            elif waiting + items > self._queue_depth:
+                why = Transient.QUEUE_FULL
+            elif wait > self._max_queue - margin:
+                why = Transient.QUEUE_WAIT
+            elif deadline is not None and time.monotonic() + done > deadline:
+                why = Transient.DEADLINE
+            else:
+                self._reserved += items
+                return Reservation(self, items)
+            return NoRoom(why, waiting=waiting, adding=items, depth=self._queue_depth, wait=wait, margin=margin,
+                          done=done, max_queue=self._max_queue, seconds_per_item=self._seconds_per_item)
 
     def release(self, reservation: Reservation) -> None:
         """Give back what `reservation` still holds (nothing once its items are queued)."""
@@ -179,7 +157,7 @@ class Batcher:
         RESOURCE_EXHAUSTED when they would overflow the queue."""
         if reservation is not None and reservation.items != len(works):
             raise ValueError(f"{len(works)} items submitted in {reservation.items} reserved places")
-        shared, now = RequestStart(), time.monotonic()
+        shared, now = reservation if reservation is not None else Reservation(self, 0), time.monotonic()
         for work in works:  # one request: its items expire together
             work.request, work.enqueued = shared, now
         with self._condition:
@@ -193,12 +171,18 @@ class Batcher:
             self._queue.extend(works)
             self._condition.notify_all()
 
+    def process(self, works: Sequence[Work], reservation: Reservation, *,
+                cancelled: threading.Event | None = None) -> list[Any]:
+        """The run stage for one request: its items queued in the places it held, then their results."""
+        self.submit(works, reservation)
+        return self.wait(works, cancelled=cancelled)
+
     def _queue_full(self, waiting: int, adding: int) -> ScoringError:
         return ScoringError(
             Refusal.RESOURCE_EXHAUSTED,
             f"queue full: {waiting} items waiting or decoding, this request adds {adding}, the limit is "
             f"{self._queue_depth} (--queue-depth); retry with backoff",
-            retry_after_seconds=max(self._seconds_per_item * adding, POLL_SECONDS),
+            retry_after_seconds=retry_after(Transient.QUEUE_FULL, self._seconds_per_item * adding),
         )
 
     def cancel(self, works: Sequence[Work]) -> None:
@@ -280,7 +264,7 @@ class Batcher:
                     Refusal.RESOURCE_EXHAUSTED,
                     f"overloaded: waited {1000 * waited:.0f} ms in the queue, beyond --max-queue-ms "
                     f"({1000 * self._max_queue:.0f} ms); dropped before compute, retry with backoff",
-                    retry_after_seconds=self._max_queue,
+                    retry_after_seconds=retry_after(Transient.QUEUE_TIME, self._max_queue),
                 )
             else:
                 kept.append(work)

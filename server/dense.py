@@ -29,7 +29,7 @@ SHIFT_NAMES = ", ".join(Shift.keys())
 
 
 @dataclass(frozen=True)
-class PassPlan:
+class Passes:
     """How one scale is scored: the lattice stride, the shift mode, and the (dy, dx) of each pass."""
 
     stride: int
@@ -43,40 +43,40 @@ class PassPlan:
         return (self.factor - 1) * self.stride
 
 
-class PlanError(ValueError):
+class PassesError(ValueError):
     """A stride/shift combination the model cannot produce; the message says what can."""
 
 
-def plan_passes(*, native_stride: int, output_stride: int, shift: int) -> PassPlan:
+def passes_for(*, native_stride: int, output_stride: int, shift: int) -> Passes:
     """The passes giving `output_stride` (0: native) from a model of `native_stride`."""
     if shift not in Shift.values():
-        raise PlanError(f"shift {shift} is not a Shift; use one of {SHIFT_NAMES}")
+        raise PassesError(f"shift {shift} is not a Shift; use one of {SHIFT_NAMES}")
     stride = output_stride or native_stride
     names = Shift.Name
     if stride == native_stride:
         if shift in (Shift.SHIFT_GRID, Shift.SHIFT_DIAGONAL):
-            raise PlanError(
+            raise PassesError(
                 f"shift {names(shift)} needs output_stride {native_stride // 2} (half the model's stride "
                 f"{native_stride}); received output_stride {stride}"
             )
         if shift == Shift.SHIFT_ATROUS and native_stride >= 32:
-            raise PlanError(
+            raise PassesError(
                 f"shift SHIFT_ATROUS needs a model converted with `scoremap-convert --output-stride 16`; "
                 f"this model's stride is {native_stride}"
             )
         atrous = shift == Shift.SHIFT_ATROUS or (shift == Shift.SHIFT_UNSPECIFIED and native_stride < 32)
-        return PassPlan(stride, 1, Shift.SHIFT_ATROUS if atrous else Shift.SHIFT_NONE, ((0, 0),))
+        return Passes(stride, 1, Shift.SHIFT_ATROUS if atrous else Shift.SHIFT_NONE, ((0, 0),))
     if stride * 2 == native_stride:
         if shift in (Shift.SHIFT_UNSPECIFIED, Shift.SHIFT_GRID):
             offsets = ((0, 0), (0, stride), (stride, 0), (stride, stride))
-            return PassPlan(stride, 2, Shift.SHIFT_GRID, offsets)
+            return Passes(stride, 2, Shift.SHIFT_GRID, offsets)
         if shift == Shift.SHIFT_DIAGONAL:
-            return PassPlan(stride, 2, Shift.SHIFT_DIAGONAL, ((0, 0), (stride, stride)))
-        raise PlanError(
+            return Passes(stride, 2, Shift.SHIFT_DIAGONAL, ((0, 0), (stride, stride)))
+        raise PassesError(
             f"output_stride {stride} on a stride-{native_stride} model needs shift SHIFT_GRID or SHIFT_DIAGONAL "
             f"(or a model converted with --output-stride {stride} for SHIFT_ATROUS); received {names(shift)}"
         )
-    raise PlanError(
+    raise PassesError(
         f"output_stride {stride} is not supported by this model (native stride {native_stride}): "
         f"use 0, {native_stride} or {native_stride // 2}"
     )

@@ -1,4 +1,6 @@
-"""The one exception type of the server package: why a request is refused, and a message for the caller.
+"""Why a request does not get its answer, below every other server module: the one exception type,
+and the reasons the stages share (a refusal, a transient one's retry hint, a queue's lack of room,
+a drop before compute).
 
 The core (pipeline, batcher, admission) says *why* with a `Refusal`; only the gRPC edge turns it into
 a status code (`ScoringError.code`, used by service.py and kserve.py), so no core module imports grpc.
@@ -7,12 +9,13 @@ a status code (`ScoringError.code`, used by service.py and kserve.py), so no cor
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import grpc
 
 from protos import RETRY_AFTER_KEY
 
-__all__ = ["RETRY_AFTER_KEY", "Refusal", "ScoringError"]
+__all__ = ["Dropped", "NoRoom", "RETRY_AFTER_KEY", "Refusal", "ScoringError", "Transient", "retry_after"]
 
 
 class Refusal(enum.Enum):
@@ -26,6 +29,56 @@ class Refusal(enum.Enum):
     CANCELLED = enum.auto()
     FAILED_PRECONDITION = enum.auto()  # the server cannot run this (no GPU when one is required)
     INTERNAL = enum.auto()  # the model failed or gave no usable numbers
+
+
+class Transient(enum.Enum):
+    """Why a refusal holds only for now: the rows of the one table of retry hints."""
+
+    QUEUE_FULL = enum.auto()  # --queue-depth: places free as items run
+    QUEUE_WAIT = enum.auto()  # the expected wait is beyond --max-queue-ms
+    DEADLINE = enum.auto()  # the request would end after its call's deadline
+    QUEUE_TIME = enum.auto()  # an admitted item waited past --max-queue-ms, dropped before compute
+    HOST_MEMORY = enum.auto()  # the requests in flight hold the host budget
+    WARMING_UP = enum.auto()  # the server is not SERVING yet
+    CALLS_BUSY = enum.auto()  # the edge's call limits (workers, calls per peer)
+
+
+# The least a client is told to wait, by reason; where the server estimates when there will be room
+# (the queue's pace), the hint is that estimate, never below this. Calls here last about one
+# request's compute, so a busy edge and a warming server say a second; the host budget frees as
+# requests end, half a second; the queue's floor is how often a waiting caller looks at its call.
+RETRY_AFTER_SECONDS = {
+    Transient.QUEUE_FULL: 0.05, Transient.QUEUE_WAIT: 0.05, Transient.DEADLINE: 0.05, Transient.QUEUE_TIME: 0.05,
+    Transient.HOST_MEMORY: 0.5, Transient.WARMING_UP: 1.0, Transient.CALLS_BUSY: 1.0,
+}
+
+
+def retry_after(why: Transient, estimate: float = 0.0) -> float:
+    """The retry hint of a transient refusal: the estimated seconds until there is room, at least the table's."""
+    return max(estimate, RETRY_AFTER_SECONDS[why])
+
+
+class Dropped(enum.Enum):
+    """Why an admitted item left the queue without running (the metrics' `reason` label)."""
+
+    QUEUE_TIME = "queue_time"  # it waited past `max_queue`
+    DEADLINE = "deadline"  # its call's deadline passed
+
+
+@dataclass(frozen=True)
+class NoRoom:
+    """Why a queue holds no places for a request (server/batcher.py `reserve`), with the numbers behind it;
+    `why` None when the batcher is closed."""
+
+    why: Transient | None
+    waiting: int  # items queued or decoding
+    adding: int
+    depth: int
+    wait: float  # expected seconds before a new item runs
+    margin: float
+    done: float  # expected seconds until the request's items are all done
+    max_queue: float
+    seconds_per_item: float
 
 
 class ScoringError(Exception):

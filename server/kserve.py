@@ -32,14 +32,13 @@ import json
 import logging
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from importlib import metadata
 
 import grpc
 import numpy as np
 from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2
 
-from protos import scoring_pb2
+from protos import scoring_pb2, version
 from server.errors import Refusal, ScoringError
 from server.service import Call, DenseScoringServicer, StreamReader, check_size
 
@@ -300,7 +299,7 @@ class InferenceServicer(ServicerBase):
 
     def ServerMetadata(self, request, context):
         with self.scoring.accounted("ServerMetadata", context):
-            return service_pb2.ServerMetadataResponse(name=SERVER_NAME, version=metadata.version("scoremap"),
+            return service_pb2.ServerMetadataResponse(name=SERVER_NAME, version=version(),
                                                       extensions=EXTENSIONS)
 
     def _summary(self, name: str, version: str) -> scoring_pb2.ModelSummary:

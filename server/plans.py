@@ -5,26 +5,40 @@ width, batch size, passes): uint8 canvases in, lattices and image-level probabil
 buffers are bound once (IO binding on the GPU), so a run is: copy the canvases in, run, copy back
 what the responses hold. A model's plans are made on first use or at warm-up, measured, and dropped
 least recently used when a new one would not fit the memory budget (issues 9 and 14).
+
+The run stage is `PlanCache.run`, the batcher's runner: a batch of items padded up to its batch
+bucket, with the valid mask saying which cells each item keeps.
 """
 
 from __future__ import annotations
 
-import collections
+import itertools
 import logging
 import threading
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 import onnxruntime
 
+from convert.memory_model import Device, MemoryTerms
 from convert.runtime_memory import measure_footprint
 from protos.model_card_pb2 import ModelCard
-from server.admission import Admission
-from server.dense import PassPlan
-from server.device_graph import LATTICE, LATTICE_FP16, PIXELS, PROBABILITIES, VALID, build_plan_graph
-from server.engine import Engine
+from server.buckets import Buckets
+from server.dense import Passes
+from server.device_graph import (LATTICE, LATTICE_FP16, PIXELS, PROBABILITIES, VALID, DeviceGraphError,
+                                 build_plan_graph)
+from server.engine import Engine, EngineError
+from server.errors import Refusal, ScoringError
+from server.metrics import Metrics
+from server.request import GroupKey, Item, Scored
+
+if TYPE_CHECKING:
+    from server.admission import Admission
+    from server.batcher import Work
 
 LOG = logging.getLogger(__name__)
 MAKING = threading.Lock()  # held while a plan is made and measured: the readings are process-wide
@@ -37,10 +51,95 @@ class PlanKey:
     height: int
     width: int
     batch: int
-    passes: PassPlan
+    passes: Passes
 
     def __str__(self) -> str:
         return f"{self.batch}x{self.height}x{self.width}x{len(self.passes.offsets)} passes"
+
+
+@dataclass
+class PlanRecord:
+    """One plan in the budget: its prediction, its measurement once made, and when it was last used."""
+
+    owner: Admission
+    key: Hashable
+    predicted: MemoryTerms
+    measured_bytes: int | None
+    last_used: int
+
+    @property
+    def accounted_bytes(self) -> int:
+        """What the plan holds (measured, else predicted) plus what its runs take back on the CPU."""
+        if self.measured_bytes is None:
+            return self.predicted.total
+        return self.measured_bytes + self.predicted.transient
+
+
+class MemoryBudget:
+    """Every loaded model's plans, one per server: the one order of their use, server-wide, that evictions
+    and each model's --max-plans follow, and the one account of the bytes they may hold together on one
+    device. Each model's `Admission` (server/admission.py) predicts and refuses; this only accounts."""
+
+    def __init__(self, total_bytes: int | None, *, device: Device) -> None:
+        self.total_bytes = total_bytes
+        self.device = device
+        self._plans: dict[tuple[int, Hashable], PlanRecord] = {}
+        self._lock = threading.Lock()
+        self._clock = itertools.count()
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(record.accounted_bytes for record in self._plans.values())
+
+    def plans(self) -> list[PlanRecord]:
+        """Every plan accounted, least recently used first."""
+        with self._lock:
+            return sorted(self._plans.values(), key=lambda record: record.last_used)
+
+    def oldest(self, owner: Admission) -> Hashable | None:
+        """`owner`'s least recently used plan, or None when it has none."""
+        mine = [record for record in self.plans() if record.owner is owner]
+        return mine[0].key if mine else None
+
+    def reserve(self, owner: Admission, key: Hashable, predicted: MemoryTerms,
+                measured_bytes: int | None) -> tuple[PlanRecord, list[PlanRecord] | None]:
+        """Account a plan about to be made as the most recently used, evicting least recently used plans to
+        fit: its record, and the evicted, or None when it cannot fit even alone (nothing changed then)."""
+        slot = (id(owner), key)
+        with self._lock:
+            record = PlanRecord(owner, key, predicted, measured_bytes, next(self._clock))
+            others = sorted((r for s, r in self._plans.items() if s != slot), key=lambda r: r.last_used)
+            if self.total_bytes is not None and record.accounted_bytes > self.total_bytes:
+                return record, None
+            used = sum(r.accounted_bytes for r in others) + record.accounted_bytes
+            victims = []
+            for victim in others:
+                if self.total_bytes is None or used <= self.total_bytes:
+                    break
+                victims.append(victim)
+                used -= victim.accounted_bytes
+            for victim in victims:
+                del self._plans[(id(victim.owner), victim.key)]
+            self._plans[slot] = record
+            return record, victims
+
+    def measured(self, owner: Admission, key: Hashable, measured_bytes: int) -> PlanRecord | None:
+        with self._lock:
+            record = self._plans.get((id(owner), key))
+            if record is not None:
+                record.measured_bytes = measured_bytes
+                record.last_used = next(self._clock)
+            return record
+
+    def touch(self, owner: Admission, key: Hashable) -> None:
+        with self._lock:
+            record = self._plans.get((id(owner), key))
+            if record is not None:
+                record.last_used = next(self._clock)
+
+    def drop(self, owner: Admission, key: Hashable) -> None:
+        with self._lock:
+            self._plans.pop((id(owner), key), None)
 
 
 class Plan:
@@ -92,8 +191,8 @@ class Plan:
 
 
 class PlanCache:
-    """A model's plans by key, made on demand, dropped least recently used when the memory budget needs room
-    or the model has `max_plans`.
+    """A model's plans by key, made on demand, dropped least recently used (in the memory budget's one
+    server-wide order) when the budget needs room or the model has `max_plans`.
 
     Admission (server/admission.py) accounts every plan of every model in one budget: it reserves a
     new plan's predicted bytes (evicting what it must, here or in other models' caches through
@@ -101,16 +200,58 @@ class PlanCache:
     """
 
     def __init__(self, net: onnx.ModelProto, card: ModelCard, engine: Engine, admission: Admission, *,
-                 max_plans: int) -> None:
+                 max_plans: int, buckets: Buckets, fill: np.ndarray, metrics: Metrics | None = None,
+                 name: str = "") -> None:
+        self._buckets = buckets
+        self._fill = fill
+        self._metrics = metrics
+        self._name = name or card.name
         self._net = net
         self._card = card
         self._engine = engine
         self._admission = admission
         self._max_plans = max(1, max_plans)
-        self._plans: collections.OrderedDict[PlanKey, Plan] = collections.OrderedDict()
+        self._plans: dict[PlanKey, Plan] = {}  # in no order: the memory budget keeps the one LRU order
         self._lock = threading.Lock()
         self.made = 0
         admission.on_evict = self.drop
+
+    def run(self, works: list[Work]) -> list[Scored]:
+        """Score one batch of the batcher's (items of one group), on the batcher's thread."""
+        group: GroupKey = works[0].key
+        key = PlanKey(group.height, group.width, self._buckets.batch_for(len(works)), group.passes)
+        items: list[Item] = [work.payload for work in works]
+        wanted = {item.lattice for item in items}
+        lattice = LATTICE if LATTICE in wanted else LATTICE_FP16 if LATTICE_FP16 in wanted else None
+        return self.run_plan(key, items, lattice=lattice)
+
+    def run_plan(self, key: PlanKey, items: list[Item], *, lattice: str | None) -> list[Scored]:
+        """Run `items` (at most key.batch; the rest of the batch is padding) through the plan of `key`;
+        no items: a warm-up run."""
+        try:
+            plan, planning = self.get(key)
+        except (DeviceGraphError, EngineError) as error:
+            raise ScoringError(Refusal.FAILED_PRECONDITION, f"model {self._name} cannot run {key}: {error}") from error
+        if planning and items and self._metrics is not None:
+            self._metrics.plans_made.labels(self._name).inc()  # a shape outside the warm-up's plans
+        if planning:
+            LOG.info("%s: planned %s in %.0f ms", self._name, key, 1000 * planning)
+        pixels = np.empty((key.batch, key.height, key.width, 3), dtype=np.uint8)
+        pixels[len(items):] = self._fill  # the batch bucket's padding: the canvases hold their own fill
+        valid = np.zeros((key.batch, *plan.lattice_shape[2:]), dtype=np.float32)
+        for index, item in enumerate(items):
+            pixels[index] = item.canvas
+            valid[index, :item.cells[0], :item.cells[1]] = 1.0
+        if not items:
+            valid[:, :1, :1] = 1.0  # a warm-up run: one cell each, so the averages are defined
+        lattices, probabilities = plan.run(pixels, valid, lattice=lattice)
+        return [
+            Scored(
+                lattices[index, :, :item.cells[0], :item.cells[1]].copy() if item.lattice else None,
+                probabilities[index].copy(), planning if index == 0 else 0.0,
+            )
+            for index, item in enumerate(items)
+        ]
 
     def drop(self, key: PlanKey) -> None:
         """Forget a plan (its session goes once no batch runs it)."""
@@ -130,15 +271,14 @@ class PlanCache:
     def _cached(self, key: PlanKey) -> Plan | None:
         with self._lock:
             plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
         if plan is not None:
             self._admission.plan_used(key)
         return plan
 
     def _make_measured(self, key: PlanKey) -> tuple[Plan, float]:
         with self._lock:
-            oldest = next(iter(self._plans)) if len(self._plans) >= self._max_plans else None
+            full = len(self._plans) >= self._max_plans
+        oldest = self._admission.oldest_plan() if full else None
         if oldest is not None:  # --max-plans: sessions (and their threads) per model stay bounded
             LOG.info("%s: plan %s dropped (least recently used; --max-plans %d)", self._card.name, oldest,
                      self._max_plans)

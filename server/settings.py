@@ -1,121 +1,107 @@
-"""Every limit and knob of the server, named and documented in one frozen dataclass.
+"""Every setting of the server, each declared once: its default, its help, its group and its parser.
 
-`scoremap-serve` exposes each field as a flag; tests build a `Settings` with `dataclasses.replace`.
+The four groups are frozen dataclasses a module takes whole: the service edge (service.py, main.py),
+the request limits (admission), the batch policy (the batcher) and the engine (engine, plans, models).
+`Settings` is all four at once, so tests build one with keywords or `dataclasses.replace`.
+`scoremap-serve`'s flags and `--help` (`add_flags`) and the README's table (`markdown_table`, printed
+by `python -m server.settings`) are made from these declarations. Light: `--help` imports only this.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from convert.arguments import PORT, number_in
 
 MiB = 2**20
 GPU_DEFAULT_MAX_BATCH = 8
+COUNT = number_in(int, 1)  # how many of something: at least one
+THREADS = number_in(int, 0)  # 0: let the library choose
+FRACTION = number_in(float, 0.01, 1.0)
+SECONDS = number_in(float, 0.001, 2_000_000)  # gRPC takes milliseconds in a C int
+MILLISECONDS = number_in(float, 0)
+# gRPC reads its message limits as C ints, and the receive limit is twice --max-message-bytes (server/main.py).
+MESSAGE_BYTES = number_in(int, 1024, 2**30 - 1)
+
+
+def size(text: str) -> int:
+    """'2GiB' -> 2147483648 (convert.profile's units), as an argparse type."""
+    from convert.profile import ProfileError, parse_bytes  # imports onnx: only when a size is given
+
+    try:
+        return parse_bytes(text)
+    except (ProfileError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def canvas_sizes(text: str) -> tuple[tuple[int, int], ...]:
+    """ "384x512,512x384" -> ((384, 512), (512, 384))."""
+    try:
+        sizes = tuple(tuple(int(side) for side in item.lower().split("x")) for item in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or any(len(size) != 2 or min(size) <= 0 for size in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected sizes HEIGHTxWIDTH separated by commas, e.g. 384x512,512x384")
+    return sizes
+
+
+def setting(default: Any, help: str, *, parse: Any = None, metavar: str | None = None, flag: str | None = None,
+            choices: tuple[str, ...] | None = None, shown: str | None = None, many: bool = False) -> Any:
+    """One setting's declaration. `flag` when it is not the field's name; `shown`: the default as people
+    read it, when the value itself says little (None, a byte count); `many`: one flag taking several values."""
+    return field(default=default, metadata=dict(help=help, parse=parse, metavar=metavar, flag=flag, choices=choices,
+                                                shown=shown, many=many))
 
 
 @dataclass(frozen=True)
-class Settings:
-    # --- requests -------------------------------------------------------------------------
-    max_image_pixels: int = 50_000_000
-    """Decoded images above this many pixels are refused (decompression bombs)."""
-    max_message_bytes: int = 64 * MiB
-    """gRPC send/receive limit; well above gRPC's 4 MB default so a 12-megapixel JPEG fits."""
-    max_scales: int = 4
-    """Scales one request may ask for (with the two limits around it, the worst single request
-    fits `max_request_host_bytes`: server/host_memory.py `worst_request`)."""
-    min_scale: int | None = None
-    """Smallest target shorter side, in pixels; None: each model's training size, the least it can take
-    (a smaller setting is raised to it)."""
-    max_scale: int = 2048
-    """Largest target shorter side, in pixels."""
-    max_resized_pixels: int = 2048 * 2048
-    """Resized images above this many pixels are refused (a huge scale on a panorama)."""
-    max_request_host_bytes: int = 4 * 1024 * MiB
-    """Host memory one request may hold (decoded image, resized copies, model inputs, maps), estimated
-    from the image header before decoding; above it RESOURCE_EXHAUSTED with every term."""
-    host_memory_budget_bytes: int | None = None
-    """Host memory the requests in flight may hold together (their estimates); beyond it a request is
-    refused with RESOURCE_EXHAUSTED and a retry hint. None: `host_memory_fraction` of MemAvailable at
-    start, at least `max_request_host_bytes`."""
-    host_memory_fraction: float = 0.25
-    """Share of MemAvailable for requests in flight when no host budget is given (the CPU's plans
-    take `cpu_memory_fraction` of it)."""
-    default_top_k: int = 5
-    """Image-level top-k when a request says 0."""
+class ServiceEdge:
+    """The gRPC service: its threads, call limits, connections and metrics endpoint."""
 
-    # --- batching -------------------------------------------------------------------------
-    max_batch: int | None = None
-    """Images (a scale or its mirror, each running its passes) of one canvas run together, up to this
-    many (1 turns batching off); None: 8 on a GPU, 1 on the CPU, where onnxruntime already spreads
-    one image over every core and batching lowered throughput (bench/RESULTS.md, bench_server)."""
-    max_queue_delay_ms: float = 5.0
-    """How long the first image of a batch waits for others of its canvas."""
-    queue_depth: int = 128
-    """Images waiting per model; beyond it new requests get RESOURCE_EXHAUSTED."""
-    max_queue_ms: float = 1000.0
-    """Longest a request may wait before its first image (a scale or its mirror) runs, as Triton's queue
-    policy: a request not expected to start within it, less a margin of one item's time (at most half
-    the limit) when items wait ahead, is refused before its image is decoded, and one that waited
-    longer is dropped; both RESOURCE_EXHAUSTED with a retry hint."""
-    stream_window: int = 4
-    """Requests of one ScoreStream scored concurrently (answers stay in order)."""
-
-    def batch_limit(self, *, on_gpu: bool) -> int:
-        """The batch size in force: `max_batch`, or the default for the device the model runs on."""
-        if self.max_batch is not None:
-            return self.max_batch
-        return GPU_DEFAULT_MAX_BATCH if on_gpu else 1
-
-    # --- plans (shape-stable execution) ------------------------------------------------------
-    shape_buckets: tuple[tuple[int, int], ...] = ()
-    """Canvas sizes (height, width) images are padded to; empty: every warm-up scale x common aspect
-    ratio, with and without the shifted passes' slack (server/buckets.py)."""
-    strict_shapes: bool = False
-    """Refuse (INVALID_ARGUMENT, naming the buckets) an image no bucket holds, instead of planning
-    its shape on demand."""
-    max_plans: int = 64
-    """Plans (sessions of one shape) each model keeps; beyond it the least recently used goes."""
-    decode_threads: int = 0
-    """Threads decoding and resizing images; 0: one per CPU core."""
-
-    # --- memory ---------------------------------------------------------------------------
-    memory_budget_bytes: int | None = None
-    """Predicted peak memory allowed for the batches running at once (split evenly between the
-    loaded models, whose batches run concurrently); None: the GPU's free memory, or on the CPU
-    `cpu_memory_fraction` of the machine's available memory."""
-    cpu_memory_fraction: float = 0.5
-    """Share of MemAvailable used as the budget on the CPU when no budget is given."""
-
-    # --- engine ---------------------------------------------------------------------------
-    provider: str = "auto"
-    """"auto" (CUDA when it loads, else CPU), "cuda" or "cpu"."""
-    require_gpu: bool = False
-    """Refuse to start unless the CUDA provider really loads."""
-    cudnn_conv_algo_search: str = "HEURISTIC"
-    """CUDA conv algorithm search: HEURISTIC suits variable shapes (EXHAUSTIVE re-tunes per shape)."""
-    intra_op_threads: int = 0
-    """onnxruntime threads inside one op; 0 lets onnxruntime choose."""
-    inter_op_threads: int = 0
-    """onnxruntime threads across ops; 0 lets onnxruntime choose."""
-    warm_up: bool = True
-    """Run every warm-up scale and stride once before reporting SERVING."""
-    warm_up_scales: tuple[int, ...] = ()
-    """Scales to warm up; empty: each model's default scale."""
-
-    # --- service --------------------------------------------------------------------------
-    grpc_workers: int = 32
-    """Threads answering RPCs (each waits on its batch, so more than cores)."""
-    max_concurrent_rpcs: int = 64
-    """Calls running or waiting for one of those threads (a stream counts once, health probes too);
-    beyond it gRPC answers RESOURCE_EXHAUSTED at once instead of holding calls, each with its request
-    of up to `max_message_bytes`, in an unbounded backlog. Twice `grpc_workers`: a short backlog
-    absorbs bursts while the threads feed the model queues (`queue_depth`)."""
-    reserved_workers: int = 2
-    """Worker threads scoring calls may never take, so health probes are answered (and excess calls
-    refused at once) while every other worker is busy: at most `grpc_workers - reserved_workers`
-    calls run at once, beyond that RESOURCE_EXHAUSTED with a retry hint (issue 10, item 4)."""
-    max_calls_per_peer: int = 16
-    """Calls one client address may have running at once (0: no limit), so one peer cannot hold
-    every worker; beyond it RESOURCE_EXHAUSTED with a retry hint. Below `scoring_workers`, or the
-    server refuses to start."""
+    grpc_workers: int = setting(32, "threads answering calls (each waits on its batch, so more than cores)",
+                                parse=number_in(int, 2), metavar="N")
+    max_concurrent_rpcs: int = setting(
+        64, "calls running or waiting for a worker thread (a stream counts once, health probes too); beyond "
+        "it gRPC answers RESOURCE_EXHAUSTED at once rather than hold each call's message in an unbounded backlog",
+        parse=COUNT, metavar="N")
+    reserved_workers: int = setting(
+        2, "worker threads scoring calls may never take, so health probes are answered (and excess calls "
+        "refused at once, with a retry hint) while every other worker is busy (issue 10, item 4)",
+        parse=THREADS, metavar="N")
+    max_calls_per_peer: int = setting(
+        16, "calls one client address may have running at once (0: no limit), beyond: RESOURCE_EXHAUSTED; "
+        "below --grpc-workers less --reserved-workers, or the server refuses to start",
+        parse=number_in(int, 0), metavar="N")
+    stream_window: int = setting(4, "requests of one ScoreStream scored at once (answers stay in order)",
+                                 parse=COUNT, metavar="N")
+    stream_idle_seconds: float = setting(
+        60.0, "a ScoreStream with every answer sent and no request for this long ends (DEADLINE_EXCEEDED), "
+        "giving its worker back", parse=SECONDS, metavar="SECONDS")
+    connection_idle_seconds: float = setting(
+        300.0, "a connection with no call for this long is closed (GOAWAY; clients reconnect)",
+        parse=SECONDS, metavar="SECONDS")
+    connection_age_seconds: float = setting(
+        3600.0, "connections are closed after this long (GOAWAY), so clients spread over new replicas",
+        parse=SECONDS, metavar="SECONDS")
+    connection_age_grace_seconds: float = setting(
+        3600.0, "calls still running when their connection reaches its age get this long: as long as the "
+        "clients' own stream deadline", parse=SECONDS, metavar="SECONDS")
+    keepalive_seconds: float = setting(60.0, "the server pings each connection this often, so a vanished client's "
+                                       "calls end", parse=SECONDS, metavar="SECONDS")
+    keepalive_timeout_seconds: float = setting(20.0, "an unanswered ping closes its connection after this long",
+                                               parse=SECONDS, metavar="SECONDS")
+    min_client_ping_seconds: float = setting(
+        10.0, "clients pinging more often (while no data flows) are told to go away; the scoremap clients "
+        "ping every 30 s, which gRPC's own default (5 min) would refuse", parse=SECONDS, metavar="SECONDS")
+    grace_seconds: float = setting(10.0, "on SIGTERM, how long in-flight calls get to finish",
+                                   parse=number_in(float, 0), metavar="SECONDS")
+    metrics_port: int | None = setting(None, "Prometheus /metrics port (0: a free one)", parse=PORT, metavar="PORT",
+                                       shown="off")
+    metrics_address: str = setting("127.0.0.1", "address the metrics endpoint binds (no TLS, no token: beyond "
+                                   "loopback it warns)", metavar="ADDRESS")
+    expose_paths: bool = setting(False, "ListModels tells callers each model's file path")
 
     @property
     def scoring_workers(self) -> int:
@@ -131,28 +117,159 @@ class Settings:
             raise ValueError(f"--max-calls-per-peer {self.max_calls_per_peer} lets one client address hold all "
                              f"{self.scoring_workers} workers that take scoring calls (--grpc-workers less "
                              f"--reserved-workers); give at most {self.scoring_workers - 1}, or 0 for no per-peer limit")
-    stream_idle_seconds: float = 60.0
-    """A ScoreStream with every answer sent and no new request for this long is ended
-    (DEADLINE_EXCEEDED), so idle streams give their worker back."""
-    connection_idle_seconds: float = 300.0
-    """A connection with no call for this long is closed (GOAWAY; clients reconnect on their next call)."""
-    connection_age_seconds: float = 3600.0
-    """Connections are closed after this long (GOAWAY), so clients spread over new replicas."""
-    connection_age_grace_seconds: float = 3600.0
-    """Calls still running when their connection reaches its age get this long to finish: as long
-    as the clients' own stream deadline (clients.ClientSettings.stream_timeout_s)."""
-    keepalive_seconds: float = 60.0
-    """The server pings each connection this often, so a vanished client's calls end."""
-    keepalive_timeout_seconds: float = 20.0
-    """An unanswered ping closes the connection after this long."""
-    min_client_ping_seconds: float = 10.0
-    """Clients pinging more often than this (while no data flows) are told to go away; the
-    scoremap clients ping every 30 s, gRPC's own default (5 min) would refuse them."""
-    grace_seconds: float = 10.0
-    """On SIGTERM, in-flight calls get this long to finish."""
-    metrics_port: int | None = None
-    """Prometheus port (0: pick a free one); None: no metrics endpoint."""
-    metrics_address: str = "127.0.0.1"
-    """Address the metrics endpoint binds."""
-    expose_paths: bool = False
-    """ListModels tells callers each model's file path (off: paths are the server's business)."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request, and the requests in flight together, may ask for and hold."""
+
+    max_image_pixels: int = setting(50_000_000, "decoded images above this many pixels are refused before "
+                                    "decoding (decompression bombs)", parse=COUNT, metavar="N")
+    max_message_bytes: int = setting(
+        64 * MiB, "largest request or response (gRPC's 4 MB default would refuse a 12-megapixel JPEG); larger "
+        "requests get RESOURCE_EXHAUSTED naming this flag", parse=MESSAGE_BYTES, metavar="BYTES", shown="64 MiB")
+    max_scales: int = setting(4, "scales one request may ask for", parse=COUNT, metavar="N")
+    min_scale: int | None = setting(None, "smallest target shorter side, in pixels (one below a model's "
+                                    "training size, the least it can take, is raised to it)", parse=COUNT,
+                                    metavar="N", shown="the model's training size")
+    max_scale: int = setting(2048, "largest target shorter side, in pixels", parse=COUNT, metavar="N")
+    max_resized_pixels: int = setting(2048 * 2048, "resized images above this many pixels are refused (a huge "
+                                      "scale on a panorama)", parse=COUNT, metavar="N", shown="2048²")
+    max_request_host_bytes: int = setting(
+        4 * 1024 * MiB, "host memory one request may hold (image, resized copies, model inputs, maps), estimated "
+        "from the image header before decoding: above it RESOURCE_EXHAUSTED with every term; with the limits "
+        "above, the worst request fits it (server/host_memory.py)", parse=size, metavar="SIZE", shown="4 GiB")
+    host_memory_budget_bytes: int | None = setting(
+        None, "host memory the requests in flight may hold together (their estimates), e.g. 8GiB; beyond it "
+        "RESOURCE_EXHAUSTED with a retry hint", parse=size, metavar="SIZE", flag="host-memory-budget",
+        shown="--host-memory-fraction of MemAvailable, at least one largest request")
+    host_memory_fraction: float = setting(0.25, "share of MemAvailable for the requests in flight when no "
+                                          "--host-memory-budget is given", parse=FRACTION, metavar="FRACTION")
+    default_top_k: int = setting(5, "image-level top-k when a request says 0", parse=COUNT, metavar="N")
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How items wait and are grouped into batches (Triton's dynamic batcher and queue policy)."""
+
+    max_batch: int | None = setting(
+        None, "images (a scale or its mirror, each running its passes) of one canvas run together, up to this "
+        "many; 1 turns batching off (on the CPU onnxruntime already spreads one image over every core, and "
+        "batching lowered throughput: bench/RESULTS.md)", parse=COUNT, metavar="N", shown="8 on a GPU, 1 on the CPU")
+    max_queue_delay_ms: float = setting(5.0, "how long the first image of a batch waits for others of its canvas",
+                                        parse=MILLISECONDS, metavar="MS")
+    queue_depth: int = setting(128, "images (a scale or its mirror) waiting or decoding per model; beyond it "
+                               "RESOURCE_EXHAUSTED \"queue full\", retry with backoff", parse=COUNT, metavar="N")
+    max_queue_ms: float = setting(
+        1000.0, "longest a request may wait before its first image runs: one not expected to start within it "
+        "(less one item's time, at most half, when items wait ahead), or to end by its deadline, is refused "
+        "before decoding; one that waited longer is dropped before compute; both RESOURCE_EXHAUSTED with a "
+        "retry hint", parse=number_in(float), metavar="MS")
+
+    def batch_limit(self, *, on_gpu: bool) -> int:
+        """The batch size in force: `max_batch`, or the default for the device the model runs on."""
+        if self.max_batch is not None:
+            return self.max_batch
+        return GPU_DEFAULT_MAX_BATCH if on_gpu else 1
+
+    def check_queue(self) -> None:
+        if self.max_queue_ms <= 0:
+            raise ValueError(f"--max-queue-ms must be above 0 (received {self.max_queue_ms:g}): every pass would be "
+                             "dropped; give the longest wait to allow, e.g. 1000")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Sessions, plans, the memory budget and warm-up."""
+
+    provider: str = setting("auto", "auto: CUDA when it really loads, else the CPU", choices=("auto", "cuda", "cpu"))
+    require_gpu: bool = setting(False, "refuse to start unless the CUDA provider really loads")
+    cudnn_conv_algo_search: str = setting("HEURISTIC", "CUDA convolution algorithm search: HEURISTIC suits "
+                                          "variable shapes (EXHAUSTIVE re-tunes per shape)",
+                                          choices=("HEURISTIC", "EXHAUSTIVE", "DEFAULT"))
+    intra_op_threads: int = setting(0, "onnxruntime threads inside one op (0: onnxruntime chooses)", parse=THREADS,
+                                    metavar="N")
+    inter_op_threads: int = setting(0, "onnxruntime threads across ops (0: onnxruntime chooses)", parse=THREADS,
+                                    metavar="N")
+    shape_buckets: tuple[tuple[int, int], ...] = setting(
+        (), "canvas sizes images are padded to, e.g. 384x512,512x384", parse=canvas_sizes, metavar="HxW,...",
+        shown="every warm-up scale at 1:1, 3:4, 4:3, 2:3, 3:2, with and without the shifted passes' slack")
+    strict_shapes: bool = setting(False, "refuse (INVALID_ARGUMENT, naming the buckets) an image no bucket holds, "
+                                  "instead of planning its shape on demand")
+    max_plans: int = setting(64, "plans (sessions of one shape) each model keeps; beyond it the least recently "
+                             "used goes", parse=COUNT, metavar="N")
+    decode_threads: int = setting(0, "threads decoding and resizing images (0: one per CPU core)", parse=THREADS,
+                                  metavar="N")
+    memory_budget_bytes: int | None = setting(
+        None, "predicted peak memory every model's plans may hold together, e.g. 2GiB (each model's batches get "
+        "an even share); what cannot fit alone gets RESOURCE_EXHAUSTED with the largest scale that would",
+        parse=size, metavar="SIZE", flag="memory-budget",
+        shown="the GPU's free memory, else --cpu-memory-fraction of MemAvailable")
+    cpu_memory_fraction: float = setting(0.5, "share of MemAvailable used as the budget on the CPU when no "
+                                         "--memory-budget is given", parse=FRACTION, metavar="FRACTION")
+    warm_up: bool = setting(True, "run every warm-up scale and stride once before reporting SERVING")
+    warm_up_scales: tuple[int, ...] = setting((), "scales to warm up before SERVING", parse=COUNT, metavar="SCALE",
+                                              many=True, shown="each model's default scale")
+
+
+@dataclass(frozen=True)
+class Settings(ServiceEdge, RequestLimits, BatchPolicy, EngineOptions):
+    """All of the server's settings; each module is handed the group it reads."""
+
+    def check(self) -> None:
+        """ValueError, naming the flags, for settings that are each in range but wrong together."""
+        self.check_call_limits()
+        self.check_queue()
+
+
+GROUPS = {"service edge": ServiceEdge, "request limits": RequestLimits, "batch policy": BatchPolicy,
+          "engine": EngineOptions}
+
+
+def flag(declared: dataclasses.Field) -> str:
+    """The command-line flag of a setting (a setting on by default is turned off by --no-NAME)."""
+    name = declared.metadata["flag"] or declared.name.replace("_", "-")
+    return f"--no-{name}" if declared.default is True else f"--{name}"
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, in an argument group per group; each parses and range-checks its value."""
+    for title, group in GROUPS.items():
+        flags = parser.add_argument_group(title)
+        for declared in dataclasses.fields(group):
+            meta = declared.metadata
+            shown = f" (default: {meta['shown']})" if meta["shown"] else ""
+            options: dict[str, Any] = dict(dest=declared.name, help=(meta["help"] + shown).replace("%", "%%"))
+            if isinstance(declared.default, bool):
+                options.update(action="store_false" if declared.default else "store_true")
+            else:
+                options.update(default=declared.default, metavar=meta["metavar"], choices=meta["choices"],
+                               type=meta["parse"], nargs="*" if meta["many"] else None)
+            flags.add_argument(flag(declared), **options)
+
+
+def from_flags(args: argparse.Namespace) -> Settings:
+    """The parsed flags as Settings (ValueError naming the flags when they do not go together)."""
+    values = {name.name: getattr(args, name.name) for name in dataclasses.fields(Settings)}
+    values["warm_up_scales"] = tuple(values["warm_up_scales"])
+    settings = Settings(**values)
+    settings.check()
+    return settings
+
+
+def markdown_table() -> str:
+    """The README's table of settings, group by group."""
+    lines = ["| setting | default | what it does |", "| --- | --- | --- |"]
+    for title, group in GROUPS.items():
+        lines.append(f"| **{title}** | | |")
+        for declared in dataclasses.fields(group):
+            meta = declared.metadata
+            default = meta["shown"] or ("on" if declared.default is True else "off" if declared.default is False
+                                        else f"{declared.default:g}" if isinstance(declared.default, float)
+                                        else str(declared.default))
+            lines.append(f"| `{flag(declared)}` | {default} | {meta['help']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

@@ -266,7 +266,7 @@ def test_outputs_follow_the_umask(server, photos, tmp_path):
 
 
 def test_version_and_help_without_the_heavy_imports():
-    from clients.version import version
+    from protos import version
     for module in ("clients.score_cli", "clients.loadtest"):
         shown = subprocess.run([sys.executable, "-m", module, "--version"], cwd=REPO, capture_output=True, text=True)
         assert shown.returncode == 0 and version() in shown.stdout

@@ -105,7 +105,8 @@ def plan_admissions(tiny_model_path, coordinate_model_path, *, total_bytes):
     import onnx
 
     from convert.memory_model import Device
-    from server.admission import Admission, MemoryBudget
+    from server.admission import Admission
+    from server.plans import MemoryBudget
 
     budget = MemoryBudget(total_bytes, device=Device.CPU)
     tiny = Admission(onnx.load(tiny_model_path), name="tiny", shared=budget)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from server import batcher as batcher_module
+from server.admission import queue_places
 from server.batcher import Batcher, Dropped, Work
 from server.errors import Refusal, ScoringError
 from server.metrics import Metrics
@@ -79,7 +80,7 @@ def test_a_full_queue_refuses_with_a_retry_hint_and_cancelled_calls_free_their_p
     wait_until_running(running[0])
     queued = works(8)
     batcher.submit(queued)
-    for refuse in (lambda: batcher.submit(works(1)), lambda: batcher.reserve(1, deadline=None)):
+    for refuse in (lambda: batcher.submit(works(1)), lambda: queue_places(batcher, 1, deadline=None)):
         with pytest.raises(ScoringError, match="queue full") as caught:
             refuse()
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
@@ -111,18 +112,18 @@ def test_expected_wait_beyond_the_deadline_or_the_queue_limit_is_refused_before_
             pass
         batcher._queue.extend(works(5, "waiting"))  # 0.5 s ahead: within one item's time of the 0.5 s limit
         with pytest.raises(ScoringError, match="--max-queue-ms") as caught:
-            batcher.reserve(1, deadline=None)
+            queue_places(batcher, 1, deadline=None)
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
         del batcher._queue[:2]  # 0.3 s ahead: admitted
         with batcher.reserve(1, deadline=None):
             pass
         batcher._queue.clear()
         with pytest.raises(ScoringError, match="deadline"):
-            batcher.reserve(2, deadline=time.monotonic() + 0.1)  # 0.2 s of its own work
+            queue_places(batcher, 2, deadline=time.monotonic() + 0.1)  # 0.2 s of its own work
     finally:
         batcher.close()
     with pytest.raises(ScoringError, match="shutting down") as caught:
-        batcher.reserve(1, deadline=None)
+        queue_places(batcher, 1, deadline=None)
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
 
 
@@ -134,7 +135,7 @@ def test_the_margin_is_kept_only_when_items_wait_ahead():
             pass
         batcher._queue.extend(works(1, "waiting"))  # 1.15 s ahead
         with pytest.raises(ScoringError, match="--max-queue-ms"):
-            batcher.reserve(1, deadline=None)
+            queue_places(batcher, 1, deadline=None)
     finally:
         batcher.close()
 
@@ -145,10 +146,10 @@ def test_places_of_requests_still_decoding_count_until_they_are_queued_or_given_
         decoding = batcher.reserve(3, deadline=None)  # admitted, its image not yet decoded
         assert batcher._expected_wait() == pytest.approx(0.3)
         with pytest.raises(ScoringError, match="queue full"):
-            batcher.reserve(4, deadline=None)  # 3 held + 4 > 6 places
+            queue_places(batcher, 4, deadline=None)  # 3 held + 4 > 6 places
         with batcher.reserve(2, deadline=None):  # 0.3 s ahead: admitted, and now 0.5 s are held
             with pytest.raises(ScoringError, match="--max-queue-ms"):
-                batcher.reserve(1, deadline=None)
+                queue_places(batcher, 1, deadline=None)
         batcher.submit(works(3, "held"), decoding)  # its items take the places it held: counted once
         assert batcher.depth() == 3 and batcher._expected_wait() == pytest.approx(0.3)
         batcher._queue.clear()

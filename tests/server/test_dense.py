@@ -6,19 +6,19 @@ from server import dense
 
 
 def test_plan_native_stride_is_one_pass():
-    plan = dense.plan_passes(native_stride=32, output_stride=0, shift=Shift.SHIFT_UNSPECIFIED)
+    plan = dense.passes_for(native_stride=32, output_stride=0, shift=Shift.SHIFT_UNSPECIFIED)
     assert (plan.stride, plan.factor, plan.shift, plan.offsets) == (32, 1, Shift.SHIFT_NONE, ((0, 0),))
 
 
 def test_plan_half_stride_defaults_to_the_full_grid():
-    plan = dense.plan_passes(native_stride=32, output_stride=16, shift=Shift.SHIFT_UNSPECIFIED)
+    plan = dense.passes_for(native_stride=32, output_stride=16, shift=Shift.SHIFT_UNSPECIFIED)
     assert plan.shift == Shift.SHIFT_GRID and sorted(plan.offsets) == [(0, 0), (0, 16), (16, 0), (16, 16)]
-    diagonal = dense.plan_passes(native_stride=32, output_stride=16, shift=Shift.SHIFT_DIAGONAL)
+    diagonal = dense.passes_for(native_stride=32, output_stride=16, shift=Shift.SHIFT_DIAGONAL)
     assert diagonal.offsets == ((0, 0), (16, 16))
 
 
 def test_plan_atrous_model_is_one_pass_at_its_own_stride():
-    plan = dense.plan_passes(native_stride=16, output_stride=16, shift=Shift.SHIFT_UNSPECIFIED)
+    plan = dense.passes_for(native_stride=16, output_stride=16, shift=Shift.SHIFT_UNSPECIFIED)
     assert (plan.shift, plan.offsets) == (Shift.SHIFT_ATROUS, ((0, 0),))
 
 
@@ -30,8 +30,8 @@ def test_plan_atrous_model_is_one_pass_at_its_own_stride():
     (16, 32, Shift.SHIFT_UNSPECIFIED, "use 0, 16 or 8"),
 ])
 def test_plan_refuses_what_the_model_cannot_do(native, stride, shift, words):
-    with pytest.raises(dense.PlanError, match=words):
-        dense.plan_passes(native_stride=native, output_stride=stride, shift=shift)
+    with pytest.raises(dense.PassesError, match=words):
+        dense.passes_for(native_stride=native, output_stride=stride, shift=shift)
 
 
 def test_resized_size_keeps_aspect_and_rounds_to_the_multiple():
@@ -42,15 +42,15 @@ def test_resized_size_keeps_aspect_and_rounds_to_the_multiple():
 
 
 def test_unknown_shift_values_are_refused_with_the_allowed_names():
-    with pytest.raises(dense.PlanError, match="shift 99 is not a Shift; use one of SHIFT_UNSPECIFIED, SHIFT_NONE"):
-        dense.plan_passes(native_stride=32, output_stride=0, shift=99)
-    with pytest.raises(dense.PlanError, match="shift 99"):
-        dense.plan_passes(native_stride=32, output_stride=16, shift=99)
+    with pytest.raises(dense.PassesError, match="shift 99 is not a Shift; use one of SHIFT_UNSPECIFIED, SHIFT_NONE"):
+        dense.passes_for(native_stride=32, output_stride=0, shift=99)
+    with pytest.raises(dense.PassesError, match="shift 99"):
+        dense.passes_for(native_stride=32, output_stride=16, shift=99)
 
 
 def test_shifted_passes_need_slack_on_the_canvas():
-    grid = dense.plan_passes(native_stride=32, output_stride=16, shift=Shift.SHIFT_GRID)
-    single = dense.plan_passes(native_stride=32, output_stride=0, shift=Shift.SHIFT_UNSPECIFIED)
+    grid = dense.passes_for(native_stride=32, output_stride=16, shift=Shift.SHIFT_GRID)
+    single = dense.passes_for(native_stride=32, output_stride=0, shift=Shift.SHIFT_UNSPECIFIED)
     assert (grid.slack, single.slack) == (16, 0)
 
 

@@ -189,6 +189,37 @@ def test_binding_beyond_loopback_wants_tls_a_token_or_insecure(tmp_path, capsys)
         assert "never-loaded.onnx" in message and "cannot start" in message
 
 
+def test_numeric_flags_out_of_range_exit_2_naming_the_flag_before_models_load(tmp_path, capsys):
+    """Issue 24, item 4: --port 70000 listened on 4464, --port -5 blamed --host, --metrics-port 70000 died
+    of an OverflowError after loading, --max-batch 0 failed only in warm-up."""
+    model = str(tmp_path / "never-loaded.onnx")
+    for flag, value in (("--port", "70000"), ("--port", "-5"), ("--metrics-port", "70000"), ("--max-batch", "0"),
+                        ("--queue-depth", "0"), ("--max-message-bytes", str(2**31)), ("--max-scales", "x"),
+                        ("--keepalive-seconds", "nan"), ("--warm-up-scales", "0"), ("--host-memory-fraction", "2")):
+        with pytest.raises(SystemExit) as exited:
+            main([model, flag, value])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and f"argument {flag}: got '{value}'" in err, err
+        assert "never-loaded" not in err and "Traceback" not in err
+
+
+def test_every_setting_is_a_flag_with_its_default_and_the_readme_table_is_made_from_them():
+    import dataclasses
+    import pathlib
+
+    from server import settings as declared
+    from server.settings import Settings
+
+    assert settings_from(parse_args(["m.onnx"])) == Settings()  # each flag's default is its setting's
+    names = [field.name for field in dataclasses.fields(Settings)]
+    grouped = [field.name for group in declared.GROUPS.values() for field in dataclasses.fields(group)]
+    assert sorted(names) == sorted(grouped) and len(set(grouped)) == len(grouped)  # each in exactly one group
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    start = readme.index("<!-- settings table")
+    table = readme[readme.index("\n", start) + 1:readme.index("<!-- end of settings table -->")]
+    assert table == declared.markdown_table(), "regenerate it: python -m server.settings"
+
+
 def test_metrics_beyond_loopback_are_warned_of(tmp_path, capsys, caplog):
     model = str(tmp_path / "never-loaded.onnx")
     for address, warned in (("127.0.0.1", False), ("0.0.0.0", True)):
@@ -307,3 +338,21 @@ def test_create_server_refuses_a_busy_metrics_port_with_its_error_type(tiny_mode
         settings = Settings(warm_up=False, intra_op_threads=1, metrics_port=busy.getsockname()[1])
         with pytest.raises(ScoringError, match="--metrics-port"):
             create_server([tiny_model_path], settings=settings)
+
+
+def test_a_name_counts_as_loopback_for_the_server_binding_it_never_for_a_client_sending_a_token(monkeypatch):
+    """One is_loopback, two deliberate behaviours: the server resolves the name it binds; a client about to
+    send a token in clear text trusts only a literal loopback address (a name's resolution can change)."""
+    from protos import is_loopback
+
+    for literal in ("127.0.0.1", "127.0.0.1:5", "[::1]:5", "[::1]", "::1", "localhost:5"):
+        assert is_loopback(literal) and is_loopback(literal, resolve=True), literal
+    for remote in ("10.0.0.1:5", "[2001:db8::1]:5", "0.0.0.0"):
+        assert not is_loopback(remote) and not is_loopback(remote, resolve=True), remote
+    answers = {"inside.example": "127.0.0.2", "outside.example": "192.0.2.1"}
+    monkeypatch.setattr(socket, "getaddrinfo",
+                        lambda host, *_args, **_kw: [(0, 0, 0, "", (answers[host], 0))] if host in answers
+                        else (_ for _ in ()).throw(socket.gaierror(-2, "Name or service not known")))
+    assert is_loopback("inside.example", resolve=True) and is_loopback("inside.example:5", resolve=True)
+    assert not is_loopback("inside.example:5")  # a client never sends a token in clear on a name's word
+    assert not is_loopback("outside.example", resolve=True) and not is_loopback("nowhere.example", resolve=True)

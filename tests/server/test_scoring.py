@@ -14,10 +14,11 @@ from PIL import Image
 
 from clients.results import decode_tensor
 from protos import scoring_pb2
-from server import assemble, plans
+from server import admission, plans
 from server.errors import ScoringError
 from server.metrics import Metrics
 from server.pipeline import Pipeline
+from server.request import top_k
 from server.settings import Settings
 from tests.tiny_models import coordinate_image, coordinate_net, heavy_net, patch_net, tolerance
 
@@ -318,10 +319,9 @@ def test_the_response_size_estimate_holds_every_response(pipeline_of, fields):
     pipeline = pipeline_of(patch_net(classes=500))
     model = pipeline._model("")
     request = raw(np.zeros((96, 128, 3), dtype=np.uint8), **fields)
-    order = pipeline._admit(request, deadline=None)
-    with order.places:
-        estimate = assemble.response_bytes(request, order.jobs, classes=model.classes,
-                                           top_k=pipeline._top_k(request), label_bytes=model.label_bytes)
+    with admission.admit(request, model, deadline=None) as order:
+        estimate = admission.response_bytes(request, order.jobs, classes=model.classes,
+                                            top_k=top_k(request, model.limits), label_bytes=model.label_bytes)
     assert pipeline.score(request).ByteSize() <= estimate
 
 

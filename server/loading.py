@@ -1,0 +1,221 @@
+"""Loading a converted model and warming it up: its card, plans, batcher, buckets and memory check.
+
+A `Model` is what every stage reads of the model a request names; `load` builds one (the batcher's
+runner is its `plans.run`), `warm_up` makes and runs every configured plan, then scores a request at
+each offered stride, so health never says SERVING over a broken model.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import pathlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+
+from convert.card import CardError, ImageInput, batch_shape, read_card
+from protos import model_card_pb2, scoring_pb2
+from server import buckets, dense, imaging
+from server.admission import Admission, HostBudget
+from server.batcher import Batcher, Work
+from server.device_graph import LATTICE, DeviceGraphError, scores_shape
+from server.engine import Engine
+from server.errors import Refusal, ScoringError
+from server.metrics import Metrics
+from server.plans import MemoryBudget, PlanCache, PlanKey
+from server.request import GroupKey
+from server.settings import RequestLimits, Settings
+
+LOG = logging.getLogger(__name__)
+FALLBACK_SCALE = 384  # when a card names no default scale
+CELLS_CACHE_SIZE = 4096  # resized sizes whose cell counts each model remembers
+WARM_UP_FAILURES_SHOWN = 3  # failed plans named in the warm-up error (the log line stays readable)
+
+
+@dataclass(eq=False)
+class Model:
+    """A model ready to score: its card, plans, batcher, buckets, memory check and the limits it serves under."""
+
+    name: str
+    path: str
+    card: model_card_pb2.ModelCard
+    image: ImageInput
+    classes: int
+    plans: PlanCache
+    admission: Admission
+    buckets: buckets.Buckets
+    fill: np.ndarray
+    limits: RequestLimits
+    host_budget: HostBudget
+    strict_shapes: bool
+    batcher: Batcher = field(init=False)
+
+    @property
+    def default_scale(self) -> int:
+        return self.card.default_scale or FALLBACK_SCALE
+
+    @property
+    def training_size(self) -> int:
+        return max(self.card.training_height, self.card.training_width)
+
+    @property
+    def min_scale(self) -> int:
+        return max(self.limits.min_scale or 0, self.training_size)
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return dense.offered_strides(self.card.output_stride)
+
+    def label(self, index: int) -> str:
+        return self.card.labels[index] if index < len(self.card.labels) else str(index)
+
+    @functools.cached_property
+    def label_bytes(self) -> int:
+        """The longest label's size in a response (UTF-8), for its size estimate."""
+        return max(len(self.label(index).encode()) for index in range(self.classes))
+
+    @property
+    def multiple(self) -> int:
+        """What sizes are rounded to: the card's size multiple, else the model's stride."""
+        return self.card.size_multiple or self.card.output_stride
+
+    def __post_init__(self) -> None:
+        # Per instance (functools.lru_cache on a method would be shared, and keep every model alive).
+        self._rows = functools.lru_cache(maxsize=CELLS_CACHE_SIZE)(lambda height: self._net_cells(height, None)[0])
+        self._columns = functools.lru_cache(maxsize=CELLS_CACHE_SIZE)(lambda width: self._net_cells(None, width)[1])
+
+    def net_cells(self, height: int, width: int) -> tuple[int, int]:
+        """Cells (rows, columns) the net gives for an unpadded input of this size: what a map keeps per pass;
+        0 along an axis below the training size. Each axis depends on that side only, so each is cached alone."""
+        return self._rows(height), self._columns(width)
+
+    def _net_cells(self, height: int | None, width: int | None) -> tuple[int, int]:
+        height = height or self.card.training_height
+        width = width or self.card.training_width
+        if height < self.card.training_height or width < self.card.training_width:
+            return 0, 0
+        shape = batch_shape(self.image.layout, batch=1, channels=3, height=height, width=width)
+        dims, _type = scores_shape(self.admission.model.model, input_name=self.image.name,
+                                   scores_name=self.card.scores_name, input_shape=shape)
+        return dims[2], dims[3]
+
+    def canvas_for(self, size: tuple[int, int], passes: dense.Passes) -> tuple[int, int] | None:
+        """The canvas bucket of a resized size; one planned on demand, or None under --strict-shapes."""
+        canvas = self.buckets.canvas_for(*size, slack=passes.slack)
+        if canvas is None and not self.strict_shapes:
+            canvas = buckets.on_demand_canvas(*size, slack=passes.slack, multiple=self.multiple)
+        return canvas
+
+
+def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: MemoryBudget, host_budget: HostBudget,
+         metrics: Metrics | None, share: int) -> Model:
+    """Card, plans, batcher and memory check for one model; it gets 1/`share` of the memory budget,
+    since every model's batcher runs its batches concurrently with the others'."""
+    try:
+        net = onnx.load(path)
+        card = read_card(net)
+        image = ImageInput.of(card)
+        imaging.resample_filter(image.resize_filter)
+    except (CardError, DecodeError, OSError, imaging.ImageError) as error:
+        raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
+    name = name or card.name or pathlib.Path(path).stem  # never the folders, which ListModels would show
+    admission = Admission(net, budget_bytes=budget.total_bytes // share if budget.total_bytes else None,
+                          device=budget.device, name=name, shared=budget, metrics=metrics)
+    max_batch = settings.batch_limit(on_gpu=engine.on_gpu)
+    passes = [dense.passes_for(native_stride=card.output_stride, output_stride=s, shift=0)
+              for s in dense.offered_strides(card.output_stride)]
+    if settings.shape_buckets:
+        shape_buckets = buckets.Buckets(settings.shape_buckets, buckets.batch_buckets(max_batch))
+    else:
+        shape_buckets = buckets.default_buckets(
+            scales=settings.warm_up_scales or (card.default_scale or FALLBACK_SCALE,),
+            slacks=sorted({p.slack for p in passes}), multiple=card.size_multiple or card.output_stride,
+            max_batch=max_batch,
+        )
+    training = batch_shape(image.layout, batch=1, channels=3, height=card.training_height, width=card.training_width)
+    try:
+        (_batch, classes, _h, _w), _type = scores_shape(net, input_name=image.name, scores_name=card.scores_name,
+                                                        input_shape=training)
+    except DeviceGraphError as error:
+        raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
+    fill = dense.mean_colour(card)
+    model = Model(
+        name=name, path=path, card=card, image=image, classes=classes,
+        plans=PlanCache(net, card, engine, admission, max_plans=settings.max_plans, buckets=shape_buckets,
+                        fill=fill, metrics=metrics, name=name),
+        admission=admission, buckets=shape_buckets, fill=fill, limits=settings, host_budget=host_budget,
+        strict_shapes=settings.strict_shapes,
+    )
+    model.batcher = Batcher(
+        model.plans.run, max_batch=max_batch, max_delay_seconds=settings.max_queue_delay_ms / 1000,
+        max_queue_seconds=settings.max_queue_ms / 1000, queue_depth=settings.queue_depth,
+        on_batch=None if metrics is None else functools.partial(record_batch, model, metrics),
+        on_drop=None if metrics is None else functools.partial(metrics.count_dropped, name), name=name,
+    )
+    if metrics is not None:
+        metrics.track_queue(name, model.batcher.depth)
+    LOG.info("loaded %s from %s on %s (memory budget %s bytes, shared; canvases %s; batches %s)", name, path,
+             engine.provider, budget.total_bytes, shape_buckets.describe(), shape_buckets.batches)
+    return model
+
+
+def record_batch(model: Model, metrics: Metrics, works: list[Work]) -> None:
+    """The batch's size and predicted peak in the metrics (traffic only, not the warm-up)."""
+    if any(work.payload.traffic for work in works):
+        group: GroupKey = works[0].key
+        passes = model.buckets.batch_for(len(works)) * len(group.passes.offsets)  # the padded batch runs
+        metrics.record_batch(model.name, len(works), model.admission.predicted_bytes(group.height, group.width, passes))
+
+
+def configured_plans(model: Model, scales: tuple[int, ...]) -> list[PlanKey]:
+    """The plans traffic at the warm-up scales will use: each common aspect x stride x batch bucket."""
+    keys = []
+    for stride in model.strides:
+        passes = dense.passes_for(native_stride=model.card.output_stride, output_stride=stride, shift=0)
+        for scale in scales or (model.default_scale,):
+            for tall, wide in buckets.COMMON_ASPECTS:
+                size = dense.resized_size(tall, wide, scale=scale, multiple=model.multiple)
+                canvas = model.buckets.canvas_for(*size, slack=passes.slack)
+                if canvas is not None:
+                    keys.extend(PlanKey(*canvas, batch, passes) for batch in model.buckets.batches)
+    return list(dict.fromkeys(keys))
+
+
+def warm_up(models: list[Model], scales: tuple[int, ...],
+            score: Callable[[scoring_pb2.ScoreRequest], scoring_pb2.ScoreResponse]) -> None:
+    """Make and run every configured plan of every model, then `score` a gray request at each offered stride;
+    ScoringError(UNAVAILABLE) naming every failure."""
+    failures = []
+    for model in models:
+        for key in configured_plans(model, scales):
+            try:
+                model.plans.run_plan(key, [], lattice=LATTICE)
+            except Exception as error:  # any failure keeps the server NOT_SERVING, and says why
+                failures.append(f"{model.name} plan {key}: {one_line(error)}")
+        if failures:
+            continue
+        scale = (scales or (model.default_scale,))[0]
+        gray = np.full((scale, scale, 3), 128, dtype=np.uint8)
+        for stride in model.strides:
+            request = scoring_pb2.ScoreRequest(
+                model=model.name, scales=[scale], output_stride=stride, return_maps=True,
+                raw=scoring_pb2.RawImage(data=gray.tobytes(), height=scale, width=scale, channels=3),
+            )
+            try:
+                score(request)
+            except ScoringError as error:
+                failures.append(f"{model.name} at scale {scale} stride {stride}: {error.message}")
+    if failures:
+        shown = failures[:WARM_UP_FAILURES_SHOWN]
+        more = f"; and {len(failures) - len(shown)} more" if len(failures) > len(shown) else ""
+        raise ScoringError(Refusal.UNAVAILABLE, "warm-up failed: " + "; ".join(shown) + more)
+
+
+def one_line(error: Exception, limit: int = 300) -> str:
+    """An error's message on one line, cut to `limit` characters (onnxruntime's span several)."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
