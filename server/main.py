@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from server.metrics import Metrics
     from server.pipeline import Pipeline
     from server.service import DenseScoringServicer
+    from server.web import HttpServer
 
 LOG = logging.getLogger("scoremap.serve")
 DEFAULT_PORT = 50051
@@ -66,13 +67,15 @@ class ScoringServer:
     """
 
     def __init__(self, grpc_server: grpc.Server, *, pipeline: Pipeline, servicer: DenseScoringServicer,
-                 health_servicer: health.HealthServicer, metrics: Metrics, metrics_port: int | None) -> None:
+                 health_servicer: health.HealthServicer, metrics: Metrics, metrics_port: int | None,
+                 http: HttpServer | None = None) -> None:
         self.grpc_server = grpc_server
         self.pipeline = pipeline
         self.servicer = servicer
         self.health = health_servicer
         self.metrics = metrics
         self.metrics_port = metrics_port
+        self.http = http  # the HTTP face (--http-port), stopped with the gRPC server
         self.warm_up_error: ScoringError | None = None
 
     def stop(self, grace: float | None = None) -> threading.Event:
@@ -92,6 +95,8 @@ class ScoringServer:
             # Calls accepted but not yet dispatched get what is left of the grace period.
             remaining = max(0.0, grace - (time.monotonic() - started)) if grace else 0
             self.grpc_server.stop(remaining).wait()
+            if self.http is not None:
+                self.http.stop(max(0.0, grace - (time.monotonic() - started)) if grace else 0)
             self.pipeline.close()
             self.metrics.close()
             done.set()
@@ -193,6 +198,12 @@ def create_server(
                 raise ScoringError(Refusal.UNAVAILABLE,
                                    f"could not serve metrics on {where} (--metrics-port): {error.strerror}") from error
         grpc_server.start()
+        http = None
+        if settings.http_port is not None:  # the HTTP face (issue 21): the same host, TLS and token
+            from server import web
+
+            http = web.serve(servicer, host=address.rpartition(":")[0], port=settings.http_port, tls=tls, token=token,
+                             version=version())
     except BaseException:
         if grpc_server is not None:
             grpc_server.stop(None)  # releases a port already bound
@@ -200,7 +211,7 @@ def create_server(
         metrics.close()
         raise
     server = ScoringServer(grpc_server, pipeline=pipeline, servicer=servicer, health_servicer=health_servicer,
-                           metrics=metrics, metrics_port=metrics_port)
+                           metrics=metrics, metrics_port=metrics_port, http=http)
 
     def become_ready() -> None:
         if settings.warm_up:
@@ -295,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="clients pinging more often (while no data flows) are told to go away")
     net.add_argument("--grace-seconds", metavar="SECONDS", type=float, default=defaults.grace_seconds,
                      help="on SIGTERM, how long in-flight calls get to finish")
+    net.add_argument("--http-port", metavar="PORT", type=int, default=defaults.http_port,
+                     help="also serve HTTP on this port of --host, with the same TLS, token and limits: KServe v2 "
+                          "REST, /v1 scoring for curl, the score-map viewer at / (0 picks a free one; default: off)")
     net.add_argument("--metrics-port", metavar="PORT", type=int, default=defaults.metrics_port,
                      help="Prometheus /metrics port (0: a free one); off when not given")
     net.add_argument("--metrics-address", metavar="ADDRESS", default=defaults.metrics_address,
@@ -538,6 +552,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_port_free(args.host, args.port, "--port")
         if settings.metrics_port is not None:
             check_port_free(settings.metrics_address, settings.metrics_port, "--metrics-port")
+        if settings.http_port is not None:
+            check_port_free(args.host, settings.http_port, "--http-port")
     except StartRefused as refused:
         sys.stderr.write(f"scoremap-serve: {refused}\n")
         return 2
@@ -554,6 +570,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     sys.stdout.write(f"scoremap-serve listening on {args.host}:{port}\n")
+    if server.http is not None:
+        sys.stdout.write(f"scoremap-serve HTTP on {server.http.scheme}://{args.host}:{server.http.port}/\n")
     if server.metrics_port is not None:
         sys.stdout.write(f"scoremap-serve metrics on http://{settings.metrics_address}:{server.metrics_port}/metrics\n")
     sys.stdout.flush()

@@ -152,6 +152,9 @@ class Settings:
     """On SIGTERM, in-flight calls get this long to finish."""
     metrics_port: int | None = None
     """Prometheus port (0: pick a free one); None: no metrics endpoint."""
+    http_port: int | None = None
+    """HTTP port beside gRPC (0: pick a free one): KServe v2 REST, /v1 scoring and the score-map viewer,
+    on the same host with the same TLS, token and limits (server/web); None: no HTTP."""
     metrics_address: str = "127.0.0.1"
     """Address the metrics endpoint binds."""
     expose_paths: bool = False
