@@ -32,11 +32,10 @@ from server.errors import Refusal, ScoringError
 from server.service import Call, DenseScoringServicer, StreamReader, check_size
 
 try:
-    from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-    from server.open_inference import (EXTENSIONS, IMAGE_INPUT, MODEL_VERSION, PIXELS_INPUT, PLATFORM, SCORES,
-                                       SERVER_NAME, TOP_K_INDICES, TOP_K_LABELS, TOP_K_PROBABILITIES, InputTensor,
-                                       TensorSpec, datatype, find_model, model_inputs, model_outputs, raw_bytes,
+    from server.open_inference import (EXTENSIONS, MODEL_VERSION, PLATFORM, SERVER_NAME, InputTensor, TensorSpec,
+                                       datatype, find_model, model_config, model_inputs, model_outputs, raw_bytes,
                                        response_parameters, score_request, wanted_outputs)
 except ModuleNotFoundError as missing:  # the `triton` extra is not installed
     if not (missing.name or "").startswith("tritonclient"):
@@ -154,15 +153,7 @@ class InferenceServicer(ServicerBase):
     def ModelConfig(self, request, context):
         with self.scoring.accounted("ModelConfig", context):
             summary = find_model(self.pipeline.models(), request.name, request.version)
-            config = model_config_pb2.ModelConfig(name=summary.name, platform=PLATFORM, max_batch_size=0)
-            config.input.add(name=IMAGE_INPUT, data_type=model_config_pb2.TYPE_STRING, dims=[1], optional=True)
-            config.input.add(name=PIXELS_INPUT, data_type=model_config_pb2.TYPE_UINT8, dims=[-1, -1, -1], optional=True)
-            config.output.add(name=TOP_K_INDICES, data_type=model_config_pb2.TYPE_INT32, dims=[-1])
-            config.output.add(name=TOP_K_PROBABILITIES, data_type=model_config_pb2.TYPE_FP32, dims=[-1])
-            config.output.add(name=TOP_K_LABELS, data_type=model_config_pb2.TYPE_STRING, dims=[-1])
-            config.output.add(name=f"{SCORES}{summary.default_scale}", data_type=model_config_pb2.TYPE_FP32,
-                              dims=[summary.classes, -1, -1])
-            return service_pb2.ModelConfigResponse(config=config)
+            return service_pb2.ModelConfigResponse(config=model_config(summary))
 
     def _infer(self, request: service_pb2.ModelInferRequest, call: Call) -> service_pb2.ModelInferResponse:
         self.scoring.require_ready()

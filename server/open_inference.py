@@ -16,7 +16,8 @@ One inference request is one image:
                 each scale's cells and geometry (scoring.proto's ScaleMap without its tensors).
 
 Maps are computed only when no output is named or a SCORES_s output is. The protocol's byte
-encodings are tritonclient's own (`tritonclient.utils`, the `triton` extra).
+encodings and its model configuration are tritonclient's own (the `triton` extra), imported where
+used: scoremap's own REST routes read parameters with `apply_parameters` without the extra.
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from google.protobuf import json_format
-from tritonclient.utils import deserialize_bytes_tensor, np_to_triton_dtype, serialize_byte_tensor
 
 from protos import scoring_pb2
 from server.errors import Refusal, ScoringError
+
+if TYPE_CHECKING:
+    from tritonclient.grpc import model_config_pb2
 
 SERVER_NAME = "scoremap"
 PLATFORM = "scoremap_dense"
@@ -128,6 +132,8 @@ def _encoded(tensor: InputTensor) -> bytes:
         raise invalid(f"{IMAGE_INPUT} is {tensor.datatype} {list(tensor.shape)}: expected BYTES [1] holding one "
                       "encoded image (send several images as several requests, or stream them)")
     if tensor.raw is not None:
+        from tritonclient.utils import deserialize_bytes_tensor
+
         try:
             (encoded,) = deserialize_bytes_tensor(tensor.raw)
         except (ValueError, IndexError) as error:
@@ -213,12 +219,16 @@ def wanted_outputs(outputs: Sequence[str], response: scoring_pb2.ScoreResponse) 
 
 def datatype(array: np.ndarray) -> str:
     """The protocol's name of the array's element type (BYTES for objects)."""
+    from tritonclient.utils import np_to_triton_dtype
+
     return np_to_triton_dtype(array.dtype)
 
 
 def raw_bytes(array: np.ndarray) -> bytes:
     """The protocol's raw encoding: little-endian elements, BYTES as 4-byte length + content each."""
     if array.dtype == np.object_:
+        from tritonclient.utils import serialize_byte_tensor
+
         return serialize_byte_tensor(array).item() if array.size else b""
     return array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
 
@@ -260,3 +270,18 @@ def model_outputs(summary: scoring_pb2.ModelSummary) -> tuple[TensorSpec, ...]:
             TensorSpec(TOP_K_LABELS, "BYTES", (-1,)), TensorSpec(f"{SCORES}{scale}", "FP32", (summary.classes, -1, -1)),
             TensorSpec(f"{CELL_TOP_K_INDICES}{scale}", "INT32", (-1, -1, -1)),
             TensorSpec(f"{CELL_TOP_K_SCORES}{scale}", "FP32", (-1, -1, -1)))
+
+
+def model_config(summary: scoring_pb2.ModelSummary) -> model_config_pb2.ModelConfig:
+    """Triton's model configuration of a served model: either input, the outputs at its default scale."""
+    from tritonclient.grpc import model_config_pb2
+
+    config = model_config_pb2.ModelConfig(name=summary.name, platform=PLATFORM, max_batch_size=0)
+    config.input.add(name=IMAGE_INPUT, data_type=model_config_pb2.TYPE_STRING, dims=[1], optional=True)
+    config.input.add(name=PIXELS_INPUT, data_type=model_config_pb2.TYPE_UINT8, dims=[-1, -1, -1], optional=True)
+    config.output.add(name=TOP_K_INDICES, data_type=model_config_pb2.TYPE_INT32, dims=[-1])
+    config.output.add(name=TOP_K_PROBABILITIES, data_type=model_config_pb2.TYPE_FP32, dims=[-1])
+    config.output.add(name=TOP_K_LABELS, data_type=model_config_pb2.TYPE_STRING, dims=[-1])
+    config.output.add(name=f"{SCORES}{summary.default_scale}", data_type=model_config_pb2.TYPE_FP32,
+                      dims=[summary.classes, -1, -1])
+    return config
