@@ -134,12 +134,14 @@ class Edge:
         return hmac.compare_digest(request.headers.get("authorization", "").encode(), self._expected)
 
     async def answer(self, method: str, request: Request, work: Callable[[HttpCall], Awaitable[Response]], *,
-                     model: str = "", probe: bool = False) -> Response:
+                     model: str | None = None, probe: bool = False) -> Response:
         """Run `work` as gRPC runs a method: token, call limits, draining, metrics, a refusal as its status.
 
+        `model` is the name a call for one model gives (its label in the metrics when it is served).
         Probes (`probe=True`) need no token and are exempt from the limits, as gRPC's health checks.
         """
-        call = HttpCall(request, model=self.scoring.model_label(scoring_pb2.ScoreRequest(model=model)))
+        label = NO_MODEL if model is None else self.scoring.model_label(scoring_pb2.ScoreRequest(model=model))
+        call = HttpCall(request, model=label)
         peer = request.client.host if request.client else ""
         code = "OK"
         self.metrics.in_flight.inc()

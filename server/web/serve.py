@@ -22,6 +22,9 @@ from server.errors import Refusal, ScoringError
 LOG = logging.getLogger(__name__)
 START_SECONDS = 30.0  # uvicorn starts in well under a second; a slow machine gets this long
 JOIN_MARGIN_SECONDS = 5.0  # past the grace period, for uvicorn to close its connections
+# uvicorn closes idle keep-alive connections as it stops, yet with no time at all to see them go it
+# logs an error for them: even a stop without grace waits this long.
+MIN_GRACE_SECONDS = 0.5
 
 
 def tls_context(certificate: bytes, key: bytes) -> ssl.SSLContext:
@@ -77,6 +80,6 @@ class HttpServer:
 
     def stop(self, grace: float) -> None:
         """Refuse new connections, give calls in flight `grace` seconds, then close them."""
-        self._server.config.timeout_graceful_shutdown = grace
+        self._server.config.timeout_graceful_shutdown = max(grace, MIN_GRACE_SECONDS)
         self._server.should_exit = True
-        self._thread.join(grace + JOIN_MARGIN_SECONDS)
+        self._thread.join(max(grace, MIN_GRACE_SECONDS) + JOIN_MARGIN_SECONDS)
