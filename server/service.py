@@ -7,7 +7,6 @@ transient refusal also carries a retry hint in trailing metadata (`RETRY_AFTER_K
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import hmac
@@ -21,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 
 from protos import model_card_pb2, scoring_pb2, scoring_pb2_grpc
+from server.call_slots import CallSlots
 from server.errors import RETRY_AFTER_KEY, Refusal, ScoringError
 from server.metrics import NO_MODEL, Metrics
 from server.pipeline import Pipeline
@@ -36,8 +36,6 @@ PROBES = (HEALTH_PREFIX, *(f"/inference.GRPCInferenceService/{name}"
 DEADLINE_SLACK_SECONDS = 0.05
 WARMING_UP_RETRY_SECONDS = 1.0  # the retry hint of a call made while the server warms up
 POLL_SECONDS = 0.05  # how often a stream's reader, held back by the window, looks whether the call ended
-# When a client refused by the call limits may try again: calls here last about a request's compute.
-BUSY_RETRY_AFTER_SECONDS = 1.0
 
 
 class Call:
@@ -303,12 +301,8 @@ class CallLimits(grpc.ServerInterceptor):
     """
 
     def __init__(self, *, total: int, per_peer: int, metrics: Metrics) -> None:
-        self._total = total
-        self._per_peer = per_peer
+        self._slots = CallSlots(total=total, per_peer=per_peer)
         self._metrics = metrics
-        self._lock = threading.Lock()
-        self._running = 0
-        self._by_peer: collections.Counter[str] = collections.Counter()
 
     def intercept_service(
         self,
@@ -323,30 +317,13 @@ class CallLimits(grpc.ServerInterceptor):
 
     @contextlib.contextmanager
     def _slot(self, context: grpc.ServicerContext, *, method: str) -> Iterator[None]:
-        peer = client_address(context.peer())
-        with self._lock:
-            refusal = None
-            if self._running >= self._total:
-                refusal = (f"the server is running {self._running} calls, as many as it takes at once "
-                           "(--grpc-workers less --reserved-workers); retry with backoff")
-            elif self._per_peer and self._by_peer[peer] >= self._per_peer:
-                refusal = (f"{peer} already has {self._by_peer[peer]} calls running, the limit for one client "
-                           "address (--max-calls-per-peer); retry with backoff, or close idle streams")
-            else:
-                self._running += 1
-                self._by_peer[peer] += 1
-        if refusal is not None:
-            self._metrics.count_request(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-            refuse(context, ScoringError(Refusal.RESOURCE_EXHAUSTED, refusal,
-                                         retry_after_seconds=BUSY_RETRY_AFTER_SECONDS))
-        try:
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(self._slots.held(client_address(context.peer())))
+            except ScoringError as error:
+                self._metrics.count_request(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+                refuse(context, error)
             yield
-        finally:
-            with self._lock:
-                self._running -= 1
-                self._by_peer[peer] -= 1
-                if not self._by_peer[peer]:
-                    del self._by_peer[peer]
 
 
 def client_address(peer: str) -> str:

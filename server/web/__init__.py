@@ -20,4 +20,4 @@ __all__ = ["HttpServer", "serve"]
 def serve(scoring: DenseScoringServicer, *, host: str, port: int, tls: tuple[bytes, bytes] | None,
           token: str | None, version: str) -> HttpServer:
     """Serve the HTTP face of `scoring`'s pipeline on host:port (0: a free one), with its TLS and token."""
-    return HttpServer(create_app(Edge(scoring, token=token), version=version), host=host, port=port, tls=tls)
+    return HttpServer(create_app(Edge(scoring, token=token, version=version)), host=host, port=port, tls=tls)

@@ -29,9 +29,9 @@ def _invalid_query(_request: Request, error: RequestValidationError) -> JSONResp
                         status_code=400)
 
 
-def create_app(edge: Edge, *, version: str) -> FastAPI:
+def create_app(edge: Edge) -> FastAPI:
     """Routes first, then the static files at / (index.html is the viewer)."""
-    app = FastAPI(title="scoremap", version=version, docs_url=None, redoc_url=None,
+    app = FastAPI(title="scoremap", version=edge.version, docs_url=None, redoc_url=None,
                   description="Dense score maps over HTTP: scoremap's REST routes (/v1), KServe v2 REST (/v2, "
                               "with the `triton` extra) and a score-map viewer (/).")
     app.add_exception_handler(RequestValidationError, _invalid_query)

@@ -11,7 +11,7 @@ Too Many Requests with `Retry-After`.
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import functools
 import hmac
 import logging
@@ -31,7 +31,8 @@ from starlette.types import Message
 from protos import scoring_pb2
 from server.errors import Refusal, ScoringError
 from server.metrics import NO_MODEL
-from server.service import BUSY_RETRY_AFTER_SECONDS, DenseScoringServicer, check_size
+from server.call_slots import CallSlots
+from server.service import DenseScoringServicer, check_size
 
 LOG = logging.getLogger(__name__)
 METHOD_PREFIX = "http/"  # scoremap_requests_total{method="http/Score"}: the transport in the method label
@@ -68,38 +69,6 @@ def error_response(error: ScoringError) -> JSONResponse:
                         headers=headers)
 
 
-class PeerLimits:
-    """Scoring calls running at once: at most `total`, and `per_peer` from one client address (0: no limit)."""
-
-    def __init__(self, *, total: int, per_peer: int) -> None:
-        self._total = total
-        self._per_peer = per_peer
-        self._lock = threading.Lock()
-        self._by_peer: collections.Counter[str] = collections.Counter()
-
-    def take(self, peer: str) -> None:
-        """Count a call from `peer` in, or RESOURCE_EXHAUSTED with a retry hint naming the limit."""
-        with self._lock:
-            running = sum(self._by_peer.values())
-            if running >= self._total:
-                problem = (f"the server is running {running} HTTP calls, as many as it takes at once "
-                           "(--grpc-workers less --reserved-workers)")
-            elif self._per_peer and self._by_peer[peer] >= self._per_peer:
-                problem = (f"{peer} already has {self._by_peer[peer]} calls running, the limit for one client "
-                           "address (--max-calls-per-peer)")
-            else:
-                self._by_peer[peer] += 1
-                return
-        raise ScoringError(Refusal.RESOURCE_EXHAUSTED, f"{problem}; retry with backoff",
-                           retry_after_seconds=BUSY_RETRY_AFTER_SECONDS)
-
-    def give_back(self, peer: str) -> None:
-        with self._lock:
-            self._by_peer[peer] -= 1
-            if not self._by_peer[peer]:
-                del self._by_peer[peer]
-
-
 @dataclass
 class HttpCall:
     """One HTTP call as plain values: its deadline (time.monotonic) and the loaded model it concerns."""
@@ -113,13 +82,14 @@ class HttpCall:
 class Edge:
     """The DenseScoring servicer's pipeline, readiness and accounting, for HTTP calls."""
 
-    def __init__(self, scoring: DenseScoringServicer, *, token: str | None) -> None:
+    def __init__(self, scoring: DenseScoringServicer, *, token: str | None, version: str) -> None:
         self.scoring = scoring
+        self.version = version
         self.pipeline = scoring.pipeline
         self.settings = scoring.settings
         self.metrics = scoring.metrics
         self._expected = f"Bearer {token}".encode() if token is not None else None
-        self._limits = PeerLimits(total=self.settings.scoring_workers, per_peer=self.settings.max_calls_per_peer)
+        self._slots = CallSlots(total=self.settings.scoring_workers, per_peer=self.settings.max_calls_per_peer)
         # Scoring waits on its batch in a thread; the limits above keep it within this many.
         self._threads = anyio.CapacityLimiter(self.settings.scoring_workers)
 
@@ -151,15 +121,10 @@ class Edge:
                 return JSONResponse({"error": "missing or wrong bearer token: send the header "
                                      "`Authorization: Bearer <token>`", "code": UNAUTHENTICATED},
                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})
-            if not probe:
-                self._limits.take(peer)
-            try:
+            with contextlib.nullcontext() if probe else self._slots.held(peer):
                 if self.scoring.draining.is_set() and not probe:
                     raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down; retry on another replica")
                 return await work(call)
-            finally:
-                if not probe:
-                    self._limits.give_back(peer)
         except ScoringError as error:
             code = error.refusal.name
             return error_response(error)

@@ -10,8 +10,8 @@ request parameter (microseconds) is the call's deadline.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import metadata
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -137,56 +137,51 @@ def router(edge: Edge) -> APIRouter:
     def ready_response(ready: bool) -> Response:
         return Response(status_code=200 if ready else 503)
 
+    async def about_server(method: str, request: Request, respond: Callable[[], Response], *, probe: bool):
+        async def work(_call: HttpCall) -> Response:
+            return respond()
+
+        return await edge.answer(method, request, work, probe=probe)
+
+    async def about_model(method: str, request: Request, name: str, version: str,
+                          respond: Callable[[scoring_pb2.ModelSummary], Response]):
+        async def work(_call: HttpCall) -> Response:
+            return respond(find_model(edge.pipeline.models(), name, version))
+
+        return await edge.answer(method, request, work, model=name)
+
     @routes.get("", summary="Server metadata")
     async def server_metadata(request: Request):
-        async def work(_call: HttpCall):
-            return JSONResponse({"name": SERVER_NAME, "version": metadata.version("scoremap"),
-                                 "extensions": list(HTTP_EXTENSIONS)})
-
-        return await edge.answer("ServerMetadata", request, work)
+        return await about_server("ServerMetadata", request, lambda: JSONResponse(
+            {"name": SERVER_NAME, "version": edge.version, "extensions": list(HTTP_EXTENSIONS)}), probe=False)
 
     @routes.get("/health/live", summary="200 while the server runs and is not draining")
     async def server_live(request: Request):
-        async def work(_call: HttpCall):
-            return ready_response(not edge.scoring.draining.is_set())
-
-        return await edge.answer("ServerLive", request, work, probe=True)
+        return await about_server("ServerLive", request, lambda: ready_response(not edge.scoring.draining.is_set()),
+                                  probe=True)
 
     @routes.get("/health/ready", summary="200 once warmed up (health SERVING), 503 before and while draining")
     async def server_ready(request: Request):
-        async def work(_call: HttpCall):
-            return ready_response(edge.ready)
-
-        return await edge.answer("ServerReady", request, work, probe=True)
+        return await about_server("ServerReady", request, lambda: ready_response(edge.ready), probe=True)
 
     @routes.get("/models/{name}", summary="Model metadata")
     @routes.get("/models/{name}/versions/{version}", summary="Model metadata")
     async def model_metadata(request: Request, name: str, version: str = ""):
-        async def work(_call: HttpCall):
-            summary = find_model(edge.pipeline.models(), name, version)
-            return JSONResponse({"name": summary.name, "versions": [MODEL_VERSION], "platform": PLATFORM,
-                                 "inputs": [_spec(spec) for spec in model_inputs()],
-                                 "outputs": [_spec(spec) for spec in model_outputs(summary)]})
-
-        return await edge.answer("ModelMetadata", request, work, model=name)
+        return await about_model("ModelMetadata", request, name, version, lambda summary: JSONResponse(
+            {"name": summary.name, "versions": [MODEL_VERSION], "platform": PLATFORM,
+             "inputs": [_spec(spec) for spec in model_inputs()],
+             "outputs": [_spec(spec) for spec in model_outputs(summary)]}))
 
     @routes.get("/models/{name}/ready", summary="200 when the model is served and the server ready")
     @routes.get("/models/{name}/versions/{version}/ready", summary="200 when the model is served and the server ready")
     async def model_ready(request: Request, name: str, version: str = ""):
-        async def work(_call: HttpCall):
-            find_model(edge.pipeline.models(), name, version)
-            return ready_response(edge.ready)
-
-        return await edge.answer("ModelReady", request, work, model=name)
+        return await about_model("ModelReady", request, name, version, lambda _summary: ready_response(edge.ready))
 
     @routes.get("/models/{name}/config", summary="Triton's model configuration")
     @routes.get("/models/{name}/versions/{version}/config", summary="Triton's model configuration")
     async def config(request: Request, name: str, version: str = ""):
-        async def work(_call: HttpCall):
-            summary = find_model(edge.pipeline.models(), name, version)
-            return JSONResponse(json_format.MessageToDict(model_config(summary), preserving_proto_field_name=True))
-
-        return await edge.answer("ModelConfig", request, work, model=name)
+        return await about_model("ModelConfig", request, name, version, lambda summary: JSONResponse(
+            json_format.MessageToDict(model_config(summary), preserving_proto_field_name=True)))
 
     @routes.post("/models/{name}/infer", summary="Score one image (see the README for inputs and outputs)")
     @routes.post("/models/{name}/versions/{version}/infer", summary="Score one image")
