@@ -206,7 +206,7 @@ function hover(event) {
   const cy = g.center_y + i * g.stride_y, cx = g.center_x + j * g.stride_x, c = i * l.w + j;
   place($("box"), cx - g.box_width / 2, cy - g.box_height / 2, g.box_width, g.box_height);
   $("box").hidden = false;
-  const lines = [`cell (${i}, ${j}), centre (${cx.toFixed(1)}, ${cy.toFixed(1)}) px, receptive field ${g.box_width}×${g.box_height} px`];
+  const lines = [`cell (${i}, ${j}), centre (${cx.toFixed(1)}, ${cy.toFixed(1)}) px, receptive field ${g.box_width.toFixed(0)}×${g.box_height.toFixed(0)} px`];
   if (Number.isNaN(state.map[c])) lines.push("no pass scored this cell (a diagonal shift's hole)");
   else {
     lines.push(`${state.card.labels[state.cls] || state.cls}: ${(100 * state.map[c]).toFixed(1)}%`);
