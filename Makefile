@@ -9,6 +9,9 @@ MODEL := models/default.onnx
 setup: $(BIN)/scoremap-convert
 
 $(BIN)/scoremap-convert: pyproject.toml
+	# The viewer's browser test (tests/server/test_viewer.py) drives Debian's Chromium: Playwright
+	# never downloads a browser. Installed here when missing (CI runs as root on Debian).
+	test -x /usr/bin/chromium || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev,triton,ray]'

@@ -114,6 +114,17 @@ def test_the_viewer_draws_the_cat_s_map_over_the_cat(kit, default_model_path, br
         page.wait_for_selector(f"#stage[data-cls='{other}']")
         assert not np.array_equal(overlay(page), drawn)
 
+        page.select_option("#shift", "diagonal")  # two passes: a quincunx, its other cells NaN
+        page.click("#score")
+        page.wait_for_selector("#stage[data-state=scoring]", state="detached")
+        page.wait_for_selector("#stage[data-state=rendered]")
+        diagonal = stub.Score(scoring_pb2.ScoreRequest(encoded=open(CAT, "rb").read(), scales=[384], output_stride=16,
+                                                       shift=scoring_pb2.SHIFT_DIAGONAL, return_maps=True,
+                                                       map_dtype=scoring_pb2.FLOAT16))
+        holes = np.isnan(kit.decode_tensor(diagonal.maps[0].scores)[0])
+        assert holes.any()
+        np.testing.assert_array_equal(overlay(page)[..., 3] == 0, holes)  # drawn as holes, nothing else is
+
         not_an_image = b"these are words, not pixels"
         message = httpx.post(f"{base}/v1/models/default/score?scales=384",
                              files={"image": ("notes.txt", not_an_image)}).json()["error"]
