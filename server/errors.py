@@ -1,7 +1,8 @@
 """The one exception type of the server package: why a request is refused, and a message for the caller.
 
-The core (pipeline, batcher, admission) says *why* with a `Refusal`; only the gRPC edge turns it into
-a status code (`ScoringError.code`, used by service.py and kserve.py), so no core module imports grpc.
+The core (pipeline, batcher, admission) says *why* with a `Refusal`; only the edges turn it into a
+status code: gRPC's (`ScoringError.code`, used by service.py and kserve.py) and HTTP's
+(server/web/edge.py `http_status`), so no core module imports grpc or knows HTTP.
 """
 
 from __future__ import annotations
