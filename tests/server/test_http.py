@@ -233,3 +233,28 @@ def test_scoremap_serve_http_port_scores_with_the_documented_curl_command(defaul
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_drain_lets_an_http_call_in_flight_finish_and_refuses_new_ones(tiny_model_path):
+    import dataclasses
+
+    from server.main import create_server
+    from server.settings import Settings
+
+    image = png(PIXELS)
+    server, _port = create_server([tiny_model_path], settings=dataclasses.replace(
+        Settings(), http_port=0, warm_up=False, intra_op_threads=1))
+    port = server.http.port
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as held:
+        held.sendall(b"POST /v1/models/tiny/score?scales=64 HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(image), image[:100]))
+        while server.metrics.in_flight._value.get() < 1:
+            time.sleep(0.01)
+        stopped = server.stop(30)
+        try:  # a new call: 503 while the port is still open (stop() set draining), then no connection at all
+            assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 503
+        except httpx.ConnectError:
+            pass
+        held.sendall(image[100:])  # the call in flight goes on during the grace period
+        assert held.recv(65536).startswith(b"HTTP/1.1 200 ")
+    assert stopped.wait(30)
