@@ -258,3 +258,26 @@ def test_a_drain_lets_an_http_call_in_flight_finish_and_refuses_new_ones(tiny_mo
         held.sendall(image[100:])  # the call in flight goes on during the grace period
         assert held.recv(65536).startswith(b"HTTP/1.1 200 ")
     assert stopped.wait(30)
+
+
+def test_a_client_that_hangs_up_cancels_its_call(kit, tiny_model_path):
+    """The pipeline is held until the call's `cancelled` is set: only the client's hanging up sets it."""
+    import threading
+
+    with kit.serving([tiny_model_path], http_port=0) as (server, _port, _stub):
+        score, entered, seen = server.pipeline.score, threading.Event(), []
+
+        def held(request, *, deadline=None, cancelled=None):
+            entered.set()
+            seen.append(cancelled.wait(30))
+            return score(request, deadline=deadline, cancelled=cancelled)
+
+        server.pipeline.score = held
+        image = png(PIXELS)
+        with socket.create_connection(("127.0.0.1", server.http.port)) as sock:
+            sock.sendall(b"POST /v1/models/tiny/score?scales=64 HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(image), image))
+            assert entered.wait(30)
+        while counted(server, "http/Score", "CANCELLED") is None:
+            time.sleep(0.01)
+        assert seen == [True]
