@@ -80,9 +80,15 @@ def _inputs(document: dict, binary: memoryview) -> list[InputTensor]:
             inputs.append(InputTensor(name, kind, tuple(shape), raw=bytes(binary[offset:offset + size])))
             offset += size
             continue
-        data = np.asarray(tensor.get("data", []), dtype=object).reshape(-1).tolist()
+        try:
+            data = np.asarray(tensor.get("data", [])).reshape(-1).tolist()
+        except ValueError as error:  # ragged nesting
+            raise invalid(f"input {name}: its data is not a flat or evenly nested list ({error})") from None
         if kind == "BYTES":
-            data = [item.encode() if isinstance(item, str) else item for item in data]
+            if not all(isinstance(item, str) for item in data):
+                raise invalid(f"input {name}: BYTES data in JSON are strings; send an encoded image as binary "
+                              f"data (tritonclient's default), with {BINARY_SIZE} in the input's parameters")
+            data = [item.encode() for item in data]
         inputs.append(InputTensor(name, kind, tuple(shape), elements=data))
     if offset != len(binary):
         raise invalid(f"{len(binary) - offset} bytes of binary data follow the inputs: {BINARY_SIZE} of each input "

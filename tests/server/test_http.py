@@ -281,3 +281,24 @@ def test_a_client_that_hangs_up_cancels_its_call(kit, tiny_model_path):
         while counted(server, "http/Score", "CANCELLED") is None:
             time.sleep(0.01)
         assert seen == [True]
+
+
+SHORT_BINARY = b'{"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": 9}}]}'
+
+
+@pytest.mark.parametrize("body, headers, expected", [
+    (b"not json", {}, "is not JSON"),
+    (b'{"inputs": 3}', {}, "no `inputs` list"),
+    (b'{"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": [7]}]}', {}, "BYTES data in JSON"),
+    (b'{"inputs": [{"name": "PIXELS", "datatype": "UINT8", "shape": [1, 2, 1], "data": [[1], [2, 3]]}]}', {},
+     "evenly nested"),
+    (b'{"inputs": [{"name": "PIXELS", "datatype": "UINT8", "shape": [1, 1, 1], "data": [300]}]}', {}, "0..255"),
+    (SHORT_BINARY + b"xy", {"Inference-Header-Content-Length": str(len(SHORT_BINARY))}, "binary bytes left"),
+    (b'{}', {"Inference-Header-Content-Length": "99"}, "at most the body's"),
+    (b'{"inputs": [], "parameters": {"timeout": "soon"}}', {}, "microseconds"),
+])
+def test_malformed_kserve_rest_requests_are_400_saying_what_is_wrong(kit, tiny_model_path, body, headers, expected):
+    with kit.serving([tiny_model_path], http_port=0) as (server, _port, _stub):
+        answer = httpx.post(f"http://127.0.0.1:{server.http.port}/v2/models/tiny/infer", content=body, headers=headers)
+        assert answer.status_code == 400 and expected in answer.json()["error"], answer.text
+        assert httpx.get(f"http://127.0.0.1:{server.http.port}/v2/health/ready").status_code == 200
