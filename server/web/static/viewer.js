@@ -37,6 +37,7 @@ async function loadModels() {
   } catch (error) {
     return showError(error);
   }
+  showError(null);
   $("model").replaceChildren(...state.models.map((m) => new Option(m.name, m.name)));
   chooseModel();
 }
@@ -268,6 +269,7 @@ function choose(file) {
 document.addEventListener("DOMContentLoaded", () => {
   loadModels();
   $("model").onchange = chooseModel;
+  $("token").onchange = loadModels; // a server with a token answers the model list only with it
   $("controls").onsubmit = (event) => { event.preventDefault(); score(); };
   $("file").onchange = () => choose($("file").files[0]);
   const drop = $("drop");
