@@ -15,6 +15,7 @@ import os
 import httpx
 import numpy as np
 import pytest
+from PIL import Image
 from playwright.sync_api import sync_playwright
 
 from protos import scoring_pb2
@@ -131,4 +132,25 @@ def test_the_viewer_draws_the_cat_s_map_over_the_cat(kit, default_model_path, br
         page.set_input_files("#file", {"name": "notes.txt", "mimeType": "text/plain", "buffer": not_an_image})
         page.wait_for_selector("#stage[data-state=error]")
         assert page.is_visible("#error") and message in page.text_content("#error")
+        page.close()
+
+
+def test_the_viewer_asks_for_the_token_of_a_server_that_wants_one(kit, tiny_model_path, browser, tmp_path):
+    photo = tmp_path / "noise.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(photo)
+    with kit.serving([tiny_model_path], http_port=0, token="s3cret") as (server, _port, stub):
+        page = browser.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(f"http://127.0.0.1:{server.http.port}/")  # the page itself needs no token
+        page.wait_for_selector("#error:has-text('401')")
+        page.fill("#token", "s3cret")
+        page.dispatch_event("#token", "change")
+        page.wait_for_selector("#model option[value=tiny]", state="attached")
+        assert not page.is_visible("#error")
+        page.fill("#scales", "64")
+        page.set_input_files("#file", str(photo))
+        page.wait_for_selector("#stage[data-state=rendered]")
+        expected = stub.Score(scoring_pb2.ScoreRequest(encoded=photo.read_bytes(), scales=[64], return_maps=True),
+                              metadata=(("authorization", "Bearer s3cret"),))
+        assert overlay(page).shape[:2] == (expected.maps[0].height, expected.maps[0].width)
         page.close()
