@@ -29,12 +29,27 @@ def _invalid_query(_request: Request, error: RequestValidationError) -> JSONResp
                         status_code=400)
 
 
+def _without_422(app: FastAPI) -> None:
+    """The OpenAPI document without FastAPI's 422 answers: a query it cannot read is 400 here (above)."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            for operations in generate()["paths"].values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def create_app(edge: Edge) -> FastAPI:
     """Routes first, then the static files at / (index.html is the viewer)."""
     app = FastAPI(title="scoremap", version=edge.version, docs_url=None, redoc_url=None,
                   description="Dense score maps over HTTP: scoremap's REST routes (/v1), KServe v2 REST (/v2, "
                               "with the `triton` extra) and a score-map viewer (/).")
     app.add_exception_handler(RequestValidationError, _invalid_query)
+    _without_422(app)
     app.include_router(v1.router(edge))
     if importlib.util.find_spec("tritonclient") is not None:  # KServe v2's encodings are tritonclient's
         from server.web import kserve_rest

@@ -186,6 +186,8 @@ def test_openapi_and_the_viewer_are_served_without_a_cdn(kit, tiny_model_path):
         base = f"http://127.0.0.1:{server.http.port}"
         paths = httpx.get(f"{base}/openapi.json").json()["paths"]
         assert {"/v1/models", "/v1/models/{name}/score", "/v2/models/{name}/infer"} <= set(paths)
+        responses = paths["/v1/models/{name}/score"]["post"]["responses"]
+        assert {"200", "400", "401", "404", "413", "429", "503", "504"} == set(responses)  # as answered: no 422
         assert httpx.get(f"{base}/docs").status_code == 404  # Swagger UI would load from a CDN
         page = httpx.get(f"{base}/")
         assert page.status_code == 200 and "viewer.js" in page.text
