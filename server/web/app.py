@@ -13,12 +13,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.middleware.gzip import GZipMiddleware
 
 from server.errors import Refusal
 from server.web import v1
 from server.web.edge import Edge
 
 STATIC = pathlib.Path(__file__).with_name("static")
+GZIP_MIN_BYTES = 1024  # smaller answers are sent as they are: compressing them saves less than it costs
 
 
 def _invalid_query(_request: Request, error: RequestValidationError) -> JSONResponse:
@@ -50,6 +52,7 @@ def create_app(edge: Edge) -> FastAPI:
                               "with the `triton` extra) and a score-map viewer (/).")
     app.add_exception_handler(RequestValidationError, _invalid_query)
     _without_422(app)
+    app.add_middleware(GZipMiddleware, minimum_size=GZIP_MIN_BYTES)  # for clients that Accept-Encoding gzip
     app.include_router(v1.router(edge))
     if importlib.util.find_spec("tritonclient") is not None:  # KServe v2's encodings are tritonclient's
         from server.web import kserve_rest

@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ METHOD_PREFIX = "http/"  # scoremap_requests_total{method="http/Score"}: the tra
 UNAUTHENTICATED = "UNAUTHENTICATED"
 UNKNOWN = "UNKNOWN"
 DISCONNECT_POLL_SECONDS = 0.1  # how often a scoring call looks whether its client went away
+ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}  # request bodies' Content-Encoding: zlib's wbits
 MAX_FORM_FIELDS = 16  # the score form has one file and no other field; a few more are refused, not parsed
 STATUS = {
     Refusal.INVALID_ARGUMENT: 400,
@@ -164,19 +166,19 @@ class Edge:
             raise outcome[0]
         return outcome[0]
 
+    def _too_large(self, size: str) -> ScoringError:
+        return ScoringError(Refusal.RESOURCE_EXHAUSTED, f"the request body is {size} bytes, over this server's "
+                            f"limit of {self.settings.max_message_bytes} bytes: send a smaller image (re-encoded, or "
+                            "resized to the largest scale you ask for), or start the server with a larger "
+                            "--max-message-bytes")
+
     def _limited(self, request: Request) -> Request:
         """`request` whose body is refused past `--max-message-bytes`: at once when its Content-Length says
         so, else as soon as the bytes received pass it, so an oversized upload is never held whole."""
         limit = self.settings.max_message_bytes
-
-        def too_large(size: str) -> ScoringError:
-            return ScoringError(Refusal.RESOURCE_EXHAUSTED, f"the request body is {size} bytes, over this server's "
-                                f"limit of {limit} bytes: send a smaller image (re-encoded, or resized to the largest "
-                                "scale you ask for), or start the server with a larger --max-message-bytes")
-
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            raise too_large(declared)
+            raise self._too_large(declared)
         received = 0
 
         async def receive() -> Message:
@@ -184,14 +186,31 @@ class Edge:
             message = await request.receive()
             received += len(message.get("body", b""))
             if received > limit:
-                raise too_large(f"more than {limit}")
+                raise self._too_large(f"more than {limit}")
             return message
 
         return Request(request.scope, receive)
 
     async def body(self, request: Request) -> bytes:
-        """The whole body, within `--max-message-bytes`."""
-        return await self._limited(request).body()
+        """The whole body within `--max-message-bytes`; one sent compressed (Content-Encoding gzip or deflate,
+        as tritonclient.http sends with `request_compression_algorithm`) is inflated within it too, so a
+        compression bomb is refused (413) after at most the limit's bytes."""
+        data = await self._limited(request).body()
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding == "identity":
+            return data
+        if encoding not in ENCODINGS:
+            raise ScoringError(Refusal.INVALID_ARGUMENT, f"Content-Encoding {encoding!r}: send the body as it is, "
+                               f"or compressed with {' or '.join(ENCODINGS)}")
+        limit = self.settings.max_message_bytes
+        try:
+            inflated = zlib.decompressobj(ENCODINGS[encoding]).decompress(data, limit + 1)
+        except zlib.error as error:
+            raise ScoringError(Refusal.INVALID_ARGUMENT, f"the body is not {encoding} data ({error}), as its "
+                               "Content-Encoding says") from None
+        if len(inflated) > limit:
+            raise self._too_large(f"more than {limit} once inflated from {len(data)}")
+        return inflated
 
     async def form(self, request: Request) -> FormData:
         """The multipart form, within `--max-message-bytes` (files spool to disk past 1 MiB, as Starlette does)."""

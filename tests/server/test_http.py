@@ -5,6 +5,7 @@ their status, message and metrics, and the server is checked to answer afterward
 """
 
 import base64
+import gzip
 import http.client
 import io
 import json
@@ -65,6 +66,7 @@ def test_tritonclient_http_is_answered_as_score_answers(kit, tiny_model_path):
             for prefix, tensor in (("SCORES_", scale_map.scores), ("CELL_TOP_K_INDICES_", scale_map.cell_top_k_indices)):
                 np.testing.assert_array_equal(result.as_numpy(f"{prefix}{scale_map.scale}").reshape(tensor.shape),
                                               kit.decode_tensor(tensor))
+        expected_first = expected
         maps = json.loads(result.get_response()["parameters"]["maps"])
         assert [(m["scale"], m["height"], m["width"]) for m in maps] == [(m.scale, m.height, m.width)
                                                                          for m in expected.maps]
@@ -78,13 +80,17 @@ def test_tritonclient_http_is_answered_as_score_answers(kit, tiny_model_path):
         assert [o["name"] for o in result.get_response()["outputs"]] == ["TOP_K_LABELS"]
         assert result.get_response()["outputs"][0]["data"] == [label.label for label in expected.top_k]  # JSON text
 
+        compressed = client.infer("tiny", [image], parameters={"scales": "64,96", "flip": True, "top_k": 3},
+                                  request_compression_algorithm="gzip", response_compression_algorithm="gzip")
+        assert compressed.as_numpy("TOP_K_INDICES").tolist() == [label.index for label in expected_first.top_k]
+
         with pytest.raises(InferenceServerException) as refused:
             client.infer("tiny", [image], parameters={"scale": 64})
         assert refused.value.status() == "400" and "unknown parameter 'scale'" in refused.value.message()
         with pytest.raises(InferenceServerException) as refused:
             client.infer("absent", [image])
         assert refused.value.status() == "404" and "'absent'" in refused.value.message()
-        assert counted(server, "http/ModelInfer", "OK") == 2
+        assert counted(server, "http/ModelInfer", "OK") == 3
         assert counted(server, "http/ModelInfer", "INVALID_ARGUMENT") == 1
 
 
@@ -111,6 +117,10 @@ def test_refusals_have_score_s_messages_and_their_http_status(kit, tiny_model_pa
         assert len(bomb.getvalue()) < limit
         answer = score(bomb.getvalue())
         assert answer.status_code == 400 and "pixels" in answer.json()["error"], answer.text
+
+        deflated = httpx.post(f"{base}/v2/models/tiny/infer", content=gzip.compress(b" " * 50 * limit),
+                              headers={"Content-Encoding": "gzip"})  # 15 MB of spaces in 15 kB
+        assert deflated.status_code == 413 and "once inflated" in deflated.json()["error"]
 
         # Declared too large: refused from the headers, before a byte of the body is sent.
         connection = http.client.HTTPConnection("127.0.0.1", server.http.port, timeout=30)
