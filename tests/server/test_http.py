@@ -314,3 +314,21 @@ def test_malformed_kserve_rest_requests_are_400_saying_what_is_wrong(kit, tiny_m
         answer = httpx.post(f"http://127.0.0.1:{server.http.port}/v2/models/tiny/infer", content=body, headers=headers)
         assert answer.status_code == 400 and expected in answer.json()["error"], answer.text
         assert httpx.get(f"http://127.0.0.1:{server.http.port}/v2/health/ready").status_code == 200
+
+
+def test_a_busy_http_port_is_refused_naming_the_flag(tiny_model_path):
+    import dataclasses
+
+    from server.errors import ScoringError
+    from server.main import create_server
+    from server.settings import Settings
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        busy = taken.getsockname()[1]
+        with pytest.raises(ScoringError) as refused:
+            create_server([tiny_model_path], settings=dataclasses.replace(Settings(), http_port=busy, warm_up=False))
+        assert "--http-port" in refused.value.message
+        result = subprocess.run([sys.executable, "-m", "server.main", tiny_model_path, "--port", "0", "--http-port",
+                                 str(busy)], capture_output=True, text=True, timeout=120,
+                                env={**os.environ, "PYTHONPATH": os.getcwd()})
+        assert result.returncode == 2 and "--http-port" in result.stderr and "in use" in result.stderr, result.stderr
