@@ -90,13 +90,16 @@ class ScoringServer:
 
         def release() -> None:
             started = time.monotonic()
+
+            def remaining() -> float:
+                return max(0.0, grace - (time.monotonic() - started)) if grace else 0
+
             if grace:
                 self.servicer.wait_idle(grace)
-            # Calls accepted but not yet dispatched get what is left of the grace period.
-            remaining = max(0.0, grace - (time.monotonic() - started)) if grace else 0
-            self.grpc_server.stop(remaining).wait()
+            # Calls accepted but not yet dispatched get what is left of the grace period; HTTP calls too.
+            self.grpc_server.stop(remaining()).wait()
             if self.http is not None:
-                self.http.stop(max(0.0, grace - (time.monotonic() - started)) if grace else 0)
+                self.http.stop(remaining())
             self.pipeline.close()
             self.metrics.close()
             done.set()

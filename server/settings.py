@@ -150,11 +150,11 @@ class Settings:
     scoremap clients ping every 30 s, gRPC's own default (5 min) would refuse them."""
     grace_seconds: float = 10.0
     """On SIGTERM, in-flight calls get this long to finish."""
-    metrics_port: int | None = None
-    """Prometheus port (0: pick a free one); None: no metrics endpoint."""
     http_port: int | None = None
     """HTTP port beside gRPC (0: pick a free one): KServe v2 REST, /v1 scoring and the score-map viewer,
     on the same host with the same TLS, token and limits (server/web); None: no HTTP."""
+    metrics_port: int | None = None
+    """Prometheus port (0: pick a free one); None: no metrics endpoint."""
     metrics_address: str = "127.0.0.1"
     """Address the metrics endpoint binds."""
     expose_paths: bool = False
