@@ -312,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--http-port", metavar="PORT", type=int, default=defaults.http_port,
                      help="also serve HTTP on this port of --host, with the same TLS, token and limits: KServe v2 "
                           "REST, /v1 scoring for curl, the score-map viewer at / (0 picks a free one; default: off)")
+    net.add_argument("--http-body-idle-seconds", metavar="SECONDS", type=float,
+                     default=defaults.http_body_idle_seconds,
+                     help="an HTTP call whose body stops arriving for this long gets 408 and is closed")
     net.add_argument("--metrics-port", metavar="PORT", type=int, default=defaults.metrics_port,
                      help="Prometheus /metrics port (0: a free one); off when not given")
     net.add_argument("--metrics-address", metavar="ADDRESS", default=defaults.metrics_address,

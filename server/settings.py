@@ -153,6 +153,9 @@ class Settings:
     http_port: int | None = None
     """HTTP port beside gRPC (0: pick a free one): KServe v2 REST, /v1 scoring and the score-map viewer,
     on the same host with the same TLS, token and limits (server/web); None: no HTTP."""
+    http_body_idle_seconds: float = 30.0
+    """An HTTP call whose body stops arriving for this long is answered 408 and closed, so slow senders
+    give their call slot back (as idle gRPC connections and streams are ended)."""
     metrics_port: int | None = None
     """Prometheus port (0: pick a free one); None: no metrics endpoint."""
     metrics_address: str = "127.0.0.1"

@@ -53,10 +53,17 @@ STATUS = {
     Refusal.DEADLINE_EXCEEDED: 504,
 }
 TOO_LARGE = 413
+REQUEST_TIMEOUT = 408
+
+
+class BodyTimeout(ScoringError):
+    """The client stopped sending its body (`--http-body-idle-seconds`): 408 Request Timeout, the client's delay."""
 
 
 def http_status(error: ScoringError) -> int:
     """The status an HTTP client gets for a refusal (see the module docstring)."""
+    if isinstance(error, BodyTimeout):
+        return REQUEST_TIMEOUT
     if error.refusal is Refusal.RESOURCE_EXHAUSTED and error.retry_after_seconds is None:
         return TOO_LARGE
     return STATUS[error.refusal]
@@ -67,6 +74,8 @@ def error_response(error: ScoringError) -> JSONResponse:
     headers = {}
     if error.retry_after_seconds is not None:
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_seconds)))  # whole seconds (RFC 9110)
+    if isinstance(error, BodyTimeout):
+        headers["Connection"] = "close"  # the rest of its body may still come: this connection is done
     return JSONResponse({"error": error.message, "code": error.refusal.name}, status_code=http_status(error),
                         headers=headers)
 
@@ -181,9 +190,16 @@ class Edge:
             raise self._too_large(declared)
         received = 0
 
+        idle = self.settings.http_body_idle_seconds
+
         async def receive() -> Message:
             nonlocal received
-            message = await request.receive()
+            try:
+                with anyio.fail_after(idle):
+                    message = await request.receive()
+            except TimeoutError:
+                raise BodyTimeout(Refusal.DEADLINE_EXCEEDED, f"no bytes of the request body for {idle:g} s after "
+                                  f"{received} (--http-body-idle-seconds): send the body whole, then wait") from None
             received += len(message.get("body", b""))
             if received > limit:
                 raise self._too_large(f"more than {limit}")

@@ -332,3 +332,14 @@ def test_a_busy_http_port_is_refused_naming_the_flag(tiny_model_path):
                                  str(busy)], capture_output=True, text=True, timeout=120,
                                 env={**os.environ, "PYTHONPATH": os.getcwd()})
         assert result.returncode == 2 and "--http-port" in result.stderr and "in use" in result.stderr, result.stderr
+
+
+def test_a_body_that_stops_arriving_gets_408_and_gives_its_slot_back(kit, tiny_model_path):
+    with kit.serving([tiny_model_path], http_port=0, max_calls_per_peer=1, http_body_idle_seconds=0.5) as (
+            server, _port, _stub):
+        with hold(server.http.port) as held:  # its Content-Length promises bytes that never come
+            assert held.recv(65536).startswith(b"HTTP/1.1 408 ")
+        answer = httpx.post(f"http://127.0.0.1:{server.http.port}/v1/models/tiny/score?scales=64",
+                            files={"image": ("a.png", png(PIXELS))})
+        assert answer.status_code == 200  # the slow sender's slot (one per peer here) was given back
+        assert counted(server, "http/Score", "DEADLINE_EXCEEDED") == 1
