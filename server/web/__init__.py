@@ -1,6 +1,6 @@
 """The HTTP face of the scoring server (issue 21): one port beside gRPC, the same Pipeline and rules.
 
-    serve(servicer, host=..., port=..., tls=..., token=...) -> HttpServer
+    serve(servicer, host=..., port=..., tls=..., token=..., version=...) -> HttpServer
 
 edge.py does per call what the gRPC servicer and interceptors do (token, call limits, readiness,
 metrics, statuses); v1.py is scoremap's REST routes, kserve_rest.py KServe v2 over REST, app.py

@@ -6,7 +6,8 @@ and the mapping of a `Refusal` to a status all live here, so the routes only con
 follow Google's mapping of gRPC codes to HTTP (google.rpc.Code, as grpc-gateway uses it), with one
 choice of ours: a RESOURCE_EXHAUSTED without a retry hint is a request too large for a limit, which
 retrying cannot cure, so it is 413 Content Too Large; with a hint (overloaded for now) it is 429
-Too Many Requests with `Retry-After`.
+Too Many Requests with `Retry-After`. HTTP's own limits on the body are here too: its size (also
+once inflated, for a compressed one) and how long it may stop arriving (408).
 """
 
 from __future__ import annotations
