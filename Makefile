@@ -3,15 +3,18 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 MODEL := models/default.onnx
+CHROMIUM := /usr/bin/chromium
 
 .PHONY: setup protos test demo bench bench-gpu clean
 
-setup: $(BIN)/scoremap-convert
+setup: $(BIN)/scoremap-convert $(CHROMIUM)
+
+# The viewer's browser test (tests/server/test_viewer.py) drives Debian's Chromium: Playwright never
+# downloads a browser. Installed when missing (as root, as CI runs on Debian).
+$(CHROMIUM):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
 $(BIN)/scoremap-convert: pyproject.toml
-	# The viewer's browser test (tests/server/test_viewer.py) drives Debian's Chromium: Playwright
-	# never downloads a browser. Installed here when missing (CI runs as root on Debian).
-	test -x /usr/bin/chromium || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev,triton,ray]'
