@@ -3,10 +3,16 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 MODEL := models/default.onnx
+CHROMIUM := /usr/bin/chromium
 
 .PHONY: setup protos test demo bench bench-gpu clean
 
-setup: $(BIN)/scoremap-convert
+setup: $(BIN)/scoremap-convert $(CHROMIUM)
+
+# The viewer's browser test (tests/server/test_viewer.py) drives Debian's Chromium: Playwright never
+# downloads a browser. Installed when missing (as root, as CI runs on Debian).
+$(CHROMIUM):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
 $(BIN)/scoremap-convert: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

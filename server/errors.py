@@ -2,8 +2,9 @@
 and the reasons the stages share (a refusal, a transient one's retry hint, a queue's lack of room,
 a drop before compute).
 
-The core (pipeline, batcher, admission) says *why* with a `Refusal`; only the gRPC edge turns it into
-a status code (`ScoringError.code`, used by service.py and kserve.py), so no core module imports grpc.
+The core (pipeline, batcher, admission) says *why* with a `Refusal`; only the edges turn it into a
+status code: gRPC's (`ScoringError.code`, used by service.py and kserve.py) and HTTP's
+(server/web/edge.py `http_status`), so no core module imports grpc or knows HTTP.
 """
 
 from __future__ import annotations

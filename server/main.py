@@ -137,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_port_free(args.host, args.port, "--port")
         if settings.metrics_port is not None:
             check_port_free(settings.metrics_address, settings.metrics_port, "--metrics-port")
+        if settings.http_port is not None:
+            check_port_free(args.host, settings.http_port, "--http-port")
     except StartRefused as refused:
         sys.stderr.write(f"scoremap-serve: {refused}\n")
         return 2
@@ -154,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     sys.stdout.write(f"scoremap-serve listening on {args.host}:{port}\n")
+    if server.http is not None:
+        sys.stdout.write(f"scoremap-serve HTTP on {server.http.scheme}://{args.host}:{server.http.port}/\n")
     if server.metrics_port is not None:
         sys.stdout.write(f"scoremap-serve metrics on http://{settings.metrics_address}:{server.metrics_port}/metrics\n")
     sys.stdout.flush()

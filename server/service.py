@@ -7,9 +7,8 @@ transient refusal also carries a retry hint in trailing metadata (`RETRY_AFTER_K
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import contextlib
+import dataclasses
 import functools
 import hmac
 import logging
@@ -18,17 +17,22 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos import model_card_pb2, scoring_pb2, scoring_pb2_grpc
+from protos import model_card_pb2, scoring_pb2, scoring_pb2_grpc, version
+from server.call_slots import CallSlots
 from server.errors import RETRY_AFTER_KEY, Refusal, ScoringError, Transient, retry_after
 from server.exposure import token_problem
 from server.metrics import NO_MODEL, Metrics
 from server.pipeline import Pipeline
 from server.settings import Settings
+
+if TYPE_CHECKING:
+    from server.web import HttpServer
 
 LOG = logging.getLogger(__name__)
 SERVICE_NAME = scoring_pb2.DESCRIPTOR.services_by_name["DenseScoring"].full_name
@@ -308,12 +312,8 @@ class CallLimits(grpc.ServerInterceptor):
     """
 
     def __init__(self, *, total: int, per_peer: int, metrics: Metrics) -> None:
-        self._total = total
-        self._per_peer = per_peer
+        self._slots = CallSlots(total=total, per_peer=per_peer)
         self._metrics = metrics
-        self._lock = threading.Lock()
-        self._running = 0
-        self._by_peer: collections.Counter[str] = collections.Counter()
 
     def intercept_service(
         self,
@@ -328,30 +328,13 @@ class CallLimits(grpc.ServerInterceptor):
 
     @contextlib.contextmanager
     def _slot(self, context: grpc.ServicerContext, *, method: str) -> Iterator[None]:
-        peer = client_address(context.peer())
-        with self._lock:
-            refusal = None
-            if self._running >= self._total:
-                refusal = (f"the server is running {self._running} calls, as many as it takes at once "
-                           "(--grpc-workers less --reserved-workers); retry with backoff")
-            elif self._per_peer and self._by_peer[peer] >= self._per_peer:
-                refusal = (f"{peer} already has {self._by_peer[peer]} calls running, the limit for one client "
-                           "address (--max-calls-per-peer); retry with backoff, or close idle streams")
-            else:
-                self._running += 1
-                self._by_peer[peer] += 1
-        if refusal is not None:
-            self._metrics.count_request(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-            refuse(context, ScoringError(Refusal.RESOURCE_EXHAUSTED, refusal,
-                                         retry_after_seconds=retry_after(Transient.CALLS_BUSY)))
-        try:
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(self._slots.held(client_address(context.peer())))
+            except ScoringError as error:
+                self._metrics.count_request(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+                refuse(context, error)
             yield
-        finally:
-            with self._lock:
-                self._running -= 1
-                self._by_peer[peer] -= 1
-                if not self._by_peer[peer]:
-                    del self._by_peer[peer]
 
 
 def client_address(peer: str) -> str:
@@ -400,13 +383,15 @@ class ScoringServer:
     """
 
     def __init__(self, grpc_server: grpc.Server, *, pipeline: Pipeline, servicer: DenseScoringServicer,
-                 health_servicer: health.HealthServicer, metrics: Metrics, metrics_port: int | None) -> None:
+                 health_servicer: health.HealthServicer, metrics: Metrics, metrics_port: int | None,
+                 http: HttpServer | None = None) -> None:
         self.grpc_server = grpc_server
         self.pipeline = pipeline
         self.servicer = servicer
         self.health = health_servicer
         self.metrics = metrics
         self.metrics_port = metrics_port
+        self.http = http  # the HTTP face (--http-port), stopped with the gRPC server
         self.warm_up_error: ScoringError | None = None
 
     def stop(self, grace: float | None = None) -> threading.Event:
@@ -421,11 +406,16 @@ class ScoringServer:
 
         def release() -> None:
             started = time.monotonic()
+
+            def remaining() -> float:
+                return max(0.0, grace - (time.monotonic() - started)) if grace else 0
+
             if grace:
                 self.servicer.wait_idle(grace)
-            # Calls accepted but not yet dispatched get what is left of the grace period.
-            remaining = max(0.0, grace - (time.monotonic() - started)) if grace else 0
-            self.grpc_server.stop(remaining).wait()
+            # Calls accepted but not yet dispatched get what is left of the grace period; HTTP calls too.
+            self.grpc_server.stop(remaining()).wait()
+            if self.http is not None:
+                self.http.stop(remaining())
             self.pipeline.close()
             self.metrics.close()
             done.set()
@@ -516,6 +506,12 @@ def create_server(
                 raise ScoringError(Refusal.UNAVAILABLE,
                                    f"could not serve metrics on {where} (--metrics-port): {error.strerror}") from error
         grpc_server.start()
+        http = None
+        if settings.http_port is not None:  # the HTTP face (issue 21): the same host, TLS and token
+            from server import web
+
+            http = web.serve(servicer, host=address.rpartition(":")[0], port=settings.http_port, tls=tls, token=token,
+                             version=version())
     except BaseException:
         if grpc_server is not None:
             grpc_server.stop(None)  # releases a port already bound
@@ -523,7 +519,7 @@ def create_server(
         metrics.close()
         raise
     server = ScoringServer(grpc_server, pipeline=pipeline, servicer=servicer, health_servicer=health_servicer,
-                           metrics=metrics, metrics_port=metrics_port)
+                           metrics=metrics, metrics_port=metrics_port, http=http)
 
     def become_ready() -> None:
         if settings.warm_up:

@@ -97,6 +97,12 @@ class ServiceEdge:
         "ping every 30 s, which gRPC's own default (5 min) would refuse", parse=SECONDS, metavar="SECONDS")
     grace_seconds: float = setting(10.0, "on SIGTERM, how long in-flight calls get to finish",
                                    parse=number_in(float, 0), metavar="SECONDS")
+    http_port: int | None = setting(
+        None, "also serve HTTP on this port of --host, with the same TLS, token and limits: KServe v2 REST, /v1 "
+        "scoring for curl, the score-map viewer at / (0: a free one)", parse=PORT, metavar="PORT", shown="off")
+    http_body_idle_seconds: float = setting(
+        30.0, "an HTTP call whose body stops arriving for this long gets 408 and is closed, giving its call slot "
+        "back", parse=SECONDS, metavar="SECONDS")
     metrics_port: int | None = setting(None, "Prometheus /metrics port (0: a free one)", parse=PORT, metavar="PORT",
                                        shown="off")
     metrics_address: str = setting("127.0.0.1", "address the metrics endpoint binds (no TLS, no token: beyond "

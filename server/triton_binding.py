@@ -3,7 +3,7 @@
 Triton's front end (its gRPC/HTTP endpoints, metrics, model control, rate limiting) with
 scoremap's dense scoring behind it, for fleets that run every model through Triton yet want the
 resizing, shifted passes, stitching and top-k of scoremap-serve (issue 11, item 2). The tensors
-and parameters are those of server/kserve.py, so a tritonclient program gets the same answer
+and parameters are those of server/open_inference.py (KServe v2 over gRPC and HTTP), so a tritonclient program gets the same answer
 from either server. Triton declares outputs up front, hence the scales it may return are fixed
 when binding: SCORES_<s> for each; requests choose among them with the `scales` parameter.
 
@@ -22,7 +22,7 @@ from pytriton.proxy.types import Request
 from pytriton.triton import Triton
 
 from protos import scoring_pb2
-from server.kserve import (CELL_TOP_K_INDICES, CELL_TOP_K_SCORES, IMAGE_INPUT, SCORES, TOP_K_INDICES, TOP_K_LABELS,
+from server.open_inference import (CELL_TOP_K_INDICES, CELL_TOP_K_SCORES, IMAGE_INPUT, SCORES, TOP_K_INDICES, TOP_K_LABELS,
                            TOP_K_PROBABILITIES, apply_parameters, output_arrays)
 from server.pipeline import Pipeline
 

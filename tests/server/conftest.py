@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
 
 import numpy as np
 import onnx
 import pytest
 
 from tests.tiny_models import coordinate_image, coordinate_net, heavy_net, patch_net
+
+
+@pytest.fixture(scope="session")
+def certificate(tmp_path_factory) -> tuple[bytes, bytes]:
+    """A self-signed certificate for localhost, made with the openssl CLI."""
+    folder = tmp_path_factory.mktemp("tls")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+         "-keyout", str(folder / "key.pem"), "-out", str(folder / "cert.pem")],
+        check=True, capture_output=True,
+    )
+    return (folder / "cert.pem").read_bytes(), (folder / "key.pem").read_bytes()
 
 
 @pytest.fixture

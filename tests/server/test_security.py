@@ -1,7 +1,5 @@
 """TLS and the bearer token, on a real server."""
 
-import subprocess
-
 import grpc
 import numpy as np
 import onnx
@@ -17,19 +15,6 @@ from server.settings import Settings
 from tests.tiny_models import patch_net
 
 PIXELS = np.zeros((32, 32, 3), dtype=np.uint8)
-
-
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory) -> tuple[bytes, bytes]:
-    """A self-signed certificate for localhost, made with the openssl CLI."""
-    folder = tmp_path_factory.mktemp("tls")
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-         "-keyout", str(folder / "key.pem"), "-out", str(folder / "cert.pem")],
-        check=True, capture_output=True,
-    )
-    return (folder / "cert.pem").read_bytes(), (folder / "key.pem").read_bytes()
 
 
 def request(kit) -> scoring_pb2.ScoreRequest:
