@@ -6,8 +6,8 @@ a wrong shape found on the server costs a round trip and reads worse.
 
 from __future__ import annotations
 
-import io
 import os
+import sys
 from pathlib import Path
 from typing import Union
 
@@ -17,6 +17,7 @@ from PIL import Image, ImageOps
 
 from clients.errors import ScoremapError
 from protos import scoring_pb2
+from server.imaging import ImageError, decode, to_rgb
 
 __all__ = ["ImageLike", "IMAGE_SIGNATURES", "image_fields", "looks_like_image", "open_photo"]
 
@@ -42,24 +43,73 @@ def _invalid(message: str) -> ScoremapError:
     return ScoremapError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def _raw_from_array(array: np.ndarray) -> scoring_pb2.RawImage:
-    if array.dtype != np.uint8:
-        raise _invalid(
-            f"image array has dtype {array.dtype}; expected uint8 pixels 0..255 "
-            "(convert with `(x * 255).clip(0, 255).astype(np.uint8)` for floats in 0..1)"
-        )
-    if array.ndim == 2:
-        array = array[:, :, None]
-    if array.ndim != 3 or array.shape[2] not in (1, 3, 4):
+def _refused(what: str, why: str) -> ScoremapError:
+    return _invalid(f"cannot score {what} faithfully: {why}; convert it to 8-bit RGB first, "
+                    "e.g. `(x * 255).clip(0, 255).astype(np.uint8)` for floats in 0..1")
+
+
+def _check_shape(array: np.ndarray) -> None:
+    if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] not in (1, 3, 4)):
         raise _invalid(
             f"image array has shape {tuple(array.shape)}; expected [height, width] or "
             "[height, width, channels] with 1, 3 or 4 channels"
         )
     if array.shape[0] == 0 or array.shape[1] == 0:
         raise _invalid(f"image array has shape {tuple(array.shape)}; height and width must be positive")
-    height, width, channels = array.shape
+
+
+def _array_pixels(array: np.ndarray) -> np.ndarray:
+    """uint8 [H, W(, C)] pixels of an array, as the server would decode the array saved as a file.
+
+    A one-channel array is the image PIL's `Image.fromarray` makes of it (bool: mode 1, uint16: I;16,
+    other ints: I, floats: F), converted by the server's own rule (server/imaging.py `to_rgb`: 16 bits
+    scaled, floats clipped). uint16 colour is what PIL reads from a 16-bit RGB(A) PNG: the high byte.
+    Other colour dtypes are accepted only when every value is a whole number in 0..255 (issue 24: a
+    16-bit image sent as-is scored as noise)."""
+    _check_shape(array)
+    if array.dtype == np.uint8:
+        return array
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[:, :, 0]
+    kind = array.dtype.kind
+    if kind not in "biuf":
+        raise _refused(f"an image array of dtype {array.dtype}", "expected bool, integer or float pixels")
+    if array.ndim == 2:
+        if kind in "iu" and array.dtype != np.uint16:
+            low, high = (int(array.min()), int(array.max()))
+            if low < np.iinfo(np.int32).min or high > np.iinfo(np.int32).max:
+                raise _refused(f"an image array of dtype {array.dtype}", f"values {low}..{high} do not fit a 32-bit image")
+            array = array.astype(np.int32)
+        elif kind == "f":
+            array = array.astype(np.float32)
+        return np.asarray(to_rgb(Image.fromarray(array)))
+    if array.dtype == np.uint16:
+        return (array >> 8).astype(np.uint8)
+    finite = np.isfinite(array).all() if kind == "f" else True
+    if not finite or array.min() < 0 or array.max() > 255 or (kind == "f" and (array != np.round(array)).any()):
+        raise _refused(f"a {array.shape[2]}-channel image array of dtype {array.dtype}",
+                       "only whole values 0..255 map to colours without guessing their range")
+    return array.astype(np.uint8)
+
+
+def _image_pixels(image: Image.Image) -> np.ndarray:
+    """uint8 pixels of a PIL image, as the server decodes its file: EXIF orientation applied, then any mode
+    but L, RGB and RGBA converted by the server's own rule (server/imaging.py `to_rgb`)."""
+    image = ImageOps.exif_transpose(image)
+    if image.mode not in ("L", "RGB", "RGBA"):
+        try:
+            image = to_rgb(image)
+        except (ValueError, OSError) as error:
+            raise _refused(f"a PIL image of mode {image.mode}", str(error)) from error
+    return np.asarray(image)
+
+
+def _raw(pixels: np.ndarray) -> scoring_pb2.RawImage:
+    if pixels.ndim == 2:
+        pixels = pixels[:, :, None]
+    height, width, channels = pixels.shape
     return scoring_pb2.RawImage(
-        data=np.ascontiguousarray(array).tobytes(), height=height, width=width, channels=channels
+        data=np.ascontiguousarray(pixels).tobytes(), height=height, width=width, channels=channels
     )
 
 
@@ -67,7 +117,8 @@ def image_fields(image: ImageLike) -> dict[str, object]:
     """The ScoreRequest fields carrying `image`: {"encoded": bytes} or {"raw": RawImage}.
 
     Paths and bytes go as encoded bytes (smaller on the wire; the server decodes them), PIL images
-    and arrays as raw RGB(A)/grey pixels.
+    and arrays as raw RGB(A)/grey pixels converted as the server converts their files, so an image
+    object scores as its file does.
     """
     if isinstance(image, (str, os.PathLike)):
         path = Path(image)
@@ -89,29 +140,28 @@ def image_fields(image: ImageLike) -> dict[str, object]:
             )
         return {"encoded": data}
     if isinstance(image, Image.Image):
-        if image.mode not in ("L", "RGB", "RGBA"):
-            image = image.convert("RGB")
-        return {"raw": _raw_from_array(np.asarray(image))}
+        return {"raw": _raw(_image_pixels(image))}
     if isinstance(image, np.ndarray):
-        return {"raw": _raw_from_array(image)}
+        return {"raw": _raw(_array_pixels(image))}
     raise _invalid(
         f"cannot score an image of type {type(image).__name__}; expected a path, encoded bytes, "
-        "a PIL image or a uint8 numpy array [height, width(, channels)]"
+        "a PIL image or a numpy array [height, width(, channels)]"
     )
 
 
 def open_photo(image: ImageLike) -> Image.Image:
-    """The image as an RGB PIL image, EXIF orientation applied as the server does (for drawing)."""
+    """The image as an RGB PIL image, decoded and converted as the server does (for drawing under a map)."""
     if isinstance(image, (str, os.PathLike)):
-        with Image.open(image) as opened:
-            return ImageOps.exif_transpose(opened).convert("RGB")
+        image = Path(image).read_bytes()
     if isinstance(image, (bytes, bytearray, memoryview)):
-        with Image.open(io.BytesIO(bytes(image))) as opened:
-            return ImageOps.exif_transpose(opened).convert("RGB")
+        try:
+            return decode(bytes(image), max_pixels=sys.maxsize)
+        except ImageError as error:
+            raise _invalid(str(error)) from error
     if isinstance(image, Image.Image):
-        return image.convert("RGB")
-    if isinstance(image, np.ndarray):
-        raw = _raw_from_array(image)
-        pixels = np.frombuffer(raw.data, np.uint8).reshape(raw.height, raw.width, raw.channels)
-        return Image.fromarray(pixels[:, :, 0] if raw.channels == 1 else pixels).convert("RGB")
-    raise _invalid(f"cannot open an image of type {type(image).__name__}")
+        pixels = _image_pixels(image)
+    elif isinstance(image, np.ndarray):
+        pixels = _array_pixels(image)
+    else:
+        raise _invalid(f"cannot open an image of type {type(image).__name__}")
+    return Image.fromarray(pixels).convert("RGB")
