@@ -18,6 +18,7 @@ import math
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from clients.images import open_photo
 from clients.results import ScaleResult, ScoreResult
 
 __all__ = ["render_heatmap", "heatmap_png", "colormap", "canvas_scale", "HeatmapError"]
@@ -95,7 +96,9 @@ def _nearest_cells(size: int, factor: int, center: float, stride: float, cells: 
 
 def render_heatmap(photo: Image.Image, result: ScoreResult) -> Image.Image:
     """`photo` (the scored image, original size) with the top class's map overlaid and a legend,
-    enlarged by canvas_scale() when it is small."""
+    enlarged by canvas_scale() when it is small. The photo is converted to RGB as the server converts
+    it for scoring (16-bit scaled, not clipped: issue 24), so the map lies over the image that was scored."""
+    photo = open_photo(photo)
     if (photo.height, photo.width) != (result.image_height, result.image_width):
         raise HeatmapError(
             f"photo is {photo.width}x{photo.height} but the scored image was "
@@ -110,7 +113,7 @@ def render_heatmap(photo: Image.Image, result: ScoreResult) -> Image.Image:
     values, low, high = _normalise(_cell_probabilities(scale, top.index))
     g = scale.geometry
     factor = canvas_scale(photo.width, photo.height)
-    canvas = photo.convert("RGB")
+    canvas = photo
     if factor > 1:
         canvas = canvas.resize((photo.width * factor, photo.height * factor), Image.Resampling.NEAREST)
     rows = _nearest_cells(canvas.height, factor, g.center_y, g.stride_y, scale.height)

@@ -1,9 +1,13 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 from PIL import Image
 
 from clients.heatmap import MIN_CANVAS_SIDE, HeatmapError, canvas_scale, colormap, render_heatmap
 from clients.results import Geometry, Prediction, ScaleResult, ScoreResult
+
+SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 
 
 def result(height: int, width: int, scores: np.ndarray, geometry: Geometry) -> ScoreResult:
@@ -85,3 +89,21 @@ def test_a_modest_probability_peak_is_stretched_from_zero_to_the_brightest_colou
     image = np.asarray(render_heatmap(photo, result(256, 512, scores, geometry))).astype(float)
     expected = colormap(np.array([1.0, 0.5])) * 0.55
     assert np.abs(image[200, 128] - expected[0]).max() <= 2 and np.abs(image[200, 384] - expected[1]).max() <= 2
+
+
+def test_a_16_bit_photo_is_drawn_as_its_8_bit_rendering(tmp_path):
+    """Issue 24: the photo under a 16-bit image's map was flat purple (its values clipped, not scaled)."""
+    from clients.images import open_photo
+
+    grey = np.asarray(Image.open(SAMPLES / "astronaut.jpg").convert("L").resize((192, 160)), dtype=np.float64)
+    sixteen = np.round(grey * 257.0 * 0.8 + 3000.0).astype(np.uint16)
+    eight = np.round(sixteen / 65535.0 * 255.0).astype(np.uint8)  # the server's own conversion (server/imaging.py)
+    Image.fromarray(sixteen).save(tmp_path / "a16.png")
+    scores = np.random.default_rng(0).random((2, 3, 4)).astype(np.float32)
+    scored = result(160, 192, scores, Geometry(48, 48, 24, 24, 64, 64, 1.0, 160, 192))
+    expected = np.asarray(render_heatmap(Image.fromarray(eight), scored)).astype(int)
+    for photo in (open_photo(tmp_path / "a16.png"), open_photo((tmp_path / "a16.png").read_bytes()),
+                  Image.open(tmp_path / "a16.png"), sixteen):
+        drawn = np.asarray(render_heatmap(photo if isinstance(photo, Image.Image) else open_photo(photo), scored))
+        assert np.abs(drawn.astype(int) - expected).max() <= 1
+    assert expected[100:, 100:].std() > 10  # the photo's detail shows through the overlay
