@@ -41,8 +41,9 @@ from clients.files import find_images
 from clients.latency import LevelReport, Sample, format_table, stable, summarise, to_csv, to_json
 from clients.options import SHIFTS, ScoreOptions, build_request
 from clients.server_metrics import MetricsSnapshot, scrape, server_split
-from clients.settings import ClientSettings, env_token
+from clients.settings import MIN_TIMEOUT_S, ClientSettings, env_token
 from clients.version import version
+from convert.arguments import host_port, number_in, number_list, size_pair
 from protos import scoring_pb2, scoring_pb2_grpc
 
 __all__ = ["LoadLimits", "LevelPlan", "closed_loop", "open_loop", "run_level", "load_inputs", "synthetic_images",
@@ -53,6 +54,10 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
 EXIT_REFUSED = 4
+# The slowest open-loop rate (--rate, per second): one arrival per 100 s, some within a 600 s level.
+MIN_RATE = 0.01
+# The tightest --stable-within (percent): below it, window rates of a real server never agree.
+MIN_STABLE_PERCENT = 0.1
 
 
 @dataclass(frozen=True)
@@ -338,61 +343,41 @@ def open_loop(stub: scoring_pb2_grpc.DenseScoringStub, requests: Sequence[scorin
     return run_level(traffic, plan, limits=limits, metrics=metrics, live=live)
 
 
-def _size(text: str) -> tuple[int, int]:
-    try:
-        height, width = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected HEIGHTxWIDTH such as 224x224; got {text!r}")
-    return height, width
-
-
-def _list(kind: type):
-    def parse(text: str) -> list:
-        try:
-            values = [kind(v) for v in text.split(",") if v.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s; got {text!r}")
-        if not values or any(v <= 0 for v in values):
-            raise argparse.ArgumentTypeError(f"expected positive values; got {text!r}")
-        return values
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     limits = LoadLimits()
     parser = argparse.ArgumentParser(prog="scoremap-loadtest", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    parser.add_argument("--server", required=True, metavar="HOST:PORT", help="the one target contacted")
+    parser.add_argument("--server", required=True, metavar="HOST:PORT", type=host_port, help="the one target contacted")
     parser.add_argument("--allow-remote", action="store_true", help="allow a target that is not loopback")
     parser.add_argument("--tls", action="store_true", help="connect with TLS")
     parser.add_argument("--root-cert", type=Path, help="PEM root certificates for --tls")
     load = parser.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=_list(int), help="closed-loop sweep, e.g. 1,4,16 (default 1,4,16)")
-    load.add_argument("--rate", type=_list(float), help="open-loop arrival rates per second, e.g. 5,20")
-    parser.add_argument("--duration", type=float,
+    load.add_argument("--concurrency", type=number_list(int, 1, limits.max_in_flight), help="closed-loop sweep, e.g. 1,4,16 (default 1,4,16)")
+    load.add_argument("--rate", type=number_list(float, MIN_RATE, limits.max_rate), help="open-loop arrival rates per second, e.g. 5,20")
+    parser.add_argument("--duration", type=number_in(float, MIN_TIMEOUT_S, limits.max_duration_s),
                         help=f"seconds of each level's measurement window (at most {limits.max_duration_s:g}; "
                              "default 10 unless --requests)")
-    parser.add_argument("--requests", type=int,
+    parser.add_argument("--requests", type=number_in(int, 1, limits.max_requests),
                         help=f"requests per level after its warm-up; the window closes once they are answered "
                              f"(at most {limits.max_requests})")
     parser.add_argument("--until-stable", action="store_true",
                         help="repeat each level's window until the last 3 rates agree within --stable-within "
                              f"(at most {limits.max_windows} windows, {limits.max_duration_s:g} s)")
-    parser.add_argument("--stable-within", type=float, default=5.0, metavar="PERCENT",
+    parser.add_argument("--stable-within", type=number_in(float, MIN_STABLE_PERCENT, 100), default=5.0, metavar="PERCENT",
                         help="how close the last 3 window rates must be, in percent of their mean (default 5)")
     parser.add_argument("--images", metavar="DIR", help=f"cycle through these images (first {limits.max_inputs})")
-    parser.add_argument("--sizes", type=lambda t: [_size(p) for p in t.split(",")], default=[(224, 224)],
+    parser.add_argument("--sizes", type=lambda t: [size_pair(p) for p in t.split(",")], default=[(224, 224)],
                         help="synthetic image sizes HxW,... when no --images (default 224x224)")
     parser.add_argument("--model", default="")
-    parser.add_argument("--scales", type=_list(int), default=[])
-    parser.add_argument("--stride", type=int, default=0)
+    parser.add_argument("--scales", type=number_list(int, 1), default=[])
+    parser.add_argument("--stride", type=number_in(int, 0), default=0)
     parser.add_argument("--shift", choices=sorted(SHIFTS), default="auto")
     parser.add_argument("--flip", action="store_true")
     parser.add_argument("--maps", action="store_true", help="ask for full maps (measures their transfer too)")
-    parser.add_argument("--timeout", type=float, default=ClientSettings.timeout_s,
+    parser.add_argument("--timeout", type=number_in(float, MIN_TIMEOUT_S), default=ClientSettings.timeout_s,
                         help=f"deadline per request, seconds (default {ClientSettings.timeout_s:g})")
-    parser.add_argument("--warmup", type=int, default=2,
+    parser.add_argument("--warmup", type=number_in(int, 0, limits.max_requests), default=2,
                         help="unmeasured requests before each level's window (default 2)")
     parser.add_argument("--metrics-url", metavar="URL",
                         help="the server's Prometheus /metrics (scoremap-serve --metrics-port), e.g. "
@@ -437,18 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"refusing to load-test {args.server!r}, which is not a loopback address; "
                      "pass --allow-remote if you own that server")
     duration = args.duration if args.duration is not None else (limits.max_duration_s if args.requests else 10.0)
-    if not 0 < duration <= limits.max_duration_s:
-        parser.error(f"--duration {duration:g} must be in (0, {limits.max_duration_s:g}] seconds")
     requests_cap = args.requests if args.requests is not None else limits.max_requests
-    if not 0 < requests_cap <= limits.max_requests:
-        parser.error(f"--requests {requests_cap} must be in 1..{limits.max_requests}")
     levels = args.concurrency or ([] if args.rate else [1, 4, 16])
-    if any(c > limits.max_in_flight for c in levels):
-        parser.error(f"--concurrency {levels} exceeds the bound of {limits.max_in_flight} callers")
-    if args.rate and any(r > limits.max_rate for r in args.rate):
-        parser.error(f"--rate {args.rate} exceeds the bound of {limits.max_rate:g} per second")
-    if args.warmup < 0 or not 0 < args.stable_within < 100:
-        parser.error(f"--warmup {args.warmup} must be >= 0 and --stable-within {args.stable_within:g} in (0, 100)")
     if args.metrics_url:
         parts = urllib.parse.urlsplit(args.metrics_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:

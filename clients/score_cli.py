@@ -32,8 +32,9 @@ from clients.options import MAP_DTYPES, SHIFTS, ScoreOptions
 from clients.preflight import RunRefused, check_run
 from clients.retry import Interrupted
 from clients.run_options import OptionsChanged
-from clients.settings import BATCH_RETRY_BUDGET_S, TOKEN_ENV, ClientSettings, env_token
+from clients.settings import BATCH_RETRY_BUDGET_S, MIN_TIMEOUT_S, TOKEN_ENV, ClientSettings, env_token
 from clients.version import version
+from convert.arguments import host_port, number_in, number_list
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_FAILURES", "EXIT_USAGE", "EXIT_UNAVAILABLE",
            "EXIT_REFUSED", "EXIT_INTERRUPTED"]
@@ -61,13 +62,6 @@ ADVICE = {
 }
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 224,448; got {text!r}")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scoremap-score",
@@ -80,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("paths", nargs="+", metavar="PATH", help="image files or folders")
     parser.add_argument("--out", required=True, type=Path, help="output folder (results.jsonl, maps/, heatmaps/)")
     backend = parser.add_mutually_exclusive_group(required=True)
-    backend.add_argument("--server", metavar="HOST:PORT", help="a running scoremap-serve")
+    backend.add_argument("--server", metavar="HOST:PORT", type=host_port, help="a running scoremap-serve")
     backend.add_argument("--local", metavar="MODEL.onnx",
                          help="score in this process with the server's pipeline, no service needed")
     parser.add_argument("--engine", choices=("local", "server", "ray"),
@@ -89,18 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ray-address", metavar="ADDR", help="the Ray cluster for --engine ray "
                         "(default: a Ray started on 127.0.0.1 for this run)")
     parser.add_argument("--model", default="", help="model name (optional when one is loaded)")
-    parser.add_argument("--scales", type=_int_list, default=[], help="shorter sides, e.g. 224,448 (default: the card's)")
-    parser.add_argument("--stride", type=int, default=0, help="output stride in pixels, 32 or 16 (default: native)")
+    parser.add_argument("--scales", type=number_list(int, 1), default=[], help="shorter sides, e.g. 224,448 (default: the card's)")
+    parser.add_argument("--stride", type=number_in(int, 0), default=0, help="output stride in pixels, 32 or 16 (default: native)")
     parser.add_argument("--shift", choices=sorted(SHIFTS), default="auto", help="how stride 16 is reached")
     parser.add_argument("--flip", action="store_true", help="average with the mirrored image")
-    parser.add_argument("--top-k", type=int, default=5, help="image-level classes recorded (default 5)")
+    parser.add_argument("--top-k", type=number_in(int, 0), default=5, help="image-level classes recorded (default 5)")
     parser.add_argument("--maps", action="store_true", help="write OUT/maps/<file>.npz score maps")
     parser.add_argument("--heatmaps", action="store_true", help="write OUT/heatmaps/<file>.png heatmaps")
     parser.add_argument("--map-dtype", choices=sorted(MAP_DTYPES), default="float32")
-    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
-    parser.add_argument("--timeout", type=float, default=ClientSettings.timeout_s,
+    parser.add_argument("--concurrency", type=number_in(int, 1), default=4, help="requests in flight (default 4)")
+    parser.add_argument("--timeout", type=number_in(float, MIN_TIMEOUT_S), default=ClientSettings.timeout_s,
                         help=f"deadline per image, seconds (default {ClientSettings.timeout_s:g})")
-    parser.add_argument("--retry-for", type=float, default=BATCH_RETRY_BUDGET_S,
+    parser.add_argument("--retry-for", type=number_in(float, 0), default=BATCH_RETRY_BUDGET_S,
                         help=f"keep retrying an unreachable server this many seconds (default {BATCH_RETRY_BUDGET_S:g})")
     parser.add_argument("--retry-failed", action="store_true", help="score again files recorded as failed")
     parser.add_argument("--force-new-options", action="store_true",

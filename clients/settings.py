@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ClientSettings", "TOKEN_ENV", "BATCH_RETRY_BUDGET_S", "env_token"]
+__all__ = ["ClientSettings", "TOKEN_ENV", "BATCH_RETRY_BUDGET_S", "MIN_TIMEOUT_S", "env_token"]
 
 # Environment variable holding the bearer token of the command lines (kept off the command line,
 # where `ps` shows it).
@@ -20,6 +20,8 @@ def env_token(environ: Mapping[str, str] = os.environ) -> str | None:
 # How long (seconds) scoremap-score keeps retrying an unreachable server by default (--retry-for):
 # long enough to ride out a server restart during an overnight run.
 BATCH_RETRY_BUDGET_S = 120.0
+# The shortest deadline (seconds) a command line may ask for (--timeout): 0 or less fails every call at once.
+MIN_TIMEOUT_S = 0.001
 
 
 @dataclass(frozen=True)

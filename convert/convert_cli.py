@@ -19,7 +19,7 @@ import sys
 from importlib import metadata
 from typing import TYPE_CHECKING
 
-from convert.arguments import DEFAULT_OUTPUT_STRIDE, SUPPORTED_OUTPUT_STRIDES, size_pair
+from convert.arguments import DEFAULT_OUTPUT_STRIDE, SUPPORTED_OUTPUT_STRIDES, number_in, number_list, size_pair
 from convert.errors import ConversionError, UsageError
 from convert.labels import LABEL_SETS
 from convert.presets import PRESETS
@@ -35,15 +35,14 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_CONVERSION, EXIT_USAGE = 0, 1, 2
 # Side, in pixels, the --report image is resized to when --size is not given.
 DEFAULT_REPORT_SIZE = 384
+# The largest --size: the report runs the classifier once per cell's crop, (size / stride)^2 runs.
+MAX_REPORT_SIZE = 2048
+# Bounds of the numeric options: pixel values stay within what float32 represents; a std or pixel scale
+# at or below the floor would divide or multiply the pixels to nothing.
+PIXEL_BOUND = 1e6
+SCALE_FLOOR = 1e-6
 # Loggers whose warnings reach the user without --verbose; third-party ones (torch's exporter) go to the debug log.
 OWN_LOGGERS = ("convert", "__main__")
-
-
-def floats(text: str) -> list[float]:
-    try:
-        return [float(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected a number or comma-separated numbers, e.g. 127 or 123.7,116.3,103.5") from None
 
 
 def presets_help() -> str:
@@ -56,9 +55,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="where to write the converted .onnx")
     p.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('scoremap')}")
     p.add_argument("--preprocessing", choices=sorted(PRESETS), help=f"how pixels were normalised in training: {presets_help()}")
-    p.add_argument("--mean", type=floats, help="mean subtracted after scaling, per channel or one for all (overrides the preset's)")
-    p.add_argument("--std", type=floats, help="std divided by after subtracting the mean, per channel or one for all")
-    p.add_argument("--pixel-scale", type=float, help="pixels (0..255) are multiplied by this first, e.g. 0.00392157 for 0..1")
+    p.add_argument("--mean", type=number_list(float, -PIXEL_BOUND, PIXEL_BOUND), help="mean subtracted after scaling, per channel or one for all (overrides the preset's)")
+    p.add_argument("--std", type=number_list(float, SCALE_FLOOR, PIXEL_BOUND), help="std divided by after subtracting the mean, per channel or one for all")
+    p.add_argument("--pixel-scale", type=number_in(float, SCALE_FLOOR, PIXEL_BOUND), help="pixels (0..255) are multiplied by this first, e.g. 0.00392157 for 0..1")
     p.add_argument("--channel-order", choices=("RGB", "BGR"), help="channel order the classifier expects (default: the preset's, else RGB)")
     p.add_argument("--labels", help=f"text file with one class name per line, or one of {sorted(LABEL_SETS)}")
     p.add_argument("--training-size", type=size_pair, help="input size the classifier was trained at (N or HxW); needed when the input size is symbolic")
@@ -66,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dict", help="state dict loaded strictly into a package.module:factory model")
     p.add_argument("--name", help="model name in the card (default: from the source)")
     p.add_argument("--report", metavar="IMAGE", help="compare each dense cell with the classifier on its crop of IMAGE")
-    p.add_argument("--size", type=int, default=DEFAULT_REPORT_SIZE, help="side the --report image is resized to (square)")
+    p.add_argument("--size", type=number_in(int, 1, MAX_REPORT_SIZE), default=DEFAULT_REPORT_SIZE, help="side the --report image is resized to (square)")
     p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
                    help="fp16: half the memory, float32 at the edges, checked against fp32; for GPUs (slow on CPU)")
     p.add_argument("--verbose", action="store_true", help="show progress and third-party warnings (torch's exporter)")

@@ -228,3 +228,28 @@ def test_defaults_come_from_the_client_settings():
     assert build_parser().parse_args(["--server", "127.0.0.1:1"]).timeout == ClientSettings.timeout_s
     arguments = score_parser().parse_args(["x", "--out", "o", "--server", "127.0.0.1:1"])
     assert arguments.retry_for == BATCH_RETRY_BUDGET_S and arguments.timeout == ClientSettings.timeout_s
+
+
+@pytest.mark.parametrize("argv, flag, says", [
+    (["--server", "127.0.0.1:70000"], "--server", "port from 0 to 65535"),
+    (["--concurrency", "0"], "--concurrency", "from 1 to 256"),
+    (["--concurrency", "1,300"], "--concurrency", "from 1 to 256"),
+    (["--rate", "0"], "--rate", "from 0.01 to 2000"),
+    (["--duration", "-1"], "--duration", "from 0.001 to 600"),
+    (["--requests", "0"], "--requests", "from 1 to 100000"),
+    (["--stable-within", "0"], "--stable-within", "from 0.1 to 100"),
+    (["--sizes", "224x0"], "--sizes", "positive sizes"),
+    (["--scales", "0"], "--scales", ">= 1"),
+    (["--stride", "-1"], "--stride", ">= 0"),
+    (["--timeout", "-1"], "--timeout", ">= 0.001"),
+    (["--warmup", "-1"], "--warmup", "from 0 to 100000"),
+])
+def test_every_numeric_flag_is_range_checked_before_anything_is_sent(capsys, argv, flag, says):
+    """Issue 24: exit 2 naming the flag, before the (unreachable) server is contacted."""
+    from clients.loadtest import main as loadtest_main
+
+    server = [] if argv[0] == "--server" else ["--server", "127.0.0.1:1"]
+    with pytest.raises(SystemExit) as exited:
+        loadtest_main([*server, *argv])
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and f"argument {flag}: " in error and says in error

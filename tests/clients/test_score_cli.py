@@ -289,3 +289,23 @@ def test_server_warnings_are_recorded_and_counted(server, tmp_path, capsys):
     assert all(r["status"] == "OK" and "far below" in r["warnings"][0] for r in records)
     printed = capsys.readouterr().out
     assert re.search(r"scored with warnings\s+2\n", printed) and "warnings (1 distinct):" in printed, printed
+
+
+@pytest.mark.parametrize("argv, flag, says", [
+    (["--server", "127.0.0.1:70000"], "--server", "port from 0 to 65535"),
+    (["--server", "127.0.0.1"], "--server", "expected HOST:PORT"),
+    (["--local", "missing.onnx", "--scales", "384,0"], "--scales", ">= 1"),
+    (["--local", "missing.onnx", "--stride", "-16"], "--stride", ">= 0"),
+    (["--local", "missing.onnx", "--top-k", "-1"], "--top-k", ">= 0"),
+    (["--local", "missing.onnx", "--concurrency", "0"], "--concurrency", ">= 1"),
+    (["--local", "missing.onnx", "--timeout", "0"], "--timeout", ">= 0.001"),
+    (["--local", "missing.onnx", "--retry-for", "-5"], "--retry-for", ">= 0"),
+    (["--local", "missing.onnx", "--timeout", "nan"], "--timeout", "got 'nan'"),
+])
+def test_every_numeric_flag_is_range_checked_before_anything_loads(tmp_path, capsys, argv, flag, says):
+    """Issue 24: exit 2 naming the flag; the model file does not exist, so nothing could have loaded."""
+    with pytest.raises(SystemExit) as exited:
+        main([str(tmp_path), "--out", str(tmp_path / "out"), *argv])
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and f"argument {flag}: " in error and says in error
+    assert not (tmp_path / "out").exists()

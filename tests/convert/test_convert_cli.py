@@ -181,3 +181,20 @@ def test_a_factory_in_the_current_folder_converts_quietly(tmp_path):
     assert result.returncode == EXIT_OK, result.stderr
     assert result.stderr == "" and result.stdout.startswith("wrote tiny.onnx")
     assert (tmp_path / "tiny.onnx").stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("argv, flag, says", [
+    (["--std", "0"], "--std", "from 1e-06"),
+    (["--std", "58,0,57"], "--std", "from 1e-06"),
+    (["--mean", "1e9"], "--mean", "from -1000000.0 to 1000000.0"),
+    (["--pixel-scale", "-1"], "--pixel-scale", "from 1e-06"),
+    (["--size", "0"], "--size", "from 1 to 2048"),
+    (["--training-size", "0"], "--training-size", "positive sizes"),
+    (["--output-stride", "4"], "--output-stride", "invalid choice"),
+])
+def test_every_numeric_flag_is_range_checked_before_anything_loads(tmp_path, capsys, argv, flag, says):
+    """Issue 24: exit 2 naming the flag; the source does not exist, so nothing could have loaded."""
+    with pytest.raises(SystemExit) as exited:
+        main([str(tmp_path / "missing.onnx"), "-o", str(tmp_path / "out.onnx"), *argv])
+    error = capsys.readouterr().err
+    assert exited.value.code == EXIT_USAGE and f"argument {flag}: " in error and says in error

@@ -69,7 +69,7 @@ def test_dtype_fp16_sizes_the_half_precision_graph(small_model_path, capsys):
 @pytest.mark.parametrize("argv, status, message", [
     (["--size", "64y64"], 2, "expected N or HxW"),
     (["--size", "64", "--budget", "lots"], 2, "cannot read 'lots' as a memory size"),
-    (["--size", "64", "--batch", "0"], 2, "--batch must be a positive integer"),
+    (["--size", "64", "--batch", "0"], 2, "argument --batch: got '0'; expected an integer >= 1"),
     ([], 2, "has no model card naming a size: give --size HxW"),
 ])
 def test_bad_requests_say_what_was_expected(small_model_path, capsys, argv, status, message):
@@ -147,3 +147,16 @@ def test_a_graph_without_card_takes_its_layout_from_the_command_line(tmp_path, c
     onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), path)
     assert main([str(path), "--size", "8x6", "--layout", "NHWC"]) == 0
     assert "1x3x8x6" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, flag, says", [
+    (["--batch", "0"], "--batch", ">= 1"),
+    (["--size", "0x384"], "--size", "positive sizes"),
+    (["--budget", "0"], "--budget", "above zero"),
+])
+def test_every_numeric_flag_is_range_checked_before_the_model_is_read(tmp_path, capsys, argv, flag, says):
+    """Issue 24: exit 2 naming the flag; the model does not exist, so nothing could have been read."""
+    with pytest.raises(SystemExit) as exited:
+        main([str(tmp_path / "missing.onnx"), *argv])
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and f"argument {flag}: " in error and says in error
