@@ -19,9 +19,9 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from clients.images import open_photo
-from clients.results import ScaleResult, ScoreResult
+from clients.results import Geometry, ScaleResult, ScoreResult
 
-__all__ = ["render_heatmap", "heatmap_png", "colormap", "canvas_scale", "HeatmapError"]
+__all__ = ["render_heatmap", "heatmap_png", "colormap", "canvas_scale", "legend_notes", "HeatmapError"]
 
 # matplotlib's viridis sampled at 0, 1/8, ..., 1.
 _VIRIDIS = np.array([
@@ -30,6 +30,9 @@ _VIRIDIS = np.array([
 ], dtype=np.float64)
 # How much of the map colour shows over the photo.
 OVERLAY_ALPHA = 0.55
+# Cells no pass scored (NaN: a diagonal shift's quincunx holes) are drawn in this neutral grey, which is
+# no colour of viridis, so a hole never reads as a low score (issue 24); the legend says so.
+HOLE_COLOUR = (128, 128, 128)
 # Legend text height as a fraction of the photo's shorter side (bounded below for small photos).
 LEGEND_TEXT_FRACTION = 1 / 22
 LEGEND_MIN_TEXT_PX = 12
@@ -61,10 +64,10 @@ def _normalise(cells: np.ndarray) -> tuple[np.ndarray, float, float]:
     the map's peak, so zero stays the darkest colour while a 1000-way classifier's modest peak
     (often 0.2-0.5, shared between near-synonym classes) still reads at a glance; the legend
     gives the peak's value. Other scores (logits) are stretched min..max. Cells no pass scored
-    (NaN, e.g. a diagonal shift's holes) draw as the lowest colour."""
+    stay NaN (drawn as holes)."""
     cells = cells.astype(np.float64)
     if np.isnan(cells).all():
-        return np.zeros_like(cells), 0.0, 1.0
+        return cells, 0.0, 1.0
     low, high = float(np.nanmin(cells)), float(np.nanmax(cells))
     if low >= 0.0 and high <= 1.0:
         low = 0.0
@@ -118,12 +121,26 @@ def render_heatmap(photo: Image.Image, result: ScoreResult) -> Image.Image:
         canvas = canvas.resize((photo.width * factor, photo.height * factor), Image.Resampling.NEAREST)
     rows = _nearest_cells(canvas.height, factor, g.center_y, g.stride_y, scale.height)
     cols = _nearest_cells(canvas.width, factor, g.center_x, g.stride_x, scale.width)
-    colours = colormap(values)[rows][:, cols].astype(np.float64)
+    holes = np.isnan(values)
+    cell_colours = colormap(values)
+    cell_colours[holes] = HOLE_COLOUR
+    colours = cell_colours[rows][:, cols].astype(np.float64)
     pixels = np.asarray(canvas).astype(np.float64)
     blended = Image.fromarray(np.round(pixels * (1 - OVERLAY_ALPHA) + colours * OVERLAY_ALPHA).astype(np.uint8), "RGB")
-    notes = (f"{g.stride_x:.3g} px cells, each sees {g.box_width:.3g} px", "a pixel shows its nearest cell")
-    _draw_legend(blended, f"{top.label}  p={top.probability:.2f}", low, high, notes)
+    _draw_legend(blended, f"{top.label}  p={top.probability:.2f}", low, high, legend_notes(g, holes=bool(holes.any())))
     return blended
+
+
+def legend_notes(geometry: Geometry, *, holes: bool) -> tuple[str, ...]:
+    """The legend's lines under the colour bar: the cells' geometry, and what grey means when there are holes."""
+    notes = (f"{_number(geometry.stride_x)} px cells, each sees {_number(geometry.box_width)} px",
+             "a pixel shows its nearest cell")
+    return notes + (("grey: cells not scored (holes of the diagonal shift)",) if holes else ())
+
+
+def _number(value: float) -> str:
+    """A legend number as people write it: 1,390 and 16, not 1.39e+03; three significant digits below 100."""
+    return f"{value:,.0f}" if abs(value) >= 100 or value == round(value) else f"{value:.3g}"
 
 
 def _draw_legend(image: Image.Image, title: str, low: float, high: float, notes: tuple[str, ...]) -> None:
@@ -143,8 +160,8 @@ def _draw_legend(image: Image.Image, title: str, low: float, high: float, notes:
     ramp = colormap(np.linspace(0.0, 1.0, int(bar_width))[None, :].repeat(max(1, size // 2), axis=0))
     image.paste(Image.fromarray(ramp, "RGB"), (pad * 2, bar_top))
     label_top = bar_top + size // 2 + 1
-    draw.text((pad * 2, label_top), f"{low:.2g}", font=small, fill=(255, 255, 255, 255))
-    high_text = f"{high:.2g}"
+    draw.text((pad * 2, label_top), _number(low), font=small, fill=(255, 255, 255, 255))
+    high_text = _number(high)
     draw.text((pad * 2 + bar_width - draw.textlength(high_text, font=small), label_top), high_text,
               font=small, fill=(255, 255, 255, 255))
     for n, note in enumerate(notes):

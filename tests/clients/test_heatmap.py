@@ -107,3 +107,33 @@ def test_a_16_bit_photo_is_drawn_as_its_8_bit_rendering(tmp_path):
         drawn = np.asarray(render_heatmap(photo if isinstance(photo, Image.Image) else open_photo(photo), scored))
         assert np.abs(drawn.astype(int) - expected).max() <= 1
     assert expected[100:, 100:].std() > 10  # the photo's detail shows through the overlay
+
+
+def test_the_diagonal_shifts_holes_are_drawn_as_holes_and_the_legend_says_so():
+    """Issue 24: NaN cells (a quincunx) were painted in the colormap's darkest colour, like the lowest scores."""
+    from clients.heatmap import HOLE_COLOUR, OVERLAY_ALPHA, legend_notes
+
+    photo = Image.new("RGB", (512, 512), (200, 200, 200))
+    scores = np.zeros((2, 4, 4), np.float32)
+    scores[1] = 0.2
+    scores[:, (np.add.outer(np.arange(4), np.arange(4)) % 2).astype(bool)] = np.nan  # the quincunx's holes
+    geometry = Geometry(128, 128, 64, 64, 128, 128, 1.0, 512, 512)
+    pixels = np.asarray(render_heatmap(photo, result(512, 512, scores, geometry))).astype(float)
+    hole = 200 * (1 - OVERLAY_ALPHA) + np.array(HOLE_COLOUR) * OVERLAY_ALPHA
+    scored = 200 * (1 - OVERLAY_ALPHA) + colormap(np.array(1.0)) * OVERLAY_ALPHA
+    assert np.abs(pixels[64 + 128 * 3, 64 + 128 * 2] - hole).max() <= 2  # cell (3, 2): a hole
+    assert np.abs(pixels[64 + 128 * 3, 64 + 128 * 3] - scored).max() <= 2  # cell (3, 3): scored
+    lowest = 200 * (1 - OVERLAY_ALPHA) + colormap(np.array(0.0)) * OVERLAY_ALPHA
+    assert np.abs(hole - lowest).max() > 30  # a hole does not look like a low score
+    assert any("not scored" in note for note in legend_notes(geometry, holes=True))
+    assert not any("not scored" in note for note in legend_notes(geometry, holes=False))
+
+
+def test_legend_numbers_read_as_people_write_them():
+    """Issue 24: the legend printed `1.39e+03 px` for the default model's receptive field."""
+    from clients.heatmap import legend_notes
+
+    notes = legend_notes(Geometry(16, 16, 8, 8, 1390, 1390, 1.0, 384, 384), holes=False)
+    assert notes[0] == "16 px cells, each sees 1,390 px"
+    assert legend_notes(Geometry(10.5, 10.5, 5, 5, 99.25, 99.25, 1.0, 9, 9), holes=False)[0] == \
+        "10.5 px cells, each sees 99.2 px"
