@@ -17,7 +17,6 @@ from PIL import Image, ImageOps
 
 from clients.errors import ScoremapError
 from protos import scoring_pb2
-from server.imaging import ImageError, decode, to_rgb
 
 __all__ = ["ImageLike", "IMAGE_SIGNATURES", "image_fields", "looks_like_image", "open_photo"]
 
@@ -41,6 +40,14 @@ def looks_like_image(head: bytes) -> bool:
 
 def _invalid(message: str) -> ScoremapError:
     return ScoremapError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _server_imaging():
+    """server/imaging.py, the one definition of how any image mode becomes the RGB the model sees; imported
+    when an image is converted, so `--help` of the command lines imports nothing of the server."""
+    from server import imaging
+
+    return imaging
 
 
 def _refused(what: str, why: str) -> ScoremapError:
@@ -82,7 +89,7 @@ def _array_pixels(array: np.ndarray) -> np.ndarray:
             array = array.astype(np.int32)
         elif kind == "f":
             array = array.astype(np.float32)
-        return np.asarray(to_rgb(Image.fromarray(array)))
+        return np.asarray(_server_imaging().to_rgb(Image.fromarray(array)))
     if array.dtype == np.uint16:
         return (array >> 8).astype(np.uint8)
     finite = np.isfinite(array).all() if kind == "f" else True
@@ -98,7 +105,7 @@ def _image_pixels(image: Image.Image) -> np.ndarray:
     image = ImageOps.exif_transpose(image)
     if image.mode not in ("L", "RGB", "RGBA"):
         try:
-            image = to_rgb(image)
+            image = _server_imaging().to_rgb(image)
         except (ValueError, OSError) as error:
             raise _refused(f"a PIL image of mode {image.mode}", str(error)) from error
     return np.asarray(image)
@@ -154,9 +161,10 @@ def open_photo(image: ImageLike) -> Image.Image:
     if isinstance(image, (str, os.PathLike)):
         image = Path(image).read_bytes()
     if isinstance(image, (bytes, bytearray, memoryview)):
+        imaging = _server_imaging()
         try:
-            return decode(bytes(image), max_pixels=sys.maxsize)
-        except ImageError as error:
+            return imaging.decode(bytes(image), max_pixels=sys.maxsize)
+        except imaging.ImageError as error:
             raise _invalid(str(error)) from error
     if isinstance(image, Image.Image):
         pixels = _image_pixels(image)
