@@ -30,7 +30,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence, TextIO
+from typing import Callable, NamedTuple, Sequence, TextIO
 
 import grpc
 import numpy as np
@@ -38,6 +38,7 @@ import numpy as np
 from clients.api import ScoremapClient, is_loopback, open_channel
 from clients.errors import ScoremapError
 from clients.files import find_images
+from clients.images import open_photo
 from clients.latency import LevelReport, Sample, format_table, stable, summarise, to_csv, to_json
 from clients.options import SHIFTS, ScoreOptions, build_request
 from clients.server_metrics import MetricsSnapshot, scrape, server_split
@@ -46,7 +47,7 @@ from clients.version import version
 from convert.arguments import host_port, number_in, number_list, size_pair
 from protos import scoring_pb2, scoring_pb2_grpc
 
-__all__ = ["LoadLimits", "LevelPlan", "closed_loop", "open_loop", "run_level", "load_inputs", "synthetic_images",
+__all__ = ["Inputs", "LoadLimits", "LevelPlan", "closed_loop", "open_loop", "run_level", "load_inputs", "synthetic_images",
            "main", "EXIT_OK", "EXIT_USAGE", "EXIT_UNAVAILABLE", "EXIT_REFUSED"]
 
 log = logging.getLogger("scoremap-loadtest")
@@ -94,15 +95,40 @@ def synthetic_images(sizes: Sequence[tuple[int, int]], *, seed: int = 0) -> list
     return [rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8) for h, w in sizes]
 
 
+class Inputs(NamedTuple):
+    """The requests a load test cycles through, and the files of --images skipped as unusable (path, why)."""
+
+    requests: list[scoring_pb2.ScoreRequest]
+    skipped: list[tuple[str, str]]
+
+
 def load_inputs(folder: str | None, sizes: Sequence[tuple[int, int]], options: ScoreOptions, *,
-                limits: LoadLimits) -> list[scoring_pb2.ScoreRequest]:
-    """The requests cycled through: the images of `folder` (encoded), else synthetic ones (raw)."""
-    if folder:
-        files = [image.path for image, _ in zip(find_images([folder]), range(limits.max_inputs))]
-        if not files:
-            raise ScoremapError(grpc.StatusCode.INVALID_ARGUMENT, f"no images found under {folder!r}")
-        return [build_request(path, options) for path in files]
-    return [build_request(image, options) for image in synthetic_images(sizes)]
+                limits: LoadLimits) -> Inputs:
+    """The requests cycled through: the first `limits.max_inputs` usable images of `folder` (encoded),
+    else synthetic ones (raw). A file that does not decode as the server would decode it is skipped and
+    named, not sent: a real photo folder with one bad file stays usable (issue 24), and no request
+    of the measurement is an error of the input's making."""
+    if not folder:
+        return Inputs([build_request(image, options) for image in synthetic_images(sizes)], [])
+    requests, skipped = [], []
+    for image in find_images([folder]):
+        if len(requests) == limits.max_inputs:
+            break
+        try:
+            open_photo(image.path)
+            requests.append(build_request(image.path, options))
+        except (ScoremapError, OSError) as error:
+            skipped.append((str(image.path), error.message if isinstance(error, ScoremapError) else str(error)))
+    if not requests:
+        raise ScoremapError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"no usable images under {folder!r}" + (f" ({len(skipped)} skipped: {_listed(skipped)})"
+                                                                     if skipped else ""))
+    return Inputs(requests, skipped)
+
+
+def _listed(skipped: Sequence[tuple[str, str]], *, shown: int = 5) -> str:
+    text = "; ".join(f"{path}: {why}" for path, why in skipped[:shown])
+    return text + (f"; and {len(skipped) - shown} more" if len(skipped) > shown else "")
 
 
 @dataclass(frozen=True)
@@ -434,9 +460,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         options = ScoreOptions(model=args.model, scales=tuple(args.scales), stride=args.stride, shift=args.shift,
                                flip=args.flip, return_maps=args.maps)
-        inputs = load_inputs(args.images, args.sizes, options, limits=limits)
+        inputs, skipped = load_inputs(args.images, args.sizes, options, limits=limits)
     except ScoremapError as error:
         parser.error(error.message)
+    if skipped:
+        log.warning("skipped %d of the files under %s, not usable images: %s", len(skipped), args.images, _listed(skipped))
     settings = ClientSettings(timeout_s=args.timeout)
     token = env_token()
     metadata = (("authorization", f"Bearer {token}"),) if token else ()

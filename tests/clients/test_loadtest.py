@@ -5,6 +5,7 @@ import subprocess
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -158,7 +159,7 @@ def test_until_stable_runs_windows_until_the_rate_settles(server):
         plan = LevelPlan(duration_s=0.2, max_requests=100_000, timeout_s=5, warmup=2, until_stable=True,
                          stable_tolerance=0.9)
         report = closed_loop(scoring_pb2_grpc.DenseScoringStub(channel), load_inputs(None, [(64, 64)],
-                             ScoreOptions(), limits=LoadLimits()), concurrency=1, plan=plan, limits=LoadLimits())
+                             ScoreOptions(), limits=LoadLimits()).requests, concurrency=1, plan=plan, limits=LoadLimits())
     finally:
         channel.close()
     assert report.stable is True and 3 <= report.windows <= LoadLimits().max_windows
@@ -253,3 +254,30 @@ def test_every_numeric_flag_is_range_checked_before_anything_is_sent(capsys, arg
         loadtest_main([*server, *argv])
     error = capsys.readouterr().err
     assert exited.value.code == 2 and f"argument {flag}: " in error and says in error
+
+
+def test_bad_files_in_images_are_skipped_counted_and_named(server, photos, tmp_path, caplog):
+    """Issue 24: one bad file in a real photo folder refused the whole run."""
+    whole = sorted(photos.glob("*.jpg"))[0].read_bytes()
+    (photos / "truncated.jpg").write_bytes(whole[:len(whole) // 3])
+    (photos / "empty.png").write_bytes(b"")
+    (photos / "text.jpg").write_text("not a photo")
+    report = tmp_path / "report.json"
+    assert main(["--server", server, "--concurrency", "1", "--requests", "12", "--images", str(photos),
+                 "--json", str(report), "--quiet"]) == 0
+    level = json.loads(report.read_text())[0]
+    assert level["errors"] == {} and level["completed"] == 12  # nothing of the bad files was sent
+    warning = " ".join(record.getMessage() for record in caplog.records)
+    assert "skipped 3 of the files" in warning
+    assert all(name in warning for name in ("truncated.jpg", "empty.png", "text.jpg"))
+    inputs = load_inputs(str(photos), [], ScoreOptions(), limits=LoadLimits())
+    assert len(inputs.requests) == 6 and sorted(Path(p).name for p, _ in inputs.skipped) == \
+        ["empty.png", "text.jpg", "truncated.jpg"]
+
+
+def test_a_folder_of_only_bad_files_is_refused_naming_them(tmp_path, capsys):
+    (tmp_path / "empty.png").write_bytes(b"")
+    with pytest.raises(SystemExit) as exited:
+        main(["--server", "127.0.0.1:1", "--images", str(tmp_path)])
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and "no usable images" in error and "empty.png" in error
