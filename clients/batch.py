@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 
 from clients.errors import ScoremapError
-from clients.files import ImageFile, ResultsLog, atomic_write, remove_partials
+from clients.files import ImageFile, ResultsLog, atomic_write, keep_records, remove_partials
 from clients.heatmap import heatmap_png
 from clients.images import open_photo
 from clients.options import ScoreOptions, build_request
@@ -153,13 +153,20 @@ def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     return buffer.getvalue()
 
 
+def output_name(relative: Path, extension: str) -> Path:
+    """An output's path for the image at `relative`: its suffix joins the name (`coffee.jpg` -> `coffee_jpg.png`),
+    so outputs carry one extension (issue 24: `coffee.png.png`) and `x.jpg` and `x.png` still get two names."""
+    name = f"{relative.stem}_{relative.suffix[1:]}" if relative.suffix else relative.name
+    return relative.with_name(name + extension)
+
+
 def _output_files(image: ImageFile, *, maps: bool, heatmaps: bool) -> dict[str, str]:
     """The record fields naming `image`'s outputs, relative to the output folder."""
     outputs = {}
     if maps:
-        outputs["maps_file"] = str(Path("maps") / image.relative.with_name(image.relative.name + ".npz"))
+        outputs["maps_file"] = str(Path("maps") / output_name(image.relative, ".npz"))
     if heatmaps:
-        outputs["heatmap_file"] = str(Path("heatmaps") / image.relative.with_name(image.relative.name + ".png"))
+        outputs["heatmap_file"] = str(Path("heatmaps") / output_name(image.relative, ".png"))
     return outputs
 
 
@@ -255,6 +262,8 @@ def run_batch(
     if maps or heatmaps:
         options = dataclasses.replace(options, return_maps=True)
     options_id = settle_options(out, run_options(options, maps=maps, heatmaps=heatmaps), force=force_new_options)
+    if force_new_options:  # records of the old options are scored again: they go now, not beside the new ones
+        keep_records(out / RESULTS_NAME, lambda record: record.get("options") == options_id)
     summary = BatchSummary()
     started = time.perf_counter()
     with ResultsLog(out / RESULTS_NAME) as results:

@@ -195,6 +195,20 @@ class ResultsLog:
         self.close()
 
 
+def keep_records(path: str | os.PathLike, keep: Callable[[dict[str, Any]], bool]) -> int:
+    """Rewrite a results.jsonl (atomically) with the last record of each key that `keep` accepts; how many
+    lines went. Nothing is written when none would go."""
+    target = Path(path)
+    if not target.exists():
+        return 0
+    lines = sum(1 for _ in open(target, "rb"))
+    kept = [record for record in read_records(target).values() if keep(record)]
+    if len(kept) < lines:
+        atomic_write(target, b"".join(json.dumps(record, ensure_ascii=False, sort_keys=True).encode() + b"\n"
+                                      for record in kept))
+    return lines - len(kept)
+
+
 def read_records(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     """Records of a results.jsonl by key (last one wins); lines that do not parse are skipped."""
     records: dict[str, dict[str, Any]] = {}

@@ -25,6 +25,8 @@ def test_a_rerun_with_other_options_is_refused_unless_forced(server, photos, tmp
     assert records.keys() == first.keys()
     assert all(r["output_stride"] == 32 and r["scales"] == [64] for r in records.values())
     assert json.loads((out / "options.json").read_text())["stride"] == 32
+    # Issue 24: the old options' records went; results.jsonl holds one line per image, not both runs'.
+    assert (out / "results.jsonl").read_text().count("\n") == len(first)
 
 
 def test_naming_the_defaults_is_the_same_run(server, photos, tmp_path):

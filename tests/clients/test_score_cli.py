@@ -309,3 +309,15 @@ def test_every_numeric_flag_is_range_checked_before_anything_loads(tmp_path, cap
     error = capsys.readouterr().err
     assert exited.value.code == 2 and f"argument {flag}: " in error and says in error
     assert not (tmp_path / "out").exists()
+
+
+def test_outputs_carry_one_extension_and_sibling_formats_get_their_own(server, tmp_path):
+    """Issue 24: heatmaps were named `coffee.png.png`; `x.jpg` and `x.png` still get two names."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for suffix in ("jpg", "png"):
+        Image.new("RGB", (96, 64), (30, 90, 150)).save(photos / f"coffee.{suffix}")
+    out = tmp_path / "out"
+    assert main([str(photos), "--out", str(out), "--server", server, "--maps", "--heatmaps", "--no-progress"]) == EXIT_OK
+    assert sorted(p.name for p in (out / "heatmaps").iterdir()) == ["coffee_jpg.png", "coffee_png.png"]
+    assert sorted(p.name for p in (out / "maps").iterdir()) == ["coffee_jpg.npz", "coffee_png.npz"]
