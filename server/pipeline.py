@@ -50,7 +50,10 @@ FALLBACK_SCALE = 384  # when a card names no default scale
 CELLS_CACHE_SIZE = 4096  # resized sizes whose cell counts each model remembers
 TRIM_AFTER_BYTES = 256 * 2**20  # host memory held by requests since the last trim that makes going idle trim
 WARM_UP_FAILURES_SHOWN = 3  # failed plans named in the warm-up error (the log line stays readable)
-TINY_IMAGE_FACTOR = 4  # an image enlarged more than this many times is scored with a warning
+# An image below the training size enlarged more than this many times is scored with a warning: beyond 3x,
+# a 3x3 stem convolution sees only the interpolation between two source pixels, never an edge (issue 24:
+# 100x100 at scale 384, 3.84x, went unwarned at 4).
+TINY_IMAGE_FACTOR = 3
 
 
 @dataclass(frozen=True)

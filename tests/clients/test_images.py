@@ -137,16 +137,6 @@ def _cases(folder):
     yield "int16 colour array of 0..255", rgb.astype(np.int16), str(folder / "astroRGB.png")
 
 
-@pytest.fixture(scope="module")
-def default_server(default_model_path):
-    from server.main import create_server
-    from server.settings import Settings
-
-    started, port = create_server([default_model_path], settings=Settings(warm_up=False))
-    yield f"127.0.0.1:{port}"
-    started.stop(0).wait(10)
-
-
 def test_every_image_type_scores_as_its_file(default_server, tmp_path):
     from clients import ScoremapClient
 
