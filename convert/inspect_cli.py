@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from importlib import metadata
 
 import onnx
 from google.protobuf import json_format
@@ -38,6 +39,13 @@ def _budget(text: str) -> int:
     if budget <= 0:
         raise argparse.ArgumentTypeError(f"got {text!r}; expected a memory size above zero, such as 2GiB")
     return budget
+
+
+def cuda_visible() -> bool:
+    """Whether a CUDA runtime loads here and sees a device (the probe memory measurement uses)."""
+    from convert.runtime_memory import cuda_free_bytes
+
+    return cuda_free_bytes() is not None
 
 
 def _mib(value: int) -> str:
@@ -108,6 +116,7 @@ def _default_size(card) -> tuple[int, int] | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scoremap-inspect", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('scoremap')}")
     parser.add_argument("model", help="a converted .onnx file")
     parser.add_argument("--size", type=size_pair,
                         help="input size HxW in pixels, e.g. 384x512 (default: the card's default scale)")
@@ -133,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.model} has no model card naming a size: give --size HxW")
     height, width = size
     device = Device(args.device)
+    if device is Device.CUDA and not cuda_visible():
+        sys.stderr.write("scoremap-inspect: no CUDA device is visible on this machine: the figures below are "
+                         "predicted for a CUDA GPU elsewhere, not measured or checked here\n")
     layout = parse_label(Layout, args.layout) if args.layout else None
     try:
         model = load_skeleton(args.model, layout=layout)

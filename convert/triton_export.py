@@ -19,6 +19,7 @@ import argparse
 import math
 import shutil
 import sys
+from importlib import metadata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +171,7 @@ def export(model_path: str | Path, out: str | Path, settings: TritonPlan | None 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scoremap-export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('scoremap')}")
     targets = parser.add_subparsers(dest="target", required=True)
     triton = targets.add_parser("triton", help="a Triton model repository (onnxruntime backend)")
     triton.add_argument("model", help="a graph made by scoremap-convert")

@@ -160,3 +160,24 @@ def test_every_numeric_flag_is_range_checked_before_the_model_is_read(tmp_path, 
         main([str(tmp_path / "missing.onnx"), *argv])
     error = capsys.readouterr().err
     assert exited.value.code == 2 and f"argument {flag}: " in error and says in error
+
+
+@pytest.mark.parametrize("visible", [False, True])
+def test_device_cuda_without_a_visible_gpu_says_so(small_model_path, capsys, monkeypatch, visible):
+    """Issue 24: `--device cuda` on a machine without a GPU did not say its figures are for a GPU it cannot see."""
+    import convert.inspect_cli
+
+    monkeypatch.setattr(convert.inspect_cli, "cuda_visible", lambda: visible)
+    assert main([small_model_path, "--size", "128", "--device", "cuda"]) == 0
+    printed = capsys.readouterr()
+    assert ("no CUDA device is visible" in printed.err) is not visible
+    assert "Predicted peak on cuda" in printed.out
+    main([small_model_path, "--size", "128", "--device", "cpu"])
+    assert "CUDA" not in capsys.readouterr().err
+
+
+def test_version():
+    from importlib import metadata
+
+    shown = subprocess.run([sys.executable, "-m", "convert.inspect_cli", "--version"], capture_output=True, text=True)
+    assert shown.returncode == 0 and shown.stdout.strip() == f"scoremap-inspect {metadata.version('scoremap')}"

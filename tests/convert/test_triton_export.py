@@ -116,3 +116,11 @@ def test_every_numeric_flag_is_range_checked_before_the_model_is_read(tmp_path, 
     error = capsys.readouterr().err
     assert exited.value.code == 2 and flag in error and says in error
     assert not (tmp_path / "repo").exists()
+
+
+def test_version():
+    import sys
+    from importlib import metadata
+
+    shown = subprocess.run([sys.executable, "-m", "convert.triton_export", "--version"], capture_output=True, text=True)
+    assert shown.returncode == 0 and shown.stdout.strip() == f"scoremap-export {metadata.version('scoremap')}"
