@@ -230,6 +230,21 @@ def score_one(image: ImageFile, scorer: Scorer, options: ScoreOptions, out_dir: 
     return record
 
 
+def open_run(out: Path, options: ScoreOptions, *, maps: bool, heatmaps: bool,
+             force_new_options: bool) -> tuple[ScoreOptions, str]:
+    """Ready the output folder for a run (every engine's): partial files of a killed run removed, the options
+    settled (clients/run_options.py); (the options to score with, their fingerprint)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if (removed := remove_partials(out)):
+        log.info("removed %d partial files left by an interrupted run", removed)
+    if maps or heatmaps:
+        options = dataclasses.replace(options, return_maps=True)
+    options_id = settle_options(out, run_options(options, maps=maps, heatmaps=heatmaps), force=force_new_options)
+    if force_new_options:  # records of the old options are scored again: they go now, not beside the new ones
+        keep_records(out / RESULTS_NAME, lambda record: record.get("options") == options_id)
+    return options, options_id
+
+
 def run_batch(
     images: Sequence[ImageFile],
     scorer: Scorer,
@@ -256,14 +271,7 @@ def run_batch(
     if concurrency < 1:
         raise ValueError(f"concurrency {concurrency} must be at least 1")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if (removed := remove_partials(out)):
-        log.info("removed %d partial files left by an interrupted run", removed)
-    if maps or heatmaps:
-        options = dataclasses.replace(options, return_maps=True)
-    options_id = settle_options(out, run_options(options, maps=maps, heatmaps=heatmaps), force=force_new_options)
-    if force_new_options:  # records of the old options are scored again: they go now, not beside the new ones
-        keep_records(out / RESULTS_NAME, lambda record: record.get("options") == options_id)
+    options, options_id = open_run(out, options, maps=maps, heatmaps=heatmaps, force_new_options=force_new_options)
     summary = BatchSummary()
     started = time.perf_counter()
     with ResultsLog(out / RESULTS_NAME) as results:

@@ -33,11 +33,10 @@ from typing import Any
 
 import grpc
 
-from clients.batch import RESULTS_NAME, BatchSummary, RunAborted, files_to_score, score_one
+from clients.batch import RESULTS_NAME, BatchSummary, RunAborted, files_to_score, open_run, score_one
 from clients.errors import ScoremapError
-from clients.files import ImageFile, ResultsLog, find_images, is_image_file, remove_partials, unique_label
+from clients.files import ImageFile, ResultsLog, find_images, is_image_file, unique_label
 from clients.options import ScoreOptions
-from clients.run_options import run_options, settle_options
 from clients.settings import ClientSettings
 
 __all__ = ["run_ray_batch", "connect", "find_inputs", "UriImage", "FILES_PER_BATCH"]
@@ -49,6 +48,12 @@ log = logging.getLogger(__name__)
 FILES_PER_BATCH = 16
 # Ray otherwise sends its internal traffic over the primary interface (issue 11, item 3).
 LOCAL_CLUSTER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# Ray's own logging, down to what matters to a user of scoremap-score (issue 24: ~30 lines for two images):
+# its Python loggers to errors, Ray Data's progress off (the command has its own), and its C++ core to fatal,
+# whose one error on every run ("constructor arguments in the object store and max_restarts > 0") is moot
+# here, since Ray Data holds those arguments for the whole run. A value set in the environment is kept.
+QUIET_ENV = {"RAY_BACKEND_LOG_LEVEL": "fatal"}
+RAY_LOG_LEVEL = logging.ERROR
 LOOPBACK = "127.0.0.1"
 ABORTED = "aborted"  # the record field an actor sets when the service, not the file, failed
 # An input naming a pyarrow filesystem (scheme://...) rather than a local path.
@@ -147,20 +152,24 @@ def find_inputs(paths: Iterable[str | os.PathLike], *,
 
 def connect(address: str | None) -> bool:
     """Join the Ray cluster at `address`, or start a local one on loopback; True when this call started Ray."""
-    for name, value in LOCAL_CLUSTER_ENV.items():
+    for name, value in {**LOCAL_CLUSTER_ENV, **QUIET_ENV}.items():
         os.environ.setdefault(name, value)
     try:
         import ray
+        import ray.data
     except ModuleNotFoundError as missing:
         raise ScoremapError(grpc.StatusCode.INVALID_ARGUMENT, f"--engine ray needs Ray ({missing}): "
                             "pip install 'scoremap[ray]'") from missing
 
+    for name in ("ray", "ray.data"):  # Ray Data sets its own logger's level on import
+        logging.getLogger(name).setLevel(RAY_LOG_LEVEL)
+    ray.data.DataContext.get_current().enable_progress_bars = False
     if ray.is_initialized():
         return False
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False, logging_level=RAY_LOG_LEVEL)
     else:
-        ray.init(include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=False)
+        ray.init(include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=False, logging_level=RAY_LOG_LEVEL)
     return True
 
 
@@ -227,12 +236,7 @@ def run_ray_batch(
     GPU); `actors` 0 means one per GPU of the cluster, else one per CPU.
     """
     out = Path(out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    if (removed := remove_partials(out)):
-        log.info("removed %d partial files left by an interrupted run", removed)
-    if maps or heatmaps:
-        options = dataclasses.replace(options, return_maps=True)
-    options_id = settle_options(out, run_options(options, maps=maps, heatmaps=heatmaps), force=force_new_options)
+    options, options_id = open_run(out, options, maps=maps, heatmaps=heatmaps, force_new_options=force_new_options)
     summary = BatchSummary()
     started = time.perf_counter()
     started_ray = connect(address)

@@ -177,3 +177,26 @@ def test_uris_and_local_folders_together_are_named_by_their_folders(tmp_path):
         list(find_inputs([(tmp_path / "missing").as_uri()]))
     with pytest.raises(ScoremapError, match="cannot list 'nosuch://x'.*s3://bucket/folder"):
         list(find_inputs(["nosuch://x"]))
+
+
+def test_ray_keeps_its_own_logging_to_itself(tmp_path):
+    """Issue 24: two images printed ~30 lines of Ray's logging, an `E ... core_worker.cc` line among them. In a
+    process of its own, so the Ray it starts is configured by scoremap, and its C++ output is on the real stderr."""
+    import subprocess
+    import sys
+
+    model, photos = tmp_path / "tiny.onnx", tmp_path / "photos"
+    onnx.save(patch_net(classes=10), model)
+    photos.mkdir()
+    for path in sorted(SAMPLES.glob("*.jpg"))[:2]:
+        Image.open(path).convert("RGB").resize((96, 64)).save(photos / path.name)
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("RAY_BACKEND")}
+    environment["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-m", "clients.score_cli", str(photos), "--out", str(tmp_path / "out"),
+                           "--local", str(model), "--engine", "ray", "--no-progress"],
+                          env=environment, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    ray_lines = [line for line in done.stderr.splitlines()
+                 if not line.startswith("scoremap-score:") and "Set ray log level from environment" not in line]
+    assert ray_lines == [], "\n".join(ray_lines)
+    assert (tmp_path / "out" / RESULTS_NAME).read_text().count("\n") == 2
