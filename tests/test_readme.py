@@ -35,8 +35,8 @@ SERVER_ADDRESS = re.compile(r"127\.0\.0\.1:(\d+)")
 # The console scripts of pyproject.toml, as modules run from this checkout.
 COMMANDS = {
     "scoremap-convert": ["convert.convert_cli"], "scoremap-inspect": ["convert.inspect_cli"],
-    "scoremap-serve": ["server.main"], "scoremap-score": ["clients.score_cli"],
-    "scoremap-loadtest": ["clients.loadtest"], "scoremap-export": ["convert.triton_export"],
+    "scoremap-serve": ["server.main"], "scoremap-score": ["clients.batch.score_cli"],
+    "scoremap-loadtest": ["clients.loadtest.run"], "scoremap-export": ["convert.triton_export"],
 }
 BLOCK_TIMEOUT_S = 300
 
@@ -115,7 +115,7 @@ def model() -> Path:
 @pytest.fixture(scope="module")
 def servers(model, tmp_path_factory):
     """Starts `scoremap-serve models/default.onnx --port PORT` once per port a block uses; stopped at the end."""
-    from clients.demo import stop_server, wait_until_serving
+    from clients.batch.demo import stop_server, wait_until_serving
 
     running: dict[str, subprocess.Popen] = {}
     logs = tmp_path_factory.mktemp("readme_servers")
