@@ -81,8 +81,10 @@ def _cell_probabilities(scale: ScaleResult, index: int) -> np.ndarray:
     every_class = not scale.classes or scale.classes == tuple(range(scores.shape[0]))
     finite = scores[np.isfinite(scores)]
     if every_class and scores.shape[0] > 1 and finite.size and (finite.min() < 0 or finite.max() > 1):
-        shifted = np.exp(scores - np.nanmax(scores, axis=0, keepdims=True))
-        return (shifted / np.nansum(shifted, axis=0, keepdims=True))[index]
+        holes = np.isnan(scores).any(axis=0)  # cells no pass scored stay holes
+        filled = np.where(holes, 0.0, scores)
+        shifted = np.exp(filled - filled.max(axis=0, keepdims=True))
+        return np.where(holes, np.nan, (shifted / shifted.sum(axis=0, keepdims=True))[index])
     return scale.class_map(index)
 
 

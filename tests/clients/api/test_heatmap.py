@@ -109,13 +109,15 @@ def test_a_16_bit_photo_is_drawn_as_its_8_bit_rendering(tmp_path):
     assert expected[100:, 100:].std() > 10  # the photo's detail shows through the overlay
 
 
-def test_the_diagonal_shifts_holes_are_drawn_as_holes_and_the_legend_says_so():
+@pytest.mark.filterwarnings("error")  # numpy's "All-NaN slice" on the holes' logits included
+@pytest.mark.parametrize("peak", [0.2, 8.0], ids=["probabilities", "logits"])
+def test_the_diagonal_shifts_holes_are_drawn_as_holes_and_the_legend_says_so(peak):
     """Issue 24: NaN cells (a quincunx) were painted in the colormap's darkest colour, like the lowest scores."""
     from clients.api.heatmap import HOLE_COLOUR, OVERLAY_ALPHA, legend_notes
 
     photo = Image.new("RGB", (512, 512), (200, 200, 200))
     scores = np.zeros((2, 4, 4), np.float32)
-    scores[1] = 0.2
+    scores[1] = peak
     scores[:, (np.add.outer(np.arange(4), np.arange(4)) % 2).astype(bool)] = np.nan  # the quincunx's holes
     geometry = Geometry(128, 128, 64, 64, 128, 128, 1.0, 512, 512)
     pixels = np.asarray(render_heatmap(photo, result(512, 512, scores, geometry))).astype(float)
