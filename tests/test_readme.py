@@ -3,9 +3,10 @@
 Fenced blocks are run verbatim: ```python with this interpreter, ```sh with bash. ```text marks output
 shown, not run; any other fence fails here until it says which it is. A block that cannot run in a test
 (one that serves until stopped) is preceded by `<!-- readme: not run (why) -->`, and says why: use it
-sparingly, for blocks another test runs. Blocks that talk to 127.0.0.1:PORT get `scoremap-serve
-models/default.onnx --port PORT` started for them, as the README's text before them says; the model is
-converted first when `make demo` has not made it.
+sparingly, for blocks another test runs. A block that needs a server says so in the text before it, as a
+reader needs to know too: "With `scoremap-serve ...` running"; the test starts that very command (one server
+at a time, on the port it names) and waits for its health to say SERVING. A block that talks to 127.0.0.1
+without such a sentence fails. models/default.onnx is converted first when `make demo` has not made it.
 
 Indented blocks are command synopses (placeholders such as `[more.onnx ...]`, ADDR, photos/ of your own)
 and a formula: they are not run, but each of this project's commands they show (scoremap-*, python -m,
@@ -28,10 +29,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MODEL = ROOT / "models" / "default.onnx"
-RUN = {"python": [sys.executable, "-"], "sh": ["bash", "-euo", "pipefail", "-s"]}
+SHELL = ["bash", "-euo", "pipefail", "-s"]
+RUN = {"python": [sys.executable, "-"], "sh": SHELL, "bash": SHELL, "shell": SHELL}
 SHOWN = ("text",)
 NOT_RUN = re.compile(r"<!-- readme: not run \((.+)\) -->")
-SERVER_ADDRESS = re.compile(r"127\.0\.0\.1:(\d+)")
+SERVER_ADDRESS = re.compile(r"127\.0\.0\.1:\d+")
+NEEDS_SERVER = re.compile(r"[Ww]ith `(scoremap-serve [^`]+)` running")
 # The console scripts of pyproject.toml, as modules run from this checkout.
 COMMANDS = {
     "scoremap-convert": ["convert.convert_cli"], "scoremap-inspect": ["convert.inspect_cli"],
@@ -47,13 +50,14 @@ class Block:
     language: str
     text: str
     not_run: str = ""
+    server: str = ""  # the scoremap-serve command the text before the block says must be running
 
     def __str__(self) -> str:
         return f"line{self.line}-{self.language or 'untagged'}"
 
 
 def fenced_blocks(text: str) -> list[Block]:
-    blocks, lines, n = [], text.splitlines(), 0
+    blocks, lines, n, prose_start = [], text.splitlines(), 0, 0
     while n < len(lines):
         if lines[n].startswith("```"):
             start, language = n, lines[n][3:].strip()
@@ -61,8 +65,10 @@ def fenced_blocks(text: str) -> list[Block]:
             while not lines[n].startswith("```"):
                 n += 1
             reason = NOT_RUN.search(lines[start - 1]) if start else None
+            server = NEEDS_SERVER.findall(" ".join(lines[prose_start:start]))
             blocks.append(Block(start + 1, language, "\n".join(lines[start + 1:n]) + "\n",
-                                reason.group(1) if reason else ""))
+                                reason.group(1) if reason else "", server[-1] if server else ""))
+            prose_start = n + 1
         n += 1
     return blocks
 
@@ -113,36 +119,39 @@ def model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(model, tmp_path_factory):
-    """Starts `scoremap-serve models/default.onnx --port PORT` once per port a block uses; stopped at the end."""
+def server(model, tmp_path_factory):
+    """serve(command) runs a `scoremap-serve ...` command line from the README until a block needs another
+    (they may share a port) or the module ends, and waits until its health says SERVING."""
     from clients.batch.demo import stop_server, wait_until_serving
 
-    running: dict[str, subprocess.Popen] = {}
-    logs = tmp_path_factory.mktemp("readme_servers")
+    current: dict[str, subprocess.Popen] = {}
+    log = tmp_path_factory.mktemp("readme_server") / "scoremap-serve.log"
 
-    def serve(port: str) -> None:
-        if port in running:
+    def serve(command: str) -> None:
+        if command in current:
             return
-        log = (logs / f"{port}.log").open("w")
-        process = subprocess.Popen([sys.executable, "-m", "server.main", str(model.relative_to(ROOT)), "--port", port],
-                                   cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-        running[port] = process
-        try:
-            deadline = time.monotonic() + BLOCK_TIMEOUT_S
-            while process.poll() is None and time.monotonic() < deadline:
-                try:
-                    wait_until_serving(f"127.0.0.1:{port}", timeout_s=2.0)
-                    return
-                except Exception:  # not listening yet; the server's own exit is checked above
-                    time.sleep(0.5)
-            raise AssertionError(f"scoremap-serve on port {port} did not come up (port in use?):\n"
-                                 f"{(logs / f'{port}.log').read_text()[-3000:]}")
-        except BaseException:
+        for process in current.values():
             stop_server(process)
-            raise
+        current.clear()
+        words = shlex.split(command)
+        assert "--port" in words, f"`{command}`: name its --port, so readers know where the example connects"
+        port = words[words.index("--port") + 1]
+        with log.open("w") as output:
+            process = subprocess.Popen([sys.executable, "-m", *COMMANDS[words[0]], *words[1:]], cwd=ROOT, env=_env(),
+                                       stdout=output, stderr=subprocess.STDOUT)
+        current[command] = process
+        deadline = time.monotonic() + BLOCK_TIMEOUT_S
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                wait_until_serving(f"127.0.0.1:{port}", timeout_s=2.0)
+                return
+            except Exception:  # not listening yet; the server's own exit is checked above
+                time.sleep(0.5)
+        stop_server(process)
+        raise AssertionError(f"`{command}` did not come up (port {port} in use?):\n{log.read_text()[-3000:]}")
 
     yield serve
-    for process in running.values():
+    for process in current.values():
         stop_server(process)
 
 
@@ -158,12 +167,15 @@ def test_a_fenced_block_runs_as_written(block: Block, request):
     if block.language in SHOWN:
         return
     assert block.language in RUN, (
-        f"README.md line {block.line}: a fence tagged {block.language!r}; tag it python or sh (run by this "
+        f"README.md line {block.line}: a fence tagged {block.language!r}; tag it python or sh/bash (run by this "
         f"test), text (output shown), or precede it with `<!-- readme: not run (why) -->`")
     if block.not_run:
         pytest.skip(f"README.md marks it not run: {block.not_run}")
-    for port in sorted(set(SERVER_ADDRESS.findall(block.text))):
-        request.getfixturevalue("servers")(port)
+    if block.server:
+        request.getfixturevalue("server")(block.server)
+    else:
+        assert not SERVER_ADDRESS.search(block.text), (
+            f"README.md line {block.line} talks to a server: say which before it, \"With `scoremap-serve ...` running\"")
     if "models/default.onnx" in block.text:
         request.getfixturevalue("model")
     done = subprocess.run(RUN[block.language], input=block.text, cwd=ROOT, env=_env(), capture_output=True,
