@@ -92,6 +92,8 @@ def _array_pixels(array: np.ndarray) -> np.ndarray:
         return np.asarray(_server_imaging().to_rgb(Image.fromarray(array)))
     if array.dtype == np.uint16:
         return (array >> 8).astype(np.uint8)
+    if kind == "b":
+        raise _refused(f"a {array.shape[2]}-channel image array of dtype bool", "no image file holds colour as booleans")
     finite = np.isfinite(array).all() if kind == "f" else True
     if not finite or array.min() < 0 or array.max() > 255 or (kind == "f" and (array != np.round(array)).any()):
         raise _refused(f"a {array.shape[2]}-channel image array of dtype {array.dtype}",

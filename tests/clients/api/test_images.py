@@ -169,6 +169,7 @@ def test_a_16_bit_image_scores_like_its_8_bit_copy(default_server, tmp_path):
     (np.full((4, 4, 3), 0.5, np.float32), "3-channel image array of dtype float32"),
     (np.full((4, 4, 3), 300, np.int32), "3-channel image array of dtype int32"),
     (np.zeros((4, 4), np.complex64), "dtype complex64"),
+    (np.zeros((4, 4, 3), bool), "3-channel image array of dtype bool"),
     (np.zeros((4, 4), "U1"), "dtype <U1"),
     (Image.new("La", (4, 4)), "mode La"),
 ])
