@@ -127,6 +127,11 @@ def _cases(folder):
     yield "PIL 1", bilevel, _saved(folder, "astro1.png", bilevel)
     grey = Image.fromarray(rgb).convert("L")
     yield "PIL L", grey, _saved(folder, "astroL.png", grey)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored sideways, displayed upright
+    sideways = _saved(folder, "sideways.jpg", Image.fromarray(rgb[:, :120]).transpose(Image.Transpose.ROTATE_90),
+                      exif=exif)
+    yield "PIL RGB with an EXIF rotation, opened from its file", Image.open(sideways), sideways
     yield "uint16 array", grey16, png16
     rgb16 = rgb.astype(np.uint16) * 257 + 100
     yield "uint16 colour array", rgb16, _written(folder, "astro48.png", imagecodecs.png_encode(rgb16))
