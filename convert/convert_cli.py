@@ -6,8 +6,8 @@ choose: --preprocessing NAME (a preset below), or --mean/--std/--pixel-scale/--c
 stands for every channel. The default model carries its own.
 
 Exit status: 0 converted (and written), 1 the classifier cannot be converted faithfully or the
-report image cannot be read (nothing written), 2 bad usage (an option, a missing file, factory
-or label set, no preprocessing chosen).
+report image cannot be read (nothing written; the image is read before converting), 2 bad usage (an
+option, a missing file, factory or label set, no preprocessing chosen, an already converted graph).
 """
 
 from __future__ import annotations
