@@ -25,6 +25,7 @@ from clients.api.errors import ScoremapError
 from clients.batch.files import find_images, read_records
 from clients.batch.run import RESULTS_NAME
 from clients.batch.score_cli import main as score_main
+from convert.arguments import number_in
 
 __all__ = ["main", "start_server", "wait_until_serving", "stop_server"]
 
@@ -131,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("paths", nargs="*", default=["samples"], help="photos or folders (default: samples)")
     parser.add_argument("--model", type=Path, default=Path("models/default.onnx"))
     parser.add_argument("--out", type=Path, default=Path("out/demo"))
-    parser.add_argument("--stride", type=int, default=16)
+    parser.add_argument("--stride", type=number_in(int, 0), default=16, help="output stride in pixels (0: native)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="scoremap-demo: %(message)s")
     try:
