@@ -33,9 +33,9 @@ protos:
 test: setup
 	$(BIN)/python -m pytest -q
 
-# clients.demo converts the default model to $(MODEL) when it is missing.
+# clients.batch.demo converts the default model to $(MODEL) when it is missing.
 demo: setup
-	$(BIN)/python -m clients.demo --model $(MODEL) --out out/demo samples
+	$(BIN)/python -m clients.batch.demo --model $(MODEL) --out out/demo samples
 
 bench: setup
 	$(BIN)/python -m bench

@@ -11,7 +11,7 @@ Measured (default model, samples/cat.jpg, scale 384):
   same graph whose inputs and outputs stay on the device; target >= 80%.
 - requests/s, p50, p99 and the longest request at 1/4/16/64 clients, 4-pass grid and à trous,
   batching on (the GPU default) and off (max batch 1), through gRPC (create_server and
-  clients.loadtest's closed loop) and in-process (Pipeline.score from as many threads).
+  clients.loadtest.run's closed loop) and in-process (Pipeline.score from as many threads).
 Targets on an H100: >= 500 req/s at 16 clients, >= 100 req/s at 1 client with p50 <= 10 ms,
 p99 <= 50 ms at 16 clients, no request over 100 ms after warm-up, batching on never slower than off.
 """
@@ -38,8 +38,8 @@ from PIL import Image
 from bench.__main__ import record
 from bench.bench_memory import gpu_section
 from bench.models import converted, null_model
-from clients.latency import LevelReport, Sample, summarise
-from clients.loadtest import LevelPlan, LoadLimits, closed_loop
+from clients.loadtest.latency import LevelReport, Sample, summarise
+from clients.loadtest.run import LevelPlan, LoadLimits, closed_loop
 from convert.card import ImageInput, read_card
 from convert.preprocessing import to_input
 from protos import scoring_pb2, scoring_pb2_grpc
@@ -185,7 +185,7 @@ def shape_change_cost(model: str, *, engine: Engine, rounds: int) -> tuple[float
 # --- requests/s under concurrency -----------------------------------------------------------
 def in_process_loop(pipeline: Pipeline, request: scoring_pb2.ScoreRequest, *, concurrency: int,
                     seconds: float, max_requests: int) -> LevelReport:
-    """clients.loadtest's closed loop, with Pipeline.score in place of the gRPC stub."""
+    """clients.loadtest.run's closed loop, with Pipeline.score in place of the gRPC stub."""
     samples: list[Sample] = []
     lock = threading.Lock()
     sent = 0
@@ -326,7 +326,7 @@ def measure(folder: str, config: Config, *, dry_run: bool) -> str:
         *[f"| {label} | {plan:.0f} | {bare:.0f} | {plan / bare:.0%} |" for label, plan, bare in device],
         "",
         f"Closed loop, {config.level_seconds:g} s per level, after the server reported SERVING (its warm-up done); "
-        "gRPC on localhost (clients.loadtest's closed loop, its own warm-up requests first) and in-process "
+        "gRPC on localhost (clients.loadtest.run's closed loop, its own warm-up requests first) and in-process "
         "(Pipeline.score from as many threads); max = the longest request:",
         "",
         "| scheme | batching | path | clients | req/s | p50 ms | p99 ms | max ms | errors |",

@@ -31,11 +31,11 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.models import converted
-from clients.latency import LevelReport, Sample, summarise
-from clients.loadtest import LevelPlan, LoadLimits, closed_loop
-from clients.options import ScoreOptions, build_request
-from clients.server_metrics import scrape
-from clients.settings import ClientSettings
+from clients.api.options import ScoreOptions, build_request
+from clients.api.settings import ClientSettings
+from clients.loadtest.latency import LevelReport, Sample, summarise
+from clients.loadtest.run import LevelPlan, LoadLimits, closed_loop
+from clients.loadtest.server_metrics import scrape
 from protos import RETRY_AFTER_KEY, scoring_pb2, scoring_pb2_grpc
 from server.settings import Settings
 
@@ -136,7 +136,7 @@ def open_loop(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreReq
     """Arrivals at `rate`/s for `seconds`, every one sent however the server fares; figures over the
     window from SETTLE_SECONDS to the end of sending, counting what completed inside it.
 
-    clients.loadtest's open loop reports latency percentiles of OK answers only; rejections need theirs.
+    clients.loadtest.run's open loop reports latency percentiles of OK answers only; rejections need theirs.
     """
     answers: list[Answer] = []
     answered = threading.Condition()

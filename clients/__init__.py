@@ -1,10 +1,7 @@
-"""scoremap clients: the Python API, the batch scorer and the load tester."""
+"""scoremap clients: the Python API (api/), the batch scorer (batch/) and the load tester (loadtest/)."""
 
-from clients.api import ScoremapClient
-from clients.errors import ScoremapError
-from clients.options import ScoreOptions
-from clients.results import Geometry, Prediction, ScaleResult, ScoreResult
-from clients.settings import ClientSettings
+from clients.api import (ClientSettings, Geometry, Prediction, ScaleResult, ScoremapClient, ScoremapError,
+                         ScoreOptions, ScoreResult)
 
 __all__ = ["ScoremapClient", "ScoremapError", "ScoreOptions", "ScoreResult", "ScaleResult",
            "Geometry", "Prediction", "ClientSettings"]

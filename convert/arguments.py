@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["DEFAULT_OUTPUT_STRIDE", "PORT", "SUPPORTED_OUTPUT_STRIDES", "number_in", "size_pair"]
+__all__ = ["DEFAULT_OUTPUT_STRIDE", "PORT", "SUPPORTED_OUTPUT_STRIDES", "host_port", "number_in", "number_list", "size_pair"]
 
 # Native stride when a caller asks for none finer: one cell per 32 px, the classic dense evaluation.
 DEFAULT_OUTPUT_STRIDE = 32
@@ -47,3 +47,29 @@ def number_in(kind: type[int] | type[float], low: float | None = None, high: flo
 
 
 PORT = number_in(int, 0, 65535)  # 0: any free port
+
+
+def number_list(kind: type[int] | type[float], low: float | None = None, high: float | None = None):
+    """An argparse type: comma-separated `kind` values, each within [low, high], at least one."""
+    item = number_in(kind, low, high)
+
+    def parse(text: str) -> list:
+        parts = [part for part in text.split(",") if part.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected comma-separated values such as 1,4,16")
+        return [item(part.strip()) for part in parts]
+
+    parse.__name__ = f"{kind.__name__} list"
+    return parse
+
+
+def host_port(text: str) -> str:
+    """An argparse type: HOST:PORT (IPv6 hosts in brackets), the port within PORT's range."""
+    host, colon, port = text.rpartition(":")
+    if not colon or not host or host.endswith(":"):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected HOST:PORT, e.g. 127.0.0.1:50051 or [::1]:50051")
+    try:
+        PORT(port)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected HOST:PORT with a port from 0 to 65535") from None
+    return text

@@ -6,8 +6,8 @@ choose: --preprocessing NAME (a preset below), or --mean/--std/--pixel-scale/--c
 stands for every channel. The default model carries its own.
 
 Exit status: 0 converted (and written), 1 the classifier cannot be converted faithfully or the
-report image cannot be read (nothing written), 2 bad usage (an option, a missing file, factory
-or label set, no preprocessing chosen).
+report image cannot be read (nothing written; the image is read before converting), 2 bad usage (an
+option, a missing file, factory or label set, no preprocessing chosen, an already converted graph).
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import sys
 from importlib import metadata
 from typing import TYPE_CHECKING
 
-from convert.arguments import DEFAULT_OUTPUT_STRIDE, SUPPORTED_OUTPUT_STRIDES, size_pair
+from convert.arguments import DEFAULT_OUTPUT_STRIDE, SUPPORTED_OUTPUT_STRIDES, number_in, number_list, size_pair
 from convert.errors import ConversionError, UsageError
 from convert.labels import LABEL_SETS
 from convert.presets import PRESETS
 
 if TYPE_CHECKING:
+    import numpy as np
     import onnx
 
     from protos.model_card_pb2 import Preprocessing
@@ -33,17 +34,16 @@ if TYPE_CHECKING:
 # the arguments parse, so `--help` and usage errors answer at once.
 
 EXIT_OK, EXIT_CONVERSION, EXIT_USAGE = 0, 1, 2
-# Side, in pixels, the --report image is resized to when --size is not given.
+# Side, in pixels, the --report image is resized to when --size is not given (--size needs --report).
 DEFAULT_REPORT_SIZE = 384
+# The largest --size: the report runs the classifier once per cell's crop, (size / stride)^2 runs.
+MAX_REPORT_SIZE = 2048
+# Bounds of the numeric options: pixel values stay within what float32 represents; a std or pixel scale
+# at or below the floor would divide or multiply the pixels to nothing.
+PIXEL_BOUND = 1e6
+SCALE_FLOOR = 1e-6
 # Loggers whose warnings reach the user without --verbose; third-party ones (torch's exporter) go to the debug log.
 OWN_LOGGERS = ("convert", "__main__")
-
-
-def floats(text: str) -> list[float]:
-    try:
-        return [float(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected a number or comma-separated numbers, e.g. 127 or 123.7,116.3,103.5") from None
 
 
 def presets_help() -> str:
@@ -56,9 +56,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="where to write the converted .onnx")
     p.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('scoremap')}")
     p.add_argument("--preprocessing", choices=sorted(PRESETS), help=f"how pixels were normalised in training: {presets_help()}")
-    p.add_argument("--mean", type=floats, help="mean subtracted after scaling, per channel or one for all (overrides the preset's)")
-    p.add_argument("--std", type=floats, help="std divided by after subtracting the mean, per channel or one for all")
-    p.add_argument("--pixel-scale", type=float, help="pixels (0..255) are multiplied by this first, e.g. 0.00392157 for 0..1")
+    p.add_argument("--mean", type=number_list(float, -PIXEL_BOUND, PIXEL_BOUND), help="mean subtracted after scaling, per channel or one for all (overrides the preset's)")
+    p.add_argument("--std", type=number_list(float, SCALE_FLOOR, PIXEL_BOUND), help="std divided by after subtracting the mean, per channel or one for all")
+    p.add_argument("--pixel-scale", type=number_in(float, SCALE_FLOOR, PIXEL_BOUND), help="pixels (0..255) are multiplied by this first, e.g. 0.00392157 for 0..1")
     p.add_argument("--channel-order", choices=("RGB", "BGR"), help="channel order the classifier expects (default: the preset's, else RGB)")
     p.add_argument("--labels", help=f"text file with one class name per line, or one of {sorted(LABEL_SETS)}")
     p.add_argument("--training-size", type=size_pair, help="input size the classifier was trained at (N or HxW); needed when the input size is symbolic")
@@ -66,7 +66,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dict", help="state dict loaded strictly into a package.module:factory model")
     p.add_argument("--name", help="model name in the card (default: from the source)")
     p.add_argument("--report", metavar="IMAGE", help="compare each dense cell with the classifier on its crop of IMAGE")
-    p.add_argument("--size", type=int, default=DEFAULT_REPORT_SIZE, help="side the --report image is resized to (square)")
+    p.add_argument("--size", type=number_in(int, 1, MAX_REPORT_SIZE),
+                   help=f"side the --report image is resized to (square; default {DEFAULT_REPORT_SIZE}); needs --report")
     p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
                    help="fp16: half the memory, float32 at the edges, checked against fp32; for GPUs (slow on CPU)")
     p.add_argument("--verbose", action="store_true", help="show progress and third-party warnings (torch's exporter)")
@@ -123,11 +124,36 @@ def save(model: onnx.ModelProto, path: str) -> None:
         raise
 
 
-def crop_report(source: str, converted: onnx.ModelProto, args: argparse.Namespace) -> str:
-    """The dense-vs-crops comparison on one image, as text."""
+def report_pixels(path: str, size: int) -> np.ndarray:
+    """The --report image decoded whole and resized to size x size, float32 RGB: read before converting,
+    so a truncated or unreadable image fails at once, not after the conversion (issue 24)."""
     import numpy as np
     from PIL import Image
 
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR), np.float32)
+    except (OSError, SyntaxError, ValueError) as error:
+        raise ConversionError(f"cannot read report image {path!r}: {error}; nothing was converted") from error
+
+
+def refuse_converted(source: str) -> None:
+    """A graph scoremap-convert already made is refused (UsageError): its head is convolutional, so the
+    surgery would find no classifier head to rewrite, and its card already says how to serve it."""
+    if not source.lower().endswith(".onnx") or not os.path.isfile(source):
+        return
+    import onnx
+
+    from convert.card import METADATA_KEY
+
+    model = onnx.load(source, load_external_data=False)
+    if any(prop.key == METADATA_KEY for prop in model.metadata_props):
+        raise UsageError(f"{source!r} is already converted (it carries a scoremap model card): serve or inspect it "
+                         "as it is (scoremap-serve, scoremap-inspect), or convert its original classifier")
+
+
+def crop_report(source: str, converted: onnx.ModelProto, pixels: np.ndarray, args: argparse.Namespace) -> str:
+    """The dense-vs-crops comparison on one image, as text."""
     from convert.card import ImageInput, read_card
     from convert.normalize import reference, runnable
     from convert.preprocessing import to_input
@@ -135,11 +161,6 @@ def crop_report(source: str, converted: onnx.ModelProto, args: argparse.Namespac
     from convert.verify import compare_with_crops
 
     card = read_card(converted)
-    try:
-        with Image.open(args.report) as image:
-            pixels = np.asarray(image.convert("RGB").resize((args.size, args.size), Image.Resampling.BILINEAR), np.float32)
-    except OSError as error:
-        raise ConversionError(f"cannot read report image {args.report!r}: {error}") from error
     training = (card.training_height, card.training_width)
     source_model = load_source(source, training_size=training, state_dict=args.state_dict).model
     original = reference(source_model, runnable(source_model))
@@ -147,7 +168,7 @@ def crop_report(source: str, converted: onnx.ModelProto, args: argparse.Namespac
     report = compare_with_crops(original, converted, to_input(pixels[None], image_input), layout=image_input.layout,
                                 training_size=training, stride=card.output_stride)
     return (
-        f"report on {args.report} at {args.size}x{args.size}: {report.cells} cells ({report.grid[0]}x{report.grid[1]}) "
+        f"report on {args.report} at {pixels.shape[0]}x{pixels.shape[1]}: {report.cells} cells ({report.grid[0]}x{report.grid[1]}) "
         f"vs the classifier on each {training[0]}x{training[1]} crop\n"
         f"  max abs diff {report.max_abs_diff:.4g}, mean abs diff {report.mean_abs_diff:.4g}, "
         f"argmax agreement {report.argmax_agreement:.1%}\n"
@@ -165,7 +186,10 @@ def configure_logging(*, verbose: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    arguments = parser()
+    args = arguments.parse_args(argv)
+    if args.size is not None and not args.report:
+        arguments.error("--size is the side of the --report image; pass --report IMAGE with it, or drop --size")
     configure_logging(verbose=args.verbose)
     # A console script, unlike `python -m`, does not put the current folder on sys.path: do, so that
     # `scoremap-convert mynets:vgg_like` finds mynets.py where the user stands.
@@ -176,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         from convert.pipeline import convert_classifier
         from convert.precision import to_fp16
 
+        refuse_converted(args.source)
+        pixels = report_pixels(args.report, args.size or DEFAULT_REPORT_SIZE) if args.report else None
         converted = convert_classifier(args.source, **conversion_options(args))
-        report = crop_report(args.source, converted, args) if args.report else None
+        report = crop_report(args.source, converted, pixels, args) if args.report else None
         if args.precision == "fp16":
             converted = to_fp16(converted)
         save(converted, args.output)

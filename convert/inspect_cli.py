@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from importlib import metadata
 
 import onnx
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
-from convert.arguments import size_pair
+from convert.arguments import number_in, size_pair
 from convert.card import CardError, ImageInput, Layout, OutputKind, Precision, label, parse_label, read_card
 from convert.memory_model import PROVIDER_TERMS, Device
 from convert.profile import (Profile, ProfileError, largest_batch, largest_square_size, parse_bytes,
@@ -32,9 +33,19 @@ DEFAULT_SIZE_MULTIPLE = 32
 
 def _budget(text: str) -> int:
     try:
-        return parse_bytes(text)
+        budget = parse_bytes(text)
     except ProfileError as error:
         raise argparse.ArgumentTypeError(str(error)) from error
+    if budget <= 0:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a memory size above zero, such as 2GiB")
+    return budget
+
+
+def cuda_visible() -> bool:
+    """Whether a CUDA runtime loads here and sees a device (the probe memory measurement uses)."""
+    from convert.runtime_memory import cuda_free_bytes
+
+    return cuda_free_bytes() is not None
 
 
 def _mib(value: int) -> str:
@@ -105,10 +116,11 @@ def _default_size(card) -> tuple[int, int] | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scoremap-inspect", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('scoremap')}")
     parser.add_argument("model", help="a converted .onnx file")
     parser.add_argument("--size", type=size_pair,
                         help="input size HxW in pixels, e.g. 384x512 (default: the card's default scale)")
-    parser.add_argument("--batch", type=int, default=1, help="images per run (default 1)")
+    parser.add_argument("--batch", type=number_in(int, 1), default=1, help="images per run (default 1)")
     parser.add_argument("--device", choices=[device.value for device in Device], default=Device.CPU.value,
                         help="execution provider whose memory terms to apply (default cpu)")
     parser.add_argument("--layout", choices=("NCHW", "NHWC"),
@@ -118,8 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=_budget, help="a memory budget such as 2GiB: largest batch and square size that fit")
     parser.add_argument("--json", action="store_true", help="print JSON for programs instead of tables")
     args = parser.parse_args(argv)
-    if args.batch <= 0:
-        parser.error(f"--batch must be a positive integer, got {args.batch}")
     try:
         card = read_card(args.model)
     except CardError:
@@ -132,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.model} has no model card naming a size: give --size HxW")
     height, width = size
     device = Device(args.device)
+    if device is Device.CUDA and not cuda_visible():
+        sys.stderr.write("scoremap-inspect: no CUDA device is visible on this machine: the figures below are "
+                         "predicted for a CUDA GPU elsewhere, not measured or checked here\n")
     layout = parse_label(Layout, args.layout) if args.layout else None
     try:
         model = load_skeleton(args.model, layout=layout)

@@ -19,6 +19,7 @@ import argparse
 import math
 import shutil
 import sys
+from importlib import metadata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
+from convert.arguments import number_in
 from convert.card import CardError, ImageInput, Layout, Precision, batch_shape, read_card, spatial_axes
 from convert.memory_model import Device
 from convert.profile import ProfileError, largest_batch, parse_bytes
@@ -169,6 +171,7 @@ def export(model_path: str | Path, out: str | Path, settings: TritonPlan | None 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scoremap-export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('scoremap')}")
     targets = parser.add_subparsers(dest="target", required=True)
     triton = targets.add_parser("triton", help="a Triton model repository (onnxruntime backend)")
     triton.add_argument("model", help="a graph made by scoremap-convert")
@@ -176,10 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     triton.add_argument("--name", default="", help="the model's name in Triton (default: the card's)")
     triton.add_argument("--gpu-memory", default=DEFAULT_GPU_MEMORY,
                         help="memory of the GPU it will run on, e.g. 24GiB: sizes max_batch_size")
-    triton.add_argument("--instances", type=int, default=1, help="model instances per GPU (they share its memory)")
-    triton.add_argument("--scales", type=int, nargs="*", default=[],
+    triton.add_argument("--instances", type=number_in(int, 1), default=1, help="model instances per GPU (they share its memory)")
+    triton.add_argument("--scales", type=number_in(int, 1), nargs="*", default=[],
                         help="warm-up scales (shorter side, px); the largest sizes the batch (default: the card's)")
-    triton.add_argument("--max-queue-delay-us", type=int, default=DEFAULT_QUEUE_DELAY_US,
+    triton.add_argument("--max-queue-delay-us", type=number_in(int, 0), default=DEFAULT_QUEUE_DELAY_US,
                         help="how long Triton's dynamic batcher waits to fill a batch")
     triton.add_argument("--tensorrt", action="store_true",
                         help="run through TensorRT (fp16 when the card is fp16); engines are built per shape, cached")
@@ -193,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         gpu_memory_bytes = parse_bytes(args.gpu_memory)
     except (ProfileError, ValueError) as error:
         parser.error(f"--gpu-memory: {error}")
+    if gpu_memory_bytes <= 0:
+        parser.error(f"--gpu-memory: got {args.gpu_memory!r}; expected a memory size above zero, such as 24GiB")
     try:
         folder = export(args.model, args.out, name=args.name, gpu_memory_bytes=gpu_memory_bytes,
                         instances=args.instances, scales=args.scales, queue_delay_us=args.max_queue_delay_us,

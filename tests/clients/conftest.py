@@ -80,3 +80,11 @@ def start_server(tiny_model):
     yield start
     for started in running:
         started.stop(0).wait(10)
+
+
+@pytest.fixture(scope="session")
+def default_server(default_model_path):
+    """A real server of the default model (EfficientNet-Lite0), for answers that must mean something."""
+    started, port = create_server([default_model_path], settings=SERVER_SETTINGS)
+    yield f"127.0.0.1:{port}"
+    started.stop(0).wait(10)

@@ -181,3 +181,54 @@ def test_a_factory_in_the_current_folder_converts_quietly(tmp_path):
     assert result.returncode == EXIT_OK, result.stderr
     assert result.stderr == "" and result.stdout.startswith("wrote tiny.onnx")
     assert (tmp_path / "tiny.onnx").stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("argv, flag, says", [
+    (["--std", "0"], "--std", "from 1e-06"),
+    (["--std", "58,0,57"], "--std", "from 1e-06"),
+    (["--mean", "1e9"], "--mean", "from -1000000.0 to 1000000.0"),
+    (["--pixel-scale", "-1"], "--pixel-scale", "from 1e-06"),
+    (["--size", "0"], "--size", "from 1 to 2048"),
+    (["--training-size", "0"], "--training-size", "positive sizes"),
+    (["--output-stride", "4"], "--output-stride", "invalid choice"),
+])
+def test_every_numeric_flag_is_range_checked_before_anything_loads(tmp_path, capsys, argv, flag, says):
+    """Issue 24: exit 2 naming the flag; the source does not exist, so nothing could have loaded."""
+    with pytest.raises(SystemExit) as exited:
+        main([str(tmp_path / "missing.onnx"), "-o", str(tmp_path / "out.onnx"), *argv])
+    error = capsys.readouterr().err
+    assert exited.value.code == EXIT_USAGE and f"argument {flag}: " in error and says in error
+
+
+def test_a_truncated_report_image_fails_before_anything_is_converted(tmp_path, capsys, monkeypatch):
+    """Issue 24: `--report truncated.jpg` converted for 15 s before failing on the image."""
+    import convert.pipeline
+
+    def never(*_args, **_kwargs):
+        raise AssertionError("converted before the report image was checked")
+
+    monkeypatch.setattr(convert.pipeline, "convert_classifier", never)
+    whole = (ROOT / "samples" / "cat.jpg").read_bytes()
+    (tmp_path / "truncated.jpg").write_bytes(whole[:len(whole) // 2])
+    out = tmp_path / "dense.onnx"
+    assert main(["default", "-o", str(out), "--report", str(tmp_path / "truncated.jpg")]) == EXIT_CONVERSION
+    assert "cannot read report image" in capsys.readouterr().err and not out.exists()
+
+
+def test_an_already_converted_model_is_refused_as_such(tmp_path, capsys):
+    """Issue 24: converting a converted graph asked for --training-size, although its card records it."""
+    source, dense = tmp_path / "small.onnx", tmp_path / "dense.onnx"
+    onnx.save(small_classifier(), source)
+    assert main([str(source), "-o", str(dense), "--preprocessing", "raw"]) == EXIT_OK
+    capsys.readouterr()
+    assert main([str(dense), "-o", str(tmp_path / "again.onnx"), "--preprocessing", "raw"]) == EXIT_USAGE
+    error = capsys.readouterr().err
+    assert "is already converted" in error and "training" not in error
+    assert not (tmp_path / "again.onnx").exists()
+
+
+def test_size_without_report_is_refused(tmp_path, capsys):
+    """Issue 24: `--size` without `--report` was silently ignored."""
+    with pytest.raises(SystemExit) as exited:
+        main(["default", "-o", str(tmp_path / "dense.onnx"), "--size", "384"])
+    assert exited.value.code == EXIT_USAGE and "--size is the side of the --report image" in capsys.readouterr().err

@@ -69,7 +69,7 @@ def test_dtype_fp16_sizes_the_half_precision_graph(small_model_path, capsys):
 @pytest.mark.parametrize("argv, status, message", [
     (["--size", "64y64"], 2, "expected N or HxW"),
     (["--size", "64", "--budget", "lots"], 2, "cannot read 'lots' as a memory size"),
-    (["--size", "64", "--batch", "0"], 2, "--batch must be a positive integer"),
+    (["--size", "64", "--batch", "0"], 2, "argument --batch: got '0'; expected an integer >= 1"),
     ([], 2, "has no model card naming a size: give --size HxW"),
 ])
 def test_bad_requests_say_what_was_expected(small_model_path, capsys, argv, status, message):
@@ -147,3 +147,37 @@ def test_a_graph_without_card_takes_its_layout_from_the_command_line(tmp_path, c
     onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), path)
     assert main([str(path), "--size", "8x6", "--layout", "NHWC"]) == 0
     assert "1x3x8x6" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, flag, says", [
+    (["--batch", "0"], "--batch", ">= 1"),
+    (["--size", "0x384"], "--size", "positive sizes"),
+    (["--budget", "0"], "--budget", "above zero"),
+])
+def test_every_numeric_flag_is_range_checked_before_the_model_is_read(tmp_path, capsys, argv, flag, says):
+    """Issue 24: exit 2 naming the flag; the model does not exist, so nothing could have been read."""
+    with pytest.raises(SystemExit) as exited:
+        main([str(tmp_path / "missing.onnx"), *argv])
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and f"argument {flag}: " in error and says in error
+
+
+@pytest.mark.parametrize("visible", [False, True])
+def test_device_cuda_without_a_visible_gpu_says_so(small_model_path, capsys, monkeypatch, visible):
+    """Issue 24: `--device cuda` on a machine without a GPU did not say its figures are for a GPU it cannot see."""
+    import convert.inspect_cli
+
+    monkeypatch.setattr(convert.inspect_cli, "cuda_visible", lambda: visible)
+    assert main([small_model_path, "--size", "128", "--device", "cuda"]) == 0
+    printed = capsys.readouterr()
+    assert ("no CUDA device is visible" in printed.err) is not visible
+    assert "Predicted peak on cuda" in printed.out
+    main([small_model_path, "--size", "128", "--device", "cpu"])
+    assert "CUDA" not in capsys.readouterr().err
+
+
+def test_version():
+    from importlib import metadata
+
+    shown = subprocess.run([sys.executable, "-m", "convert.inspect_cli", "--version"], capture_output=True, text=True)
+    assert shown.returncode == 0 and shown.stdout.strip() == f"scoremap-inspect {metadata.version('scoremap')}"

@@ -101,3 +101,26 @@ def test_real_triton_accepts_the_config(tmp_path):
     config.write_text(config.read_text().replace("TYPE_FP32", "TYPE_FP33"))
     log = load()
     assert "TYPE_FP33" in log and "unable to find backend library" not in log  # Triton parsed it: a typo is refused
+
+
+@pytest.mark.parametrize("argv, flag, says", [
+    (["--instances", "0"], "argument --instances: ", ">= 1"),
+    (["--scales", "384", "0"], "argument --scales: ", ">= 1"),
+    (["--max-queue-delay-us", "-1"], "argument --max-queue-delay-us: ", ">= 0"),
+    (["--gpu-memory", "0"], "--gpu-memory: ", "above zero"),
+])
+def test_every_numeric_flag_is_range_checked_before_the_model_is_read(tmp_path, capsys, argv, flag, says):
+    """Issue 24: exit 2 naming the flag; the model does not exist, so nothing could have been read."""
+    with pytest.raises(SystemExit) as exited:
+        main(["triton", str(tmp_path / "missing.onnx"), str(tmp_path / "repo"), *argv])
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and flag in error and says in error
+    assert not (tmp_path / "repo").exists()
+
+
+def test_version():
+    import sys
+    from importlib import metadata
+
+    shown = subprocess.run([sys.executable, "-m", "convert.triton_export", "--version"], capture_output=True, text=True)
+    assert shown.returncode == 0 and shown.stdout.strip() == f"scoremap-export {metadata.version('scoremap')}"

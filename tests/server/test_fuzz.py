@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from clients.results import decode_tensor
+from clients.api.results import decode_tensor
 from protos import scoring_pb2
 
 SAMPLES = pathlib.Path(__file__).resolve().parents[2] / "samples"

@@ -12,7 +12,7 @@ import onnx
 import pytest
 from PIL import Image
 
-from clients.results import decode_tensor
+from clients.api.results import decode_tensor
 from protos import scoring_pb2
 from server import admission, plans
 from server.errors import ScoringError

@@ -6,9 +6,9 @@ import onnx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.api import ScoremapClient
-from clients.errors import ScoremapError
-from clients.settings import TOKEN_ENV, env_token
+from clients.api.client import ScoremapClient
+from clients.api.errors import ScoremapError
+from clients.api.settings import TOKEN_ENV, env_token
 from protos import scoring_pb2, scoring_pb2_grpc
 from server.main import create_server, read_token
 from server.settings import Settings

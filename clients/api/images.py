@@ -1,0 +1,177 @@
+"""Turn what users hold (paths, encoded bytes, PIL images, numpy arrays) into a request image.
+
+Validated before anything is sent, with messages showing what was received and what was expected:
+a wrong shape found on the server costs a round trip and reads worse.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Union
+
+import grpc
+import numpy as np
+from PIL import Image, ImageOps
+
+from clients.api.errors import ScoremapError
+from protos import scoring_pb2
+
+__all__ = ["ImageLike", "IMAGE_SIGNATURES", "image_fields", "looks_like_image", "open_photo"]
+
+ImageLike = Union[str, os.PathLike, bytes, bytearray, memoryview, Image.Image, np.ndarray]
+
+# Leading bytes of the encodings the server decodes (protos/scoring.proto: ScoreRequest.encoded).
+IMAGE_SIGNATURES: tuple[tuple[int, bytes], ...] = (
+    (0, b"\xff\xd8\xff"),          # JPEG
+    (0, b"\x89PNG\r\n\x1a\n"),     # PNG
+    (0, b"BM"),                    # BMP
+    (0, b"II*\x00"),               # TIFF, little-endian
+    (0, b"MM\x00*"),               # TIFF, big-endian
+    (8, b"WEBP"),                  # RIFF....WEBP
+)
+
+
+def looks_like_image(head: bytes) -> bool:
+    """Whether the first bytes of a file carry an image signature (content, not extension)."""
+    return any(head[offset:offset + len(magic)] == magic for offset, magic in IMAGE_SIGNATURES)
+
+
+def _invalid(message: str) -> ScoremapError:
+    return ScoremapError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _server_imaging():
+    """server/imaging.py, the one definition of how any image mode becomes the RGB the model sees; imported
+    when an image is converted, so `--help` of the command lines imports nothing of the server."""
+    from server import imaging
+
+    return imaging
+
+
+def _refused(what: str, why: str) -> ScoremapError:
+    return _invalid(f"cannot score {what} faithfully: {why}; convert it to 8-bit RGB first, "
+                    "e.g. `(x * 255).clip(0, 255).astype(np.uint8)` for floats in 0..1")
+
+
+def _check_shape(array: np.ndarray) -> None:
+    if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] not in (1, 3, 4)):
+        raise _invalid(
+            f"image array has shape {tuple(array.shape)}; expected [height, width] or "
+            "[height, width, channels] with 1, 3 or 4 channels"
+        )
+    if array.shape[0] == 0 or array.shape[1] == 0:
+        raise _invalid(f"image array has shape {tuple(array.shape)}; height and width must be positive")
+
+
+def _array_pixels(array: np.ndarray) -> np.ndarray:
+    """uint8 [H, W(, C)] pixels of an array, as the server would decode the array saved as a file.
+
+    A one-channel array is the image PIL's `Image.fromarray` makes of it (bool: mode 1, uint16: I;16,
+    other ints: I, floats: F), converted by the server's own rule (server/imaging.py `to_rgb`: 16 bits
+    scaled, floats clipped). uint16 colour is what PIL reads from a 16-bit RGB(A) PNG: the high byte.
+    Other colour dtypes are accepted only when every value is a whole number in 0..255 (issue 24: a
+    16-bit image sent as-is scored as noise)."""
+    _check_shape(array)
+    if array.dtype == np.uint8:
+        return array
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[:, :, 0]
+    kind = array.dtype.kind
+    if kind not in "biuf":
+        raise _refused(f"an image array of dtype {array.dtype}", "expected bool, integer or float pixels")
+    if array.ndim == 2:
+        if kind in "iu" and array.dtype != np.uint16:
+            low, high = (int(array.min()), int(array.max()))
+            if low < np.iinfo(np.int32).min or high > np.iinfo(np.int32).max:
+                raise _refused(f"an image array of dtype {array.dtype}", f"values {low}..{high} do not fit a 32-bit image")
+            array = array.astype(np.int32)
+        elif kind == "f":
+            array = array.astype(np.float32)
+        return np.asarray(_server_imaging().to_rgb(Image.fromarray(array)))
+    if array.dtype == np.uint16:
+        return (array >> 8).astype(np.uint8)
+    if kind == "b":
+        raise _refused(f"a {array.shape[2]}-channel image array of dtype bool", "no image file holds colour as booleans")
+    finite = np.isfinite(array).all() if kind == "f" else True
+    if not finite or array.min() < 0 or array.max() > 255 or (kind == "f" and (array != np.round(array)).any()):
+        raise _refused(f"a {array.shape[2]}-channel image array of dtype {array.dtype}",
+                       "only whole values 0..255 map to colours without guessing their range")
+    return array.astype(np.uint8)
+
+
+def _image_pixels(image: Image.Image) -> np.ndarray:
+    """uint8 pixels of a PIL image, as the server decodes its file: EXIF orientation applied, then any mode
+    but L, RGB and RGBA converted by the server's own rule (server/imaging.py `to_rgb`)."""
+    image = ImageOps.exif_transpose(image)
+    if image.mode not in ("L", "RGB", "RGBA"):
+        try:
+            image = _server_imaging().to_rgb(image)
+        except (ValueError, OSError) as error:
+            raise _refused(f"a PIL image of mode {image.mode}", str(error)) from error
+    return np.asarray(image)
+
+
+def _raw(pixels: np.ndarray) -> scoring_pb2.RawImage:
+    if pixels.ndim == 2:
+        pixels = pixels[:, :, None]
+    height, width, channels = pixels.shape
+    return scoring_pb2.RawImage(
+        data=np.ascontiguousarray(pixels).tobytes(), height=height, width=width, channels=channels
+    )
+
+
+def image_fields(image: ImageLike) -> dict[str, object]:
+    """The ScoreRequest fields carrying `image`: {"encoded": bytes} or {"raw": RawImage}.
+
+    Paths and bytes go as encoded bytes (smaller on the wire; the server decodes them), PIL images
+    and arrays as raw RGB(A)/grey pixels converted as the server converts their files, so an image
+    object scores as its file does.
+    """
+    if isinstance(image, (str, os.PathLike)):
+        path = Path(image)
+        if not path.is_file():
+            raise _invalid(f"image path {str(path)!r} is not a file")
+        data = path.read_bytes()
+        if not looks_like_image(data[:16]):
+            raise _invalid(
+                f"{str(path)!r} does not start with a JPEG, PNG, WebP, BMP or TIFF signature "
+                f"(first bytes {data[:8]!r})"
+            )
+        return {"encoded": data}
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        data = bytes(image)
+        if not looks_like_image(data[:16]):
+            raise _invalid(
+                f"encoded image bytes start with {data[:8]!r}; expected a JPEG, PNG, WebP, BMP "
+                "or TIFF signature (pass raw pixels as a numpy array instead)"
+            )
+        return {"encoded": data}
+    if isinstance(image, Image.Image):
+        return {"raw": _raw(_image_pixels(image))}
+    if isinstance(image, np.ndarray):
+        return {"raw": _raw(_array_pixels(image))}
+    raise _invalid(
+        f"cannot score an image of type {type(image).__name__}; expected a path, encoded bytes, "
+        "a PIL image or a numpy array [height, width(, channels)]"
+    )
+
+
+def open_photo(image: ImageLike) -> Image.Image:
+    """The image as an RGB PIL image, decoded and converted as the server does (for drawing under a map)."""
+    if isinstance(image, (str, os.PathLike)):
+        image = Path(image).read_bytes()
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        imaging = _server_imaging()
+        try:
+            return imaging.decode(bytes(image), max_pixels=sys.maxsize)
+        except imaging.ImageError as error:
+            raise _invalid(str(error)) from error
+    if isinstance(image, Image.Image):
+        pixels = _image_pixels(image)
+    elif isinstance(image, np.ndarray):
+        pixels = _array_pixels(image)
+    else:
+        raise _invalid(f"cannot open an image of type {type(image).__name__}")
+    return Image.fromarray(pixels).convert("RGB")
