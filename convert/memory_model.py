@@ -6,15 +6,18 @@
 the execution provider, each fitted on measurements of that provider and kept here with the
 numbers it was fitted on (issue 14):
 
-* CPU (onnxruntime 1.2x, CPU provider, `convert.runtime_memory.predictable_session_options`, the
-  allocator as `configure_allocator` sets it): peak RSS over the process before the session was
-  weights + live peak + 6-9 MiB on EfficientNet-Lite0 dense and VGG16 dense at 224-512 px, batch
-  1-4, with onnxruntime's memory pattern off (12 cases, predicted/measured 0.996-1.038). With the
-  pattern on, as plans now run, the pattern's block holds up to 1.14x EfficientNet's live peak
-  (VGG16's 1.0x): predicted/measured 0.933-1.024 (bench/RESULTS.md). The CPU provider repacks
-  convolution weights in place of the originals (no copy); of the 8 MiB constant, ~1 MiB stays with
-  the session between runs (the resident set a warmed-up plan of a 0.1 MiB net left: 0.6-0.9 MiB)
-  and the rest is the run's workspace; the 5% is the NCHWc reorders' channel padding.
+* CPU (onnxruntime 1.31, CPU provider, `convert.runtime_memory.predictable_session_options`:
+  onnxruntime's own defaults, its arena and memory pattern; the allocator as `configure_allocator`
+  sets it; the first run through `first_cpu_run`, as server/engine.py makes every plan): a plan's
+  session keeps, from its second run on, weights + 1.1 x live peak + ~10 MiB, and no run after it
+  takes more (issue 22, CPU_MEASUREMENTS). The 1.1 is the memory pattern's block (onnxruntime's
+  planner places buffers by first fit, so the block exceeds the live peak) plus what the arena
+  kept of the first run; the ~10 MiB: ~9 MiB held once the session is created (the pre-packed and
+  NCHWc-reordered weights beside onnxruntime's graph, its kernels and thread pool: 8-9.5 MiB over
+  the weights on every net measured) and ~1 MiB of run workspace. The arena rounds its regions up
+  to powers of two, but only the pages a run touches are resident, and a plan's runs all touch
+  the same ones. Least squares over CPU_MEASUREMENTS gave 1.11 and 9.8 MiB; rounded, every case
+  is within 4% (the peak during the first run is within the same bound: it frees what it takes).
 * CUDA (H100, onnxruntime-gpu 1.31.1, `arena_extend_strategy=kSameAsRequested`): device memory
   over the process's baseline, `CUDA_MEASUREMENTS` below. Creating a session costs the weights
   plus ~76 MiB of CUDA/cuDNN/cuBLAS handles and streams (94 MiB on EfficientNet-Lite0, whose
@@ -35,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-__all__ = ["Device", "ProviderTerms", "MemoryTerms", "PROVIDER_TERMS", "CUDA_MEASUREMENTS", "predict"]
+__all__ = ["Device", "ProviderTerms", "MemoryTerms", "PROVIDER_TERMS", "CPU_MEASUREMENTS", "CUDA_MEASUREMENTS", "predict"]
 
 MiB = 2**20
 
@@ -61,10 +64,11 @@ class ProviderTerms:
 
 PROVIDER_TERMS = {
     Device.CPU: ProviderTerms(
-        weight_copies=0.0, session_bytes=1 * MiB, workspace_bytes=7 * MiB, activation_factor=1.05, keeps_run_memory=False,
-        fitted_on="peak RSS, onnxruntime CPU provider, EfficientNet-Lite0 dense and VGG16 dense at 224/384/512 px, "
-                  "batch 1 and 4 (bench/RESULTS.md): 6-9 MiB over weights + live peak with the memory pattern off; "
-                  "with it on, predicted/measured 0.933-1.024",
+        weight_copies=0.0, session_bytes=9 * MiB, workspace_bytes=1 * MiB, activation_factor=1.1, keeps_run_memory=True,
+        fitted_on="resident set a plan's session keeps after its warm-up runs, onnxruntime 1.31 CPU provider with its "
+                  "arena and memory pattern, the default model, a VGG-width net and the same net taking NHWC, "
+                  "224-512 px, batch 1-4, 1 and 4 passes (CPU_MEASUREMENTS: plans made by server/engine.py and "
+                  "server/plans.py; checked in the server's own process by bench_cpu_plans)",
     ),
     Device.CUDA: ProviderTerms(
         weight_copies=0.8, session_bytes=76 * MiB, workspace_bytes=66 * MiB, activation_factor=2.0, keeps_run_memory=True,
@@ -72,6 +76,34 @@ PROVIDER_TERMS = {
                   "dense, 224-1024 px, batch 1-8 (issue 14, CUDA_MEASUREMENTS)",
     ),
 }
+
+# The CPU measurements the terms were fitted on (issue 22; 2-core AMD EPYC, onnxruntime 1.31.1): model,
+# side, batch, passes, weights MiB, live activation peak MiB (convert.profile of the net at side x
+# side, batch x passes), resident set the plan kept MiB (after its session and two runs, over before).
+CPU_MEASUREMENTS = (
+    ("efficientnet-lite0 dense", 224, 1, 1, 17.7, 6.3, 35.4),
+    ("efficientnet-lite0 dense", 224, 4, 1, 17.7, 25.3, 56.0),
+    ("efficientnet-lite0 dense", 384, 1, 1, 17.7, 18.6, 49.0),
+    ("efficientnet-lite0 dense", 384, 4, 1, 17.7, 74.2, 111.2),
+    ("efficientnet-lite0 dense", 512, 1, 1, 17.7, 33.0, 64.9),
+    ("efficientnet-lite0 dense", 512, 4, 1, 17.7, 132.0, 176.7),
+    ("efficientnet-lite0 dense", 384, 1, 4, 17.7, 74.2, 111.3),
+    ("efficientnet-lite0 dense", 384, 4, 4, 17.7, 297.0, 359.4),
+    ("VGG-width dense", 224, 1, 1, 16.0, 6.7, 33.0),
+    ("VGG-width dense", 224, 4, 1, 16.0, 26.8, 54.1),
+    ("VGG-width dense", 384, 1, 1, 16.0, 19.7, 46.7),
+    ("VGG-width dense", 384, 4, 1, 16.0, 78.8, 110.1),
+    ("VGG-width dense", 512, 1, 1, 16.0, 35.0, 63.5),
+    ("VGG-width dense", 512, 4, 1, 16.0, 140.0, 176.6),
+    ("VGG-width dense", 384, 1, 4, 16.0, 78.8, 117.5),
+    ("VGG-width NHWC dense", 224, 1, 1, 16.0, 6.7, 33.5),
+    ("VGG-width NHWC dense", 224, 4, 1, 16.0, 26.8, 55.9),
+    ("VGG-width NHWC dense", 384, 1, 1, 16.0, 19.7, 47.9),
+    ("VGG-width NHWC dense", 384, 4, 1, 16.0, 78.8, 115.2),
+    ("VGG-width NHWC dense", 512, 1, 1, 16.0, 35.0, 65.5),
+    ("VGG-width NHWC dense", 512, 4, 1, 16.0, 140.0, 185.6),
+    ("VGG-width NHWC dense", 224, 4, 4, 16.0, 107.2, 136.8),
+)
 
 # The CUDA measurements the terms were fitted on (issue 14): model, side, batch, weights MiB,
 # live activation peak MiB (convert.profile at that size), device memory measured MiB.
@@ -111,8 +143,8 @@ class MemoryTerms:
 
     @property
     def transient(self) -> int:
-        """What a run needs and gives back when it returns: workspace and activations on the CPU
-        (no arena), nothing on CUDA (its arena keeps what the first runs grew it to)."""
+        """What a run needs and gives back when it returns: nothing on either provider now (the CPU's
+        and CUDA's arenas keep what the first runs grew them to); kept for a provider that frees."""
         if PROVIDER_TERMS[self.device].keeps_run_memory:
             return 0
         return self.run_workspace + self.activations

@@ -5,12 +5,13 @@
   glibc's defaults the mmap threshold grows to 32 MiB after the first large free, activations then
   come from the heap, fragment it and stay: the default model peaked at 110 MB for 512x512 (the
   prediction, 63 MB, was 0.57x of it) and a server's idle RSS ratcheted from 1.0 to 6.3 GB (issue
-  14); configured, within 7% of the prediction (bench_memory). `release_free_memory()` (malloc_trim) gives back the holes left
-  inside the heaps after a large request.
+  14). `release_free_memory()` (malloc_trim) gives back the holes left inside the heaps after a
+  large request.
 * `measure_footprint()`: what creating and warming up a plan (a session) really costs, in the
   running process: device memory (cudaMemGetInfo) on CUDA, resident set (current, not peak) on both.
-* `measure_peak()`: the peak of one run, in a clean child configured like the server, the check
-  on convert.profile (`make bench`). Nothing the parent allocated or cached is counted:
+* `measure_peak()`: the peak of a bare net's runs, in a clean child configured like the server, the
+  check on convert.profile's CUDA terms (`make bench-gpu`); the CPU terms are checked on plans, in
+  the server's own process (bench/bench_cpu_plans.py). Nothing the parent allocated or cached is counted:
 
 * CPU: peak resident set (VmHWM in /proc/self/status) during the runs minus the resident set
   before the session was created. The high-water mark is reset after session creation (writing
@@ -46,6 +47,7 @@ __all__ = [
     "Measurement",
     "select_device",
     "predictable_session_options",
+    "first_cpu_run",
     "PREDICTABLE_CUDA_OPTIONS",
     "measure_peak",
     "Footprint",
@@ -66,13 +68,10 @@ RUNS = 2
 # A measurement child that takes longer than this is stopped.
 TIMEOUT_SECONDS = 600
 # Allocations from this size up get their own mapping, unmapped when freed (glibc's initial
-# threshold; setting it also stops glibc raising it after large frees), so the resident set follows
-# the live activations the prediction counts. The price is CPU time, paid by the CPU provider only
-# (on a GPU the activations live on the device): a run's activation block (the memory pattern) is
-# mapped and faulted in afresh at each run, 1.12x slower default-model runs here (bench_memory
-# measures it). A 32 MiB threshold was measured too, without the memory pattern: runs as fast as
-# glibc's defaults, but freed buffers below it stayed in the heap and the prediction fell to
-# 0.44-0.91x of the measured peak, outside its +-25%.
+# threshold; setting it also stops glibc raising it after large frees): the regions of a plan's
+# onnxruntime arena go back to the system when the plan is dropped or its first run shrinks the
+# arena, and the buffers of requests (decoded images, maps) when the request ends. Runs do not pay
+# for it: the arena keeps the memory pattern's block from run to run (issue 22).
 MMAP_THRESHOLD_BYTES = 128 * 1024
 # Free memory above the heap's top beyond this is returned at once.
 TRIM_THRESHOLD_BYTES = 0
@@ -103,18 +102,34 @@ PREDICTABLE_CUDA_OPTIONS = {"arena_extend_strategy": "kSameAsRequested"}
 def predictable_session_options(*, on_gpu: bool = False) -> onnxruntime.SessionOptions:
     """Session options under which convert.profile's prediction holds.
 
-    The CPU arena is off: its best-fit chunks fragment across runs (measured 1.7-1.9x the live
-    activations on a VGG-style graph), while plain allocations follow the liveness the profile
-    computes. On the CPU onnxruntime's memory pattern is on: a plan's session only ever sees one
-    shape (server/plans.py), so the pattern is one block of the planned activations, allocated per
-    run and freed with it, which saves a mapping per activation buffer (runs 1.12x the cost of
-    glibc's defaults instead of 1.65x, bench_memory; the prediction holds within 7%). On CUDA it
-    stays off: the CUDA terms of convert.memory_model were fitted on H100 runs made without it.
+    On the CPU, onnxruntime's own defaults: its arena and its memory pattern. A plan's session only
+    ever sees one shape (server/plans.py), so the pattern is one block of the planned activations,
+    taken from the arena at the first run and reused by every run after it: runs at onnxruntime's
+    default speed (bench_cpu_plans), and the arena holds the same bytes from the first run on, which
+    convert.memory_model counts (the arena's fragmentation, 1.7-1.9x the live activations on a
+    VGG-style graph, came from one session seeing many shapes). Without the arena each run mapped
+    and faulted its activations afresh: 1.1-3.2x slower (issue 22). On CUDA both stay off: the CUDA
+    terms of convert.memory_model were fitted on H100 runs made without them.
     """
     options = onnxruntime.SessionOptions()
-    options.enable_cpu_mem_arena = False
+    options.enable_cpu_mem_arena = not on_gpu
     options.enable_mem_pattern = not on_gpu
     return options
+
+
+# onnxruntime's run option that hands a CPU arena's free chunks back when the run returns.
+_SHRINK_CPU_ARENA = onnxruntime.RunOptions()
+_SHRINK_CPU_ARENA.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+
+
+def first_cpu_run(session: onnxruntime.InferenceSession, feeds: dict[str, np.ndarray]) -> None:
+    """A CPU session's first run, after which its arena gives back what the run freed.
+
+    onnxruntime records the memory pattern during a session's first run, which allocates buffer by
+    buffer; the second run takes the pattern's one block from the arena, and every run after it
+    reuses that block. Without handing the first run's chunks back, the arena would keep both: a
+    further 1.4x the live activations on top of the pattern (issue 22, convert.memory_model)."""
+    session.run(None, feeds, _SHRINK_CPU_ARENA)
 
 
 def select_device(available_providers: list[str], *, cuda_loadable: bool) -> str:
@@ -213,8 +228,8 @@ def measure_footprint(build: Callable[[], T], *, on_gpu: bool) -> tuple[T, Footp
 
     Both readings are process- (RSS) or device-wide (cudaMemGetInfo): whatever other threads
     allocate meanwhile is counted too, so build plans before serving or one at a time. On the
-    CPU, with `predictable_session_options` and `configure_allocator`, a run's activations are
-    freed when it returns, so the footprint is the session's resident state (weights, kernels)."""
+    CPU, with `predictable_session_options`, the arena keeps the runs' activations (the memory
+    pattern's block), so the footprint is what the plan holds from then on."""
     cudart = _cudart() if on_gpu else None
     if on_gpu and cudart is None:
         raise MeasurementError("a GPU footprint was asked but the CUDA runtime library does not load")
@@ -286,7 +301,9 @@ def _measure_here(model_path: str, height: int, width: int, batch: int, device: 
     shape = (batch, height, width, channels) if channels_last else (batch, channels, height, width)
     pixels = np.random.default_rng(0).uniform(0, 255, shape).astype(dtype)
     feed = {image.name: pixels}
-    for _ in range(RUNS):
+    if on_cpu:
+        first_cpu_run(session, feed)  # as server/engine.py makes a plan
+    for _ in range(RUNS - on_cpu):
         session.run(None, feed)
     peak = (_status_bytes("VmHWM") if on_cpu else used()) - baseline
     return Measurement(device, height, width, batch, peak, session_bytes, load_peak)

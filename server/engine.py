@@ -11,9 +11,11 @@ import logging
 import tempfile
 from dataclasses import dataclass
 
+import numpy as np
 import onnxruntime
 
-from convert.runtime_memory import PREDICTABLE_CUDA_OPTIONS, cuda_free_bytes, predictable_session_options
+from convert.runtime_memory import (PREDICTABLE_CUDA_OPTIONS, cuda_free_bytes, first_cpu_run,
+                                    predictable_session_options)
 from server.settings import Settings
 
 LOG = logging.getLogger(__name__)
@@ -52,6 +54,21 @@ def choose_providers(
     if require_gpu or provider == "cuda":
         raise EngineError(f"a GPU is required but {missing}")
     return ProviderChoice((CPU,), f"running on the CPU: {missing}")
+
+
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(uint8)": np.uint8, "tensor(float16)": np.float16,
+                "tensor(int64)": np.int64}
+
+
+def _first_run(session: onnxruntime.InferenceSession) -> None:
+    """A fixed-shape CPU session's first run, on zeros (convert.runtime_memory.first_cpu_run says why);
+    a session whose inputs are not all fixed is left alone."""
+    feeds = {}
+    for value in session.get_inputs():
+        if value.type not in _NUMPY_TYPES or not all(isinstance(dim, int) for dim in value.shape):
+            return
+        feeds[value.name] = np.zeros(value.shape, _NUMPY_TYPES[value.type])
+    first_cpu_run(session, feeds)
 
 
 def cuda_device_present() -> bool:
@@ -108,6 +125,8 @@ class Engine:
                 raise EngineError(f"{CUDA} failed to load (the session runs on {actual})")
             LOG.warning("CUDA was requested but the session runs on %s; running on the CPU", actual)
             self.provider = actual
+        if not self.on_gpu:
+            _first_run(session)
         return session
 
     def free_gpu_bytes(self) -> int | None:
