@@ -8,16 +8,17 @@ numbers it was fitted on (issue 14):
 
 * CPU (onnxruntime 1.31, CPU provider, `convert.runtime_memory.predictable_session_options`:
   onnxruntime's own defaults, its arena and memory pattern; the allocator as `configure_allocator`
-  sets it; the first run through `first_cpu_run`, as server/engine.py makes every plan): a plan's
-  session keeps, from its second run on, weights + 1.1 x live peak + ~10 MiB, and no run after it
-  takes more (issue 22, CPU_MEASUREMENTS). The 1.1 is the memory pattern's block (onnxruntime's
-  planner places buffers by first fit, so the block exceeds the live peak) plus what the arena
-  kept of the first run; the ~10 MiB: ~9 MiB held once the session is created (the pre-packed and
-  NCHWc-reordered weights beside onnxruntime's graph, its kernels and thread pool: 8-9.5 MiB over
-  the weights on every net measured) and ~1 MiB of run workspace. The arena rounds its regions up
-  to powers of two, but only the pages a run touches are resident, and a plan's runs all touch
-  the same ones. Least squares over CPU_MEASUREMENTS gave 1.11 and 9.8 MiB; rounded, every case
-  is within 4% (the peak during the first run is within the same bound: it frees what it takes).
+  sets it; the first run through `first_cpu_run`, as server/engine.py makes every plan): a plan
+  keeps, from its second run on, weights + 1.1 x live peak + ~2 MiB, and no run after it takes
+  more (issue 22, CPU_MEASUREMENTS, measured in the server's own process). The 1.1 is the memory
+  pattern's block (onnxruntime's planner places buffers by first fit, so the block exceeds the
+  live peak) and what the arena kept of the first run; the ~2 MiB the session's own state
+  (pre-packed and NCHWc-reordered weights replace the originals: no copy) and run workspace. The
+  arena rounds its regions up to powers of two, but only the pages a run touches are resident,
+  and a plan's runs all touch the same ones. Least squares over CPU_MEASUREMENTS gave 1.106 and
+  1.3 MiB; rounded, every case is within 5%. A server's first plan costs ~7 MiB more, once (the
+  interpreter's and onnxruntime's first-use state), and making a plan peaks transiently ~50-100 MiB
+  above what it keeps (the plan graph built and serialized, the session loaded: bench_cpu_plans).
 * CUDA (H100, onnxruntime-gpu 1.31.1, `arena_extend_strategy=kSameAsRequested`): device memory
   over the process's baseline, `CUDA_MEASUREMENTS` below. Creating a session costs the weights
   plus ~76 MiB of CUDA/cuDNN/cuBLAS handles and streams (94 MiB on EfficientNet-Lite0, whose
@@ -64,11 +65,11 @@ class ProviderTerms:
 
 PROVIDER_TERMS = {
     Device.CPU: ProviderTerms(
-        weight_copies=0.0, session_bytes=9 * MiB, workspace_bytes=1 * MiB, activation_factor=1.1, keeps_run_memory=True,
+        weight_copies=0.0, session_bytes=1 * MiB, workspace_bytes=1 * MiB, activation_factor=1.1, keeps_run_memory=True,
         fitted_on="resident set a plan's session keeps after its warm-up runs, onnxruntime 1.31 CPU provider with its "
                   "arena and memory pattern, the default model, a VGG-width net and the same net taking NHWC, "
-                  "224-512 px, batch 1-4, 1 and 4 passes (CPU_MEASUREMENTS: plans made by server/engine.py and "
-                  "server/plans.py; checked in the server's own process by bench_cpu_plans)",
+                  "224-512 px, batch 1 and 4, RSS growth of a scoremap-serve process at each plan's first request "
+                  "(CPU_MEASUREMENTS, bench_cpu_plans)",
     ),
     Device.CUDA: ProviderTerms(
         weight_copies=0.8, session_bytes=76 * MiB, workspace_bytes=66 * MiB, activation_factor=2.0, keeps_run_memory=True,
@@ -77,32 +78,29 @@ PROVIDER_TERMS = {
     ),
 }
 
-# The CPU measurements the terms were fitted on (issue 22; 2-core AMD EPYC, onnxruntime 1.31.1): model,
-# side, batch, passes, weights MiB, live activation peak MiB (convert.profile of the net at side x
-# side, batch x passes), resident set the plan kept MiB (after its session and two runs, over before).
+# The CPU measurements the terms were fitted on (issue 22; bench_cpu_plans on a 2-core AMD EPYC shared with
+# other work, onnxruntime 1.31.1): model, side, batch, passes, weights MiB, live activation peak MiB
+# (convert.profile of the net at side x side, batch x passes), VmRSS growth of the scoremap-serve
+# process at the plan's first request(s) MiB (a plan made after the server's first).
 CPU_MEASUREMENTS = (
-    ("efficientnet-lite0 dense", 224, 1, 1, 17.7, 6.3, 35.4),
-    ("efficientnet-lite0 dense", 224, 4, 1, 17.7, 25.3, 56.0),
-    ("efficientnet-lite0 dense", 384, 1, 1, 17.7, 18.6, 49.0),
-    ("efficientnet-lite0 dense", 384, 4, 1, 17.7, 74.2, 111.2),
-    ("efficientnet-lite0 dense", 512, 1, 1, 17.7, 33.0, 64.9),
-    ("efficientnet-lite0 dense", 512, 4, 1, 17.7, 132.0, 176.7),
-    ("efficientnet-lite0 dense", 384, 1, 4, 17.7, 74.2, 111.3),
-    ("efficientnet-lite0 dense", 384, 4, 4, 17.7, 297.0, 359.4),
-    ("VGG-width dense", 224, 1, 1, 16.0, 6.7, 33.0),
-    ("VGG-width dense", 224, 4, 1, 16.0, 26.8, 54.1),
-    ("VGG-width dense", 384, 1, 1, 16.0, 19.7, 46.7),
-    ("VGG-width dense", 384, 4, 1, 16.0, 78.8, 110.1),
-    ("VGG-width dense", 512, 1, 1, 16.0, 35.0, 63.5),
-    ("VGG-width dense", 512, 4, 1, 16.0, 140.0, 176.6),
-    ("VGG-width dense", 384, 1, 4, 16.0, 78.8, 117.5),
-    ("VGG-width NHWC dense", 224, 1, 1, 16.0, 6.7, 33.5),
-    ("VGG-width NHWC dense", 224, 4, 1, 16.0, 26.8, 55.9),
-    ("VGG-width NHWC dense", 384, 1, 1, 16.0, 19.7, 47.9),
-    ("VGG-width NHWC dense", 384, 4, 1, 16.0, 78.8, 115.2),
-    ("VGG-width NHWC dense", 512, 1, 1, 16.0, 35.0, 65.5),
-    ("VGG-width NHWC dense", 512, 4, 1, 16.0, 140.0, 185.6),
-    ("VGG-width NHWC dense", 224, 4, 4, 16.0, 107.2, 136.8),
+    ("efficientnet-lite0 dense", 224, 1, 1, 17.7, 6.3, 26.8),
+    ("efficientnet-lite0 dense", 384, 1, 1, 17.7, 18.6, 40.6),
+    ("efficientnet-lite0 dense", 512, 1, 1, 17.7, 33.0, 56.2),
+    ("efficientnet-lite0 dense", 224, 4, 1, 17.7, 25.3, 47.0),
+    ("efficientnet-lite0 dense", 384, 4, 1, 17.7, 74.2, 101.6),
+    ("efficientnet-lite0 dense", 512, 4, 1, 17.7, 132.0, 166.8),
+    ("VGG-width dense", 224, 1, 1, 16.0, 6.7, 24.7),
+    ("VGG-width dense", 384, 1, 1, 16.0, 19.7, 38.3),
+    ("VGG-width dense", 512, 1, 1, 16.0, 35.0, 54.7),
+    ("VGG-width dense", 224, 4, 1, 16.0, 26.8, 45.7),
+    ("VGG-width dense", 384, 4, 1, 16.0, 78.8, 100.7),
+    ("VGG-width dense", 512, 4, 1, 16.0, 140.0, 167.6),
+    ("VGG-width NHWC dense", 224, 1, 1, 16.0, 6.7, 25.1),
+    ("VGG-width NHWC dense", 384, 1, 1, 16.0, 19.7, 39.0),
+    ("VGG-width NHWC dense", 512, 1, 1, 16.0, 35.0, 56.9),
+    ("VGG-width NHWC dense", 224, 4, 1, 16.0, 26.8, 47.4),
+    ("VGG-width NHWC dense", 384, 4, 1, 16.0, 78.8, 105.9),
+    ("VGG-width NHWC dense", 512, 4, 1, 16.0, 140.0, 176.3),
 )
 
 # The CUDA measurements the terms were fitted on (issue 14): model, side, batch, weights MiB,
