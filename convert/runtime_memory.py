@@ -48,6 +48,7 @@ __all__ = [
     "select_device",
     "predictable_session_options",
     "first_cpu_run",
+    "warm_up_runtime",
     "PREDICTABLE_CUDA_OPTIONS",
     "measure_peak",
     "Footprint",
@@ -257,8 +258,9 @@ def _reset_peak() -> None:
         clear_refs.write("5")
 
 
-def _warm_up(providers: list) -> None:
-    """Run a tiny conv+gemm graph so the runtime's first-run costs land in the baseline."""
+def warm_up_runtime(providers: list) -> None:
+    """Run a tiny conv+gemm graph so the runtime's first-run costs (code pages, thread pools, kernel
+    registries) land in the baseline, not in the first measured session."""
     weight = numpy_helper.from_array(np.ones((8, 3, 3, 3), np.float32), "w")
     matrix = numpy_helper.from_array(np.ones((8 * 8 * 8, 4), np.float32), "m")
     graph = helper.make_graph(
@@ -280,7 +282,7 @@ def _measure_here(model_path: str, height: int, width: int, batch: int, device: 
     providers: list = (["CPUExecutionProvider"] if device == "cpu" else
                        [("CUDAExecutionProvider", dict(PREDICTABLE_CUDA_OPTIONS))])
     configure_allocator()  # as the server does at start
-    _warm_up(providers)
+    warm_up_runtime(providers)
 
     def used() -> int:
         return _cuda_used_bytes(cudart) if cudart is not None else _status_bytes("VmRSS")

@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime
 
 from convert.runtime_memory import (PREDICTABLE_CUDA_OPTIONS, cuda_free_bytes, first_cpu_run,
-                                    predictable_session_options)
+                                    predictable_session_options, warm_up_runtime)
 from server.settings import Settings
 
 LOG = logging.getLogger(__name__)
@@ -93,6 +93,8 @@ class Engine:
         else:
             LOG.info("%s", choice.reason)
         self.provider = CUDA if CUDA in choice.providers else CPU
+        if not self.on_gpu:  # so the first plan's measured footprint is the plan's, not the runtime's first use
+            warm_up_runtime([CPU])
 
     @property
     def on_gpu(self) -> bool:
