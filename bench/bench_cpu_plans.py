@@ -227,7 +227,9 @@ def _mib(value: float) -> str:
 def run() -> str:
     from bench.cpu_models import converted as converted_net
     from bench.models import converted
+    from convert.memory_model import PROVIDER_TERMS, Device
 
+    cpu = PROVIDER_TERMS[Device.CPU]
     with tempfile.TemporaryDirectory() as folder:
         default_path = converted(folder)
         speed = speed_rows(default_path)
@@ -265,7 +267,8 @@ def run() -> str:
         "A real `scoremap-serve` per model (`--no-warm-up`, canvases exactly the sizes, native stride: one pass; "
         f"batch 4 from 4 concurrent requests meeting in one batch). Worst deviation {worst:.1%} against the plan's "
         f"RSS growth, {worst_steady:.1%} against the steady-state peak. Predicted: admission's "
-        "`scoremap_plan_bytes{kind=\"predicted\"}` (weights + 1.1 x live peak + 10 MiB, convert.memory_model). "
+        f"`scoremap_plan_bytes{{kind=\"predicted\"}}` (weights + {cpu.activation_factor:g} x live peak + "
+        f"{(cpu.session_bytes + cpu.workspace_bytes) / MiB:g} MiB, convert.memory_model). "
         "Growth: VmRSS after the first request(s) at the shape minus before; creation peak: VmHWM during them "
         "(reset through /proc/PID/clear_refs) minus VmRSS before, which includes building the plan graph and "
         "loading its session (transient, one plan at a time server-wide); steady peak: VmHWM during the same "
