@@ -18,7 +18,6 @@ import concurrent.futures
 import dataclasses
 import io
 import os
-import pathlib
 import socket
 import statistics
 import subprocess
@@ -59,7 +58,7 @@ def _plan_graph(net: onnx.ModelProto, batch: int, height: int, width: int, passe
 
 def speed_rows(model_path: str) -> list[tuple[str, float, float]]:
     """(plan shape, server's session ms, onnxruntime defaults ms), medians of alternated runs."""
-    from convert.runtime_memory import configure_allocator
+    from server.runtime_memory import configure_allocator
     from server.device_graph import PIXELS, VALID
     from server.engine import Engine
     from server.settings import Settings
@@ -99,7 +98,7 @@ class PlanMemory:
 
     plan: str
     predicted: int          # admission's prediction for the plan (convert.profile with convert.memory_model)
-    measured_by_server: int  # the footprint the server measured itself (convert.runtime_memory.measure_footprint)
+    measured_by_server: int  # the footprint the server measured itself (server.runtime_memory.measure_footprint)
     creation_growth: int    # VmRSS after the first request(s) at the shape minus before
     creation_peak: int      # VmHWM during them minus VmRSS before
     steady_peak: int        # VmHWM during the same requests again minus VmRSS before the plan existed
@@ -251,7 +250,7 @@ def run() -> str:
         "The CPU configuration: onnxruntime's default session options (its CPU arena and memory pattern on), idle "
         "threads not spinning, glibc's allocator as the server sets it (a fixed 128 KiB mmap threshold), and each "
         "plan's first run shrinking the arena so that from its second run the arena holds only the memory "
-        "pattern's block (server/engine.py, convert.runtime_memory.first_cpu_run).",
+        "pattern's block (server/engine.py, server.runtime_memory.first_cpu_run).",
         "",
         f"### Speed: a plan's run against onnxruntime's defaults (target <= {SPEED_TARGET:g}, {speed_verdict})",
         "",

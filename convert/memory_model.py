@@ -6,7 +6,7 @@
 the execution provider, each fitted on measurements of that provider and kept here with the
 numbers it was fitted on (issue 14):
 
-* CPU (onnxruntime 1.31, CPU provider, `convert.runtime_memory.predictable_session_options`:
+* CPU (onnxruntime 1.31, CPU provider, `server.runtime_memory.predictable_session_options`:
   onnxruntime's own defaults, its arena and memory pattern; the allocator as `configure_allocator`
   sets it; the first run through `first_cpu_run`, as server/engine.py makes every plan): a plan
   keeps, from its second run on, weights + 1.1 x live peak + ~2 MiB, and no run after it takes

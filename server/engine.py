@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime
 
-from convert.runtime_memory import (PREDICTABLE_CUDA_OPTIONS, cuda_free_bytes, first_cpu_run,
+from server.runtime_memory import (PREDICTABLE_CUDA_OPTIONS, cuda_free_bytes, first_cpu_run,
                                     predictable_session_options, warm_up_runtime)
 from server.settings import Settings
 
@@ -61,7 +61,7 @@ _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(uint8)": np.uint8, "tensor(
 
 
 def _first_run(session: onnxruntime.InferenceSession) -> None:
-    """A fixed-shape CPU session's first run, on zeros (convert.runtime_memory.first_cpu_run says why);
+    """A fixed-shape CPU session's first run, on zeros (server.runtime_memory.first_cpu_run says why);
     a session whose inputs are not all fixed is left alone."""
     feeds = {}
     for value in session.get_inputs():
@@ -72,7 +72,7 @@ def _first_run(session: onnxruntime.InferenceSession) -> None:
 
 
 def cuda_device_present() -> bool:
-    """A CUDA runtime loads and sees a device: the one probe (convert.runtime_memory) memory measurement uses too."""
+    """A CUDA runtime loads and sees a device: the one probe (server.runtime_memory) memory measurement uses too."""
     return cuda_free_bytes() is not None
 
 

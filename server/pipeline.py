@@ -31,7 +31,7 @@ from google.protobuf.message import DecodeError
 
 from convert.memory_model import Device
 from convert.profile import ProfileError
-from convert.runtime_memory import configure_allocator, release_free_memory
+from server.runtime_memory import configure_allocator, release_free_memory
 from convert.card import CardError, ImageInput, Precision, batch_shape, label, read_card
 from protos import model_card_pb2, scoring_pb2
 from server import assemble, buckets, dense, imaging

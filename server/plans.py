@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import onnxruntime
 
-from convert.runtime_memory import measure_footprint
+from server.runtime_memory import measure_footprint
 from protos.model_card_pb2 import ModelCard
 from server.admission import Admission
 from server.dense import PassPlan

@@ -328,7 +328,7 @@ def measure_peak(model_path: str, *, height: int, width: int, batch: int = 1, de
         raise MeasurementError(f"measuring {model_path} failed: {error}") from error
     arguments = [model_path, "--height", str(height), "--width", str(width), "--batch", str(batch), "--device", device,
                  *(["--channels-last"] if channels_last else [])]
-    # Run this file, not `-m convert.runtime_memory`: the convert package's import pulls in torch,
+    # Run this file, not `-m server.runtime_memory`: importing the packages (convert pulls in torch) costs
     # seconds of start-up that measure nothing.
     command = [sys.executable, "-c", "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
                __file__, *arguments]
