@@ -1,11 +1,9 @@
 """Memory: predicted vs measured, and a server's host memory under load (issues 3 and 14).
 
-* `run()` (`make bench`): for the default model and a VGG16-style dense model at 224/384/512 px,
-  batch 1 and 4, convert.profile's CPU prediction against the peak onnxruntime really used
-  (convert.runtime_memory: a clean child with the server's session options and allocator
-  configuration), fp16 against fp32 bytes, what the predictable options and the allocator
-  configuration cost in speed, and the host-memory soak: a real server's RSS before, at the peak
-  of and after a burst of large requests from 8 clients (`soak`, SOAK_SECONDS long).
+* `run()` (`make bench`): fp16 against fp32 bytes for the default model and a VGG16-style dense
+  model, and the host-memory soak: a real server's RSS before, at the peak of and after a burst of
+  large requests from 8 clients (`soak`, SOAK_SECONDS long). The CPU prediction against the
+  server's own process is bench_cpu_plans'.
 * `gpu_section()` (`make bench-gpu`, bench/bench_gpu.py): the same models on the CUDA provider,
   every term of convert.memory_model predicted and measured.
 """
@@ -17,7 +15,6 @@ import io
 import math
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,14 +30,10 @@ from convert import convert_classifier
 from convert.memory_model import Device
 from convert.precision import fp16_graph
 from convert.profile import profile_model
-from convert.runtime_memory import cuda_used_bytes, measure_peak, predictable_session_options
+from server.runtime_memory import cuda_used_bytes, measure_peak
 
-SIZES = (224, 384, 512)
-BATCHES = (1, 4)
 # The issue's acceptance bound on predicted / measured.
 BOUND = 0.25
-# Timed runs per configuration in the speed comparison (median reported).
-SPEED_RUNS = 5
 # The soak: how long the burst lasts (`make bench`; tests pass a few seconds), how many clients,
 # the image sizes (height, width) they send in turn, as JPEG, and the scales each request asks for
 # (at stride 16 with flip: 8 passes per scale).
@@ -92,18 +85,6 @@ def vgg16_dense() -> onnx.ModelProto:
 
 def _mib(value: float) -> str:
     return f"{value / 2**20:,.1f}"
-
-
-def _median_run_seconds(path: str, options: onnxruntime.SessionOptions, image: np.ndarray) -> float:
-    session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    feed = {session.get_inputs()[0].name: image}
-    session.run(None, feed)
-    times = []
-    for _ in range(SPEED_RUNS):
-        start = time.perf_counter()
-        session.run(None, feed)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 # --- host memory of a real server ------------------------------------------------------------
@@ -247,25 +228,6 @@ def soak_section(model_path: str, *, seconds: float = SOAK_SECONDS) -> str:
     ])
 
 
-def _allocator_run_ms(path: str, *, configured: bool) -> float:
-    """Median run time of the default model at 384x384 in a fresh process, glibc configured as the server
-    does or left at its defaults."""
-    script = (
-        "import statistics, sys, time, numpy as np, onnxruntime\n"
-        "from convert.runtime_memory import configure_allocator, predictable_session_options\n"
-        f"{'configure_allocator()' if configured else ''}\n"
-        "session = onnxruntime.InferenceSession(sys.argv[1], predictable_session_options(), providers=['CPUExecutionProvider'])\n"
-        "feed = {session.get_inputs()[0].name: np.random.default_rng(0).standard_normal((1, 3, 384, 384), dtype=np.float32)}\n"
-        "session.run(None, feed)\n"
-        "times = []\n"
-        f"for _ in range({SPEED_RUNS}):\n"
-        "    start = time.perf_counter(); session.run(None, feed); times.append(time.perf_counter() - start)\n"
-        "print(1000 * statistics.median(times))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, check=True)
-    return float(done.stdout.strip().splitlines()[-1])
-
-
 # --- the CUDA provider ------------------------------------------------------------------------
 
 def gpu_section() -> str:
@@ -273,7 +235,7 @@ def gpu_section() -> str:
     saying why not where CUDA does not load (for `make bench-gpu`, bench/bench_gpu.py)."""
     if cuda_used_bytes() is None or "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         return ("### Memory on the CUDA provider\n\nNot measured: the CUDA provider or the CUDA runtime does not "
-                "load on this machine (convert.runtime_memory.cuda_used_bytes).")
+                "load on this machine (server.runtime_memory.cuda_used_bytes).")
     rows, ratios = [], []
     with tempfile.TemporaryDirectory() as folder:
         paths = {"default": str(pathlib.Path(folder) / "default.onnx"), "vgg16": str(pathlib.Path(folder) / "vgg16.onnx")}
@@ -298,7 +260,7 @@ def gpu_section() -> str:
         "### Memory on the CUDA provider (convert.memory_model)",
         "",
         f"Predicted / measured device memory (cudaMemGetInfo over the process's baseline, "
-        f"convert.runtime_memory.measure_peak); worst deviation {worst:.1%} "
+        f"server.runtime_memory.measure_peak); worst deviation {worst:.1%} "
         f"({'met' if worst <= BOUND else 'NOT met'}, target {BOUND:.0%}). Session = weights + per-session state "
         "(measured after creating the session); runs = weight copies + workspace + activation factor x live peak "
         "(measured after the runs, minus the session). MiB, predicted / measured (ratio).",
@@ -319,22 +281,6 @@ def run() -> str:
         onnx.save(convert_classifier("default"), default_path)
         onnx.save(vgg16_dense(), vgg_path)
 
-        rows, ratios = [], []
-        for label, path in paths.items():
-            for size in SIZES:
-                for batch in BATCHES:
-                    profile = profile_model(path, height=size, width=size, batch=batch)
-                    measured = measure_peak(path, height=size, width=size, batch=batch, device="cpu")
-                    ratio = profile.predicted_peak_bytes / measured.peak_bytes
-                    ratios.append(ratio)
-                    saving = 1 - profile.peak_activation_bytes / profile.naive_activation_bytes
-                    rows.append(
-                        f"| {label} | {size}x{size} | {batch} | {_mib(profile.weights_bytes)} | "
-                        f"{_mib(profile.naive_activation_bytes)} | {_mib(profile.peak_activation_bytes)} ({saving:.0%} saved) | "
-                        f"{_mib(profile.allowance_bytes)} | {_mib(profile.predicted_peak_bytes)} | "
-                        f"{_mib(measured.peak_bytes)} ({measured.device}) | {ratio:.3f} | {_mib(measured.load_peak_bytes)} |"
-                    )
-
         precision_rows = []
         for label, path in paths.items():
             half = fp16_graph(onnx.load(path))
@@ -347,30 +293,13 @@ def run() -> str:
                     f"{_mib(full_profile.peak_activation_bytes)} | {_mib(half_profile.peak_activation_bytes)} | "
                     f"{half_profile.peak_activation_bytes / full_profile.peak_activation_bytes:.3f} |"
                 )
-
-        image = np.random.default_rng(0).standard_normal((1, 3, 384, 384), dtype=np.float32)
-        default_seconds = _median_run_seconds(default_path, onnxruntime.SessionOptions(), image)
-        predictable_seconds = _median_run_seconds(default_path, predictable_session_options(), image)
-        glibc_ms = _allocator_run_ms(default_path, configured=False)
-        configured_ms = _allocator_run_ms(default_path, configured=True)
         soak = soak_section(default_path)
 
-    worst = max(abs(ratio - 1) for ratio in ratios)
-    verdict = "met" if worst <= BOUND else "NOT met"
     return "\n".join([
-        "## Memory: predicted vs measured peak (issues 3 and 14)",
+        "## Memory: fp16 bytes and a server's host memory under load (issues 3 and 14)",
         "",
-        f"Target: predicted / measured within 1 ± {BOUND:g} in every case. Worst deviation: {worst:.1%} ({verdict}); "
-        f"ratios {min(ratios):.3f} to {max(ratios):.3f}.",
-        "Predicted = weights + live activation peak + allowance (convert.profile with convert.memory_model's CPU terms: "
-        "8 MiB run workspace + 0.05 x live peak). Measured (convert.runtime_memory): peak RSS of a clean child "
-        "process over its baseline before session creation, in the server's configuration (onnxruntime's memory "
-        "pattern for the one shape, no CPU arena, glibc's allocator set by configure_allocator as the server sets it at start), the high-water mark "
-        "reset after session creation, whose own transient peak is the last column. MiB throughout.",
-        "",
-        "| model | input | batch | weights | activations, naive sum | activations, live peak | allowance | predicted | measured | predicted/measured | session-creation peak |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-        *rows,
+        "The CPU prediction against the server's own process, and the CPU configuration's speed, are in "
+        "bench_cpu_plans; the CUDA terms in bench_gpu.",
         "",
         "### fp16 vs fp32 (batch 1, predicted)",
         "",
@@ -380,19 +309,6 @@ def run() -> str:
         "",
         "fp16 activations keep the float32 input and its fp16 copy at the graph's edge, hence a ratio a little above 0.5. "
         "On the CPU provider fp16 graphs run through float32 kernels (inserted casts); fp16 is for GPUs.",
-        "",
-        "### Cost of the predictable session options",
-        "",
-        f"efficientnet-lite0 dense, 384x384, batch 1, median of {SPEED_RUNS} runs: onnxruntime defaults "
-        f"{default_seconds * 1000:.0f} ms, no CPU arena {predictable_seconds * 1000:.0f} ms "
-        f"(ratio {predictable_seconds / default_seconds:.2f}). With the arena its fragmentation measured 1.7-2x the "
-        "live activations on a VGG-style graph.",
-        "",
-        f"The allocator configuration (convert.runtime_memory.configure_allocator: a fixed 128 KiB mmap threshold, "
-        f"heap top trimmed at once), same model and size, fresh processes: glibc defaults {glibc_ms:.0f} ms, "
-        f"configured {configured_ms:.0f} ms (ratio {configured_ms / glibc_ms:.2f}). Under glibc's defaults the "
-        "measurement above peaked at 110 MB for 512x512, batch 1 (53 MB configured; issue 14): freed activations "
-        "stay in the heap and the next run's come on top.",
         "",
         soak,
     ])

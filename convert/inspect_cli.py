@@ -43,7 +43,7 @@ def _budget(text: str) -> int:
 
 def cuda_visible() -> bool:
     """Whether a CUDA runtime loads here and sees a device (the probe memory measurement uses)."""
-    from convert.runtime_memory import cuda_free_bytes
+    from convert.cuda import cuda_free_bytes
 
     return cuda_free_bytes() is not None
 

@@ -6,15 +6,19 @@
 the execution provider, each fitted on measurements of that provider and kept here with the
 numbers it was fitted on (issue 14):
 
-* CPU (onnxruntime 1.2x, CPU provider, `convert.runtime_memory.predictable_session_options`, the
-  allocator as `configure_allocator` sets it): peak RSS over the process before the session was
-  weights + live peak + 6-9 MiB on EfficientNet-Lite0 dense and VGG16 dense at 224-512 px, batch
-  1-4, with onnxruntime's memory pattern off (12 cases, predicted/measured 0.996-1.038). With the
-  pattern on, as plans now run, the pattern's block holds up to 1.14x EfficientNet's live peak
-  (VGG16's 1.0x): predicted/measured 0.933-1.024 (bench/RESULTS.md). The CPU provider repacks
-  convolution weights in place of the originals (no copy); of the 8 MiB constant, ~1 MiB stays with
-  the session between runs (the resident set a warmed-up plan of a 0.1 MiB net left: 0.6-0.9 MiB)
-  and the rest is the run's workspace; the 5% is the NCHWc reorders' channel padding.
+* CPU (onnxruntime 1.31, CPU provider, `server.runtime_memory.predictable_session_options`:
+  onnxruntime's own defaults, its arena and memory pattern; the allocator as `configure_allocator`
+  sets it; the first run through `first_cpu_run`, as server/engine.py makes every plan): a plan
+  keeps, from its second run on, weights + 1.1 x live peak + ~2 MiB, and no run after it takes
+  more (issue 22, CPU_MEASUREMENTS, measured in the server's own process). The 1.1 is the memory
+  pattern's block (onnxruntime's planner places buffers by first fit, so the block exceeds the
+  live peak) and what the arena kept of the first run; the ~2 MiB the session's own state
+  (pre-packed and NCHWc-reordered weights replace the originals: no copy) and run workspace. The
+  arena rounds its regions up to powers of two, but only the pages a run touches are resident,
+  and a plan's runs all touch the same ones. Least squares over CPU_MEASUREMENTS gave 1.106 and
+  1.3 MiB; rounded, every case is within 5%. A server's first plan costs ~7 MiB more, once (the
+  interpreter's and onnxruntime's first-use state), and making a plan peaks transiently ~50-100 MiB
+  above what it keeps (the plan graph built and serialized, the session loaded: bench_cpu_plans).
 * CUDA (H100, onnxruntime-gpu 1.31.1, `arena_extend_strategy=kSameAsRequested`): device memory
   over the process's baseline, `CUDA_MEASUREMENTS` below. Creating a session costs the weights
   plus ~76 MiB of CUDA/cuDNN/cuBLAS handles and streams (94 MiB on EfficientNet-Lite0, whose
@@ -35,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-__all__ = ["Device", "ProviderTerms", "MemoryTerms", "PROVIDER_TERMS", "CUDA_MEASUREMENTS", "predict"]
+__all__ = ["Device", "ProviderTerms", "MemoryTerms", "PROVIDER_TERMS", "CPU_MEASUREMENTS", "CUDA_MEASUREMENTS", "predict"]
 
 MiB = 2**20
 
@@ -61,10 +65,11 @@ class ProviderTerms:
 
 PROVIDER_TERMS = {
     Device.CPU: ProviderTerms(
-        weight_copies=0.0, session_bytes=1 * MiB, workspace_bytes=7 * MiB, activation_factor=1.05, keeps_run_memory=False,
-        fitted_on="peak RSS, onnxruntime CPU provider, EfficientNet-Lite0 dense and VGG16 dense at 224/384/512 px, "
-                  "batch 1 and 4 (bench/RESULTS.md): 6-9 MiB over weights + live peak with the memory pattern off; "
-                  "with it on, predicted/measured 0.933-1.024",
+        weight_copies=0.0, session_bytes=1 * MiB, workspace_bytes=1 * MiB, activation_factor=1.1, keeps_run_memory=True,
+        fitted_on="resident set a plan's session keeps after its warm-up runs, onnxruntime 1.31 CPU provider with its "
+                  "arena and memory pattern, the default model, a VGG-width net and the same net taking NHWC, "
+                  "224-512 px, batch 1 and 4, RSS growth of a scoremap-serve process at each plan's first request "
+                  "(CPU_MEASUREMENTS, bench_cpu_plans)",
     ),
     Device.CUDA: ProviderTerms(
         weight_copies=0.8, session_bytes=76 * MiB, workspace_bytes=66 * MiB, activation_factor=2.0, keeps_run_memory=True,
@@ -72,6 +77,31 @@ PROVIDER_TERMS = {
                   "dense, 224-1024 px, batch 1-8 (issue 14, CUDA_MEASUREMENTS)",
     ),
 }
+
+# The CPU measurements the terms were fitted on (issue 22; bench_cpu_plans on a 2-core AMD EPYC shared with
+# other work, onnxruntime 1.31.1): model, side, batch, passes, weights MiB, live activation peak MiB
+# (convert.profile of the net at side x side, batch x passes), VmRSS growth of the scoremap-serve
+# process at the plan's first request(s) MiB (a plan made after the server's first).
+CPU_MEASUREMENTS = (
+    ("efficientnet-lite0 dense", 224, 1, 1, 17.7, 6.3, 26.8),
+    ("efficientnet-lite0 dense", 384, 1, 1, 17.7, 18.6, 40.6),
+    ("efficientnet-lite0 dense", 512, 1, 1, 17.7, 33.0, 56.2),
+    ("efficientnet-lite0 dense", 224, 4, 1, 17.7, 25.3, 47.0),
+    ("efficientnet-lite0 dense", 384, 4, 1, 17.7, 74.2, 101.6),
+    ("efficientnet-lite0 dense", 512, 4, 1, 17.7, 132.0, 166.8),
+    ("VGG-width dense", 224, 1, 1, 16.0, 6.7, 24.7),
+    ("VGG-width dense", 384, 1, 1, 16.0, 19.7, 38.3),
+    ("VGG-width dense", 512, 1, 1, 16.0, 35.0, 54.7),
+    ("VGG-width dense", 224, 4, 1, 16.0, 26.8, 45.7),
+    ("VGG-width dense", 384, 4, 1, 16.0, 78.8, 100.7),
+    ("VGG-width dense", 512, 4, 1, 16.0, 140.0, 167.6),
+    ("VGG-width NHWC dense", 224, 1, 1, 16.0, 6.7, 25.1),
+    ("VGG-width NHWC dense", 384, 1, 1, 16.0, 19.7, 39.0),
+    ("VGG-width NHWC dense", 512, 1, 1, 16.0, 35.0, 56.9),
+    ("VGG-width NHWC dense", 224, 4, 1, 16.0, 26.8, 47.4),
+    ("VGG-width NHWC dense", 384, 4, 1, 16.0, 78.8, 105.9),
+    ("VGG-width NHWC dense", 512, 4, 1, 16.0, 140.0, 176.3),
+)
 
 # The CUDA measurements the terms were fitted on (issue 14): model, side, batch, weights MiB,
 # live activation peak MiB (convert.profile at that size), device memory measured MiB.
@@ -111,8 +141,8 @@ class MemoryTerms:
 
     @property
     def transient(self) -> int:
-        """What a run needs and gives back when it returns: workspace and activations on the CPU
-        (no arena), nothing on CUDA (its arena keeps what the first runs grew it to)."""
+        """What a run needs and gives back when it returns: nothing on either provider now (the CPU's
+        and CUDA's arenas keep what the first runs grew them to); kept for a provider that frees."""
         if PROVIDER_TERMS[self.device].keeps_run_memory:
             return 0
         return self.run_workspace + self.activations

@@ -23,7 +23,7 @@ so what users are shown is what the server enforces. Two ways to use it:
   models chosen for eviction are handed to their Admission's `on_evict(key)` (called outside any
   lock). It raises ScoringError(RESOURCE_EXHAUSTED) with the bytes, the budget and the largest
   scale that fits when the plan cannot fit even with every other plan evicted. Then, once the plan
-  is made and warmed up (`convert.runtime_memory.measure_footprint`):
+  is made and warmed up (`server.runtime_memory.measure_footprint`):
 
       admission.plan_created(key, measured_bytes)   # replaces the reservation, exports the gauge,
                                                      # logs when the prediction is off by > 25%
@@ -51,7 +51,7 @@ import onnx
 
 from convert.memory_model import Device, MemoryTerms
 from convert.profile import ProfileError, Skeleton, largest_batch, load_skeleton, profile_model
-from convert.runtime_memory import release_free_memory
+from server.runtime_memory import release_free_memory
 from protos import scoring_pb2
 from server import dense, imaging
 from server.device_graph import DeviceGraphError

@@ -145,7 +145,8 @@ def scores_shape(net: onnx.ModelProto, *, input_name: str, scores_name: str,
 
 
 def _preprocess(b: _Builder, image: ImageInput, *, width: int) -> str:
-    """uint8 RGB channels-last pixels as the net's input tensor, in its layout, channel order and dtype.
+    """uint8 RGB channels-last pixels as the net's input values in float32, in its layout and channel
+    order (the cast to its dtype comes after the passes' padding, `_passes`).
 
     The layout comes first and the per-channel constants are shaped so that the broadcast runs over
     long contiguous spans: onnxruntime's CPU Sub/Div of [1, 384, 576, 3] by a [3] constant took
@@ -172,15 +173,17 @@ def _preprocess(b: _Builder, image: ImageInput, *, width: int) -> str:
         x = b.op("Div", [x, per_channel(image.std)])
     if image.dtype == np.uint8:
         x = b.op("Round", [b.op("Clip", [x, b.const(0.0), b.const(255.0)])])
-    if image.dtype != np.float32:
-        x = b.op("Cast", [x], to=helper.np_dtype_to_tensor_dtype(image.dtype))
     return x
 
 
-def _passes(b: _Builder, image: str, offsets, *, spatial: tuple[int, int], shape: list[int], output: str) -> None:
-    """Each pass the image moved down dy and right dx in its canvas, 0-filled; pass p of image b at b*P + p.
+def _passes(b: _Builder, image: str, offsets, *, dtype: np.dtype, spatial: tuple[int, int], shape: list[int],
+            output: str) -> None:
+    """Each pass the float32 `image` moved down dy and right dx in its canvas, 0-filled, as the net's
+    `dtype`; pass p of image b at b*P + p.
 
-    One Pad by the largest shift at the top and left, then each pass a window of it."""
+    One Pad by the largest shift at the top and left, then each pass a window of it. The Pad runs in
+    float32, before the cast to the net's dtype: onnxruntime's CUDA Pad has no uint8 kernel (issue 19),
+    and 0 is 0 in every dtype, so the values are the same."""
     top, left = max(dy for dy, _ in offsets), max(dx for _, dx in offsets)
     y, x = spatial
     padded = image
@@ -188,10 +191,12 @@ def _passes(b: _Builder, image: str, offsets, *, spatial: tuple[int, int], shape
         pads = [0] * 8
         pads[y], pads[x] = top, left
         padded = b.op("Pad", [image, b.ints(pads)], mode="constant")
+    if dtype != np.float32:
+        padded = b.op("Cast", [padded], to=helper.np_dtype_to_tensor_dtype(dtype))
     shifted = []
     for dy, dx in offsets:
-        moved = image
-        if (dy, dx) != (0, 0):
+        moved = padded
+        if top or left:  # pass (0, 0) too is a window of the padded (and cast) canvas
             moved = b.op("Slice", [padded, b.ints([top - dy, left - dx]),
                                    b.ints([top - dy + shape[y], left - dx + shape[x]]), b.ints(spatial)])
         shifted.append(b.op("Unsqueeze", [moved, b.ints([1])]))
@@ -241,8 +246,8 @@ def build_plan_graph(
     cells = [batch, classes, factor * h, factor * w]
 
     b = _Builder()
-    _passes(b, _preprocess(b, image, width=width), ordered, spatial=image.spatial_axes, shape=pass_shape,
-            output=NET_PREFIX + image.name)
+    _passes(b, _preprocess(b, image, width=width), ordered, dtype=image.dtype, spatial=image.spatial_axes,
+            shape=pass_shape, output=NET_PREFIX + image.name)
     before_net = len(b.nodes)
 
     scores = NET_PREFIX + card.scores_name

@@ -11,9 +11,11 @@ import logging
 import tempfile
 from dataclasses import dataclass
 
+import numpy as np
 import onnxruntime
 
-from convert.runtime_memory import PREDICTABLE_CUDA_OPTIONS, cuda_free_bytes, predictable_session_options
+from convert.cuda import cuda_free_bytes
+from server.runtime_memory import PREDICTABLE_CUDA_OPTIONS, first_cpu_run, predictable_session_options, warm_up_runtime
 from server.settings import Settings
 
 LOG = logging.getLogger(__name__)
@@ -54,8 +56,23 @@ def choose_providers(
     return ProviderChoice((CPU,), f"running on the CPU: {missing}")
 
 
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(uint8)": np.uint8, "tensor(float16)": np.float16,
+                "tensor(int64)": np.int64}
+
+
+def _first_run(session: onnxruntime.InferenceSession) -> None:
+    """A fixed-shape CPU session's first run, on zeros (server.runtime_memory.first_cpu_run says why);
+    a session whose inputs are not all fixed is left alone."""
+    feeds = {}
+    for value in session.get_inputs():
+        if value.type not in _NUMPY_TYPES or not all(isinstance(dim, int) for dim in value.shape):
+            return
+        feeds[value.name] = np.zeros(value.shape, _NUMPY_TYPES[value.type])
+    first_cpu_run(session, feeds)
+
+
 def cuda_device_present() -> bool:
-    """A CUDA runtime loads and sees a device: the one probe (convert.runtime_memory) memory measurement uses too."""
+    """A CUDA runtime loads and sees a device: the one probe (server.runtime_memory) memory measurement uses too."""
     return cuda_free_bytes() is not None
 
 
@@ -76,6 +93,8 @@ class Engine:
         else:
             LOG.info("%s", choice.reason)
         self.provider = CUDA if CUDA in choice.providers else CPU
+        if not self.on_gpu:  # so the first plan's measured footprint is the plan's, not the runtime's first use
+            warm_up_runtime([CPU])
 
     @property
     def on_gpu(self) -> bool:
@@ -108,6 +127,8 @@ class Engine:
                 raise EngineError(f"{CUDA} failed to load (the session runs on {actual})")
             LOG.warning("CUDA was requested but the session runs on %s; running on the CPU", actual)
             self.provider = actual
+        if not self.on_gpu:
+            _first_run(session)
         return session
 
     def free_gpu_bytes(self) -> int | None:

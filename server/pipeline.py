@@ -25,7 +25,7 @@ import numpy as np
 
 from convert.card import Precision, label
 from convert.memory_model import Device
-from convert.runtime_memory import configure_allocator
+from server.runtime_memory import configure_allocator
 from protos import model_card_pb2, scoring_pb2
 from server import admission, assemble, imaging, loading
 from server.admission import HostBudget, Ticket, available_memory_bytes

@@ -25,7 +25,7 @@ import onnx
 import onnxruntime
 
 from convert.memory_model import Device, MemoryTerms
-from convert.runtime_memory import measure_footprint
+from server.runtime_memory import measure_footprint
 from protos.model_card_pb2 import ModelCard
 from server.buckets import Buckets
 from server.dense import Passes

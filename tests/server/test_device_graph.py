@@ -257,3 +257,81 @@ def test_the_default_model(request, fixture, offsets, factor):
         net, batch=1, height=256, width=288, offsets=offsets, factor=factor, stride=S, drop=0.2)
     assert_close(outputs[LATTICE], lattice, on=running)
     assert_close(outputs[PROBABILITIES], probabilities, on=running)
+
+
+# The (op, type) pairs plan graphs rely on, each with the file of onnxruntime 1.31 that registers its
+# CUDA kernel (under onnxruntime/core/providers/cuda/). An op at a type not listed here may have no
+# CUDA kernel and run on the CPU, with copies either side of it (issue 19: Pad has float, double and
+# float16 kernels only, tensor/pad.cc). Cast is keyed by its input type: cast_op.cc registers every
+# source type with every target type. Checked against pad.cc and cast_op.cc; the others by
+# onnxruntime's source layout and the placement check recorded in issue 19 (every node of these
+# plans on CUDAExecutionProvider but the uint8 Pad).
+CUDA_KERNELS = {
+    **{(op, t): "math/binary_elementwise_ops.cc" for op in ("Add", "Sub", "Mul", "Div") for t in ("FLOAT", "FLOAT16")},
+    ("Greater", "FLOAT"): "math/binary_elementwise_ops.cc",
+    **{("AveragePool", t): "nn/pool.cc" for t in ("FLOAT", "FLOAT16")},
+    **{("Conv", t): "nn/conv.cc" for t in ("FLOAT", "FLOAT16")},
+    **{("Relu", t): "activation/activations.cc" for t in ("FLOAT", "FLOAT16")},
+    **{("Clip", t): "math/clip.cc" for t in ("FLOAT", "FLOAT16")},
+    ("Round", "FLOAT"): "math/unary_elementwise_ops.cc",
+    ("Softmax", "FLOAT"): "math/softmax.cc",
+    ("ReduceSum", "FLOAT"): "reduction/reduction_ops.cc",
+    **{("Pad", t): "tensor/pad.cc" for t in ("FLOAT", "FLOAT16")},
+    ("DepthToSpace", "FLOAT"): "tensor/space_depth_ops.cc",
+    ("Split", "FLOAT"): "tensor/split.cc",
+    ("ConstantOfShape", "INT64"): "generator/constant_of_shape.cc",
+    **{("Cast", t): "tensor/cast_op.cc" for t in ("UINT8", "FLOAT", "FLOAT16", "BOOL")},
+    # Every fixed-size type (uint8 included): data movement only.
+    **{(op, t): f"tensor/{file}" for op, file in (
+        ("Transpose", "transpose.cc"), ("Gather", "gather.cc"), ("Slice", "slice.cc"), ("Concat", "concat.cc"),
+        ("Reshape", "reshape.cc"), ("Unsqueeze", "unsqueeze.cc"), ("Identity", "identity_op.cc"))
+       for t in ("FLOAT", "FLOAT16", "UINT8")},
+}
+
+
+def op_types(graph: onnx.ModelProto) -> set[tuple[str, str]]:
+    """Each node's (op, type of its first input) in a graph with fixed shapes."""
+    inferred = onnx.shape_inference.infer_shapes(graph, strict_mode=True)
+    types = {value.name: value.type.tensor_type.elem_type
+             for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]}
+    types.update((tensor.name, tensor.data_type) for tensor in graph.graph.initializer)
+    return {(node.op_type, TensorProto.DataType.Name(types[node.input[0]])) for node in graph.graph.node}
+
+
+def without_cuda_kernel(graph: onnx.ModelProto) -> set[tuple[str, str]]:
+    return {pair for pair in op_types(graph) if pair not in CUDA_KERNELS}
+
+
+def test_the_kernel_check_finds_a_uint8_pad():
+    """The check itself: a uint8 Pad (what uint8-input plans had before issue 19) is reported."""
+    graph = helper.make_graph(
+        [helper.make_node("Pad", ["x", "pads"], ["y"], mode="constant")], "pad8",
+        [helper.make_tensor_value_info("x", TensorProto.UINT8, [1, 3, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.UINT8, [1, 3, 6, 6])],
+        [numpy_helper.from_array(np.array([0, 0, 2, 2, 0, 0, 0, 0], np.int64), "pads")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert without_cuda_kernel(model) == {("Pad", "UINT8")}
+
+
+@pytest.mark.parametrize("net, batch, offsets, factor, stride", [
+    ("default", 1, ((0, 0),), 1, 32),
+    ("default", 4, GRID, 2, S),
+    ("default", 4, DIAGONAL, 2, S),
+    ("atrous", 1, ((0, 0),), 1, 16),
+    ("fp16", 4, GRID, 2, S),
+    ("uint8", 4, GRID, 2, S),
+    ("uint8", 4, DIAGONAL, 2, S),
+    ("nhwc-fp16-input", 2, GRID, 2, S),
+], ids=["default-s32-b1", "default-grid-b4", "default-diagonal-b4", "atrous", "fp16-precision-grid",
+        "uint8-grid-b4", "uint8-diagonal-b4", "nhwc-fp16-input-grid"])
+def test_every_op_of_a_plan_graph_has_a_cuda_kernel(request, net, batch, offsets, factor, stride):
+    """Checked on the CPU, by type: a node without a CUDA kernel would run on the host (issue 19)."""
+    nets = {
+        "default": lambda: onnx.load(request.getfixturevalue("default_model_path")),
+        "atrous": lambda: onnx.load(request.getfixturevalue("default_model_os16_path")),
+        "fp16": fp16_precision_net, "uint8": bgr_uint8_net, "nhwc-fp16-input": nhwc_float16_net,
+    }
+    model = nets[net]()
+    plan = build_plan_graph(model, read_card(model), batch=batch, height=256, width=288, offsets=offsets,
+                            factor=factor, stride=stride)
+    assert not without_cuda_kernel(plan), f"no CUDA kernel listed for {sorted(without_cuda_kernel(plan))}"

@@ -14,5 +14,7 @@ def test_idle_memory_returns_after_a_burst_of_large_requests(tmp_path):
     result = soak(str(path), seconds=1.0, clients=8, shapes=((1536, 2048), (2432, 640)), scales=(384, 512),
                   idle_seconds=1.0, server_args=("--no-warm-up",))
     assert result.requests >= 8 and not result.errors, result
-    assert result.peak_bytes - result.before_bytes > 100 * MiB, result  # the burst really held memory
+    # The burst really held memory: the requests' own (decoded images, canvases, maps); the plans' activations
+    # are already held before it, by their arenas (issue 22).
+    assert result.peak_bytes - result.before_bytes > 50 * MiB, result
     assert result.after_bytes <= 1.5 * result.before_bytes, result

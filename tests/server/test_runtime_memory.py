@@ -4,8 +4,8 @@ import numpy as np
 import onnxruntime
 import pytest
 
-from convert.runtime_memory import (configure_allocator, measure_footprint, predictable_session_options,
-                                    release_free_memory, resident_bytes)
+from server.runtime_memory import (MeasurementError, configure_allocator, measure_footprint, measure_peak,
+                                   predictable_session_options, release_free_memory, resident_bytes, select_device)
 from tests.tiny_models import patch_net
 
 MiB = 2**20
@@ -52,3 +52,20 @@ def test_freed_memory_goes_back_to_the_system():
     release_free_memory()
     assert resident_bytes() - before < 30 * MiB
     del survivors
+
+
+def test_measurement_uses_the_gpu_only_when_cuda_loads():
+    assert select_device(["CUDAExecutionProvider", "CPUExecutionProvider"], cuda_loadable=True) == "cuda"
+    assert select_device(["CUDAExecutionProvider", "CPUExecutionProvider"], cuda_loadable=False) == "cpu"
+    assert select_device(["CPUExecutionProvider"], cuda_loadable=True) == "cpu"
+
+
+def test_measurement_refuses_an_unknown_device_and_a_missing_model(tmp_path):
+    with pytest.raises(MeasurementError, match="device must be"):
+        measure_peak(str(tmp_path / "m.onnx"), height=32, width=32, device="tpu")
+    with pytest.raises(MeasurementError, match="no model file"):
+        measure_peak(str(tmp_path / "missing.onnx"), height=32, width=32, device="cpu")
+    broken = tmp_path / "broken.onnx"
+    broken.write_text("not a model")
+    with pytest.raises(MeasurementError, match="failed"):
+        measure_peak(str(broken), height=32, width=32, device="cpu")

@@ -5,12 +5,13 @@
   glibc's defaults the mmap threshold grows to 32 MiB after the first large free, activations then
   come from the heap, fragment it and stay: the default model peaked at 110 MB for 512x512 (the
   prediction, 63 MB, was 0.57x of it) and a server's idle RSS ratcheted from 1.0 to 6.3 GB (issue
-  14); configured, within 7% of the prediction (bench_memory). `release_free_memory()` (malloc_trim) gives back the holes left
-  inside the heaps after a large request.
+  14). `release_free_memory()` (malloc_trim) gives back the holes left inside the heaps after a
+  large request.
 * `measure_footprint()`: what creating and warming up a plan (a session) really costs, in the
   running process: device memory (cudaMemGetInfo) on CUDA, resident set (current, not peak) on both.
-* `measure_peak()`: the peak of one run, in a clean child configured like the server, the check
-  on convert.profile (`make bench`). Nothing the parent allocated or cached is counted:
+* `measure_peak()`: the peak of a bare net's runs, in a clean child configured like the server, the
+  check on convert.profile's CUDA terms (`make bench-gpu`); the CPU terms are checked on plans, in
+  the server's own process (bench/bench_cpu_plans.py). Nothing the parent allocated or cached is counted:
 
 * CPU: peak resident set (VmHWM in /proc/self/status) during the runs minus the resident set
   before the session was created. The high-water mark is reset after session creation (writing
@@ -41,11 +42,15 @@ import numpy as np
 import onnxruntime
 from onnx import TensorProto, helper, numpy_helper
 
+from convert.cuda import runtime
+
 __all__ = [
     "MeasurementError",
     "Measurement",
     "select_device",
     "predictable_session_options",
+    "first_cpu_run",
+    "warm_up_runtime",
     "PREDICTABLE_CUDA_OPTIONS",
     "measure_peak",
     "Footprint",
@@ -66,13 +71,10 @@ RUNS = 2
 # A measurement child that takes longer than this is stopped.
 TIMEOUT_SECONDS = 600
 # Allocations from this size up get their own mapping, unmapped when freed (glibc's initial
-# threshold; setting it also stops glibc raising it after large frees), so the resident set follows
-# the live activations the prediction counts. The price is CPU time, paid by the CPU provider only
-# (on a GPU the activations live on the device): a run's activation block (the memory pattern) is
-# mapped and faulted in afresh at each run, 1.12x slower default-model runs here (bench_memory
-# measures it). A 32 MiB threshold was measured too, without the memory pattern: runs as fast as
-# glibc's defaults, but freed buffers below it stayed in the heap and the prediction fell to
-# 0.44-0.91x of the measured peak, outside its +-25%.
+# threshold; setting it also stops glibc raising it after large frees): the regions of a plan's
+# onnxruntime arena go back to the system when the plan is dropped or its first run shrinks the
+# arena, and the buffers of requests (decoded images, maps) when the request ends. Runs do not pay
+# for it: the arena keeps the memory pattern's block from run to run (issue 22).
 MMAP_THRESHOLD_BYTES = 128 * 1024
 # Free memory above the heap's top beyond this is returned at once.
 TRIM_THRESHOLD_BYTES = 0
@@ -103,38 +105,39 @@ PREDICTABLE_CUDA_OPTIONS = {"arena_extend_strategy": "kSameAsRequested"}
 def predictable_session_options(*, on_gpu: bool = False) -> onnxruntime.SessionOptions:
     """Session options under which convert.profile's prediction holds.
 
-    The CPU arena is off: its best-fit chunks fragment across runs (measured 1.7-1.9x the live
-    activations on a VGG-style graph), while plain allocations follow the liveness the profile
-    computes. On the CPU onnxruntime's memory pattern is on: a plan's session only ever sees one
-    shape (server/plans.py), so the pattern is one block of the planned activations, allocated per
-    run and freed with it, which saves a mapping per activation buffer (runs 1.12x the cost of
-    glibc's defaults instead of 1.65x, bench_memory; the prediction holds within 7%). On CUDA it
-    stays off: the CUDA terms of convert.memory_model were fitted on H100 runs made without it.
+    On the CPU, onnxruntime's own defaults: its arena and its memory pattern. A plan's session only
+    ever sees one shape (server/plans.py), so the pattern is one block of the planned activations,
+    taken from the arena at the first run and reused by every run after it: runs at onnxruntime's
+    default speed (bench_cpu_plans), and the arena holds the same bytes from the first run on, which
+    convert.memory_model counts (the arena's fragmentation, 1.7-1.9x the live activations on a
+    VGG-style graph, came from one session seeing many shapes). Without the arena each run mapped
+    and faulted its activations afresh: 1.1-3.2x slower (issue 22). On CUDA both stay off: the CUDA
+    terms of convert.memory_model were fitted on H100 runs made without them.
     """
     options = onnxruntime.SessionOptions()
-    options.enable_cpu_mem_arena = False
+    options.enable_cpu_mem_arena = not on_gpu
     options.enable_mem_pattern = not on_gpu
     return options
+
+
+# onnxruntime's run option that hands a CPU arena's free chunks back when the run returns.
+_SHRINK_CPU_ARENA = onnxruntime.RunOptions()
+_SHRINK_CPU_ARENA.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+
+
+def first_cpu_run(session: onnxruntime.InferenceSession, feeds: dict[str, np.ndarray]) -> None:
+    """A CPU session's first run, after which its arena gives back what the run freed.
+
+    onnxruntime records the memory pattern during a session's first run, which allocates buffer by
+    buffer; the second run takes the pattern's one block from the arena, and every run after it
+    reuses that block. Without handing the first run's chunks back, the arena would keep both: a
+    further 1.4x the live activations on top of the pattern (issue 22, convert.memory_model)."""
+    session.run(None, feeds, _SHRINK_CPU_ARENA)
 
 
 def select_device(available_providers: list[str], *, cuda_loadable: bool) -> str:
     """'cuda' when the CUDA provider is built in and its libraries load, else 'cpu'."""
     return "cuda" if "CUDAExecutionProvider" in available_providers and cuda_loadable else "cpu"
-
-
-_CUDART_NAMES = ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0")
-
-
-def _cudart() -> ctypes.CDLL | None:
-    for name in _CUDART_NAMES:
-        try:
-            library = ctypes.CDLL(name)
-        except OSError:
-            continue
-        count = ctypes.c_int(0)
-        if library.cudaGetDeviceCount(ctypes.byref(count)) == 0 and count.value > 0:
-            return library
-    return None
 
 
 def _cuda_used_bytes(cudart: ctypes.CDLL) -> int:
@@ -145,18 +148,9 @@ def _cuda_used_bytes(cudart: ctypes.CDLL) -> int:
     return total.value - free.value
 
 
-def cuda_free_bytes() -> int | None:
-    """Free memory on the current CUDA device (cudaMemGetInfo), or None without a CUDA runtime and device."""
-    cudart = _cudart()
-    if cudart is None:
-        return None
-    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-    return int(free.value) if cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) == 0 else None
-
-
 def cuda_used_bytes() -> int | None:
     """Device memory in use on the current CUDA device (every process's), or None without CUDA."""
-    cudart = _cudart()
+    cudart = runtime()
     return _cuda_used_bytes(cudart) if cudart is not None else None
 
 
@@ -213,9 +207,9 @@ def measure_footprint(build: Callable[[], T], *, on_gpu: bool) -> tuple[T, Footp
 
     Both readings are process- (RSS) or device-wide (cudaMemGetInfo): whatever other threads
     allocate meanwhile is counted too, so build plans before serving or one at a time. On the
-    CPU, with `predictable_session_options` and `configure_allocator`, a run's activations are
-    freed when it returns, so the footprint is the session's resident state (weights, kernels)."""
-    cudart = _cudart() if on_gpu else None
+    CPU, with `predictable_session_options`, the arena keeps the runs' activations (the memory
+    pattern's block), so the footprint is what the plan holds from then on."""
+    cudart = runtime() if on_gpu else None
     if on_gpu and cudart is None:
         raise MeasurementError("a GPU footprint was asked but the CUDA runtime library does not load")
     release_free_memory()
@@ -242,8 +236,9 @@ def _reset_peak() -> None:
         clear_refs.write("5")
 
 
-def _warm_up(providers: list) -> None:
-    """Run a tiny conv+gemm graph so the runtime's first-run costs land in the baseline."""
+def warm_up_runtime(providers: list) -> None:
+    """Run a tiny conv+gemm graph so the runtime's first-run costs (code pages, thread pools, kernel
+    registries) land in the baseline, not in the first measured session."""
     weight = numpy_helper.from_array(np.ones((8, 3, 3, 3), np.float32), "w")
     matrix = numpy_helper.from_array(np.ones((8 * 8 * 8, 4), np.float32), "m")
     graph = helper.make_graph(
@@ -259,13 +254,13 @@ def _warm_up(providers: list) -> None:
 
 
 def _measure_here(model_path: str, height: int, width: int, batch: int, device: str, channels_last: bool) -> Measurement:
-    cudart = _cudart() if device == "cuda" else None
+    cudart = runtime() if device == "cuda" else None
     if device == "cuda" and cudart is None:
         raise MeasurementError("device 'cuda' requested but the CUDA runtime library does not load")
     providers: list = (["CPUExecutionProvider"] if device == "cpu" else
                        [("CUDAExecutionProvider", dict(PREDICTABLE_CUDA_OPTIONS))])
     configure_allocator()  # as the server does at start
-    _warm_up(providers)
+    warm_up_runtime(providers)
 
     def used() -> int:
         return _cuda_used_bytes(cudart) if cudart is not None else _status_bytes("VmRSS")
@@ -286,7 +281,9 @@ def _measure_here(model_path: str, height: int, width: int, batch: int, device: 
     shape = (batch, height, width, channels) if channels_last else (batch, channels, height, width)
     pixels = np.random.default_rng(0).uniform(0, 255, shape).astype(dtype)
     feed = {image.name: pixels}
-    for _ in range(RUNS):
+    if on_cpu:
+        first_cpu_run(session, feed)  # as server/engine.py makes a plan
+    for _ in range(RUNS - on_cpu):
         session.run(None, feed)
     peak = (_status_bytes("VmHWM") if on_cpu else used()) - baseline
     return Measurement(device, height, width, batch, peak, session_bytes, load_peak)
@@ -295,7 +292,7 @@ def _measure_here(model_path: str, height: int, width: int, batch: int, device: 
 def measure_peak(model_path: str, *, height: int, width: int, batch: int = 1, device: str = "auto") -> Measurement:
     """Peak memory of `RUNS` runs of the model at batch x C x height x width, in a clean child."""
     if device == "auto":
-        device = select_device(onnxruntime.get_available_providers(), cuda_loadable=_cudart() is not None)
+        device = select_device(onnxruntime.get_available_providers(), cuda_loadable=runtime() is not None)
     if device not in ("cpu", "cuda"):
         raise MeasurementError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     if not os.path.isfile(model_path):
@@ -309,7 +306,7 @@ def measure_peak(model_path: str, *, height: int, width: int, batch: int = 1, de
         raise MeasurementError(f"measuring {model_path} failed: {error}") from error
     arguments = [model_path, "--height", str(height), "--width", str(width), "--batch", str(batch), "--device", device,
                  *(["--channels-last"] if channels_last else [])]
-    # Run this file, not `-m convert.runtime_memory`: the convert package's import pulls in torch,
+    # Run this file, not `-m server.runtime_memory`: importing the packages (convert pulls in torch) costs
     # seconds of start-up that measure nothing.
     command = [sys.executable, "-c", "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
                __file__, *arguments]

@@ -1,0 +1,283 @@
+"""CPU plans: their speed against onnxruntime's defaults, and their memory in the server's own process (issue 22).
+
+* Speed: the default model's plan graph (server/device_graph.py) at several plan shapes, run by a
+  session made as the server makes it (server/engine.py: `predictable_session_options`, its first
+  run, no spinning) and by a session with onnxruntime's default options (no spinning either), the
+  two alternated run by run in one process; medians and their ratio. Target: <= 1.05.
+* Memory: a real `scoremap-serve` process per model (the default model, a VGG-width net, the same
+  net taking NHWC input), batch 1 and 4 at three sizes each. Around the first request(s) at a new
+  shape (the plan is made) and around the same requests again (steady state), the server's VmRSS
+  and VmHWM (/proc/PID/status, the high-water mark reset by writing 5 to /proc/PID/clear_refs),
+  against what admission predicted for that plan (its `scoremap_plan_bytes{kind="predicted"}`
+  gauge). Target: within +-25%.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import io
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import numpy as np
+import onnx
+import onnxruntime
+
+MiB = 2**20
+SPEED_SHAPES = ((1, 384, 384, 1), (1, 448, 576, 1), (4, 384, 384, 1), (1, 384, 384, 4))  # batch, h, w, passes
+SPEED_ROUNDS = 9
+SPEED_TARGET = 1.05
+MEMORY_SIZES = (224, 384, 512)
+MEMORY_BATCHES = (1, 4)
+MEMORY_BOUND = 0.25
+PRIMER_SIZE = 256  # a first plan, not reported: the server's first request warms its own paths
+BATCH_WAIT_MS = 1000.0  # how long the first of a batch's requests waits for the others
+SERVER_START_SECONDS = 300
+
+
+# --- speed ------------------------------------------------------------------------------------
+
+def _plan_graph(net: onnx.ModelProto, batch: int, height: int, width: int, passes: int) -> bytes:
+    from convert.card import read_card
+    from server.device_graph import build_plan_graph
+
+    card = read_card(net)
+    half = card.output_stride // 2
+    offsets = ((0, 0),) if passes == 1 else ((0, 0), (0, half), (half, 0), (half, half))
+    return build_plan_graph(net, card, batch=batch, height=height, width=width, offsets=offsets,
+                            factor=1 if passes == 1 else 2, stride=card.output_stride if passes == 1 else half
+                            ).SerializeToString()
+
+
+def speed_rows(model_path: str) -> list[tuple[str, float, float]]:
+    """(plan shape, server's session ms, onnxruntime defaults ms), medians of alternated runs."""
+    from server.runtime_memory import configure_allocator
+    from server.device_graph import PIXELS, VALID
+    from server.engine import Engine
+    from server.settings import Settings
+
+    configure_allocator()  # as the server does at start; process-wide, so both sessions run under it
+    engine = Engine(Settings(provider="cpu"))
+    net = onnx.load(model_path)
+    rows = []
+    for batch, height, width, passes in SPEED_SHAPES:
+        graph = _plan_graph(net, batch, height, width, passes)
+        server = engine.session(graph)
+        defaults = onnxruntime.SessionOptions()
+        defaults.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        reference = onnxruntime.InferenceSession(graph, defaults, providers=["CPUExecutionProvider"])
+        valid_shape = next(value.shape for value in server.get_inputs() if value.name == VALID)
+        feeds = {PIXELS: np.random.default_rng(0).integers(0, 256, (batch, height, width, 3), dtype=np.uint8),
+                 VALID: np.ones(valid_shape, np.float32)}
+        times: dict[str, list[float]] = {"server": [], "defaults": []}
+        for session in (server, reference, server, reference):  # both past their first runs
+            session.run(None, feeds)
+        for _ in range(SPEED_ROUNDS):
+            for name, session in (("server", server), ("defaults", reference)):
+                start = time.perf_counter()
+                session.run(None, feeds)
+                times[name].append(time.perf_counter() - start)
+        rows.append((f"{batch}x{height}x{width}, {passes} pass{'es' if passes > 1 else ''}",
+                     1000 * statistics.median(times["server"]), 1000 * statistics.median(times["defaults"])))
+        del server, reference
+    return rows
+
+
+# --- memory in the server's own process -------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PlanMemory:
+    """One plan made by a real server: what admission predicted and what the process's memory did, bytes."""
+
+    plan: str
+    predicted: int          # admission's prediction for the plan (convert.profile with convert.memory_model)
+    measured_by_server: int  # the footprint the server measured itself (server.runtime_memory.measure_footprint)
+    creation_growth: int    # VmRSS after the first request(s) at the shape minus before
+    creation_peak: int      # VmHWM during them minus VmRSS before
+    steady_peak: int        # VmHWM during the same requests again minus VmRSS before the plan existed
+
+    @property
+    def ratio(self) -> float:
+        """Predicted over the memory the plan holds in the server (RSS growth at its making)."""
+        return self.predicted / max(self.creation_growth, 1)
+
+    @property
+    def steady_ratio(self) -> float:
+        return self.predicted / max(self.steady_peak, 1)
+
+
+def _status(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/{pid}/status has no {field}")
+
+
+def _reset_peak(pid: int) -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _jpeg(side: int) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(side)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def _plan_gauges(metrics_url: str) -> dict[str, dict[str, float]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=30) as response:  # noqa: S310 (our own server)
+        text = response.read().decode()
+    plans: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "scoremap_plan_bytes":
+                plans.setdefault(sample.labels["plan"], {})[sample.labels["kind"]] = sample.value
+    return plans
+
+
+def server_plan_memory(model_path: str, *, sizes=MEMORY_SIZES, batches=MEMORY_BATCHES,
+                       settle_seconds: float = 1.0) -> tuple[list[PlanMemory], list[str]]:
+    """Start `scoremap-serve` on the model (native stride, one pass, canvases exactly `sizes`) and measure
+    every (batch, size) plan as described in the module's docstring; also the server's warnings."""
+    import grpc
+
+    from protos import scoring_pb2, scoring_pb2_grpc
+
+    metrics_port = _free_port()
+    buckets = ",".join(f"{side}x{side}" for side in (*sizes, PRIMER_SIZE))
+    command = [sys.executable, "-m", "server.main", model_path, "--port", "0", "--provider", "cpu", "--no-warm-up",
+               "--max-batch", str(max(batches)), "--max-queue-delay-ms", str(BATCH_WAIT_MS),
+               "--max-queue-ms", "600000", "--shape-buckets", buckets, "--metrics-port", str(metrics_port)]
+    log = tempfile.TemporaryFile(mode="w+")
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True)
+    results = []
+    try:
+        line = server.stdout.readline()
+        if "listening on" not in line:
+            log.seek(0)
+            raise RuntimeError(f"scoremap-serve did not start: {line!r} {log.read()[-2000:]}")
+        channel = grpc.insecure_channel(line.rsplit(" ", 1)[1].strip())
+        stub = scoring_pb2_grpc.DenseScoringStub(channel)
+        grpc.channel_ready_future(channel).result(timeout=SERVER_START_SECONDS)
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        pool = concurrent.futures.ThreadPoolExecutor(max(batches))
+
+        def send(side: int, count: int) -> None:
+            job = scoring_pb2.ScoreRequest(encoded=_jpeg(side), scales=[side], output_stride=32, top_k=5)
+            calls = [pool.submit(stub.Score, job, timeout=SERVER_START_SECONDS, wait_for_ready=True)
+                     for _ in range(count)]
+            for call in calls:
+                call.result()
+
+        send(PRIMER_SIZE, 1)
+        for batch in batches:
+            for side in sizes:
+                time.sleep(settle_seconds)
+                known = set(_plan_gauges(metrics_url))
+                before = _status(server.pid, "VmRSS")
+                _reset_peak(server.pid)
+                send(side, batch)
+                creation_peak = _status(server.pid, "VmHWM") - before
+                time.sleep(settle_seconds)
+                after = _status(server.pid, "VmRSS")
+                _reset_peak(server.pid)
+                send(side, batch)
+                send(side, batch)
+                steady_peak = _status(server.pid, "VmHWM") - before
+                made = {key: value for key, value in _plan_gauges(metrics_url).items() if key not in known}
+                for plan, gauges in made.items():  # one, unless the requests did not all meet in one batch
+                    results.append(PlanMemory(plan, int(gauges["predicted"]), int(gauges["measured"]),
+                                              after - before if len(made) == 1 else 0, creation_peak, steady_peak))
+        pool.shutdown()
+        channel.close()
+    finally:
+        server.terminate()
+        server.wait(30)
+    log.seek(0)
+    warnings = [line.strip() for line in log if "WARNING" in line or "memory model is off" in line]
+    return results, warnings
+
+
+# --- the section ------------------------------------------------------------------------------
+
+def _mib(value: float) -> str:
+    return f"{value / MiB:,.1f}"
+
+
+def run() -> str:
+    from bench.cpu_models import converted as converted_net
+    from bench.models import converted
+    from convert.memory_model import PROVIDER_TERMS, Device
+
+    cpu = PROVIDER_TERMS[Device.CPU]
+    with tempfile.TemporaryDirectory() as folder:
+        default_path = converted(folder)
+        speed = speed_rows(default_path)
+        models = {"efficientnet-lite0 (default)": default_path, "VGG-width (quarter VGG16)": converted_net(folder, "vgg"),
+                  "VGG-width, NHWC input": converted_net(folder, "nhwc")}
+        memory, warnings = [], []
+        for label, path in models.items():
+            plans, said = server_plan_memory(path)
+            memory += [(label, plan) for plan in plans]
+            warnings += said
+    ratios = [server / defaults for _, server, defaults in speed]
+    speed_verdict = "met" if max(ratios) <= SPEED_TARGET else "NOT met"
+    worst = max(abs(plan.ratio - 1) for _, plan in memory)
+    worst_steady = max(abs(plan.steady_ratio - 1) for _, plan in memory)
+    memory_verdict = "met" if max(worst, worst_steady) <= MEMORY_BOUND else "NOT met"
+    return "\n".join([
+        "## CPU plans: speed against onnxruntime's defaults, memory in the server's own process (issue 22)",
+        "",
+        "The CPU configuration: onnxruntime's default session options (its CPU arena and memory pattern on), idle "
+        "threads not spinning, glibc's allocator as the server sets it (a fixed 128 KiB mmap threshold), and each "
+        "plan's first run shrinking the arena so that from its second run the arena holds only the memory "
+        "pattern's block (server/engine.py, server.runtime_memory.first_cpu_run).",
+        "",
+        f"### Speed: a plan's run against onnxruntime's defaults (target <= {SPEED_TARGET:g}, {speed_verdict})",
+        "",
+        f"Default model's plan graph, the server's session against one with onnxruntime's default options, neither "
+        f"spinning, in one process, runs alternated, median of {SPEED_ROUNDS} each after two warm-up runs.",
+        "",
+        "| plan (batch x canvas, passes) | server's session ms | onnxruntime defaults ms | ratio |",
+        "|---|---|---|---|",
+        *[f"| {shape} | {server:.1f} | {defaults:.1f} | {server / defaults:.3f} |" for shape, server, defaults in speed],
+        "",
+        f"### Memory: admission's prediction against the server process (target +-{MEMORY_BOUND:.0%}, {memory_verdict})",
+        "",
+        "A real `scoremap-serve` per model (`--no-warm-up`, canvases exactly the sizes, native stride: one pass; "
+        f"batch 4 from 4 concurrent requests meeting in one batch). Worst deviation {worst:.1%} against the plan's "
+        f"RSS growth, {worst_steady:.1%} against the steady-state peak. Predicted: admission's "
+        f"`scoremap_plan_bytes{{kind=\"predicted\"}}` (weights + {cpu.activation_factor:g} x live peak + "
+        f"{(cpu.session_bytes + cpu.workspace_bytes) / MiB:g} MiB, convert.memory_model). "
+        "Growth: VmRSS after the first request(s) at the shape minus before; creation peak: VmHWM during them "
+        "(reset through /proc/PID/clear_refs) minus VmRSS before, which includes building the plan graph and "
+        "loading its session (transient, one plan at a time server-wide); steady peak: VmHWM during the same "
+        "requests twice more minus VmRSS before the plan existed. MiB.",
+        "",
+        "| model | plan | predicted | server's own footprint | RSS growth | predicted/growth | creation peak | "
+        "steady peak | predicted/steady |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *[f"| {label} | {plan.plan} | {_mib(plan.predicted)} | {_mib(plan.measured_by_server)} | "
+          f"{_mib(plan.creation_growth)} | {plan.ratio:.3f} | {_mib(plan.creation_peak)} | {_mib(plan.steady_peak)} | "
+          f"{plan.steady_ratio:.3f} |" for label, plan in memory],
+        "",
+        f"Server warnings during these runs: {len(warnings)}" + (f" (first: `{warnings[0]}`)" if warnings else ""),
+    ])
