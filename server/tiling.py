@@ -41,16 +41,23 @@ class Lattice:
     first: float  # the centre of cell 0, in image pixels (the receptive field's centre less the slack)
     field: int  # receptive field size, pixels
     slack: int  # canvas pixels the shifted passes need beyond the image
+    multiple: int  # what a canvas planned for one pass is rounded up to (server.buckets.on_demand_canvas)
 
     @classmethod
-    def of(cls, *, field_size: int, field_center: float, passes: PassPlan) -> Lattice:
-        """The lattice of a model (its card's receptive field) scored with `passes`."""
-        return cls(stride=passes.stride, net_stride=passes.stride * passes.factor,
-                   first=field_center - passes.slack, field=field_size, slack=passes.slack)
+    def of(cls, *, field_size: int, field_center: float, passes: PassPlan, multiple: int = 0) -> Lattice:
+        """The lattice of a model (its card's receptive field) scored with `passes`; `multiple` 0: the net stride."""
+        net = passes.stride * passes.factor
+        return cls(stride=passes.stride, net_stride=net, first=field_center - passes.slack, field=field_size,
+                   slack=passes.slack, multiple=multiple or net)
 
     def fill(self, length: int) -> int:
-        """Canvas fill after an image of `length` in one pass: slack, rounded up so the canvas is a multiple of S."""
-        return math.ceil((length + self.slack) / self.net_stride) * self.net_stride - length
+        """Canvas fill after an image of `length` in one pass: the slack, rounded up to the canvas multiple."""
+        return math.ceil((length + self.slack) / self.multiple) * self.multiple - length
+
+    def mirror_offset(self, length: int) -> float:
+        """Pixels between a mirrored cell and the unmirrored one it is averaged with (server.dense.mirror_back)."""
+        anchor = (length - 1 - 2 * self.first) / self.stride
+        return abs(anchor - round(anchor)) * self.stride
 
     def first_cell_at_or_after(self, pixel: float) -> int:
         """The index of the first cell whose centre is at or after `pixel`."""
@@ -81,21 +88,26 @@ class Span:
         return slice(begin - self.first_cell, cells if end is None else end - self.first_cell)
 
 
-def plan_axis(length: int, *, extent: int, halo: int, lattice: Lattice) -> tuple[Span, ...]:
+def plan_axis(length: int, *, extent: int, halo: int, lattice: Lattice, mirrored: bool = False) -> tuple[Span, ...]:
     """Tiles of at most `extent` pixels covering an axis of `length`, each owning whole cells, none twice.
 
     `extent` is the longest tile: the canvas less the one pass's fill (see `plan`). Owned ranges
     step by a multiple of the net stride; every tile but the last reads `extent` pixels, the last
     ends on the image's end and starts as early as `extent` lets it (more context, same cells).
+    `mirrored`: the axis is also scored flipped, so each tile's start is its mirror's end.
     """
     net = lattice.net_stride
     if length <= extent:
         return (Span(0, length, 0, (0, None)),)
-    # Context before an interior tile's first owned centre, on the lattice; at least up to the tile's first cell.
-    lead = math.ceil(max(halo, lattice.first) / net) * net
-    # Context after its last owned centre; at least to the tile's last cell, which lies up to S - c before
-    # its end (c: the unshifted field centre), as a padded net counts one cell per started stride.
-    trail = max(halo, math.ceil(net - lattice.first - lattice.slack))
+    if mirrored:  # a mirrored cell lands on the nearest unmirrored one, up to half a cell away
+        halo += math.ceil(lattice.mirror_offset(length))
+    # Context after a tile's last owned centre: the halo, and room for the tile's last cell, which a padded
+    # net puts up to S - c before the tile's end (c: the unshifted field centre) and a pad-free one up to
+    # the halo plus S: one cell per whole stride that fits.
+    trail = max(halo, math.ceil(net - lattice.first - lattice.slack)) + net
+    # Context before an interior tile's first owned centre, on the lattice: at least to the tile's first cell,
+    # and when mirrored, what its mirror needs after.
+    lead = math.ceil(max(halo, lattice.first, trail if mirrored else 0) / net) * net
     first_step = (extent - trail) // net * net
     step = (extent - lead - trail) // net * net
     if first_step <= 0 or step <= 0:
@@ -177,22 +189,25 @@ class TilePlan:
 
 
 def plan(image: tuple[int, int], canvas: tuple[int, int], *, field_size: int, field_center: tuple[float, float],
-         passes: PassPlan, halo: int | None = None) -> TilePlan:
+         passes: PassPlan, halo: int | None = None, multiple: int = 0, flip: bool = False) -> TilePlan:
     """The tiles of an `image` (height, width) scored on canvases of `canvas` (height, width) with `passes`.
 
     A tile reads at most the canvas less the one pass's fill after the image, so an edge tile's
     canvas ends where the one pass's does. `halo` None: exact (half the receptive field).
+    `multiple`: what the server rounds canvases to (the card's size multiple, else its stride);
+    `flip`: the columns are also scored mirrored.
     """
     exact = exact_halo(field_size)
     halo = exact if halo is None else halo
     if halo < 0:
         raise TilingError(f"halo {halo} is negative; give 0 or more pixels, or none for the exact {exact}")
-    lattices = tuple(Lattice.of(field_size=field_size, field_center=center, passes=passes) for center in field_center)
+    lattices = tuple(Lattice.of(field_size=field_size, field_center=center, passes=passes, multiple=multiple)
+                     for center in field_center)
     spans = []
     for axis in range(2):
         lattice = lattices[axis]
         extent = canvas[axis] - lattice.fill(image[axis])
-        spans.append(plan_axis(image[axis], extent=extent, halo=halo, lattice=lattice))
+        spans.append(plan_axis(image[axis], extent=extent, halo=halo, lattice=lattice, mirrored=flip and axis == 1))
     return TilePlan(image, canvas, halo, halo >= exact, lattices, spans[0], spans[1])
 
 
