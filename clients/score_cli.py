@@ -33,6 +33,7 @@ from clients.preflight import RunRefused, check_run
 from clients.retry import Interrupted
 from clients.run_options import OptionsChanged
 from clients.settings import BATCH_RETRY_BUDGET_S, TOKEN_ENV, ClientSettings, env_token
+from clients.slides import cli as slides
 from clients.version import version
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_FAILURES", "EXIT_USAGE", "EXIT_UNAVAILABLE",
@@ -111,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--root-cert", type=Path, help="PEM root certificates for --tls")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--traceback", action="store_true", help="print the full traceback on errors")
+    slides.add_arguments(parser)
     return parser
 
 
@@ -168,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--engine {args.engine}: give --server for the server, --local MODEL.onnx for local or ray")
     if args.ray_address and args.engine != "ray":
         parser.error("--ray-address goes with --engine ray")
+    if args.tiled:
+        return slides.main(args, _open_scorer)
     not_images: list[Path] = []
     try:
         options = ScoreOptions(model=args.model, scales=tuple(args.scales), stride=args.stride, shift=args.shift,

@@ -42,13 +42,16 @@ class Lattice:
     field: int  # receptive field size, pixels
     slack: int  # canvas pixels the shifted passes need beyond the image
     multiple: int  # what a canvas planned for one pass is rounded up to (server.buckets.on_demand_canvas)
+    training: int  # the classifier's training size: an input of it gives one cell per pass
 
     @classmethod
-    def of(cls, *, field_size: int, field_center: float, passes: PassPlan, multiple: int = 0) -> Lattice:
-        """The lattice of a model (its card's receptive field) scored with `passes`; `multiple` 0: the net stride."""
+    def of(cls, *, field_size: int, field_center: float, passes: PassPlan, training: int,
+           multiple: int = 0) -> Lattice:
+        """The lattice of a model (its card's receptive field and training size) scored with `passes`;
+        `multiple` 0: the net stride."""
         net = passes.stride * passes.factor
         return cls(stride=passes.stride, net_stride=net, first=field_center - passes.slack, field=field_size,
-                   slack=passes.slack, multiple=multiple or net)
+                   slack=passes.slack, multiple=multiple or net, training=training)
 
     def fill(self, length: int) -> int:
         """Canvas fill after an image of `length` in one pass: the slack, rounded up to the canvas multiple."""
@@ -58,6 +61,25 @@ class Lattice:
         """Pixels between a mirrored cell and the unmirrored one it is averaged with (server.dense.mirror_back)."""
         anchor = (length - 1 - 2 * self.first) / self.stride
         return abs(anchor - round(anchor)) * self.stride
+
+    def context(self, halo: int, *, length: int, mirrored: bool = False) -> tuple[int, int]:
+        """Pixels a tile reads (before, after) its owned cell centres, for `halo` on an axis of `length`."""
+        net = self.net_stride
+        if mirrored:  # a mirrored cell lands on the nearest unmirrored one, up to half a cell away
+            halo += math.ceil(self.mirror_offset(length))
+        # After the last owned centre: the halo, and room for the tile's last cell. A pass over the training
+        # size T gives one cell, centred at c (the unshifted field centre), and one more per whole stride S
+        # beyond, so the last lies less than T - c + S before the tile's end, padded net or not.
+        trail = max(halo, math.ceil(self.training - self.first - self.slack)) + net
+        # Before the first owned centre, on the lattice: at least to the tile's first cell, and when mirrored,
+        # what its mirror needs after.
+        lead = math.ceil(max(halo, self.first, trail if mirrored else 0) / net) * net
+        return lead, trail
+
+    def least_canvas(self, halo: int, *, length: int, step: int, mirrored: bool = False) -> int:
+        """The smallest canvas whose interior tiles own `step` pixels each (a multiple of S) with `halo`."""
+        lead, trail = self.context(halo, length=length, mirrored=mirrored)
+        return lead + trail + step + self.fill(length)
 
     def first_cell_at_or_after(self, pixel: float) -> int:
         """The index of the first cell whose centre is at or after `pixel`."""
@@ -99,15 +121,7 @@ def plan_axis(length: int, *, extent: int, halo: int, lattice: Lattice, mirrored
     net = lattice.net_stride
     if length <= extent:
         return (Span(0, length, 0, (0, None)),)
-    if mirrored:  # a mirrored cell lands on the nearest unmirrored one, up to half a cell away
-        halo += math.ceil(lattice.mirror_offset(length))
-    # Context after a tile's last owned centre: the halo, and room for the tile's last cell, which a padded
-    # net puts up to S - c before the tile's end (c: the unshifted field centre) and a pad-free one up to
-    # the halo plus S: one cell per whole stride that fits.
-    trail = max(halo, math.ceil(net - lattice.first - lattice.slack)) + net
-    # Context before an interior tile's first owned centre, on the lattice: at least to the tile's first cell,
-    # and when mirrored, what its mirror needs after.
-    lead = math.ceil(max(halo, lattice.first, trail if mirrored else 0) / net) * net
+    lead, trail = lattice.context(halo, length=length, mirrored=mirrored)
     first_step = (extent - trail) // net * net
     step = (extent - lead - trail) // net * net
     if first_step <= 0 or step <= 0:
@@ -189,11 +203,13 @@ class TilePlan:
 
 
 def plan(image: tuple[int, int], canvas: tuple[int, int], *, field_size: int, field_center: tuple[float, float],
-         passes: PassPlan, halo: int | None = None, multiple: int = 0, flip: bool = False) -> TilePlan:
+         training: tuple[int, int], passes: PassPlan, halo: int | None = None, multiple: int = 0,
+         flip: bool = False) -> TilePlan:
     """The tiles of an `image` (height, width) scored on canvases of `canvas` (height, width) with `passes`.
 
     A tile reads at most the canvas less the one pass's fill after the image, so an edge tile's
-    canvas ends where the one pass's does. `halo` None: exact (half the receptive field).
+    canvas ends where the one pass's does. `halo` None: exact (half the receptive field). `training`: the
+    classifier's training size (height, width), which places a tile's last cell.
     `multiple`: what the server rounds canvases to (the card's size multiple, else its stride);
     `flip`: the columns are also scored mirrored.
     """
@@ -201,8 +217,8 @@ def plan(image: tuple[int, int], canvas: tuple[int, int], *, field_size: int, fi
     halo = exact if halo is None else halo
     if halo < 0:
         raise TilingError(f"halo {halo} is negative; give 0 or more pixels, or none for the exact {exact}")
-    lattices = tuple(Lattice.of(field_size=field_size, field_center=center, passes=passes, multiple=multiple)
-                     for center in field_center)
+    lattices = tuple(Lattice.of(field_size=field_size, field_center=center, passes=passes, training=size,
+                                multiple=multiple) for center, size in zip(field_center, training))
     spans = []
     for axis in range(2):
         lattice = lattices[axis]

@@ -37,6 +37,7 @@ def plan_for(card: model_card_pb2.ModelCard, image: tuple[int, int], canvas: tup
                                shift=options.shift)
     field = card.receptive_field
     return tiling.plan(image, canvas, field_size=field.size, field_center=(field.center_y, field.center_x),
+                       training=(card.training_height, card.training_width),
                        passes=passes, halo=halo, multiple=card.size_multiple or card.output_stride,
                        flip=options.flip)
 
