@@ -79,7 +79,7 @@ class Lattice:
     def least_canvas(self, halo: int, *, length: int, step: int, mirrored: bool = False) -> int:
         """The smallest canvas whose interior tiles own `step` pixels each (a multiple of S) with `halo`."""
         lead, trail = self.context(halo, length=length, mirrored=mirrored)
-        return lead + trail + step + self.fill(length)
+        return math.ceil((lead + trail + step + self.fill(length)) / self.multiple) * self.multiple
 
     def first_cell_at_or_after(self, pixel: float) -> int:
         """The index of the first cell whose centre is at or after `pixel`."""
@@ -217,6 +217,9 @@ def plan(image: tuple[int, int], canvas: tuple[int, int], *, field_size: int, fi
     halo = exact if halo is None else halo
     if halo < 0:
         raise TilingError(f"halo {halo} is negative; give 0 or more pixels, or none for the exact {exact}")
+    if multiple and any(side % multiple for side in canvas):
+        raise TilingError(f"canvas {canvas[0]}x{canvas[1]} is not a multiple of {multiple}, as the server's canvases "
+                          f"are; use one that is, e.g. {math.ceil(canvas[0] / multiple) * multiple}")
     lattices = tuple(Lattice.of(field_size=field_size, field_center=center, passes=passes, training=size,
                                 multiple=multiple) for center, size in zip(field_center, training))
     spans = []

@@ -97,6 +97,7 @@ def run_attributes(reader: Reader, card: model_card_pb2.ModelCard, plan: tiling.
     downsample = reader.level.downsample
     return {
         "image": str(reader.path), "level": reader.level.index, "level_size": [reader.level.height, reader.level.width],
+        "scored_size": list(plan.image),  # the level less the rows and columns past the model's size multiple
         "level_downsample": downsample, "model": model, "classes": list(options.tile.classes),
         "output_stride": lattice_y.stride, "shift": scoring_pb2.Shift.Name(options.tile.shift),
         "flip": options.tile.flip, "canvas": options.canvas, "halo": plan.halo, "exact": plan.exact,
@@ -182,7 +183,9 @@ def score_slide(reader: Reader, score: Scorer, card: model_card_pb2.ModelCard, o
     `on_start(total, done)` once the plan is known; `on_tile(tile)` after each tile is recorded."""
     stem = stem or reader.path.name.split(".")[0]
     out.mkdir(parents=True, exist_ok=True)
-    size = (reader.level.height, reader.level.width)
+    # A model with a size multiple resizes other sizes: the ragged last pixels (fewer than it) are left out.
+    multiple = max(card.size_multiple, 1)
+    size = (reader.level.height // multiple * multiple, reader.level.width // multiple * multiple)
     plan = plan_for(card, size, (options.canvas, options.canvas), options=options.tile, halo=options.halo)
     attributes = run_attributes(reader, card, plan, options, model)
     map_path = out / f"{stem}.zarr"

@@ -21,7 +21,7 @@ from clients.slides.run import RunError, SlideOptions, score_slide
 from clients.slides.tiles import TileOptions, score_map
 from convert.card import read_card
 from protos.scoring_pb2 import SHIFT_GRID
-from tests.clients.slides.conftest import ON_DEMAND
+from tests.clients.slides.nets import ON_DEMAND
 
 ROOT = Path(__file__).resolve().parents[3]
 
