@@ -38,7 +38,7 @@ CANVAS = 2048  # the canvas each scoring tile runs on
 FULL_SIDES = (16384, 32768)  # 0.27 and 1.07 Gpx
 SMALL_SIDES = (2048, 4096)  # 4 and 16 Mpx
 COMPARE_SIDE = 1536  # the crop scored in one pass, for exact vs overlap-averaged tiles
-COMPARE_CANVAS = 1024
+COMPARE_CANVAS = 1280
 OVERLAP = 0.25  # MONAI SlidingWindowInferer's default
 
 
@@ -71,11 +71,17 @@ def child_pipeline(tiff: str, model: str, out: str) -> dict:
     from clients.local import LocalScorer
     from clients.slides.readers import open_image
     from clients.slides.run import SlideOptions, score_slide
+    from clients.slides.tiles import TileOptions, plan_for, score_map
     from server.settings import Settings
 
     settings = Settings(warm_up=False, max_queue_ms=3_600_000.0)
     with LocalScorer([model], settings=settings) as scorer, open_image(tiff) as reader:
         card = scorer.model()
+        # A server runs warm plans: each tile shape (full, last row, last column, corner) is planned first, untimed,
+        # as the bare loop's session is made untimed.
+        plan = plan_for(card, (reader.level.height, reader.level.width), (CANVAS, CANVAS), options=TileOptions())
+        for shape in {(t.y.length, t.x.length) for t in plan}:
+            score_map(scorer.score_request, np.zeros((*shape, 3), np.uint8), TileOptions())
         started = time.perf_counter()
         summary = score_slide(reader, scorer.score_request, card, pathlib.Path(out),
                               options=SlideOptions(canvas=CANVAS))

@@ -128,7 +128,8 @@ def plan_axis(length: int, *, extent: int, halo: int, lattice: Lattice, mirrored
         need = lead + trail + net
         raise TilingError(
             f"a tile of {extent} px cannot hold a halo of {halo} px each side and a {net}-px step of the lattice; "
-            f"use tiles of at least {need} px (a canvas of at least {need + lattice.fill(length)} px) or a smaller halo")
+            f"use tiles of at least {need} px (a canvas of at least "
+            f"{math.ceil((need + lattice.fill(length)) / lattice.multiple) * lattice.multiple} px) or a smaller halo")
     bounds = [0, first_step]  # owned ranges of cell centres, in image pixels
     while bounds[-1] - lead + extent < length:
         bounds.append(bounds[-1] + step)

@@ -30,7 +30,9 @@ from clients.slides.tiles import Scorer, TileOptions, plan_for, score_map
 from protos import model_card_pb2, scoring_pb2
 from server import dense, tiling
 
-CHUNK_CELLS = 256  # map cells per chunk side
+CHUNK_CLASSES = 64  # classes per chunk: a tile's write reads and rewrites whole chunks, so they stay small
+SINGLE_TILE_CHUNK = 256  # map cells per chunk side along an axis one tile covers
+PREVIEW_BAND = 256  # map rows the preview reads at a time
 PREVIEW_SIDE = 2048  # the preview's longer side at most, in pixels
 LEDGER_SUFFIX = ".tiles.jsonl"
 ATTRIBUTES = "scoremap"
@@ -113,7 +115,8 @@ def run_attributes(reader: Reader, card: model_card_pb2.ModelCard, plan: tiling.
     }
 
 
-def open_map(path: Path, attributes: dict, cells: tuple[int, int], depth: int, options: SlideOptions):
+def open_map(path: Path, attributes: dict, cells: tuple[int, int], depth: int, options: SlideOptions,
+             chunk: tuple[int, int] = (1, 1)):
     """The stored map's arrays, created on the first run; a resumed run must have asked the same."""
     import zarr
 
@@ -126,7 +129,7 @@ def open_map(path: Path, attributes: dict, cells: tuple[int, int], depth: int, o
                            "run with the same options to resume, or give another --out")
         return group
     group = zarr.open_group(path, mode="w")
-    chunks = (depth, CHUNK_CELLS, CHUNK_CELLS)
+    chunks = (min(depth, CHUNK_CLASSES), *chunk)  # a chunk per tile's owned cells: each write touches at most 4
     if options.cell_top_k:
         group.create_array("top_k_indices", shape=(depth, *cells), chunks=chunks, dtype="int32", fill_value=-1)
         group.create_array("top_k_scores", shape=(depth, *cells), chunks=chunks, dtype=options.dtype,
@@ -135,6 +138,17 @@ def open_map(path: Path, attributes: dict, cells: tuple[int, int], depth: int, o
         group.create_array("scores", shape=(depth, *cells), chunks=chunks, dtype=options.dtype, fill_value=np.nan)
     group.attrs[ATTRIBUTES] = attributes  # last: a map without its attributes is not one to resume
     return group
+
+
+def owned_cells(plan: tiling.TilePlan) -> tuple[int, int]:
+    """Cells (rows, columns) a tile owns, the stored map's chunk, so a tile's write touches at most 4 chunks
+    (one tile along an axis: SINGLE_TILE_CHUNK cells)."""
+    def axis(spans: tuple[tiling.Span, ...]) -> int:
+        if len(spans) == 1:
+            return SINGLE_TILE_CHUNK
+        begin, end = spans[1 if len(spans) > 2 else 0].owned
+        return end - begin
+    return axis(plan.rows), axis(plan.columns)
 
 
 def store_tile(group, tile: tiling.Tile, tile_map: np.ndarray, options: SlideOptions) -> None:
@@ -160,7 +174,7 @@ def write_preview(group, path: Path, *, options: SlideOptions) -> Path:
     array = group["top_k_scores"] if options.cell_top_k else group["scores"]
     _depth, height, width = array.shape
     step = max(1, -(-max(height, width) // PREVIEW_SIDE))
-    band = CHUNK_CELLS - CHUNK_CELLS % step or step
+    band = PREVIEW_BAND - PREVIEW_BAND % step or step
     rows = []
     for start in range(0, height, band):
         block = np.asarray(array[0 if options.cell_top_k or options.tile.classes else slice(None),
@@ -207,7 +221,7 @@ def score_slide(reader: Reader, score: Scorer, card: model_card_pb2.ModelCard, o
             if options.cell_top_k > first_map.shape[0]:
                 raise RunError(f"cell_top_k {options.cell_top_k} is more than the {first_map.shape[0]} classes scored")
             group = open_map(map_path, attributes, plan.map_cells(first_map.shape[1:]),
-                             options.cell_top_k or first_map.shape[0], options)
+                             options.cell_top_k or first_map.shape[0], options, chunk=owned_cells(plan))
             store_tile(group, last, first_map, options)
             ledger.record(last)
             scored += 1

@@ -89,7 +89,7 @@ def test_ragged_last_tile_reads_a_full_tile_ending_on_the_image_edge():
 
 
 def test_a_canvas_too_small_for_the_halo_says_the_least_that_works():
-    with pytest.raises(tiling.TilingError, match="use tiles of at least 1129 px"):
+    with pytest.raises(tiling.TilingError, match=r"use tiles of at least 1129 px \(a canvas of at least 1152 px\)"):
         tiling.plan((4000, 4000), (1024, 1024), field_size=1043, field_center=(15.5, 15.5), training=(32, 32), passes=PASSES["none"])
 
 
