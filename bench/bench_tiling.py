@@ -40,6 +40,8 @@ SMALL_SIDES = (2048, 4096)  # 4 and 16 Mpx
 COMPARE_SIDE = 1536  # the crop scored in one pass, for exact vs overlap-averaged tiles
 COMPARE_CANVAS = 1280
 OVERLAP = 0.25  # MONAI SlidingWindowInferer's default
+REPEATS = 2  # runs of each, alternated; the fastest counts
+CONCURRENCY = 2  # tiles in flight: a tile is stored while the next is scored (scoremap-score's --concurrency)
 
 
 def mosaic_tiles(side: int):
@@ -84,7 +86,7 @@ def child_pipeline(tiff: str, model: str, out: str) -> dict:
             score_map(scorer.score_request, np.zeros((*shape, 3), np.uint8), TileOptions())
         started = time.perf_counter()
         summary = score_slide(reader, scorer.score_request, card, pathlib.Path(out),
-                              options=SlideOptions(canvas=CANVAS))
+                              options=SlideOptions(canvas=CANVAS, concurrency=CONCURRENCY))
         seconds = time.perf_counter() - started
     return {"seconds": seconds, "tiles": summary.tiles, "halo": summary.halo, "rss_mib": peak_rss_mib()}
 
@@ -167,8 +169,15 @@ def run(small: bool = False) -> str:
             tiff = write_mosaic(folder / f"mosaic{side}.tif", side)
             written = time.perf_counter() - started
             print(f"wrote a {side}x{side} mosaic ({tiff.stat().st_size / 2**20:.0f} MiB) in {written:.1f} s", flush=True)
-            pipeline = in_child("pipeline", str(tiff), model, str(folder / f"out{side}"))
-            bare = in_child("bare", str(tiff), model)
+            # Alternated and repeated, the fastest of each kept: the two share the machine with whatever else runs.
+            pipelines, bares = [], []
+            for repeat in range(REPEATS):
+                pipelines.append(in_child("pipeline", str(tiff), model, str(folder / f"out{side}-{repeat}")))
+                bares.append(in_child("bare", str(tiff), model))
+            pipeline = min(pipelines, key=lambda result: result["seconds"])
+            bare = min(bares, key=lambda result: result["seconds"])
+            pipeline["rss_mib"] = max(result["rss_mib"] for result in pipelines)
+            bare["rss_mib"] = max(result["rss_mib"] for result in bares)
             if comparison is None:
                 comparison = compare_schemes(tiff, model)
             rows.append((side, written, pipeline, bare))
@@ -176,9 +185,9 @@ def run(small: bool = False) -> str:
     lines = [
         "## Gigapixel tiling on the CPU (bench_tiling)",
         "",
-        f"Default model, stride 32, exact halo, {CANVAS}-px canvases, a JPEG-tiled BigTIFF mosaic of the samples; each "
-        "run in its own process (peak RSS its own). Bare: the same tiles read and normalised, one onnxruntime run "
-        "each, nothing stored.",
+        f"Default model, stride 32, exact halo, {CANVAS}-px canvases, a JPEG-tiled BigTIFF mosaic of the samples; "
+        f"each run in its own process (peak RSS its own), {CONCURRENCY} tiles in flight, the fastest of {REPEATS} "
+        "alternated runs. Bare: the same tiles read and normalised, one onnxruntime run each, nothing stored.",
         "",
         "| image | written in | tiles | halo | pipeline Mpx/s | bare Mpx/s | pipeline / bare | peak RSS pipeline | peak RSS bare |",
         "|---|---|---|---|---|---|---|---|---|",

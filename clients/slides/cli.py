@@ -45,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace, open_scorer: Callable[[argparse.Namespace], object]) -> int:
     """Score every PATH in turn; `open_scorer` gives the server or in-process scorer, as for files."""
     # Imported here: the geometry imports the model card's reader, which plain file scoring does not need.
-    from clients.slides.readers import SlideError, open_image
-    from clients.slides.run import RunError, SlideOptions, score_slide
+    from clients.slides.readers import SlideError
+    from clients.slides.run import RunError, SlideOptions, score_file
     from clients.slides.tiles import TileOptions
     from server.tiling import TilingError
 
@@ -58,16 +58,14 @@ def main(args: argparse.Namespace, open_scorer: Callable[[argparse.Namespace], o
     progress = None
     try:
         scorer = open_scorer(args)
-        card = scorer.model(args.model)
         for path in args.paths:
-            with open_image(Path(path), level=args.level) as reader:
-                progress = tqdm(total=0, unit="tile", desc=Path(path).name, dynamic_ncols=True,
-                                disable=True if args.no_progress else None)
-                summary = score_slide(
-                    reader, scorer.score_request, card, args.out, options=options, model=args.model,
-                    on_start=lambda total, done: (progress.reset(total=total), progress.update(done)),
-                    on_tile=lambda _tile: progress.update(1))
-                progress.close()
+            progress = tqdm(total=0, unit="tile", desc=Path(path).name, dynamic_ncols=True,
+                            disable=True if args.no_progress else None)
+            summary = score_file(
+                path, scorer, args.out, level=args.level, options=options,
+                on_start=lambda total, done: (progress.reset(total=total), progress.update(done)),
+                on_tile=lambda _tile: progress.update(1))
+            progress.close()
                 print(f"{path}: {summary.tiles} tiles ({summary.skipped} already stored), halo {summary.halo} px "
                       f"({'exact' if summary.exact else 'approximate'}); map {summary.map_path}, "
                       f"preview {summary.preview_path}")

@@ -241,25 +241,37 @@ def _score_tiles(reader: Reader, score: Scorer, group, tiles: list[tiling.Tile],
     done = 0
     pending: dict[Future, tiling.Tile] = {}
     queue = iter(tiles)
-    with ThreadPoolExecutor(max(1, options.concurrency), thread_name_prefix="tile") as pool:
-        try:
-            while True:
-                while len(pending) < max(1, options.concurrency):
-                    tile = next(queue, None)
-                    if tile is None:
-                        break
-                    pending[pool.submit(score_map, score, reader.read(*tile.region), options.tile)] = tile
-                if not pending:
-                    return done
-                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    tile = pending.pop(future)
-                    store_tile(group, tile, future.result(), options)
-                    ledger.record(tile)
-                    done += 1
-                    if on_tile:
-                        on_tile(tile)
-        finally:
-            for future in pending:
-                future.cancel()
+    pool = ThreadPoolExecutor(max(1, options.concurrency), thread_name_prefix="tile")
+    try:
+        while True:
+            while len(pending) < max(1, options.concurrency):
+                tile = next(queue, None)
+                if tile is None:
+                    break
+                pending[pool.submit(score_map, score, reader.read(*tile.region), options.tile)] = tile
+            if not pending:
+                return done
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                tile = pending.pop(future)
+                store_tile(group, tile, future.result(), options)
+                ledger.record(tile)
+                done += 1
+                if on_tile:
+                    on_tile(tile)
+    finally:
+        # Not waiting on tiles in flight: on Ctrl-C the caller interrupts its scorer, which ends them.
+        pool.shutdown(wait=not pending, cancel_futures=True)
+
+
+def score_file(path: str | Path, scorer, out: str | Path, *, level: int = 0,
+               options: SlideOptions | None = None, **callbacks) -> SlideSummary:
+    """The Python API of `scoremap-score --tiled`: score `level` of the image at `path` with `scorer` (a
+    ScoremapClient or LocalScorer) into OUT/<name>.zarr and OUT/<name>.png, resuming a run stopped part-way."""
+    from clients.slides.readers import open_image
+
+    options = options or SlideOptions()
+    with open_image(path, level=level) as reader:
+        return score_slide(reader, scorer.score_request, scorer.model(options.tile.model), Path(out),
+                           options=options, model=options.tile.model, **callbacks)
 

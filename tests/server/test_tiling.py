@@ -36,8 +36,8 @@ def test_every_cell_is_owned_by_exactly_one_tile(height, width, tile, scheme, fi
     halo = int(tiling.exact_halo(field) * halo_share)
     canvas = (tile * net, tile * net)
     try:  # a 'same'-padded net: cell n of a pass centred at (net - 1) / 2 + net * n
-        plan = tiling.plan((height, width), canvas, field_size=field, field_center=((net - 1) / 2,) * 2, training=(net, net),
-                           passes=passes, halo=halo)
+        plan = tiling.plan((height, width), canvas, field_size=field, field_center=((net - 1) / 2,) * 2,
+                           training=(net, net), passes=passes, halo=halo)
     except tiling.TilingError as error:
         assert "use tiles of at least" in str(error)
         return
@@ -80,7 +80,8 @@ def test_tiles_sit_on_the_lattice_and_their_edges_on_the_image_or_a_halo_away(le
 
 
 def test_ragged_last_tile_reads_a_full_tile_ending_on_the_image_edge():
-    plan = tiling.plan((1000, 700), (512, 512), field_size=65, field_center=(15.5, 15.5), training=(32, 32), passes=PASSES["none"])
+    plan = tiling.plan((1000, 700), (512, 512), field_size=65, field_center=(15.5, 15.5),
+                       training=(32, 32), passes=PASSES["none"])
     extent = 512 - plan.lattices[0].fill(1000)
     assert plan.rows[0] == tiling.Span(0, extent, 0, (0, plan.rows[1].owned[0]))
     assert all(span.length == extent for span in plan.rows) and plan.rows[-1].stop == 1000
@@ -90,16 +91,19 @@ def test_ragged_last_tile_reads_a_full_tile_ending_on_the_image_edge():
 
 def test_a_canvas_too_small_for_the_halo_says_the_least_that_works():
     with pytest.raises(tiling.TilingError, match=r"use tiles of at least 1129 px \(a canvas of at least 1152 px\)"):
-        tiling.plan((4000, 4000), (1024, 1024), field_size=1043, field_center=(15.5, 15.5), training=(32, 32), passes=PASSES["none"])
+        tiling.plan((4000, 4000), (1024, 1024), field_size=1043, field_center=(15.5, 15.5),
+                       training=(32, 32), passes=PASSES["none"])
 
 
 def test_an_image_that_fits_is_one_tile_owning_everything():
-    plan = tiling.plan((300, 200), (512, 512), field_size=1043, field_center=(15.5, 15.5), training=(32, 32), passes=PASSES["grid"])
+    plan = tiling.plan((300, 200), (512, 512), field_size=1043, field_center=(15.5, 15.5),
+                       training=(32, 32), passes=PASSES["grid"])
     assert len(plan) == 1 and next(iter(plan)).owned((40, 26)) == (slice(0, 40), slice(0, 26))
 
 
 def test_stitching_refuses_a_tile_map_without_its_owned_cells():
-    plan = tiling.plan((2000, 64), (512, 512), field_size=101, field_center=(50.0, 50.0), training=(101, 101), passes=PASSES["none"], halo=0)
+    plan = tiling.plan((2000, 64), (512, 512), field_size=101, field_center=(50.0, 50.0),
+                       training=(101, 101), passes=PASSES["none"], halo=0)
     middle = [t for t in plan if 0 < t.row < len(plan.rows) - 1][0]
     with pytest.raises(tiling.TilingError, match="use the exact halo"):
         tiling.stitch_into(np.zeros((1, 64, 2)), middle, np.zeros((1, 2, 2)))
