@@ -84,7 +84,7 @@ def measure(folder: str, cases: tuple[Case, ...]) -> list[Row]:
         card = read_card(path)
         exact = tiling.exact_halo(card.receptive_field.size)
         options = TileOptions()
-        lattice = tiling.Lattice.of(field_size=card.receptive_field.size, field_center=card.receptive_field.center_y,
+        lattice = tiling.Lattice.of(field_center=card.receptive_field.center_y,
                                     training=card.training_height,
                                     passes=dense.plan_passes(native_stride=card.output_stride, output_stride=0, shift=0))
         pipeline = Pipeline([path], settings=SETTINGS)

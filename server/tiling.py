@@ -10,11 +10,12 @@ make the tiles stitch to that pass cell for cell:
   the receptive field, beyond which no pixel reaches the cell;
 - edges: a tile on an image edge starts (or ends) on that edge, so it sees what the one pass sees
   there: the net's own padding before the first pixel, `fill` pixels of canvas fill after the last
-  (the one pass's canvas is the image plus the passes' slack, rounded up to S), never a halo.
+  (the one pass's canvas is the image plus the passes' slack, rounded up to the canvas multiple),
+  never a halo.
 
 Each map cell is owned by exactly one tile: the one whose owned range [start, end) of cell centres
 holds it (the first tile's range starts at -inf, the last's ends at +inf). A smaller halo than the
-exact one is a measured trade-off (bench/bench_tiling.py); every plan says whether it is exact.
+exact one is a measured trade-off (bench/bench_halo.py); every plan says whether it is exact.
 """
 
 from __future__ import annotations
@@ -39,19 +40,17 @@ class Lattice:
     stride: int  # pixels between cells of the map
     net_stride: int  # the net's own stride: tiles start on its multiples
     first: float  # the centre of cell 0, in image pixels (the receptive field's centre less the slack)
-    field: int  # receptive field size, pixels
     slack: int  # canvas pixels the shifted passes need beyond the image
     multiple: int  # what a canvas planned for one pass is rounded up to (server.buckets.on_demand_canvas)
     training: int  # the classifier's training size: an input of it gives one cell per pass
 
     @classmethod
-    def of(cls, *, field_size: int, field_center: float, passes: PassPlan, training: int,
-           multiple: int = 0) -> Lattice:
-        """The lattice of a model (its card's receptive field and training size) scored with `passes`;
+    def of(cls, *, field_center: float, passes: PassPlan, training: int, multiple: int = 0) -> Lattice:
+        """The lattice of a model (its card's receptive-field centre and training size) scored with `passes`;
         `multiple` 0: the net stride."""
         net = passes.stride * passes.factor
-        return cls(stride=passes.stride, net_stride=net, first=field_center - passes.slack, field=field_size,
-                   slack=passes.slack, multiple=multiple or net, training=training)
+        return cls(stride=passes.stride, net_stride=net, first=field_center - passes.slack, slack=passes.slack,
+                   multiple=multiple or net, training=training)
 
     def fill(self, length: int) -> int:
         """Canvas fill after an image of `length` in one pass: the slack, rounded up to the canvas multiple."""
@@ -221,8 +220,8 @@ def plan(image: tuple[int, int], canvas: tuple[int, int], *, field_size: int, fi
     if multiple and any(side % multiple for side in canvas):
         raise TilingError(f"canvas {canvas[0]}x{canvas[1]} is not a multiple of {multiple}, as the server's canvases "
                           f"are; use one that is, e.g. {math.ceil(canvas[0] / multiple) * multiple}")
-    lattices = tuple(Lattice.of(field_size=field_size, field_center=center, passes=passes, training=size,
-                                multiple=multiple) for center, size in zip(field_center, training))
+    lattices = tuple(Lattice.of(field_center=center, passes=passes, training=size, multiple=multiple)
+                     for center, size in zip(field_center, training))
     spans = []
     for axis in range(2):
         lattice = lattices[axis]

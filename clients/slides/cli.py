@@ -66,9 +66,9 @@ def main(args: argparse.Namespace, open_scorer: Callable[[argparse.Namespace], o
                 on_start=lambda total, done: (progress.reset(total=total), progress.update(done)),
                 on_tile=lambda _tile: progress.update(1))
             progress.close()
-                print(f"{path}: {summary.tiles} tiles ({summary.skipped} already stored), halo {summary.halo} px "
-                      f"({'exact' if summary.exact else 'approximate'}); map {summary.map_path}, "
-                      f"preview {summary.preview_path}")
+            print(f"{path}: {summary.tiles} tiles ({summary.skipped} already stored), halo {summary.halo} px "
+                  f"({'exact' if summary.exact else 'approximate'}); map {summary.map_path}, "
+                  f"preview {summary.preview_path}")
     except (KeyboardInterrupt, Interrupted):
         log.error("interrupted; re-run the same command to resume (tiles already stored are kept)")
         return EXIT_INTERRUPTED

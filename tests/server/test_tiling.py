@@ -60,7 +60,7 @@ def test_tiles_sit_on_the_lattice_and_their_edges_on_the_image_or_a_halo_away(le
     passes = PASSES[scheme]
     net = passes.stride * passes.factor
     halo = tiling.exact_halo(field)
-    lattice = tiling.Lattice.of(field_size=field, field_center=(field - 1) / 2, passes=passes, training=field)
+    lattice = tiling.Lattice.of(field_center=(field - 1) / 2, passes=passes, training=field)
     extent = tile * net - lattice.fill(length)
     try:
         spans = tiling.plan_axis(length, extent=extent, halo=halo, lattice=lattice)
