@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tifffile
 import zarr
+from PIL import Image
 
 from clients.local import LocalScorer
 from clients.slides.readers import SlideError, open_image
@@ -155,3 +156,17 @@ def test_resuming_with_other_options_is_refused(converted, tmp_path):
             score_slide(reader, scorer.score_request, scorer.model(), tmp_path, options=SlideOptions(canvas=256))
         with open_image(image) as reader, pytest.raises(RunError, match="other options .*halo"):
             score_slide(reader, scorer.score_request, scorer.model(), tmp_path, options=SlideOptions(canvas=256, halo=40))
+
+
+def test_openslide_and_pil_read_the_same_pixels_as_tifffile(tmp_path):
+    pixels = mosaic(300, 500, seed=11)
+    tiff = write_tiff(tmp_path / "slide.tif", pixels)
+    other = tmp_path / "slide.scan"  # not a TIFF suffix: OpenSlide recognises the tiled TIFF by its content
+    other.write_bytes(tiff.read_bytes())
+    png = tmp_path / "photo.png"
+    Image.fromarray(pixels).save(png)
+    region = (slice(37, 250), slice(101, 433))
+    for path, kind in ((tiff, "TiffReader"), (other, "OpenSlideReader"), (png, "PilReader")):
+        with open_image(path) as reader:
+            assert type(reader).__name__ == kind
+            np.testing.assert_array_equal(reader.read(*region), pixels[region])
