@@ -18,9 +18,9 @@ from tqdm import tqdm
 from clients.errors import ScoremapError
 from clients.options import SHIFTS
 from clients.retry import Interrupted
+from clients.slides import DEFAULT_CANVAS
 
 log = logging.getLogger("scoremap-score")
-DEFAULT_CANVAS = 2048
 EXIT_OK, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 
 
@@ -54,6 +54,9 @@ def main(args: argparse.Namespace, open_scorer: Callable[[argparse.Namespace], o
                        classes=args.classes)
     options = SlideOptions(tile=tile, canvas=args.canvas, halo=args.halo, cell_top_k=args.cell_top_k,
                            dtype=args.zarr_dtype, concurrency=args.concurrency)
+    if args.engine == "ray":
+        log.error("--tiled scores with --server or --local; --engine ray is for folders of images")
+        return EXIT_USAGE
     scorer = None
     progress = None
     try:

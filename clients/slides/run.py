@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image
 
 from clients.heatmap import colormap
+from clients.slides import DEFAULT_CANVAS
 from clients.slides.readers import Reader, SlideError
 from clients.slides.tiles import Scorer, TileOptions, plan_for, score_map
 from protos import model_card_pb2, scoring_pb2
@@ -47,7 +48,7 @@ class SlideOptions:
     """How a large image is scored and stored; the stored map records them and a resumed run must match."""
 
     tile: TileOptions = field(default_factory=TileOptions)
-    canvas: int = 2048  # the canvas side each tile is scored on (its pixels plus the halo and the passes' slack)
+    canvas: int = DEFAULT_CANVAS  # the canvas side each tile is scored on (its pixels plus the halo and the passes' slack)
     halo: int | None = None  # None: exact (half the receptive field)
     cell_top_k: int = 0  # 0: store scores of the classes asked (all when none); k: the k best classes per cell
     dtype: str = "float16"
