@@ -33,7 +33,7 @@ from server import dense, tiling
 
 CHUNK_CLASSES = 64  # classes per chunk: a tile's write reads and rewrites whole chunks, so they stay small
 SINGLE_TILE_CHUNK = 256  # map cells per chunk side along an axis one tile covers
-PREVIEW_BAND = 256  # map rows the preview reads at a time
+PREVIEW_BAND = 64  # map rows the preview reads at a time (with CHUNK_CLASSES classes: bounded memory)
 PREVIEW_SIDE = 2048  # the preview's longer side at most, in pixels
 LEDGER_SUFFIX = ".tiles.jsonl"
 ATTRIBUTES = "scoremap"
@@ -171,17 +171,18 @@ def store_tile(group, tile: tiling.Tile, tile_map: np.ndarray, options: SlideOpt
 
 def write_preview(group, path: Path, *, options: SlideOptions) -> Path:
     """A PNG heatmap of the best stored score per cell (the first class asked, or the top class), at most
-    PREVIEW_SIDE px a side, read from the map a band of rows at a time."""
+    PREVIEW_SIDE px a side, read from the map a band of rows and CHUNK_CLASSES classes at a time."""
     array = group["top_k_scores"] if options.cell_top_k else group["scores"]
-    _depth, height, width = array.shape
+    depth, height, width = array.shape
+    depth = 1 if options.cell_top_k or options.tile.classes else depth
     step = max(1, -(-max(height, width) // PREVIEW_SIDE))
     band = PREVIEW_BAND - PREVIEW_BAND % step or step
-    rows = []
+    values = np.full((-(-height // step), -(-width // step)), np.nan, np.float32)
     for start in range(0, height, band):
-        block = np.asarray(array[0 if options.cell_top_k or options.tile.classes else slice(None),
-                                 start:start + band:step, ::step], np.float32)
-        rows.append(block if block.ndim == 2 else np.nanmax(block, axis=0))
-    values = np.concatenate(rows)
+        rows = slice(start // step, (start + band) // step + 1)
+        for first in range(0, depth, CHUNK_CLASSES):
+            block = np.asarray(array[first:first + CHUNK_CLASSES, start:start + band:step, ::step], np.float32)
+            values[rows][:block.shape[1]] = np.fmax(values[rows][:block.shape[1]], np.fmax.reduce(block, axis=0))
     finite = values[np.isfinite(values)]
     low, high = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
     scaled = np.nan_to_num((values - low) / (high - low or 1.0), nan=0.0)
