@@ -58,3 +58,43 @@ def null_model(folder: str | pathlib.Path, *, output_stride: int = 32) -> str:
         onnx.save(convert_classifier(null_classifier(), name=name, output_stride=output_stride,
                                      preprocessing=preprocessing), path)
     return str(path)
+
+
+VGG_TRAINING_SIZE = 64
+VGG_LAYOUT = ((16, 16), (32, 32), (64, 64, 64), (128, 128, 128), (128, 128, 128))  # VGG-16 at 1/4 width
+
+
+def vgg_classifier(*, classes: int = 100) -> onnx.ModelProto:
+    """VGG-16's layout (3x3 convolutions, 2x2 max pools: stride 32, a 212-px receptive field) at a quarter of its
+    width with random He-initialised weights: VGG's geometry, small enough to score large images on a CPU."""
+    rng = np.random.default_rng(16)
+    nodes, inits, current, channels, index = [], [], "image", 3, 0
+    for block in VGG_LAYOUT:
+        for width in block:
+            w = rng.normal(0, np.sqrt(2 / (9 * channels)), (width, channels, 3, 3)).astype(np.float32)
+            inits += [numpy_helper.from_array(w, f"w{index}"),
+                      numpy_helper.from_array(np.full(width, 0.01, np.float32), f"b{index}")]
+            nodes += [helper.make_node("Conv", [current, f"w{index}", f"b{index}"], [f"c{index}"], kernel_shape=[3, 3],
+                                       pads=[1, 1, 1, 1]),
+                      helper.make_node("Relu", [f"c{index}"], [f"r{index}"])]
+            current, channels, index = f"r{index}", width, index + 1
+        nodes.append(helper.make_node("MaxPool", [current], [f"p{index}"], kernel_shape=[2, 2], strides=[2, 2]))
+        current = f"p{index}"
+    fc = rng.normal(0, np.sqrt(1 / channels), (classes, channels)).astype(np.float32)
+    inits += [numpy_helper.from_array(fc, "fc_w"), numpy_helper.from_array(np.zeros(classes, np.float32), "fc_b")]
+    nodes += [helper.make_node("GlobalAveragePool", [current], ["pooled"]),
+              helper.make_node("Flatten", ["pooled"], ["flat"]),
+              helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], transB=1)]
+    size = VGG_TRAINING_SIZE
+    graph = helper.make_graph(nodes, "vgg-width", [helper.make_tensor_value_info("image", TensorProto.FLOAT, [1, 3, size, size])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, classes])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+def vgg_model(folder: str | pathlib.Path) -> str:
+    """The VGG-width classifier through the real converter, saved in `folder`."""
+    path = pathlib.Path(folder) / "vgg-width.onnx"
+    if not path.exists():
+        onnx.save(convert_classifier(vgg_classifier(), name="vgg-width", preprocessing=Preprocessing(
+            mean=[127.0] * 3, std=[64.0] * 3)), path)
+    return str(path)

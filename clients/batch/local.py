@@ -14,7 +14,7 @@ from typing import Sequence
 from clients.api.errors import ScoremapError
 from clients.api.retry import Backoff, Retrying, call_with_retries
 from clients.api.settings import ClientSettings
-from protos import scoring_pb2
+from protos import model_card_pb2, scoring_pb2
 from server.errors import ScoringError
 from server.pipeline import Pipeline
 from server.settings import Settings
@@ -50,6 +50,13 @@ class LocalScorer:
     def models(self) -> list[scoring_pb2.ModelSummary]:
         """The models loaded, as the server's ListModels tells them."""
         return self._pipeline.models()
+
+    def model(self, name: str = "") -> model_card_pb2.ModelCard:
+        """A loaded model's card, as the server's GetModel tells it."""
+        try:
+            return self._pipeline.card(name)
+        except ScoringError as error:
+            raise _translated(error) from error
 
     def interrupt(self) -> None:
         """Stop scoring now: pauses end and running requests are abandoned (Interrupted)."""

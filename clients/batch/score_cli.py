@@ -33,6 +33,7 @@ from clients.batch.files import atomic_write, find_images
 from clients.batch.preflight import RunRefused, check_run
 from clients.batch.run import RESULTS_NAME, BatchSummary, ErrorKind, run_batch
 from clients.batch.run_options import OptionsChanged
+from clients.slides import cli as slides
 from convert.arguments import host_port, number_in, number_list
 from protos import version
 
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--root-cert", type=Path, help="PEM root certificates for --tls")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--traceback", action="store_true", help="print the full traceback on errors")
+    slides.add_arguments(parser)
     return parser
 
 
@@ -162,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--engine {args.engine}: give --server for the server, --local MODEL.onnx for local or ray")
     if args.ray_address and args.engine != "ray":
         parser.error("--ray-address goes with --engine ray")
+    if args.tiled:
+        return slides.main(args, _open_scorer)
     not_images: list[Path] = []
     try:
         options = ScoreOptions(model=args.model, scales=tuple(args.scales), stride=args.stride, shift=args.shift,

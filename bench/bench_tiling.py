@@ -1,0 +1,230 @@
+"""Gigapixel tiling on the CPU (issue 20, item 6): throughput, memory against size, and exact vs overlap-averaged tiles.
+
+A synthetic tiled BigTIFF mosaic is written from the samples (JPEG tiles from a generator: bounded
+memory, seconds per gigapixel) at two sizes and scored at stride 32 with the default model, exact
+halo, `scoremap-score --tiled --local`'s path (clients.slides.run.score_slide over the in-process
+Pipeline), each size in its own process so its peak RSS is its own. Against it:
+- a bare onnxruntime loop over the same tiles (read from the same TIFF, normalised, one session
+  run each, nothing stored): the pipeline's throughput as a share of it;
+- on a crop small enough for one pass: exact tiling and the anchors' scheme (MONAI's
+  `overlap=0.25`, overlapping predictions averaged) on the same canvas, in pixels scored (the
+  compute) and in max |logit| difference from one pass.
+
+`python -m bench.bench_tiling --small` runs 4 and 16 Mpx in about a minute (a smoke run); the
+full sizes (0.25 and 1 Gpx) are what `make bench` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import onnxruntime
+import tifffile
+from PIL import Image
+
+from bench.models import converted
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TIFF_TILE = 512  # the mosaic's TIFF tile side
+CANVAS = 2048  # the canvas each scoring tile runs on
+FULL_SIDES = (16384, 32768)  # 0.27 and 1.07 Gpx
+SMALL_SIDES = (2048, 4096)  # 4 and 16 Mpx
+COMPARE_SIDE = 1536  # the crop scored in one pass, for exact vs overlap-averaged tiles
+COMPARE_CANVAS = 1280
+OVERLAP = 0.25  # MONAI SlidingWindowInferer's default
+REPEATS = 2  # runs of each, alternated; the fastest counts
+CONCURRENCY = 2  # tiles in flight: a tile is stored while the next is scored (scoremap-score's --concurrency)
+
+
+def mosaic_tiles(side: int):
+    """The mosaic's TIFF tiles, row by row: the samples cut to tiles and cycled, a few decoded images in memory."""
+    patches = []
+    for path in sorted((ROOT / "samples").glob("*.jpg")):
+        image = Image.open(path).convert("RGB").resize((TIFF_TILE * 2, TIFF_TILE * 2), Image.Resampling.BILINEAR)
+        pixels = np.asarray(image)
+        patches += [pixels[y:y + TIFF_TILE, x:x + TIFF_TILE] for y in (0, TIFF_TILE) for x in (0, TIFF_TILE)]
+    count = side // TIFF_TILE
+    for row in range(count):
+        for column in range(count):
+            yield patches[(row * 7 + column * 3) % len(patches)]
+
+
+def write_mosaic(path: pathlib.Path, side: int) -> pathlib.Path:
+    with tifffile.TiffWriter(path, bigtiff=True) as tiff:
+        tiff.write(mosaic_tiles(side), shape=(side, side, 3), dtype=np.uint8, tile=(TIFF_TILE, TIFF_TILE),
+                   compression="jpeg", compressionargs={"level": 90}, photometric="rgb")
+    return path
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child_pipeline(tiff: str, model: str, out: str) -> dict:
+    """Score the TIFF as `scoremap-score --tiled --local` does; seconds, tiles and this process's peak RSS."""
+    from clients.batch.local import LocalScorer
+    from clients.slides.readers import open_image
+    from clients.slides.run import SlideOptions, score_slide
+    from clients.slides.tiles import TileOptions, plan_for, score_map
+    from server.settings import Settings
+
+    settings = Settings(warm_up=False, max_queue_ms=3_600_000.0)
+    with LocalScorer([model], settings=settings) as scorer, open_image(tiff) as reader:
+        card = scorer.model()
+        # A server runs warm plans: each tile shape (full, last row, last column, corner) is planned first, untimed,
+        # as the bare loop's session is made untimed.
+        plan = plan_for(card, (reader.level.height, reader.level.width), (CANVAS, CANVAS), options=TileOptions())
+        for shape in {(t.y.length, t.x.length) for t in plan}:
+            score_map(scorer.score_request, np.zeros((*shape, 3), np.uint8), TileOptions())
+        started = time.perf_counter()
+        summary = score_slide(reader, scorer.score_request, card, pathlib.Path(out),
+                              options=SlideOptions(canvas=CANVAS, concurrency=CONCURRENCY))
+        seconds = time.perf_counter() - started
+    return {"seconds": seconds, "tiles": summary.tiles, "halo": summary.halo, "rss_mib": peak_rss_mib()}
+
+
+def child_bare(tiff: str, model: str) -> dict:
+    """The same tiles, read and normalised, through one onnxruntime session of the converted model: nothing else."""
+    from clients.slides.readers import open_image
+    from clients.slides.tiles import TileOptions, plan_for
+    from convert.card import ImageInput, read_card
+    from convert.preprocessing import to_input
+    from server.engine import Engine
+    from server.settings import Settings
+
+    card = read_card(model)
+    image = ImageInput.of(card)
+    # The server's session options (its CPU arena off, for predictable memory), so the comparison is of what
+    # tiling and the pipeline add, not of onnxruntime's allocator settings.
+    session = onnxruntime.InferenceSession(model, sess_options=Engine(Settings()).options(),
+                                           providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    with open_image(tiff) as reader:
+        plan = plan_for(card, (reader.level.height, reader.level.width), (CANVAS, CANVAS), options=TileOptions())
+        started = time.perf_counter()
+        for tile in plan:
+            session.run(None, {name: to_input(reader.read(*tile.region)[None], image)})
+        seconds = time.perf_counter() - started
+    return {"seconds": seconds, "tiles": len(plan), "rss_mib": peak_rss_mib()}
+
+
+def in_child(*arguments: str) -> dict:
+    """Run this module's child mode in a fresh process and return what it reports."""
+    done = subprocess.run([sys.executable, "-m", "bench.bench_tiling", "--child", *arguments], capture_output=True,
+                          text=True, cwd=ROOT, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare_schemes(tiff: pathlib.Path, model: str) -> dict:
+    """On a crop one pass can score: exact tiles and overlap-averaged ones on the same canvas, against one pass."""
+    from clients.batch.local import LocalScorer
+    from clients.slides.readers import open_image
+    from clients.slides.tiles import TileOptions, plan_for, score_map, score_tiled
+    from server.settings import Settings
+
+    options = TileOptions()
+    with open_image(tiff) as reader:
+        pixels = reader.read(slice(0, COMPARE_SIDE), slice(0, COMPARE_SIDE))
+    with LocalScorer([model], settings=Settings(warm_up=False, max_queue_ms=3_600_000.0)) as scorer:
+        card = scorer.model()
+        whole = score_map(scorer.score_request, pixels, options)
+        plan = plan_for(card, pixels.shape[:2], (COMPARE_CANVAS, COMPARE_CANVAS), options=options)
+        exact = score_tiled(scorer.score_request, pixels, plan, options)
+        exact_pixels = sum(t.y.length * t.x.length for t in plan)
+        # The anchors: tiles of the canvas (less the one pass's fill) at 75% steps, overlapping cells averaged.
+        side = COMPARE_CANVAS - plan.lattices[0].fill(COMPARE_SIDE)
+        step = int(side * (1 - OVERLAP)) // card.output_stride * card.output_stride
+        starts = sorted({min(s, COMPARE_SIDE - side) // card.output_stride * card.output_stride
+                         for s in range(0, COMPARE_SIDE - side + step, step)})
+        total, count = np.zeros_like(whole), np.zeros(whole.shape[1:])
+        naive_pixels = 0
+        for y in starts:
+            for x in starts:
+                tile = score_map(scorer.score_request, pixels[y:y + side, x:x + side], options)
+                row, column = y // card.output_stride, x // card.output_stride
+                rows = min(tile.shape[1], whole.shape[1] - row)
+                columns = min(tile.shape[2], whole.shape[2] - column)
+                total[:, row:row + rows, column:column + columns] += tile[:, :rows, :columns]
+                count[row:row + rows, column:column + columns] += 1
+                naive_pixels += side * side
+        naive = total / np.maximum(count, 1)
+    image_pixels = COMPARE_SIDE**2
+    return {"exact_overhead": exact_pixels / image_pixels, "exact_max": float(np.abs(exact - whole).max()),
+            "naive_overhead": naive_pixels / image_pixels, "naive_max": float(np.abs(naive - whole).max()),
+            "naive_mean": float(np.abs(naive - whole).mean()), "tiles": len(plan), "naive_tiles": len(starts) ** 2}
+
+
+def run(small: bool = False) -> str:
+    sides = SMALL_SIDES if small else FULL_SIDES
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        folder = pathlib.Path(folder)
+        model = converted(folder)
+        comparison = None
+        for side in sides:
+            started = time.perf_counter()
+            tiff = write_mosaic(folder / f"mosaic{side}.tif", side)
+            written = time.perf_counter() - started
+            print(f"wrote a {side}x{side} mosaic ({tiff.stat().st_size / 2**20:.0f} MiB) in {written:.1f} s", flush=True)
+            # Alternated and repeated, the fastest of each kept: the two share the machine with whatever else runs.
+            pipelines, bares = [], []
+            for repeat in range(REPEATS):
+                pipelines.append(in_child("pipeline", str(tiff), model, str(folder / f"out{side}-{repeat}")))
+                bares.append(in_child("bare", str(tiff), model))
+            pipeline = min(pipelines, key=lambda result: result["seconds"])
+            bare = min(bares, key=lambda result: result["seconds"])
+            pipeline["rss_mib"] = max(result["rss_mib"] for result in pipelines)
+            bare["rss_mib"] = max(result["rss_mib"] for result in bares)
+            if comparison is None:
+                comparison = compare_schemes(tiff, model)
+            rows.append((side, written, pipeline, bare))
+            tiff.unlink()
+    lines = [
+        "## Gigapixel tiling on the CPU (bench_tiling)",
+        "",
+        f"Default model, stride 32, exact halo, {CANVAS}-px canvases, a JPEG-tiled BigTIFF mosaic of the samples; "
+        f"each run in its own process (peak RSS its own), {CONCURRENCY} tiles in flight, the fastest of {REPEATS} "
+        "alternated runs. Bare: the same tiles read and normalised, one onnxruntime run each (the server's session "
+        "options), nothing stored.",
+        "",
+        "| image | written in | tiles | halo | pipeline Mpx/s | bare Mpx/s | pipeline / bare | peak RSS pipeline | peak RSS bare |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for side, written, pipeline, bare in rows:
+        mpx = side * side / 1e6
+        lines.append(f"| {side}x{side} ({mpx:.0f} Mpx) | {written:.1f} s | {pipeline['tiles']} | {pipeline['halo']} | "
+                     f"{mpx / pipeline['seconds']:.2f} | {mpx / bare['seconds']:.2f} | "
+                     f"{bare['seconds'] / pipeline['seconds']:.0%} | {pipeline['rss_mib']:.0f} MiB | {bare['rss_mib']:.0f} MiB |")
+    c = comparison
+    lines += [
+        "",
+        f"Exact tiles against the anchors' overlap-averaging ({OVERLAP:.0%} overlap, MONAI's default), both on "
+        f"{COMPARE_CANVAS}-px canvases, on a {COMPARE_SIDE}x{COMPARE_SIDE} crop scored also in one pass:",
+        "",
+        "| scheme | tiles | pixels scored / image pixels | max abs logit vs one pass |",
+        "|---|---|---|---|",
+        f"| exact (halo from the receptive field) | {c['tiles']} | {c['exact_overhead']:.2f}x | {c['exact_max']:.1e} |",
+        f"| overlap-averaged | {c['naive_tiles']} | {c['naive_overhead']:.2f}x | {c['naive_max']:.2f} "
+        f"(mean {c['naive_mean']:.3f}) |",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--small", action="store_true", help="4 and 16 Mpx instead of 0.27 and 1.07 Gpx (a smoke run)")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        mode, *rest = args.child
+        print(json.dumps(child_pipeline(*rest) if mode == "pipeline" else child_bare(*rest)))
+    else:
+        print(run(small=args.small))

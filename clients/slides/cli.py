@@ -1,0 +1,93 @@
+"""`scoremap-score IMAGE --tiled`: one large image scored tile by tile into OUT/STEM.zarr (+ STEM.png), resumably.
+
+The exit statuses are scoremap-score's: 0 done, 2 bad options or an image that cannot be read as
+asked (the message names the file and the problem; what was written stays), 3 the server
+unreachable, 4 refused, 130 interrupted (re-run the same command to resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from tqdm import tqdm
+
+from clients.api.errors import ScoremapError
+from clients.api.options import SHIFTS
+from clients.api.retry import Interrupted
+from convert.arguments import number_in, number_list
+from clients.slides import DEFAULT_CANVAS
+
+log = logging.getLogger("scoremap-score")
+EXIT_OK, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of tiled scoring, in their own group of scoremap-score's --help."""
+    group = parser.add_argument_group("large images (--tiled)")
+    group.add_argument("--tiled", action="store_true",
+                       help="score each PATH (a large TIFF, OME-TIFF, SVS, other slide, or any image) tile by tile "
+                            "into OUT/<name>.zarr and OUT/<name>.png, in bounded memory, resumably")
+    group.add_argument("--level", type=number_in(int, 0), default=0, help="pyramid level to score (0: full resolution)")
+    group.add_argument("--halo", type=number_in(int, 0), default=None,
+                       help="pixels of context each side of a tile's cells (default: exact, half the receptive field)")
+    group.add_argument("--canvas", type=number_in(int, 32), default=DEFAULT_CANVAS,
+                       help=f"canvas side each tile is scored on (default {DEFAULT_CANVAS})")
+    group.add_argument("--classes", type=lambda text: tuple(number_list(int, 0)(text)), default=(),
+                       help="store the maps of these classes only, e.g. 3,17 (default: all)")
+    group.add_argument("--cell-top-k", type=number_in(int, 0), default=0, help="store the k best classes per cell instead of maps")
+    group.add_argument("--zarr-dtype", choices=("float16", "float32"), default="float16",
+                       help="scores stored as (default float16)")
+
+
+def main(args: argparse.Namespace, open_scorer: Callable[[argparse.Namespace], object]) -> int:
+    """Score every PATH in turn; `open_scorer` gives the server or in-process scorer, as for files."""
+    # Imported here: the geometry imports the model card's reader, which plain file scoring does not need.
+    from clients.slides.readers import SlideError
+    from clients.slides.run import RunError, SlideOptions, score_file
+    from clients.slides.tiles import TileOptions
+    from server.tiling import TilingError
+
+    tile = TileOptions(model=args.model, output_stride=args.stride, shift=SHIFTS[args.shift], flip=args.flip,
+                       classes=args.classes)
+    options = SlideOptions(tile=tile, canvas=args.canvas, halo=args.halo, cell_top_k=args.cell_top_k,
+                           dtype=args.zarr_dtype, concurrency=args.concurrency)
+    if args.engine == "ray":
+        log.error("--tiled scores with --server or --local; --engine ray is for folders of images")
+        return EXIT_USAGE
+    scorer = None
+    progress = None
+    try:
+        scorer = open_scorer(args)
+        for path in args.paths:
+            progress = tqdm(total=0, unit="tile", desc=Path(path).name, dynamic_ncols=True,
+                            disable=True if args.no_progress else None)
+            summary = score_file(
+                path, scorer, args.out, level=args.level, options=options,
+                on_start=lambda total, done: (progress.reset(total=total), progress.update(done)),
+                on_tile=lambda _tile: progress.update(1))
+            progress.close()
+            print(f"{path}: {summary.tiles} tiles ({summary.skipped} already stored), halo {summary.halo} px "
+                  f"({'exact' if summary.exact else 'approximate'}); map {summary.map_path}, "
+                  f"preview {summary.preview_path}")
+    except (KeyboardInterrupt, Interrupted):
+        log.error("interrupted; re-run the same command to resume (tiles already stored are kept)")
+        return EXIT_INTERRUPTED
+    except (SlideError, RunError, TilingError) as error:
+        log.error("%s", error)
+        return EXIT_USAGE
+    except ScoremapError as error:
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            log.error("cannot reach the server: %s", error.message)
+            return EXIT_UNAVAILABLE
+        log.error("%s", error.message)
+        return EXIT_REFUSED if error.code != grpc.StatusCode.INVALID_ARGUMENT else EXIT_USAGE
+    finally:
+        if progress is not None:
+            progress.close()
+        if scorer is not None:
+            scorer.close()
+    return EXIT_OK
