@@ -86,7 +86,7 @@ def measure(folder: str, cases: tuple[Case, ...]) -> list[Row]:
         options = TileOptions()
         lattice = tiling.Lattice.of(field_center=card.receptive_field.center_y,
                                     training=card.training_height,
-                                    passes=dense.plan_passes(native_stride=card.output_stride, output_stride=0, shift=0))
+                                    passes=dense.passes_for(native_stride=card.output_stride, output_stride=0, shift=0))
         pipeline = Pipeline([path], settings=SETTINGS)
         try:
             for share in HALO_SHARES:

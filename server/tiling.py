@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.dense import PassPlan
+from server.dense import Passes
 
 
 class TilingError(ValueError):
@@ -45,7 +45,7 @@ class Lattice:
     training: int  # the classifier's training size: an input of it gives one cell per pass
 
     @classmethod
-    def of(cls, *, field_center: float, passes: PassPlan, training: int, multiple: int = 0) -> Lattice:
+    def of(cls, *, field_center: float, passes: Passes, training: int, multiple: int = 0) -> Lattice:
         """The lattice of a model (its card's receptive-field centre and training size) scored with `passes`;
         `multiple` 0: the net stride."""
         net = passes.stride * passes.factor
@@ -203,7 +203,7 @@ class TilePlan:
 
 
 def plan(image: tuple[int, int], canvas: tuple[int, int], *, field_size: int, field_center: tuple[float, float],
-         training: tuple[int, int], passes: PassPlan, halo: int | None = None, multiple: int = 0,
+         training: tuple[int, int], passes: Passes, halo: int | None = None, multiple: int = 0,
          flip: bool = False) -> TilePlan:
     """The tiles of an `image` (height, width) scored on canvases of `canvas` (height, width) with `passes`.
 

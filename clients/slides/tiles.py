@@ -33,7 +33,7 @@ class TileOptions:
 def plan_for(card: model_card_pb2.ModelCard, image: tuple[int, int], canvas: tuple[int, int], *,
              options: TileOptions, halo: int | None = None) -> tiling.TilePlan:
     """The tiles of `image` (height, width) for `card`'s model on `canvas`, with the passes `options` ask."""
-    passes = dense.plan_passes(native_stride=card.output_stride, output_stride=options.output_stride,
+    passes = dense.passes_for(native_stride=card.output_stride, output_stride=options.output_stride,
                                shift=options.shift)
     field = card.receptive_field
     return tiling.plan(image, canvas, field_size=field.size, field_center=(field.center_y, field.center_x),

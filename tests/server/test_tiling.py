@@ -13,14 +13,14 @@ from protos.scoring_pb2 import Shift
 from server import dense, tiling
 
 PASSES = {
-    "none": dense.plan_passes(native_stride=32, output_stride=32, shift=Shift.SHIFT_NONE),
-    "grid": dense.plan_passes(native_stride=32, output_stride=16, shift=Shift.SHIFT_GRID),
-    "diagonal": dense.plan_passes(native_stride=32, output_stride=16, shift=Shift.SHIFT_DIAGONAL),
-    "atrous": dense.plan_passes(native_stride=16, output_stride=16, shift=Shift.SHIFT_ATROUS),
+    "none": dense.passes_for(native_stride=32, output_stride=32, shift=Shift.SHIFT_NONE),
+    "grid": dense.passes_for(native_stride=32, output_stride=16, shift=Shift.SHIFT_GRID),
+    "diagonal": dense.passes_for(native_stride=32, output_stride=16, shift=Shift.SHIFT_DIAGONAL),
+    "atrous": dense.passes_for(native_stride=16, output_stride=16, shift=Shift.SHIFT_ATROUS),
 }
 
 
-def padded_cells(length: int, passes: dense.PassPlan) -> int:
+def padded_cells(length: int, passes: dense.Passes) -> int:
     """A 'same'-padded net's map: one cell per started net stride, times the pass factor."""
     return passes.factor * math.ceil(length / (passes.stride * passes.factor))
 
