@@ -6,11 +6,17 @@ in-process Pipeline, alternated call by call so machine load hits both alike; ta
 <= 15%, compared on each side's fastest call (the undisturbed cost), medians reported too.
 Throughput: closed loop at concurrency 1, 4 and 16, batching on (max batch 8, 5 ms delay) vs off
 (max batch 1), rounds alternated, best of each kept.
+
+Against bare onnxruntime (issue 22): a gRPC Score at stride 32, scale 384, top-5, of a 512x600
+portrait JPEG, against the same work done in-process by hand: PIL decode, resize to 384 on the
+shorter side, one run of the same converted net in a session with onnxruntime's default options,
+softmax and top-5; alternated call by call; target <= 1.15 on the fastest calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import pathlib
 import statistics
 import tempfile
@@ -18,9 +24,14 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import onnx
+import onnxruntime
+from PIL import Image
 
 from convert import convert_classifier
+from convert.card import read_card
+from convert.preprocessing import to_input
 from protos import scoring_pb2, scoring_pb2_grpc
 from server.main import ScoringServer, create_server
 from server.pipeline import Pipeline
@@ -33,6 +44,8 @@ CONCURRENCY = (1, 4, 16)
 MIN_REQUESTS = 8  # per concurrency level: max(1, 8 // clients) requests per client
 ROUNDS = 2
 OVERHEAD_TARGET = 0.15
+BARE_TARGET = 1.15  # gRPC over the same work done by hand on onnxruntime's defaults (issue 22)
+PORTRAIT = (600, 512)  # height, width of the JPEG the bare comparison sends
 QUEUE_MS = 600_000.0
 
 
@@ -69,6 +82,58 @@ def latency(model: str, settings: Settings) -> tuple[list[float], list[float]]:
         server.stop(0).wait(30)
         local.close()
     return remote_times, local_times
+
+
+def portrait_jpeg() -> bytes:
+    """samples/cat.jpg resized to a 512x600 portrait, as a JPEG (the issue's photo shape)."""
+    image = Image.open(ROOT / "samples" / "cat.jpg").convert("RGB").resize(PORTRAIT[::-1], Image.Resampling.BILINEAR)
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def bare_scorer(model: str):
+    """The same work by hand: decode, resize to SCALE on the shorter side (sides multiples of 32, as the
+    server rounds them), normalise per the card, one run with onnxruntime's default options, top-5."""
+    card = read_card(onnx.load(model))
+    session = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+
+    def score(encoded: bytes) -> np.ndarray:
+        image = Image.open(io.BytesIO(encoded)).convert("RGB")
+        short = min(image.size)
+        width, height = (max(32, round(side * SCALE / short / 32) * 32) for side in image.size)
+        pixels = np.asarray(image.resize((width, height), Image.Resampling.BILINEAR))[None]
+        logits = session.run(None, {name: to_input(pixels, card.preprocessing)})[0]
+        mean = logits.reshape(logits.shape[0], logits.shape[1], -1).mean(axis=2)[0]
+        probabilities = np.exp(mean - mean.max())
+        return np.argsort(probabilities / probabilities.sum())[::-1][:5]
+
+    return score
+
+
+def against_bare(model: str, settings: Settings) -> tuple[list[float], list[float]]:
+    """Seconds per call, alternating: (gRPC Score at stride 32, the same work on bare onnxruntime)."""
+    encoded = portrait_jpeg()
+    job = scoring_pb2.ScoreRequest(encoded=encoded, scales=[SCALE], output_stride=32, top_k=5)
+    bare = bare_scorer(model)
+    server, port = create_server([model], settings=settings)
+    channel, stub = stub_for(port)
+    remote_times, bare_times = [], []
+    try:
+        stub.Score(job)
+        bare(encoded)
+        for _ in range(LATENCY_ROUNDS):
+            started = time.perf_counter()
+            stub.Score(job)
+            remote_times.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            bare(encoded)
+            bare_times.append(time.perf_counter() - started)
+    finally:
+        channel.close()
+        server.stop(0).wait(30)
+    return remote_times, bare_times
 
 
 def throughput(stub: scoring_pb2_grpc.DenseScoringStub, server: ScoringServer, concurrency: int) -> tuple[float, float]:
@@ -118,6 +183,7 @@ def run() -> str:
         # Closed loops measure capacity: no shedding (--max-queue-ms) at 16 clients on a 2-core CPU.
         base = Settings(warm_up_scales=(SCALE,), max_queue_ms=QUEUE_MS)
         remote_times, local_times = latency(model, base)
+        grpc_times, bare_times = against_bare(model, base)
         # The least disturbed run of each is the cost itself on a shared machine; medians shown too.
         remote, local = min(remote_times), min(local_times)
         overhead = remote / local - 1
@@ -136,6 +202,7 @@ def run() -> str:
             cells = [concurrency, f"{on[0]:.2f}", f"{on[1]:.1f}", f"{off[0]:.2f}", f"{off[1]:.1f}", f"{on[0] / off[0]:.2f}x"]
             rows.append("| " + " | ".join(map(str, cells)) + " |")
     verdict = "met" if overhead <= OVERHEAD_TARGET else "missed"
+    bare_ratio = min(grpc_times) / min(bare_times)
     return "\n".join([
         "## Server (bench_server)",
         "",
@@ -145,6 +212,13 @@ def run() -> str:
         f"Pipeline {1000 * local:.0f} ms: overhead {100 * overhead:+.1f}% (target <= {100 * OVERHEAD_TARGET:.0f}%: "
         f"{verdict}); medians {1000 * statistics.median(remote_times):.0f} vs "
         f"{1000 * statistics.median(local_times):.0f} ms ({100 * median_overhead:+.1f}%).",
+        "",
+        f"Against bare onnxruntime (stride 32, scale {SCALE}, top-5, a {PORTRAIT[1]}x{PORTRAIT[0]} portrait JPEG; "
+        f"{LATENCY_ROUNDS} alternating calls each, fastest): gRPC Score {1000 * min(grpc_times):.1f} ms, decode + "
+        f"resize + one run on onnxruntime's default session options {1000 * min(bare_times):.1f} ms: "
+        f"{bare_ratio:.2f}x (target <= {BARE_TARGET}: {'met' if bare_ratio <= BARE_TARGET else 'missed'}); medians "
+        f"{1000 * statistics.median(grpc_times):.1f} vs {1000 * statistics.median(bare_times):.1f} ms "
+        f"({statistics.median(grpc_times) / statistics.median(bare_times):.2f}x).",
         "",
         f"Throughput, closed loop, at least {MIN_REQUESTS} requests per level, best of {ROUNDS} alternating rounds "
         "(the machine is shared):",
