@@ -7,7 +7,8 @@ took ~1 GB each), while admission only budgeted the model's run. `estimate_reque
 copy the pipeline holds at once; admission (server.admission.admit_host) refuses, with the
 numbers, a request whose estimate exceeds `Settings.max_request_host_bytes`. The request limits'
 defaults (`max_image_pixels`, `max_scales`, `max_resized_pixels`) are set so that the worst single
-request fits: `worst_request`.
+request fits: `worst_request`; `max_resized_pixels`'s is the largest that does (`largest_resized_pixels`),
+since an image no canvas bucket holds is tiled (issue 20) and only its host memory grows with it.
 
 How a pipeline holds a scale is a `HostPath`: `DEVICE_PASSES` is the server's (one uint8 canvas per
 scale and orientation; passes, lattice and probabilities made on the device, issue 9);

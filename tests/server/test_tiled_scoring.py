@@ -234,3 +234,41 @@ def test_mixed_traffic_from_224_to_8000_px_runs_only_the_configured_plan_shapes(
     assert sum(answer.maps[0].HasField("tiling") for answer in answers) >= 4  # the large ones were tiled
     assert made and {(key.height, key.width) for key in made} <= set(configured)
     assert {key.batch for key in made} <= {1, 2, 4}
+
+
+def test_admission_counts_a_tiled_request_s_tiles_in_its_queue_places_host_bytes_and_response_size(tiny_paths):
+    from server import admission
+
+    pixels, fields = image(617, 541), dict(SCHEMES["grid"], flip=True, cell_top_k=2)
+    pipeline = Pipeline([tiny_paths[True]], settings=dataclasses.replace(SETTINGS, shape_buckets=SMALL))
+    model = pipeline._model("")
+    try:
+        with admission.admit(request_of(pixels, **fields), model, deadline=None) as ticket:
+            job = ticket.jobs[0]
+            items = 2 * len(job.tiles)  # each tile and its mirror
+            assert job.tiling is not None and ticket.places.items == items and model.batcher.depth() == items
+            canvases = items * job.canvas[0] * job.canvas[1] * 3
+            assert ticket.host.inputs >= canvases and ticket.host.resized >= 617 * 541 * 3
+            expected = admission.response_bytes(ticket.request, ticket.jobs, classes=model.classes, top_k=3,
+                                                label_bytes=model.label_bytes)
+        assert model.batcher.depth() == 0 and model.host_budget.in_flight_bytes() == 0  # given back
+        answer = pipeline.score(request_of(pixels, **fields))
+        assert answer.ByteSize() <= expected
+    finally:
+        pipeline.close()
+    small_queue = Pipeline([tiny_paths[True]], settings=dataclasses.replace(SETTINGS, shape_buckets=SMALL,
+                                                                           queue_depth=items - 1))
+    try:
+        with pytest.raises(ScoringError, match=rf"this request is {items} items .* --queue-depth\): it never fits") \
+                as caught:
+            small_queue.score(request_of(pixels, **fields))
+        assert caught.value.code.name == "RESOURCE_EXHAUSTED" and caught.value.retry_after_seconds is None
+    finally:
+        small_queue.close()
+    tight = Pipeline([tiny_paths[True]], settings=dataclasses.replace(SETTINGS, shape_buckets=SMALL,
+                                                                     max_request_host_bytes=ticket.host.total - 1))
+    try:
+        with pytest.raises(ScoringError, match="--max-request-host-bytes"):
+            tight.score(request_of(pixels, **fields))
+    finally:
+        tight.close()
