@@ -489,7 +489,7 @@ def fit_scales(ticket: Ticket) -> ScoringError | None:
 
 
 def scale_job(model: Model, original: tuple[int, int], scale: int, passes: dense.Passes, *,
-              flip: bool = False) -> ScaleJob:
+              flip: bool) -> ScaleJob:
     """How one scale runs: on the smallest canvas bucket that holds it; else tiled onto a bucket (issue 20:
     no plan grows with the image); else, when the halo fits no bucket, on a canvas planned on demand
     (refused under --strict-shapes)."""

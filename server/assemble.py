@@ -152,7 +152,8 @@ def response(ticket: Ticket, scored: list[Scored], *, provider: str) -> scoring_
                 stride=passes.stride, field_size=field.size, first_center=first,
             )
             scale_map = answer.maps.add()
-            fill_scale_map(scale_map, request, job, lattices, geometry, holes=passes.shift == scoring_pb2.SHIFT_DIAGONAL)
+            fill_scale_map(scale_map, request, job, lattices, geometry,
+                           holes=passes.shift == scoring_pb2.SHIFT_DIAGONAL)
             if job.tiling is not None:
                 scale_map.tiling.CopyFrom(scoring_pb2.Tiling(
                     tiles=len(job.tiles), halo_px=job.tiling.halo, exact=job.tiling.exact,

@@ -7,9 +7,10 @@ sequences the stages, each a module a request enters once:
 
 Admission checks the request whole before any pixel is decoded and gives a ticket holding its queue
 places and host bytes. The image is decoded and resized in a thread pool, each scale (and its mirror)
-put on its uint8 canvas (a scale no canvas bucket holds: its tiles, each on the bucket's canvas) and queued; the batcher runs items of one canvas and passes together through
-the model's plans, whose device graph makes the shifted passes, normalises, runs the net and averages
-probabilities, so the host only stacks uint8 arrays and copies back what the response holds.
+put on its uint8 canvas (a scale no canvas bucket holds: each of its tiles, on a bucket's canvas) and
+queued; the batcher runs items of one canvas and passes together through the model's plans, whose
+device graph makes the shifted passes, normalises, runs the net and averages probabilities, so the
+host only stacks uint8 arrays and copies back what the response holds.
 Models are loaded and warmed up by server/loading.py; the request's types are server/request.py's.
 """
 

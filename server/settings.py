@@ -140,8 +140,8 @@ class ServiceEdge:
 class RequestLimits:
     """What one request, and the requests in flight together, may ask for and hold."""
 
-    max_image_pixels: int = setting(DEFAULT_MAX_IMAGE_PIXELS, "decoded images above this many pixels are refused before "
-                                    "decoding (decompression bombs)", parse=COUNT, metavar="N")
+    max_image_pixels: int = setting(DEFAULT_MAX_IMAGE_PIXELS, "decoded images above this many pixels are refused "
+                                    "before decoding (decompression bombs)", parse=COUNT, metavar="N")
     max_message_bytes: int = setting(
         64 * MiB, "largest request or response (gRPC's 4 MB default would refuse a 12-megapixel JPEG); larger "
         "requests get RESOURCE_EXHAUSTED naming this flag", parse=MESSAGE_BYTES, metavar="BYTES", shown="64 MiB")
@@ -161,9 +161,9 @@ class RequestLimits:
         "included, and its response to --max-message-bytes", parse=COUNT, metavar="N",
         shown=f"{DEFAULT_MAX_RESIZED_PIXELS:,} (from 4 GiB)")
     max_request_host_bytes: int = setting(
-        DEFAULT_MAX_REQUEST_HOST_BYTES, "host memory one request may hold (image, resized copies, model inputs, maps), estimated "
-        "from the image header before decoding: above it RESOURCE_EXHAUSTED with every term; with the limits "
-        "above, the worst request fits it (server/host_memory.py)", parse=size, metavar="SIZE", shown="4 GiB")
+        DEFAULT_MAX_REQUEST_HOST_BYTES, "host memory one request may hold (image, resized copies, model inputs, "
+        "maps), estimated from the image header before decoding: above it RESOURCE_EXHAUSTED with every term; "
+        "with the limits above, the worst request fits it (server/host_memory.py)", parse=size, metavar="SIZE", shown="4 GiB")
     host_memory_budget_bytes: int | None = setting(
         None, "host memory the requests in flight may hold together (their estimates), e.g. 8GiB; beyond it "
         "RESOURCE_EXHAUSTED with a retry hint", parse=size, metavar="SIZE", flag="host-memory-budget",
