@@ -20,6 +20,7 @@ import pytest
 import tritonclient.http as httpclient
 from PIL import Image
 
+from clients.api.results import result_from_response
 from convert import convert_classifier
 from convert.card import read_card
 from protos import scoring_pb2
@@ -132,6 +133,7 @@ def test_a_halo_below_the_receptive_field_is_stated_and_the_seams_show(tiny_path
         small.close()
         whole.close()
     assert tiled.maps[0].tiling.halo_px == 8 and not tiled.maps[0].tiling.exact
+    assert json_tiling(tiled.maps[0].tiling)["exact"] is False  # stated in JSON too, not left out as a default
     assert np.nanmax(np.abs(decode(tiled.maps[0].scores) - decode(reference.maps[0].scores))) > 100 * TOLERANCE
 
 
@@ -182,6 +184,8 @@ def test_over_grpc_kserve_and_http_the_tiled_answer_is_the_one_pass_s_and_says_s
         assert_same_answer(tiled, reference_stub.Score(request_of(pixels, **fields)))
         stated = json_tiling(tiled.maps[0].tiling)
         assert stated["exact"] and stated["tiles"] >= 4
+        record = result_from_response(tiled).to_record()  # the Python API, and the batch CLI's results.jsonl
+        assert record["maps"][0]["tiling"] == stated
         name = stub.ListModels(scoring_pb2.ListModelsRequest()).models[0].name
 
         base = f"http://127.0.0.1:{server.http.port}"
