@@ -217,7 +217,9 @@ class EngineOptions:
     inter_op_threads: int = setting(0, "onnxruntime threads across ops (0: onnxruntime chooses)", parse=THREADS,
                                     metavar="N")
     shape_buckets: tuple[tuple[int, int], ...] = setting(
-        (), "canvas sizes images are padded to, e.g. 384x512,512x384", parse=canvas_sizes, metavar="HxW,...",
+        (), "canvas sizes images are padded to, e.g. 384x512,512x384,2048x2048; an image none holds is tiled onto "
+        "one that holds --halo (the default model's exact halo needs 1184 px or more)", parse=canvas_sizes,
+        metavar="HxW,...",
         shown="every warm-up scale at 1:1, 3:4, 4:3, 2:3, 3:2, with and without the shifted passes' slack")
     strict_shapes: bool = setting(False, "never plan a shape outside the buckets: an image no bucket holds that "
                                   "cannot be tiled onto one either (the halo does not fit) is refused "
