@@ -3,9 +3,9 @@
 `admit(request, model, deadline=) -> Ticket` runs `CHECKS`, one ordered list of small checks each
 returning its refusal (or None): the request's fields (the image's first bytes included), then the
 queue's room and expected wait, then the image's header, then what the header tells (every scale's
-canvas, or its tiles on one, and batch limit in memory, the tiles' queue places, the response's size, the
-host memory). The ticket holds the queue
-places and the host bytes together and gives both back in `release`, the one way out.
+canvas, or its tiles on one, and batch limit in memory, the tiles' queue places, the response's size,
+the host memory). The ticket holds the queue places and the host bytes together and gives both back
+in `release`, the one way out.
 
 Memory: what a batch or a plan will need, against a budget, before it runs. Predictions are
 `convert.profile`'s for the device the model runs on (the terms `scoremap-inspect --device` prints),
@@ -558,14 +558,16 @@ def tile_jobs(model: Model, plan: tiling.TilePlan, scale: int, passes: dense.Pas
     every map cell once (the cells it owns), and every cell of the mirrored lattice once (those whose
     unmirrored cell it owns; an edge tile also those landing beyond the image's edge)."""
     first_x = model.card.receptive_field.center_x - passes.slack
+    last = len(plan.columns) - 1
     jobs = []
     for tile in plan:
         cells = job_cells(model, (tile.y.length, tile.x.length), scale, passes)
         rows, columns = tile.owned(cells)
-        anchor = int(round((tile.x.length - 1 - 2 * first_x) / passes.stride))  # dense.mirror_back's
-        begin = columns.start if tile.column > 0 else -(1 << 30)
-        end = columns.stop if tile.column < len(plan.columns) - 1 else 1 << 30
-        mirrored = slice(max(anchor - end + 1, 0), min(anchor - begin + 1, cells[1]))
+        # Mirrored column m lands on unmirrored column anchor - m (dense.mirror_back).
+        anchor = int(round((tile.x.length - 1 - 2 * first_x) / passes.stride))
+        lowest = anchor - columns.stop + 1 if tile.column < last else 0
+        highest = anchor - columns.start + 1 if tile.column > 0 else cells[1]
+        mirrored = slice(max(lowest, 0), min(highest, cells[1]))
         jobs.append(TileJob(tile, cells, (rows, columns), (rows, mirrored)))
     return tuple(jobs)
 

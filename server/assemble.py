@@ -1,9 +1,9 @@
 """The assemble stage: the plans' outputs of one request into its response (`response`), and its timings.
 
 Per scale: the kept lattices (the mirrored one moved back; a tiled scale's tiles stitched into one map,
-stated in its `tiling`), averaged over flips, as maps, per-cell
-top-k and geometry; over everything: the image-level top-k from the mean of the device's
-per-image probabilities (VGG's dense evaluation). Tensors are written as bytes once. A response
+stated in its `tiling`), averaged over flips, as maps, per-cell top-k and geometry; over everything:
+the image-level top-k from the mean of the device's per-image probabilities (VGG's dense evaluation;
+a tiled scale's tiles weighted by the cells each counts). Tensors are written as bytes once. A response
 is finite or an error: the only NaN allowed is a diagonal shift's unscored cell, which the
 contract documents.
 """
