@@ -433,13 +433,6 @@ def no_room(busy: NoRoom, *, deadline: float | None) -> ScoringError:
     """The refusal of a queue with no room for a request, with a retry hint from the queue's pace."""
     if busy.why is None:
         return ScoringError(Refusal.UNAVAILABLE, "the server is shutting down")
-    if busy.why is Transient.QUEUE_FULL and busy.adding > busy.depth:
-        return ScoringError(
-            Refusal.RESOURCE_EXHAUSTED,
-            f"this request is {busy.adding} items (scales x orientations x tiles), more than the queue holds "
-            f"({busy.depth}, --queue-depth): it never fits; ask fewer or smaller scales, or restart the server with "
-            "a larger --queue-depth or larger --shape-buckets (fewer tiles)",
-        )
     if busy.why is Transient.QUEUE_FULL:
         return ScoringError(
             Refusal.RESOURCE_EXHAUSTED,
@@ -578,13 +571,21 @@ def hold_tile_places(ticket: Ticket) -> ScoringError | None:
     items = sum(job.parts for job in ticket.jobs) * len(ticket.flips)
     if ticket.places is None or items == ticket.places.items:
         return None
-    ticket.model.batcher.release(ticket.places)
+    batcher = ticket.model.batcher
+    batcher.release(ticket.places)
     ticket.places = None
-    try:
-        ticket.places = queue_places(ticket.model.batcher, items, deadline=ticket.deadline)
-    except ScoringError as error:
-        return error
-    return None
+    held = batcher.reserve(items, deadline=ticket.deadline)
+    if not isinstance(held, NoRoom):
+        ticket.places = held
+        return None
+    if held.why is Transient.QUEUE_FULL and items > held.depth:  # no retry makes room for it
+        return ScoringError(
+            Refusal.RESOURCE_EXHAUSTED,
+            f"this request is {items} items (scales x orientations x tiles), more than the queue holds "
+            f"({held.depth}, --queue-depth): it never fits; ask fewer or smaller scales, or restart the server with "
+            "a larger --queue-depth or larger --shape-buckets (fewer tiles)",
+        )
+    return no_room(held, deadline=ticket.deadline)
 
 
 def batch_limit(model: Model, canvas: tuple[int, int], scale: int, passes: dense.Passes,
