@@ -109,7 +109,7 @@ class MapGeometry(_message.Message):
     def __init__(self, stride_y: _Optional[float] = ..., stride_x: _Optional[float] = ..., center_y: _Optional[float] = ..., center_x: _Optional[float] = ..., box_height: _Optional[float] = ..., box_width: _Optional[float] = ..., scale_factor: _Optional[float] = ..., resized_height: _Optional[int] = ..., resized_width: _Optional[int] = ..., padded_border_rows: _Optional[int] = ..., padded_border_cols: _Optional[int] = ...) -> None: ...
 
 class ScaleMap(_message.Message):
-    __slots__ = ("scale", "scores", "classes", "cell_top_k_indices", "cell_top_k_scores", "geometry", "height", "width")
+    __slots__ = ("scale", "scores", "classes", "cell_top_k_indices", "cell_top_k_scores", "geometry", "height", "width", "tiling")
     SCALE_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class ScaleMap(_message.Message):
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
+    TILING_FIELD_NUMBER: _ClassVar[int]
     scale: int
     scores: Tensor
     classes: _containers.RepeatedScalarFieldContainer[int]
@@ -126,7 +127,22 @@ class ScaleMap(_message.Message):
     geometry: MapGeometry
     height: int
     width: int
-    def __init__(self, scale: _Optional[int] = ..., scores: _Optional[_Union[Tensor, _Mapping]] = ..., classes: _Optional[_Iterable[int]] = ..., cell_top_k_indices: _Optional[_Union[Tensor, _Mapping]] = ..., cell_top_k_scores: _Optional[_Union[Tensor, _Mapping]] = ..., geometry: _Optional[_Union[MapGeometry, _Mapping]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ...) -> None: ...
+    tiling: Tiling
+    def __init__(self, scale: _Optional[int] = ..., scores: _Optional[_Union[Tensor, _Mapping]] = ..., classes: _Optional[_Iterable[int]] = ..., cell_top_k_indices: _Optional[_Union[Tensor, _Mapping]] = ..., cell_top_k_scores: _Optional[_Union[Tensor, _Mapping]] = ..., geometry: _Optional[_Union[MapGeometry, _Mapping]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., tiling: _Optional[_Union[Tiling, _Mapping]] = ...) -> None: ...
+
+class Tiling(_message.Message):
+    __slots__ = ("tiles", "halo_px", "exact", "canvas_height", "canvas_width")
+    TILES_FIELD_NUMBER: _ClassVar[int]
+    HALO_PX_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    CANVAS_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CANVAS_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    tiles: int
+    halo_px: int
+    exact: bool
+    canvas_height: int
+    canvas_width: int
+    def __init__(self, tiles: _Optional[int] = ..., halo_px: _Optional[int] = ..., exact: _Optional[bool] = ..., canvas_height: _Optional[int] = ..., canvas_width: _Optional[int] = ...) -> None: ...
 
 class Label(_message.Message):
     __slots__ = ("index", "label", "probability")

@@ -3,8 +3,9 @@
 `admit(request, model, deadline=) -> Ticket` runs `CHECKS`, one ordered list of small checks each
 returning its refusal (or None): the request's fields (the image's first bytes included), then the
 queue's room and expected wait, then the image's header, then what the header tells (every scale's
-canvas and batch limit in memory, the response's size, the host memory). The ticket holds the queue
-places and the host bytes together and gives both back in `release`, the one way out.
+canvas, or its tiles on one, and batch limit in memory, the tiles' queue places, the response's size,
+the host memory). The ticket holds the queue places and the host bytes together and gives both back
+in `release`, the one way out.
 
 Memory: what a batch or a plan will need, against a budget, before it runs. Predictions are
 `convert.profile`'s for the device the model runs on (the terms `scoremap-inspect --device` prints),
@@ -53,12 +54,12 @@ from convert.memory_model import Device, MemoryTerms
 from convert.profile import ProfileError, Skeleton, largest_batch, load_skeleton, profile_model
 from server.runtime_memory import release_free_memory
 from protos import scoring_pb2
-from server import dense, imaging
+from server import dense, imaging, tiling
 from server.device_graph import DeviceGraphError
 from server.errors import NoRoom, Refusal, ScoringError, Transient, retry_after
-from server.host_memory import DEVICE_PASSES, HostEstimate, estimate_request
+from server.host_memory import DEVICE_PASSES, HostEstimate, TiledScale, estimate_request
 from server.metrics import Metrics
-from server.request import ScaleJob, top_k
+from server.request import ScaleJob, TileJob, top_k
 from server.settings import Settings
 
 if TYPE_CHECKING:
@@ -470,40 +471,121 @@ def read_header(ticket: Ticket) -> ScoringError | None:
 
 
 def fit_scales(ticket: Ticket) -> ScoringError | None:
-    """Each scale's resized size, canvas bucket, kept cells and batch limit; refused when the image cannot take it."""
+    """Each scale's resized size, canvas bucket (or the tiles on one), kept cells and batch limit; refused when
+    the image cannot take it."""
     try:
-        ticket.jobs = [scale_job(ticket.model, ticket.original, scale, ticket.passes) for scale in ticket.scales]
+        ticket.jobs = [scale_job(ticket.model, ticket.original, scale, ticket.passes, flip=len(ticket.flips) > 1)
+                       for scale in ticket.scales]
     except ScoringError as error:
         return error
     return None
 
 
-def scale_job(model: Model, original: tuple[int, int], scale: int, passes: dense.Passes) -> ScaleJob:
+def scale_job(model: Model, original: tuple[int, int], scale: int, passes: dense.Passes, *,
+              flip: bool) -> ScaleJob:
+    """How one scale runs: on the smallest canvas bucket that holds it; else tiled onto a bucket (issue 20:
+    no plan grows with the image); else, when the halo fits no bucket, on a canvas planned on demand
+    (refused under --strict-shapes)."""
     limit = model.limits.max_resized_pixels
     size = dense.resized_size(*original, scale=scale, multiple=model.card.size_multiple)
     if size[0] * size[1] > limit:
         raise invalid(
             f"scale {scale} resizes the {original[0]}x{original[1]} image to {size[0]}x{size[1]} = "
-            f"{size[0] * size[1]} pixels, above the limit of {limit} (--max-resized-pixels)"
+            f"{size[0] * size[1]} pixels, above the limit of {limit} (--max-resized-pixels, which follows from "
+            "--max-request-host-bytes); use a smaller scale"
         )
-    try:
-        cells = tuple(passes.factor * side for side in model.net_cells(*size))
-    except DeviceGraphError as error:
-        raise invalid(f"scale {scale} gives a {size[0]}x{size[1]} input model {model.name} cannot take: {error}") from error
+    cells = job_cells(model, size, scale, passes)
     if 0 in cells:
         raise invalid(
             f"scale {scale} resizes the {original[0]}x{original[1]} image to {size[0]}x{size[1]}, smaller than "
             f"model {model.name}'s training size {model.card.training_height}x{model.card.training_width}; "
             "use a larger scale"
         )
-    canvas = model.canvas_for(size, passes)
+    canvas = model.buckets.canvas_for(*size, slack=passes.slack)
+    if canvas is not None:
+        return ScaleJob(scale, size, canvas, cells, batch_limit(model, canvas, scale, passes, original))
+    tiles = tile_plan(model, size, passes, flip=flip)
+    if isinstance(tiles, tiling.TilePlan):
+        return ScaleJob(scale, size, tiles.canvas, cells, batch_limit(model, tiles.canvas, scale, passes, original),
+                        tiling=tiles, tiles=tile_jobs(model, tiles, scale, passes))
+    canvas = model.canvas_for(size, passes)  # planned on demand
     if canvas is None:
         raise invalid(
             f"scale {scale} gives a {size[0]}x{size[1]} image (+{passes.slack} px for shifted passes) that no "
-            f"canvas bucket holds ({model.buckets.describe()}); use a smaller scale, or restart the server "
-            "with a larger --shape-buckets or without --strict-shapes"
+            f"canvas bucket holds ({model.buckets.describe()}), nor can it be tiled onto one: {tiles}; use a smaller "
+            "scale, or restart the server with a larger --shape-buckets, a smaller --halo or without --strict-shapes"
         )
     return ScaleJob(scale, size, canvas, cells, batch_limit(model, canvas, scale, passes, original))
+
+
+def job_cells(model: Model, size: tuple[int, int], scale: int, passes: dense.Passes) -> tuple[int, int]:
+    """The lattice cells one pass over an image of `size` keeps (the passes' factor times the net's cells)."""
+    try:
+        return tuple(passes.factor * side for side in model.net_cells(*size))
+    except DeviceGraphError as error:
+        raise invalid(f"scale {scale} gives a {size[0]}x{size[1]} input model {model.name} cannot take: "
+                      f"{error}") from error
+
+
+def tile_plan(model: Model, size: tuple[int, int], passes: dense.Passes, *,
+              flip: bool) -> tiling.TilePlan | tiling.TilingError:
+    """The tiles of a resized image on the canvas bucket that computes the fewest pixels for it, with the
+    server's --halo (None: exact); the largest bucket's TilingError when none holds the halo."""
+    field = model.card.receptive_field
+    plans, refusal = [], None
+    for canvas in sorted(model.buckets.canvases, key=lambda c: c[0] * c[1]):
+        try:
+            plans.append(tiling.plan(
+                size, canvas, field_size=field.size, field_center=(field.center_y, field.center_x),
+                training=(model.card.training_height, model.card.training_width), passes=passes,
+                halo=model.halo, multiple=model.multiple, flip=flip))
+        except tiling.TilingError as error:
+            refusal = error
+    if not plans:
+        return refusal
+    return min(plans, key=lambda plan: (len(plan) * plan.canvas[0] * plan.canvas[1], plan.canvas))
+
+
+def tile_jobs(model: Model, plan: tiling.TilePlan, scale: int, passes: dense.Passes) -> tuple[TileJob, ...]:
+    """Each tile's own map cells and the cells of its lattice the image-level mean counts, as the one pass's:
+    every map cell once (the cells it owns), and every cell of the mirrored lattice once (those whose
+    unmirrored cell it owns; an edge tile also those landing beyond the image's edge)."""
+    first_x = model.card.receptive_field.center_x - passes.slack
+    last = len(plan.columns) - 1
+    jobs = []
+    for tile in plan:
+        cells = job_cells(model, (tile.y.length, tile.x.length), scale, passes)
+        rows, columns = tile.owned(cells)
+        # Mirrored column m lands on unmirrored column anchor - m (dense.mirror_back).
+        anchor = int(round((tile.x.length - 1 - 2 * first_x) / passes.stride))
+        lowest = anchor - columns.stop + 1 if tile.column < last else 0
+        highest = anchor - columns.start + 1 if tile.column > 0 else cells[1]
+        mirrored = slice(max(lowest, 0), min(highest, cells[1]))
+        jobs.append(TileJob(tile, cells, (rows, columns), (rows, mirrored)))
+    return tuple(jobs)
+
+
+def hold_tile_places(ticket: Ticket) -> ScoringError | None:
+    """A tiled scale is one item per tile and orientation: the places held before the header was read
+    (one per scale and orientation) become the request's whole count."""
+    items = sum(job.parts for job in ticket.jobs) * len(ticket.flips)
+    if ticket.places is None or items == ticket.places.items:
+        return None
+    batcher = ticket.model.batcher
+    batcher.release(ticket.places)
+    ticket.places = None
+    held = batcher.reserve(items, deadline=ticket.deadline)
+    if not isinstance(held, NoRoom):
+        ticket.places = held
+        return None
+    if held.why is Transient.QUEUE_FULL and items > held.depth:  # no retry makes room for it
+        return ScoringError(
+            Refusal.RESOURCE_EXHAUSTED,
+            f"this request is {items} items (scales x orientations x tiles), more than the queue holds "
+            f"({held.depth}, --queue-depth): it never fits; ask fewer or smaller scales, or restart the server with "
+            "a larger --queue-depth or larger --shape-buckets (fewer tiles)",
+        )
+    return no_room(held, deadline=ticket.deadline)
 
 
 def batch_limit(model: Model, canvas: tuple[int, int], scale: int, passes: dense.Passes,
@@ -561,8 +643,11 @@ def check_host_memory(ticket: Ticket) -> ScoringError | None:
     request, model, passes = ticket.request, ticket.model, ticket.passes
     ticket.host = estimate_request(
         encoded_bytes=ticket.opened.encoded_bytes, image_size=ticket.original,
-        resized_sizes=[job.canvas for job in ticket.jobs], passes=len(passes.offsets), flip=request.flip,
-        classes=model.classes, native_stride=model.card.output_stride, output_stride=passes.stride, path=DEVICE_PASSES,
+        resized_sizes=[job.canvas for job in ticket.jobs if job.tiling is None], passes=len(passes.offsets),
+        flip=request.flip, classes=model.classes, native_stride=model.card.output_stride, output_stride=passes.stride,
+        path=DEVICE_PASSES,
+        tiled=[TiledScale(job.resized, job.canvas, len(job.tiles), max(t.cells[0] * t.cells[1] for t in job.tiles))
+               for job in ticket.jobs if job.tiling is not None],
     )
     try:
         admit_host(ticket.host, limit_bytes=model.limits.max_request_host_bytes)
@@ -577,7 +662,7 @@ def check_host_memory(ticket: Ticket) -> ScoringError | None:
 # then the header, then what the header tells (the canvas of every scale, the response's size, memory).
 CHECKS: tuple[Callable[[Ticket], ScoringError | None], ...] = (
     check_scales, check_fields, choose_passes, check_image_field, hold_places, read_header, fit_scales,
-    check_response_size, check_host_memory,
+    hold_tile_places, check_response_size, check_host_memory,
 )
 
 

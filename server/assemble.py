@@ -1,8 +1,9 @@
 """The assemble stage: the plans' outputs of one request into its response (`response`), and its timings.
 
-Per scale: the kept lattices (the mirrored one moved back), averaged over flips, as maps, per-cell
-top-k and geometry; over everything: the image-level top-k from the mean of the device's
-per-image probabilities (VGG's dense evaluation). Tensors are written as bytes once. A response
+Per scale: the kept lattices (the mirrored one moved back; a tiled scale's tiles stitched into one map,
+stated in its `tiling`), averaged over flips, as maps, per-cell top-k and geometry; over everything:
+the image-level top-k from the mean of the device's per-image probabilities (VGG's dense evaluation;
+a tiled scale's tiles weighted by the cells each counts). Tensors are written as bytes once. A response
 is finite or an error: the only NaN allowed is a diagonal shift's unscored cell, which the
 contract documents.
 """
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from protos import scoring_pb2
-from server import dense
+from server import dense, tiling
 from server.errors import Refusal, ScoringError
 from server.metrics import Stage
 from server.request import ScaleJob, Scored, top_k
@@ -68,6 +69,42 @@ def fill_scale_map(
         write_tensor(scale_map.cell_top_k_scores, values, "float32")
 
 
+def scale_lattice(job: ScaleJob, parts: list[Scored], *, mirrored: bool, first_center_x: float,
+                  stride: int) -> np.ndarray:
+    """One orientation's [K, *job.cells] lattice on the unmirrored cells: its one item's, or its tiles' owned
+    cells stitched (each mirrored tile moved back within itself first)."""
+    def unmirrored(lattice: np.ndarray, width: int) -> np.ndarray:
+        if not mirrored:
+            return lattice
+        return dense.mirror_back(lattice, resized_width=width, first_center_x=first_center_x, stride=stride)
+
+    if job.tiling is None:
+        return unmirrored(parts[0].lattice, job.resized[1])
+    out = np.full((parts[0].lattice.shape[0], *job.cells), np.nan, dtype=parts[0].lattice.dtype)
+    for tile, result in zip(job.tiles, parts):
+        tiling.stitch_into(out, tile.tile, unmirrored(result.lattice, tile.tile.x.length))
+    return out
+
+
+def scale_probabilities(job: ScaleJob, parts: list[Scored], passes: dense.Passes, *, mirrored: bool) -> np.ndarray:
+    """One orientation's image-level probabilities: its one item's, or its tiles' weighted by the cells each
+    counted (its own), so the mean is the one pass's over every cell."""
+    if job.tiling is None:
+        return parts[0].probabilities
+    weights = np.array([dense.scored_cells(passes, *(tile.kept_mirrored if mirrored else tile.kept))
+                        for tile in job.tiles], dtype=np.float64)
+    counted = weights > 0  # a tile counting no cell gave no mean (0/0)
+    stacked = np.stack([result.probabilities for result in parts])[counted]
+    return (np.tensordot(weights[counted], stacked, axes=1) / weights.sum()).astype(np.float32)
+
+
+def one_pass_canvas(job: ScaleJob) -> tuple[int, int]:
+    """The canvas one pass over the scale's image has: its own, or, tiled, the one an edge tile ends like."""
+    if job.tiling is None:
+        return job.canvas
+    return tuple(side + lattice.fill(side) for side, lattice in zip(job.resized, job.tiling.lattices))
+
+
 def image_top_k(probabilities: list[np.ndarray], k: int, labels) -> list[scoring_pb2.Label]:
     """The k most probable classes over every scale and flip; labels[i] names class i."""
     mean = np.mean(probabilities, axis=0)
@@ -104,21 +141,23 @@ def response(ticket: Ticket, scored: list[Scored], *, provider: str) -> scoring_
     probabilities = []
     try:
         for job in ticket.jobs:
-            mine = [next(results) for _flip in ticket.flips]
-            probabilities.extend(result.probabilities for result in mine)
+            orientations = [(flip, [next(results) for _part in range(job.parts)]) for flip in ticket.flips]
+            probabilities.extend(scale_probabilities(job, parts, passes, mirrored=flip) for flip, parts in orientations)
             lattices = None
-            if mine[0].lattice is not None:
-                lattices = [mine[0].lattice] + [
-                    dense.mirror_back(result.lattice, resized_width=job.resized[1], first_center_x=first[1],
-                                      stride=passes.stride)
-                    for result in mine[1:]
-                ]
+            if orientations[0][1][0].lattice is not None:
+                lattices = [scale_lattice(job, parts, mirrored=flip, first_center_x=first[1], stride=passes.stride)
+                            for flip, parts in orientations]
             geometry = dense.cell_geometry(
-                original=original, resized=job.resized, canvas=job.canvas, cells=job.cells,
+                original=original, resized=job.resized, canvas=one_pass_canvas(job), cells=job.cells,
                 stride=passes.stride, field_size=field.size, first_center=first,
             )
-            fill_scale_map(answer.maps.add(), request, job, lattices, geometry,
+            scale_map = answer.maps.add()
+            fill_scale_map(scale_map, request, job, lattices, geometry,
                            holes=passes.shift == scoring_pb2.SHIFT_DIAGONAL)
+            if job.tiling is not None:
+                scale_map.tiling.CopyFrom(scoring_pb2.Tiling(
+                    tiles=len(job.tiles), halo_px=job.tiling.halo, exact=job.tiling.exact,
+                    canvas_height=job.canvas[0], canvas_width=job.canvas[1]))
         answer.top_k.extend(image_top_k(probabilities, top_k(request, model.limits), model.label))
     except NonFiniteError as error:
         raise ScoringError(Refusal.INTERNAL, f"model {model.name} gave no usable scores: {error}") from error

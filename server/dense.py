@@ -82,6 +82,15 @@ def passes_for(*, native_stride: int, output_stride: int, shift: int) -> Passes:
     )
 
 
+def scored_cells(passes: Passes, rows: slice, columns: slice) -> int:
+    """How many cells of a lattice region some pass scores: all of them but on the diagonal (a quincunx),
+    whose pass (dy, dx) scores the cells (i, j) with (i, j) = (dy, dx) / stride modulo the factor."""
+    factor = passes.factor
+    row_slots = np.bincount(np.arange(rows.start, rows.stop) % factor, minlength=factor)
+    column_slots = np.bincount(np.arange(columns.start, columns.stop) % factor, minlength=factor)
+    return int(sum(row_slots[dy // passes.stride] * column_slots[dx // passes.stride] for dy, dx in passes.offsets))
+
+
 def offered_strides(native_stride: int) -> tuple[int, ...]:
     """The output strides a model of `native_stride` can give: its own, and half of it from 32 up."""
     return (native_stride, native_stride // 2) if native_stride >= 32 else (native_stride,)

@@ -7,7 +7,8 @@ took ~1 GB each), while admission only budgeted the model's run. `estimate_reque
 copy the pipeline holds at once; admission (server.admission.admit_host) refuses, with the
 numbers, a request whose estimate exceeds `Settings.max_request_host_bytes`. The request limits'
 defaults (`max_image_pixels`, `max_scales`, `max_resized_pixels`) are set so that the worst single
-request fits: `worst_request`.
+request fits: `worst_request`; `max_resized_pixels`'s is the largest that does (`largest_resized_pixels`),
+since an image no canvas bucket holds is tiled (issue 20) and only its host memory grows with it.
 
 How a pipeline holds a scale is a `HostPath`: `DEVICE_PASSES` is the server's (one uint8 canvas per
 scale and orientation; passes, lattice and probabilities made on the device, issue 9);
@@ -21,8 +22,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["HostPath", "HOST_PASSES", "DEVICE_PASSES", "HostEstimate", "estimate_request",
-           "worst_request"]
+__all__ = ["HostPath", "HOST_PASSES", "DEVICE_PASSES", "HostEstimate", "TiledScale", "estimate_request",
+           "largest_resized_pixels", "worst_request"]
 
 FLOAT32 = 4
 RGB = 3
@@ -66,6 +67,16 @@ class HostEstimate:
         return f"{self.total / 2**20:,.0f} MiB ({parts})"
 
 
+@dataclasses.dataclass(frozen=True)
+class TiledScale:
+    """A scale tiled onto one canvas (issue 20): its resized image, its tiles' canvas and how many per orientation."""
+
+    resized: tuple[int, int]
+    canvas: tuple[int, int]
+    tiles: int
+    tile_cells: int  # lattice cells of one tile's map (the largest tile's)
+
+
 def estimate_request(
     *,
     encoded_bytes: int,
@@ -77,11 +88,14 @@ def estimate_request(
     native_stride: int,
     output_stride: int,
     path: HostPath = DEVICE_PASSES,
+    tiled: Sequence[TiledScale] = (),
 ) -> HostEstimate:
     """The host memory of one request, from what is known before decoding.
 
-    `resized_sizes`: (height, width) per scale; `passes`: shifted passes per scale and orientation;
-    `classes`: the model's output channels; strides in pixels per cell of one pass and of the lattice."""
+    `resized_sizes`: (height, width) per scale scored in one pass; `passes`: shifted passes per scale and
+    orientation; `classes`: the model's output channels; strides in pixels per cell of one pass and of the
+    lattice. `tiled`: the scales scored tile by tile, whose tiles are all in flight at once (each a canvas and
+    its lattice back), beside the whole map they are stitched into."""
     height, width = image_size
     orientations = 2 if flip else 1
     pixels = [h * w for h, w in resized_sizes]
@@ -92,10 +106,17 @@ def estimate_request(
     lattices = sum(classes * FLOAT32 * math.ceil(p / output_stride**2) for p in pixels) * (orientations + 2)
     pass_maps = (sum(classes * FLOAT32 * math.ceil(p / native_stride**2) for p in pixels) * passes * orientations
                  if path.maps_per_pass else 0)
+    resized = sum(p * RGB for p in pixels) * orientations  # and its mirror image
+    for scale in tiled:  # the resized image once (tiles are mirrored one by one), each tile's canvas and lattice
+        area = scale.resized[0] * scale.resized[1]
+        resized += area * RGB
+        inputs += scale.tiles * orientations * scale.canvas[0] * scale.canvas[1] * RGB * INPUT_COPIES
+        lattices += classes * FLOAT32 * (math.ceil(area / output_stride**2) * (orientations + 2)
+                                         + scale.tiles * orientations * scale.tile_cells)
     return HostEstimate(
         encoded=encoded_bytes,
         decoded=height * width * (DECODED_BYTES_PER_PIXEL + RGB),
-        resized=sum(p * RGB for p in pixels) * orientations,  # and its mirror image
+        resized=resized,
         inputs=inputs,
         maps=pass_maps + lattices,
     )
@@ -111,3 +132,14 @@ def worst_request(*, max_image_pixels: int, max_scales: int, max_resized_pixels:
         image_size=(1, max_image_pixels), resized_sizes=[(side, side)] * max_scales, passes=4, flip=True,
         classes=classes, native_stride=native_stride, output_stride=native_stride // 2, path=path,
     )
+
+
+def largest_resized_pixels(*, max_request_host_bytes: int, max_image_pixels: int, max_scales: int) -> int:
+    """The largest `max_resized_pixels` whose worst request fits `max_request_host_bytes`: the size limit that
+    follows from host memory (every request is also held to its own estimate, tiles included)."""
+    low, high = 0, max_request_host_bytes  # a resized pixel costs more than a byte: `high` never fits
+    while high - low > 1:
+        middle = (low + high) // 2
+        worst = worst_request(max_image_pixels=max_image_pixels, max_scales=max_scales, max_resized_pixels=middle)
+        low, high = (middle, high) if worst.total <= max_request_host_bytes else (low, middle)
+    return low

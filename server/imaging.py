@@ -174,14 +174,17 @@ def resize(image: Image.Image, size: tuple[int, int], *, filter_name: str) -> np
 
 def canvases(opened: OpenedImage, jobs: list[ScaleJob], flips: tuple[bool, ...], *, fill: np.ndarray,
              resize_filter: str) -> list[np.ndarray]:
-    """Decode once (down to the largest size asked for), then per scale resize and put on its canvas,
-    the mirror after: one canvas per item, in the order the response is assembled."""
+    """Decode once (down to the largest size asked for), then per scale resize and put on its canvas, the
+    mirror after (a tiled scale: each tile's region on the bucket's canvas, tile by tile, the mirrored tiles
+    after): one canvas per item, in the order the response is assembled."""
     largest = max((job.resized for job in jobs), key=lambda size: size[0] * size[1])
     image = load(opened, largest=largest)
     placed = []
     for job in jobs:
         pixels = resize(image, job.resized, filter_name=resize_filter)
+        regions = [pixels[tile.tile.region] for tile in job.tiles] or [pixels]
         for flip in flips:
-            source = np.ascontiguousarray(pixels[:, ::-1]) if flip else pixels
-            placed.append(dense.canvas(source, job.canvas, fill))
+            for region in regions:
+                source = np.ascontiguousarray(region[:, ::-1]) if flip else region
+                placed.append(dense.canvas(source, job.canvas, fill))
     return placed

@@ -52,6 +52,7 @@ class Model:
     limits: RequestLimits
     host_budget: HostBudget
     strict_shapes: bool
+    halo: int | None = None  # --halo: context of the tiles of an image no bucket holds (None: exact)
     batcher: Batcher = field(init=False)
 
     @property
@@ -148,7 +149,7 @@ def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: Me
         plans=PlanCache(net, card, engine, admission, max_plans=settings.max_plans, buckets=shape_buckets,
                         fill=fill, metrics=metrics, name=name),
         admission=admission, buckets=shape_buckets, fill=fill, limits=settings, host_budget=host_budget,
-        strict_shapes=settings.strict_shapes,
+        strict_shapes=settings.strict_shapes, halo=settings.halo,
     )
     model.batcher = Batcher(
         model.plans.run, max_batch=max_batch, max_delay_seconds=settings.max_queue_delay_ms / 1000,

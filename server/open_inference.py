@@ -13,7 +13,7 @@ One inference request is one image:
     outputs     TOP_K_INDICES INT32 [k], TOP_K_PROBABILITIES FP32 [k], TOP_K_LABELS BYTES [k];
                 per scale s: SCORES_s [K, h, w] (FP32 or FP16), CELL_TOP_K_INDICES_s INT32 [k, h, w],
                 CELL_TOP_K_SCORES_s FP32 [k, h, w]; the response parameter `maps` is a JSON list of
-                each scale's cells and geometry (scoring.proto's ScaleMap without its tensors).
+                each scale's cells, geometry and, when tiled, its tiling (scoring.proto's ScaleMap without its tensors).
 
 Maps are computed only when no output is named or a SCORES_s output is. The protocol's byte
 encodings and its model configuration are tritonclient's own (the `triton` extra), imported where
@@ -234,12 +234,14 @@ def raw_bytes(array: np.ndarray) -> bytes:
 
 
 def response_parameters(response: scoring_pb2.ScoreResponse) -> dict[str, str | int]:
-    """What the response says beside its tensors: each scale's cells and geometry (`maps`, JSON), the
+    """What the response says beside its tensors: each scale's cells, geometry and tiling (`maps`, JSON), the
     execution provider, the stride and any warnings (JSON)."""
     maps = []
     for scale_map in response.maps:
         described = scoring_pb2.ScaleMap(scale=scale_map.scale, classes=scale_map.classes, height=scale_map.height,
                                          width=scale_map.width, geometry=scale_map.geometry)
+        if scale_map.HasField("tiling"):
+            described.tiling.CopyFrom(scale_map.tiling)
         maps.append(json_format.MessageToDict(described, preserving_proto_field_name=True))
     parameters: dict[str, str | int] = {"maps": json.dumps(maps), "execution_provider": response.execution_provider,
                                         "output_stride": response.output_stride}

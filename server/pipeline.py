@@ -7,9 +7,10 @@ sequences the stages, each a module a request enters once:
 
 Admission checks the request whole before any pixel is decoded and gives a ticket holding its queue
 places and host bytes. The image is decoded and resized in a thread pool, each scale (and its mirror)
-put on its uint8 canvas and queued; the batcher runs items of one canvas and passes together through
-the model's plans, whose device graph makes the shifted passes, normalises, runs the net and averages
-probabilities, so the host only stacks uint8 arrays and copies back what the response holds.
+put on its uint8 canvas (a scale no canvas bucket holds: each of its tiles, on a bucket's canvas) and
+queued; the batcher runs items of one canvas and passes together through the model's plans, whose
+device graph makes the shifted passes, normalises, runs the net and averages probabilities, so the
+host only stacks uint8 arrays and copies back what the response holds.
 Models are loaded and warmed up by server/loading.py; the request's types are server/request.py's.
 """
 
@@ -168,9 +169,9 @@ class Pipeline:
         if request.return_maps or request.cell_top_k:
             half = request.map_dtype == scoring_pb2.FLOAT16 and not request.cell_top_k  # ranks from float32
             lattice = LATTICE_FP16 if half else LATTICE
-        jobs = [job for job in ticket.jobs for _flip in ticket.flips]
-        return [Work(GroupKey(*job.canvas, passes), Item(canvas, job.cells, lattice, traffic), job.batch_limit,
-                     ticket.deadline) for job, canvas in zip(jobs, canvases)]
+        parts = [(job, cells, kept) for job in ticket.jobs for flip in ticket.flips for cells, kept in job.pieces(flip)]
+        return [Work(GroupKey(*job.canvas, passes), Item(canvas, cells, lattice, traffic, kept), job.batch_limit,
+                     ticket.deadline) for (job, cells, kept), canvas in zip(parts, canvases)]
 
     def _canvases(self, ticket: Ticket) -> list[np.ndarray]:
         model = ticket.model

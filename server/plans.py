@@ -7,7 +7,7 @@ what the responses hold. A model's plans are made on first use or at warm-up, me
 least recently used when a new one would not fit the memory budget (issues 9 and 14).
 
 The run stage is `PlanCache.run`, the batcher's runner: a batch of items padded up to its batch
-bucket, with the valid mask saying which cells each item keeps.
+bucket, with the valid mask saying which cells each item keeps (a tile: the cells it owns).
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ class PlanCache:
         valid = np.zeros((key.batch, *plan.lattice_shape[2:]), dtype=np.float32)
         for index, item in enumerate(items):
             pixels[index] = item.canvas
-            valid[index, :item.cells[0], :item.cells[1]] = 1.0
+            valid[(index, *item.valid())] = 1.0
         if not items:
             valid[:, :1, :1] = 1.0  # a warm-up run: one cell each, so the averages are defined
         lattices, probabilities = plan.run(pixels, valid, lattice=lattice)

@@ -3,6 +3,9 @@
     ScoreRequest --admission--> Ticket (one ScaleJob per scale) --decode--> Items --plans.run--> Scored
                  --assemble--> ScoreResponse
 
+A scale larger than every canvas bucket is tiled onto one (server/tiling.py, issue 20): its job holds
+the tile plan, each tile (and its mirror) is an Item, and assemble stitches their owned cells.
+
 Each stage module takes these from here, so only server/pipeline.py imports the stages.
 """
 
@@ -15,6 +18,21 @@ import numpy as np
 from protos import scoring_pb2
 from server.dense import Passes
 from server.settings import RequestLimits
+from server.tiling import Tile, TilePlan
+
+Cells = tuple[slice, slice]  # a region of a lattice (rows, columns)
+
+
+@dataclass(frozen=True)
+class TileJob:
+    """One tile of a tiled scale: where it reads and what it owns (`tile`), the cells of its own map, and the
+    cells of its lattice that count towards the image-level mean, unmirrored and mirrored (each map cell, and
+    each cell of the whole image's mirrored lattice, once over the tiles)."""
+
+    tile: Tile
+    cells: tuple[int, int]
+    kept: Cells
+    kept_mirrored: Cells
 
 
 @dataclass(frozen=True)
@@ -26,6 +44,19 @@ class ScaleJob:
     canvas: tuple[int, int]
     cells: tuple[int, int]
     batch_limit: int  # items of this canvas one batch may hold in memory (a batch bucket)
+    tiling: TilePlan | None = None  # set when the resized image is tiled onto `canvas` (no bucket holds it)
+    tiles: tuple[TileJob, ...] = ()
+
+    @property
+    def parts(self) -> int:
+        """Items per orientation: its tiles, or the one canvas."""
+        return len(self.tiles) or 1
+
+    def pieces(self, mirrored: bool) -> list[tuple[tuple[int, int], Cells | None]]:
+        """Each item's cells and the cells its image-level mean counts (None: all), for one orientation."""
+        if not self.tiles:
+            return [(self.cells, None)]
+        return [(tile.cells, tile.kept_mirrored if mirrored else tile.kept) for tile in self.tiles]
 
 
 @dataclass(frozen=True)
@@ -45,6 +76,10 @@ class Item:
     cells: tuple[int, int]
     lattice: str | None  # the plan output its response needs (LATTICE, LATTICE_FP16), or None
     traffic: bool  # False for the server's own warm-up, which the metrics leave out
+    kept: Cells | None = None  # the cells its image-level mean counts (a tile's own); None: all `cells`
+
+    def valid(self) -> Cells:
+        return self.kept or (slice(0, self.cells[0]), slice(0, self.cells[1]))
 
 
 @dataclass

@@ -11,12 +11,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from convert.arguments import PORT, number_in
+from server.host_memory import largest_resized_pixels
 
 MiB = 2**20
+DEFAULT_MAX_REQUEST_HOST_BYTES = 4 * 1024 * MiB
+DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
+DEFAULT_MAX_SCALES = 4
+# Size limits follow from the host memory limit, not a fixed pixel cap (issue 20): images larger than the
+# canvas buckets are tiled, so no plan grows with them; what grows is the host memory of the request.
+DEFAULT_MAX_RESIZED_PIXELS = largest_resized_pixels(
+    max_request_host_bytes=DEFAULT_MAX_REQUEST_HOST_BYTES, max_image_pixels=DEFAULT_MAX_IMAGE_PIXELS,
+    max_scales=DEFAULT_MAX_SCALES)
+DEFAULT_MAX_SCALE = math.isqrt(DEFAULT_MAX_RESIZED_PIXELS)
 GPU_DEFAULT_MAX_BATCH = 8
 COUNT = number_in(int, 1)  # how many of something: at least one
 THREADS = number_in(int, 0)  # 0: let the library choose
@@ -129,22 +140,30 @@ class ServiceEdge:
 class RequestLimits:
     """What one request, and the requests in flight together, may ask for and hold."""
 
-    max_image_pixels: int = setting(50_000_000, "decoded images above this many pixels are refused before "
-                                    "decoding (decompression bombs)", parse=COUNT, metavar="N")
+    max_image_pixels: int = setting(DEFAULT_MAX_IMAGE_PIXELS, "decoded images above this many pixels are refused "
+                                    "before decoding (decompression bombs)", parse=COUNT, metavar="N")
     max_message_bytes: int = setting(
         64 * MiB, "largest request or response (gRPC's 4 MB default would refuse a 12-megapixel JPEG); larger "
         "requests get RESOURCE_EXHAUSTED naming this flag", parse=MESSAGE_BYTES, metavar="BYTES", shown="64 MiB")
-    max_scales: int = setting(4, "scales one request may ask for", parse=COUNT, metavar="N")
+    max_scales: int = setting(DEFAULT_MAX_SCALES, "scales one request may ask for", parse=COUNT, metavar="N")
     min_scale: int | None = setting(None, "smallest target shorter side, in pixels (one below a model's "
                                     "training size, the least it can take, is raised to it)", parse=COUNT,
                                     metavar="N", shown="the model's training size")
-    max_scale: int = setting(2048, "largest target shorter side, in pixels", parse=COUNT, metavar="N")
-    max_resized_pixels: int = setting(2048 * 2048, "resized images above this many pixels are refused (a huge "
-                                      "scale on a panorama)", parse=COUNT, metavar="N", shown="2048²")
+    max_scale: int = setting(
+        DEFAULT_MAX_SCALE, "largest target shorter side, in pixels: by default the side of the largest square "
+        "--max-resized-pixels allows", parse=COUNT, metavar="N")
+    max_resized_pixels: int = setting(
+        DEFAULT_MAX_RESIZED_PIXELS, "resized images above this many pixels are refused. Not a plan's size: an "
+        "image larger than every canvas bucket is tiled onto one (--halo). By default the most the host memory "
+        "limit allows: the largest size at which the worst request (--max-scales scales of it, 1000 classes, "
+        "stride 16, flip, the largest image) fits the default --max-request-host-bytes "
+        "(server.host_memory.largest_resized_pixels); each request is then held to its own estimate, tiles "
+        "included, and its response to --max-message-bytes", parse=COUNT, metavar="N",
+        shown=f"{DEFAULT_MAX_RESIZED_PIXELS:,} (from 4 GiB)")
     max_request_host_bytes: int = setting(
-        4 * 1024 * MiB, "host memory one request may hold (image, resized copies, model inputs, maps), estimated "
-        "from the image header before decoding: above it RESOURCE_EXHAUSTED with every term; with the limits "
-        "above, the worst request fits it (server/host_memory.py)", parse=size, metavar="SIZE", shown="4 GiB")
+        DEFAULT_MAX_REQUEST_HOST_BYTES, "host memory one request may hold (image, resized copies, model inputs, "
+        "maps), estimated from the image header before decoding: above it RESOURCE_EXHAUSTED with every term; "
+        "with the limits above, the worst request fits it (server/host_memory.py)", parse=size, metavar="SIZE", shown="4 GiB")
     host_memory_budget_bytes: int | None = setting(
         None, "host memory the requests in flight may hold together (their estimates), e.g. 8GiB; beyond it "
         "RESOURCE_EXHAUSTED with a retry hint", parse=size, metavar="SIZE", flag="host-memory-budget",
@@ -198,10 +217,18 @@ class EngineOptions:
     inter_op_threads: int = setting(0, "onnxruntime threads across ops (0: onnxruntime chooses)", parse=THREADS,
                                     metavar="N")
     shape_buckets: tuple[tuple[int, int], ...] = setting(
-        (), "canvas sizes images are padded to, e.g. 384x512,512x384", parse=canvas_sizes, metavar="HxW,...",
+        (), "canvas sizes images are padded to, e.g. 384x512,512x384,2048x2048; an image none holds is tiled onto "
+        "one that holds --halo (the default model's exact halo needs 1184 px or more)", parse=canvas_sizes,
+        metavar="HxW,...",
         shown="every warm-up scale at 1:1, 3:4, 4:3, 2:3, 3:2, with and without the shifted passes' slack")
-    strict_shapes: bool = setting(False, "refuse (INVALID_ARGUMENT, naming the buckets) an image no bucket holds, "
-                                  "instead of planning its shape on demand")
+    strict_shapes: bool = setting(False, "never plan a shape outside the buckets: an image no bucket holds that "
+                                  "cannot be tiled onto one either (the halo does not fit) is refused "
+                                  "(INVALID_ARGUMENT, naming the buckets) instead of planned on demand")
+    halo: int | None = setting(
+        None, "pixels of context each side of a tile's owned cells when an image larger than every canvas bucket "
+        "is tiled onto one; below the exact halo (half the model's receptive field) seams may differ from one "
+        "pass (README: the halo table); every tiled answer states its halo and whether it is exact",
+        parse=number_in(int, 0), metavar="PX", shown="exact: half the model's receptive field")
     max_plans: int = setting(64, "plans (sessions of one shape) each model keeps; beyond it the least recently "
                              "used goes", parse=COUNT, metavar="N")
     decode_threads: int = setting(0, "threads decoding and resizing images (0: one per CPU core)", parse=THREADS,

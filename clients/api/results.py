@@ -16,7 +16,7 @@ import numpy as np
 from clients.api.errors import ScoremapError
 from protos import scoring_pb2
 
-__all__ = ["Prediction", "Geometry", "ScaleResult", "ScoreResult", "decode_tensor", "check_finite",
+__all__ = ["Prediction", "Geometry", "ScaleResult", "ScoreResult", "Tiling", "decode_tensor", "check_finite",
            "result_from_response"]
 
 _DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "int32": np.dtype("<i4")}
@@ -61,6 +61,21 @@ class Geometry:
 
 
 @dataclass(frozen=True)
+class Tiling:
+    """How the server tiled a scale no canvas bucket held (protos/scoring.proto Tiling): `exact` when the halo
+    holds the receptive field, so the map equals one pass over the whole image."""
+
+    tiles: int
+    halo_px: int
+    exact: bool
+    canvas_height: int
+    canvas_width: int
+
+    def to_dict(self) -> dict[str, int | bool]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
 class ScaleResult:
     """One scale's map: `scores` [K, h, w] (K = len(classes)), empty when maps were not asked for."""
 
@@ -72,6 +87,7 @@ class ScaleResult:
     scores: np.ndarray | None
     cell_top_k_indices: np.ndarray | None = None
     cell_top_k_scores: np.ndarray | None = None
+    tiling: Tiling | None = None  # None: one pass over the whole image
 
     def class_map(self, index: int) -> np.ndarray:
         """The [h, w] map of class `index` (a class index, not a channel position)."""
@@ -106,8 +122,10 @@ class ScoreResult:
             "top_k": [p._asdict() for p in self.top_k],
             "maps": [
                 # Cells only: the class count is known only when maps were sent (--maps), and a
-                # record should not change shape with the options it was scored under.
+                # record should not change shape with the options it was scored under. A tiled map
+                # says so (its halo, whether it is exact), as every output of a tiled map does.
                 {"scale": m.scale, "cells": [m.height, m.width], "geometry": m.geometry.to_dict()}
+                | ({"tiling": m.tiling.to_dict()} if m.tiling is not None else {})
                 for m in self.maps
             ],
             "output_stride": self.output_stride,
@@ -181,6 +199,8 @@ def result_from_response(response: scoring_pb2.ScoreResponse) -> ScoreResult:
             classes=tuple(m.classes), scores=decode_tensor(m.scores),
             cell_top_k_indices=decode_tensor(m.cell_top_k_indices),
             cell_top_k_scores=decode_tensor(m.cell_top_k_scores),
+            tiling=Tiling(m.tiling.tiles, m.tiling.halo_px, m.tiling.exact, m.tiling.canvas_height,
+                          m.tiling.canvas_width) if m.HasField("tiling") else None,
         )
         for m in response.maps
     ]
