@@ -44,7 +44,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -483,9 +483,9 @@ def fit_scales(ticket: Ticket) -> ScoringError | None:
 
 def scale_job(model: Model, original: tuple[int, int], scale: int, passes: dense.Passes, *,
               flip: bool) -> ScaleJob:
-    """How one scale runs: on the smallest canvas bucket that holds it; else tiled onto a bucket (issue 20:
-    no plan grows with the image); else, when the halo fits no bucket, on a canvas planned on demand
-    (refused under --strict-shapes)."""
+    """How one scale runs: on the smallest canvas bucket that holds it; else tiled onto a bucket that holds
+    the halo; else, when it fits --tile-canvas, on a canvas planned on demand (the tile canvas under
+    --strict-shapes); else tiled onto the tile canvas (issue 20: no plan grows with the image)."""
     limit = model.limits.max_resized_pixels
     size = dense.resized_size(*original, scale=scale, multiple=model.card.size_multiple)
     if size[0] * size[1] > limit:
@@ -508,14 +508,19 @@ def scale_job(model: Model, original: tuple[int, int], scale: int, passes: dense
     if isinstance(tiles, tiling.TilePlan):
         return ScaleJob(scale, size, tiles.canvas, cells, batch_limit(model, tiles.canvas, scale, passes, original),
                         tiling=tiles, tiles=tile_jobs(model, tiles, scale, passes))
-    canvas = model.canvas_for(size, passes)  # planned on demand
-    if canvas is None:
-        raise invalid(
-            f"scale {scale} gives a {size[0]}x{size[1]} image (+{passes.slack} px for shifted passes) that no "
-            f"canvas bucket holds ({model.buckets.describe()}), nor can it be tiled onto one: {tiles}; use a smaller "
-            "scale, or restart the server with a larger --shape-buckets, a smaller --halo or without --strict-shapes"
-        )
-    return ScaleJob(scale, size, canvas, cells, batch_limit(model, canvas, scale, passes, original))
+    canvas = model.canvas_for(size, passes)  # planned on demand, up to the tile canvas
+    if canvas is not None:
+        return ScaleJob(scale, size, canvas, cells, batch_limit(model, canvas, scale, passes, original))
+    tiles = tile_plan(model, size, passes, flip=flip, canvases=(model.tile_canvas,))
+    if isinstance(tiles, tiling.TilePlan):
+        return ScaleJob(scale, size, tiles.canvas, cells, batch_limit(model, tiles.canvas, scale, passes, original),
+                        tiling=tiles, tiles=tile_jobs(model, tiles, scale, passes))
+    raise invalid(
+        f"scale {scale} gives a {size[0]}x{size[1]} image (+{passes.slack} px for shifted passes) that no "
+        f"canvas bucket holds ({model.buckets.describe()}), nor can it be tiled onto one or onto --tile-canvas "
+        f"{model.tile_canvas[0]}x{model.tile_canvas[1]}: {tiles}; use a smaller scale, or restart the server with a "
+        "larger --shape-buckets or --tile-canvas, or a smaller --halo"
+    )
 
 
 def job_cells(model: Model, size: tuple[int, int], scale: int, passes: dense.Passes) -> tuple[int, int]:
@@ -527,13 +532,13 @@ def job_cells(model: Model, size: tuple[int, int], scale: int, passes: dense.Pas
                       f"{error}") from error
 
 
-def tile_plan(model: Model, size: tuple[int, int], passes: dense.Passes, *,
-              flip: bool) -> tiling.TilePlan | tiling.TilingError:
-    """The tiles of a resized image on the canvas bucket that computes the fewest pixels for it, with the
-    server's --halo (None: exact); the largest bucket's TilingError when none holds the halo."""
+def tile_plan(model: Model, size: tuple[int, int], passes: dense.Passes, *, flip: bool,
+              canvases: Sequence[tuple[int, int]] | None = None) -> tiling.TilePlan | tiling.TilingError:
+    """The tiles of a resized image on the canvas (of `canvases`, default the buckets) that computes the fewest
+    pixels for it, with the server's --halo (None: exact); the largest canvas's TilingError when none holds the halo."""
     field = model.card.receptive_field
     plans, refusal = [], None
-    for canvas in sorted(model.buckets.canvases, key=lambda c: c[0] * c[1]):
+    for canvas in sorted(model.buckets.canvases if canvases is None else canvases, key=lambda c: c[0] * c[1]):
         try:
             plans.append(tiling.plan(
                 size, canvas, field_size=field.size, field_center=(field.center_y, field.center_x),
@@ -612,9 +617,11 @@ def largest_scale(model: Model, original: tuple[int, int], passes: dense.Passes)
     low, high = max(model.min_scale // step - 1, 0), model.limits.max_scale // step + 1  # low fits or is 0
     while high - low > 1:
         middle = (low + high) // 2
-        canvas = model.canvas_for(dense.resized_size(*original, scale=middle * step, multiple=step), passes)
+        # A scale beyond the tile canvas runs on it, tile by tile.
+        canvas = model.canvas_for(dense.resized_size(*original, scale=middle * step, multiple=step),
+                                  passes) or model.tile_canvas
         try:
-            fits = canvas is not None and model.admission.batch_limit(*canvas) >= len(passes.offsets)
+            fits = model.admission.batch_limit(*canvas) >= len(passes.offsets)
         except ProfileError:  # a size the net cannot take
             fits = False
         if fits:

@@ -53,6 +53,7 @@ class Model:
     host_budget: HostBudget
     strict_shapes: bool
     halo: int | None = None  # --halo: context of the tiles of an image no bucket holds (None: exact)
+    tile_canvas: tuple[int, int] = (2048, 2048)  # --tile-canvas: beyond it images are tiled, never planned
     batcher: Batcher = field(init=False)
 
     @property
@@ -105,11 +106,15 @@ class Model:
         return dims[2], dims[3]
 
     def canvas_for(self, size: tuple[int, int], passes: dense.Passes) -> tuple[int, int] | None:
-        """The canvas bucket of a resized size; one planned on demand, or None under --strict-shapes."""
+        """The canvas bucket of a resized size; else, when it fits --tile-canvas, one planned on demand (the tile
+        canvas itself under --strict-shapes, which plans no other shape); None when it must be tiled."""
         canvas = self.buckets.canvas_for(*size, slack=passes.slack)
-        if canvas is None and not self.strict_shapes:
-            canvas = buckets.on_demand_canvas(*size, slack=passes.slack, multiple=self.multiple)
-        return canvas
+        if canvas is not None:
+            return canvas
+        canvas = buckets.on_demand_canvas(*size, slack=passes.slack, multiple=self.multiple)
+        if canvas[0] > self.tile_canvas[0] or canvas[1] > self.tile_canvas[1]:
+            return None
+        return self.tile_canvas if self.strict_shapes else canvas
 
 
 def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: MemoryBudget, host_budget: HostBudget,
@@ -143,13 +148,19 @@ def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: Me
                                                         input_shape=training)
     except DeviceGraphError as error:
         raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
+    multiple = card.size_multiple or card.output_stride
+    if any(side % multiple for side in settings.tile_canvas):
+        height, width = (-(-side // multiple) * multiple for side in settings.tile_canvas)
+        raise ScoringError(Refusal.INVALID_ARGUMENT,
+                           f"--tile-canvas {settings.tile_canvas[0]}x{settings.tile_canvas[1]} is not a multiple of "
+                           f"model {name}'s size multiple {multiple}; give e.g. {height}x{width}")
     fill = dense.mean_colour(card)
     model = Model(
         name=name, path=path, card=card, image=image, classes=classes,
         plans=PlanCache(net, card, engine, admission, max_plans=settings.max_plans, buckets=shape_buckets,
                         fill=fill, metrics=metrics, name=name),
         admission=admission, buckets=shape_buckets, fill=fill, limits=settings, host_budget=host_budget,
-        strict_shapes=settings.strict_shapes, halo=settings.halo,
+        strict_shapes=settings.strict_shapes, halo=settings.halo, tile_canvas=settings.tile_canvas,
     )
     model.batcher = Batcher(
         model.plans.run, max_batch=max_batch, max_delay_seconds=settings.max_queue_delay_ms / 1000,

@@ -137,20 +137,41 @@ def test_a_halo_below_the_receptive_field_is_stated_and_the_seams_show(tiny_path
     assert np.nanmax(np.abs(decode(tiled.maps[0].scores) - decode(reference.maps[0].scores))) > 100 * TOLERANCE
 
 
-def test_a_halo_no_bucket_holds_is_refused_under_strict_shapes_and_planned_on_demand_without(tiny_paths):
+def test_a_halo_no_canvas_holds_is_refused_and_an_image_within_the_tile_canvas_is_planned_on_demand(tiny_paths):
     pixels = image(617, 541)
     tight = ((96, 96),)  # less than the tiny net's exact halo (~95 px) each side
-    strict = Pipeline([tiny_paths[True]], settings=dataclasses.replace(SETTINGS, shape_buckets=tight))
+    refusing = Pipeline([tiny_paths[True]], settings=dataclasses.replace(SETTINGS, shape_buckets=tight,
+                                                                        tile_canvas=(128, 128)))
     lenient = Pipeline([tiny_paths[True]], settings=dataclasses.replace(SETTINGS, shape_buckets=tight,
                                                                        strict_shapes=False))
     try:
-        with pytest.raises(ScoringError, match="nor can it be tiled onto one: a tile of .* use tiles of at least"):
-            strict.score(request_of(pixels))
+        with pytest.raises(ScoringError, match="nor can it be tiled onto one or onto --tile-canvas 128x128: a tile "
+                                               "of .* use tiles of at least"):
+            refusing.score(request_of(pixels))
         answer = lenient.score(request_of(pixels))
         assert not answer.maps[0].HasField("tiling") and plan_shapes(lenient) == {(640, 544)}  # one pass
     finally:
-        strict.close()
+        refusing.close()
         lenient.close()
+
+
+def test_beyond_the_tile_canvas_an_image_is_tiled_onto_it_and_within_it_strict_shapes_pads_onto_it(tiny_paths):
+    """The halo fits no bucket: the image is tiled onto --tile-canvas, the one shape made (issue 20); under
+    --strict-shapes an image that fits the tile canvas is padded onto it rather than planned on demand."""
+    tight, tile = ((96, 96),), (320, 288)
+    large, medium = image(617, 541), image(300, 250, seed=1)
+    whole = Pipeline([tiny_paths[True]], settings=dataclasses.replace(SETTINGS, shape_buckets=((640, 544),)))
+    tiled = Pipeline([tiny_paths[True]], settings=dataclasses.replace(SETTINGS, shape_buckets=tight, tile_canvas=tile))
+    try:
+        answer, reference = tiled.score(request_of(large)), whole.score(request_of(large))
+        padded = tiled.score(request_of(medium))
+        assert plan_shapes(tiled) == {tile}
+    finally:
+        whole.close()
+        tiled.close()
+    assert answer.maps[0].tiling.tiles >= 4 and answer.maps[0].tiling.exact
+    assert_same_answer(answer, reference)
+    assert not padded.maps[0].HasField("tiling")  # one pass, on the tile canvas: plan_shapes above holds no other
 
 
 def test_the_default_model_is_tiled_to_its_one_pass_answer(default_model_path):
