@@ -511,7 +511,7 @@ def scale_job(model: Model, original: tuple[int, int], scale: int, passes: dense
     canvas = model.canvas_for(size, passes)  # planned on demand, up to the tile canvas
     if canvas is not None:
         return ScaleJob(scale, size, canvas, cells, batch_limit(model, canvas, scale, passes, original))
-    tiles = tile_plan(model, size, passes, flip=flip, canvases=(model.tile_canvas,))
+    tiles = tile_plan(model, size, passes, flip=flip, canvases=(model.tiling_canvas(size, passes),))
     if isinstance(tiles, tiling.TilePlan):
         return ScaleJob(scale, size, tiles.canvas, cells, batch_limit(model, tiles.canvas, scale, passes, original),
                         tiling=tiles, tiles=tile_jobs(model, tiles, scale, passes))

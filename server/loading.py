@@ -106,15 +106,27 @@ class Model:
         return dims[2], dims[3]
 
     def canvas_for(self, size: tuple[int, int], passes: dense.Passes) -> tuple[int, int] | None:
-        """The canvas bucket of a resized size; else, when it fits --tile-canvas, one planned on demand (the tile
-        canvas itself under --strict-shapes, which plans no other shape); None when it must be tiled."""
+        """The canvas bucket of a resized size; else, within --tile-canvas's pixels (what a plan's memory follows),
+        one planned on demand (under --strict-shapes, which plans no other shape, the tile canvas when it holds
+        it); None when it must be tiled."""
         canvas = self.buckets.canvas_for(*size, slack=passes.slack)
         if canvas is not None:
             return canvas
         canvas = buckets.on_demand_canvas(*size, slack=passes.slack, multiple=self.multiple)
-        if canvas[0] > self.tile_canvas[0] or canvas[1] > self.tile_canvas[1]:
+        if canvas[0] * canvas[1] > self.tile_canvas[0] * self.tile_canvas[1]:
             return None
-        return self.tile_canvas if self.strict_shapes else canvas
+        if not self.strict_shapes:
+            return canvas
+        return self.tile_canvas if canvas[0] <= self.tile_canvas[0] and canvas[1] <= self.tile_canvas[1] else None
+
+    def tiling_canvas(self, size: tuple[int, int], passes: dense.Passes) -> tuple[int, int]:
+        """The canvas an image beyond --tile-canvas is tiled onto: the tile canvas, cut along an axis the image
+        fits to what one pass needs there (a panorama's strip is not padded to a square), unless
+        --strict-shapes allows no other shape."""
+        if self.strict_shapes:
+            return self.tile_canvas
+        needed = buckets.on_demand_canvas(*size, slack=passes.slack, multiple=self.multiple)
+        return min(self.tile_canvas[0], needed[0]), min(self.tile_canvas[1], needed[1])
 
 
 def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: MemoryBudget, host_budget: HostBudget,

@@ -230,9 +230,10 @@ class EngineOptions:
         "pass (README: the halo table); every tiled answer states its halo and whether it is exact",
         parse=number_in(int, 0), metavar="PX", shown="exact: half the model's receptive field")
     tile_canvas: tuple[int, int] = setting(
-        (2048, 2048), "the canvas an image no bucket holds is tiled onto when --halo fits no bucket (made on first "
-        "use; a multiple of the model's size multiple), and the largest canvas planned on demand: larger images "
-        "are tiled, so no plan grows with the image", parse=size_pair, metavar="HxW", shown="2048x2048")
+        (2048, 2048), "when --halo fits no bucket: an image no bucket holds is planned on demand up to this many "
+        "pixels, and beyond them tiled onto this canvas (cut along an axis the image fits; made on first use; a "
+        "multiple of the model's size multiple), so no plan grows with the image", parse=size_pair, metavar="HxW",
+        shown="2048x2048")
     max_plans: int = setting(64, "plans (sessions of one shape) each model keeps; beyond it the least recently "
                              "used goes", parse=COUNT, metavar="N")
     decode_threads: int = setting(0, "threads decoding and resizing images (0: one per CPU core)", parse=THREADS,

@@ -174,6 +174,22 @@ def test_beyond_the_tile_canvas_an_image_is_tiled_onto_it_and_within_it_strict_s
     assert not padded.maps[0].HasField("tiling")  # one pass, on the tile canvas: plan_shapes above holds no other
 
 
+def test_a_strip_beyond_the_tile_canvas_is_tiled_along_its_length_only(tiny_paths):
+    """A panorama's strip fits the tile canvas across: its tiles are cut to what one pass needs there."""
+    tile, strip = (320, 288), image(200, 1200, seed=2)  # 224x1216 on one pass: more pixels than the tile canvas
+    whole = Pipeline([tiny_paths[True]], settings=dataclasses.replace(SETTINGS, shape_buckets=((224, 1216),)))
+    tiled = Pipeline([tiny_paths[True]], settings=dataclasses.replace(
+        SETTINGS, shape_buckets=((96, 96),), tile_canvas=tile, strict_shapes=False))
+    try:
+        answer, reference = tiled.score(request_of(strip)), whole.score(request_of(strip))
+        assert plan_shapes(tiled) == {(224, 288)}
+    finally:
+        whole.close()
+        tiled.close()
+    assert answer.maps[0].tiling.tiles >= 3
+    assert_same_answer(answer, reference)
+
+
 def test_the_default_model_is_tiled_to_its_one_pass_answer(default_model_path):
     # Receptive field 1043 px (an exact halo of 521 px each side): two tiles a side on a 1536-px canvas.
     pixels = np.asarray(Image.open(SAMPLES / "cat.jpg").convert("RGB").resize((1600, 1600)))
