@@ -30,7 +30,7 @@ import onnxruntime
 import tifffile
 from PIL import Image
 
-from bench.models import converted
+from bench.models import converted, null_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIFF_TILE = 512  # the mosaic's TIFF tile side
@@ -162,6 +162,25 @@ def compare_schemes(tiff: pathlib.Path, model: str) -> dict:
             "naive_mean": float(np.abs(naive - whole).mean()), "tiles": len(plan), "naive_tiles": len(starts) ** 2}
 
 
+def memory_against_size(sides: tuple[int, ...]) -> list[str]:
+    """Peak RSS against size with the null model (a converted net that costs next to nothing), so the
+    gigapixel sizes finish on a CPU: reading the TIFF region by region, stitching and storing the Zarr map
+    alone, each size in its own process; the resident set must not grow with the image."""
+    lines = ["| image (null model) | tiles | seconds | Mpx/s | peak RSS |", "|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as folder:
+        folder = pathlib.Path(folder)
+        model = null_model(folder)
+        for side in sides:
+            tiff = write_mosaic(folder / f"mosaic{side}.tif", side)
+            result = in_child("pipeline", str(tiff), model, str(folder / f"null{side}"))
+            mpx = side * side / 1e6
+            lines.append(f"| {side}x{side} ({mpx:,.0f} Mpx) | {result['tiles']} | {result['seconds']:.0f} | "
+                         f"{mpx / result['seconds']:.1f} | {result['rss_mib']:.0f} MiB |")
+            print(lines[-1], flush=True)
+            tiff.unlink()
+    return lines
+
+
 def run(small: bool = False) -> str:
     sides = SMALL_SIDES if small else FULL_SIDES
     rows = []
@@ -215,6 +234,8 @@ def run(small: bool = False) -> str:
         f"| overlap-averaged | {c['naive_tiles']} | {c['naive_overhead']:.2f}x | {c['naive_max']:.2f} "
         f"(mean {c['naive_mean']:.3f}) |",
     ]
+    lines += ["", "Memory against size, the null model at the same sizes (the path around the net alone):", "",
+              *memory_against_size(sides)]
     return "\n".join(lines)
 
 
@@ -222,8 +243,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--small", action="store_true", help="4 and 16 Mpx instead of 0.27 and 1.07 Gpx (a smoke run)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-only", action="store_true", help="only the null model's memory against size")
     args = parser.parse_args()
-    if args.child:
+    if args.memory_only:
+        print("\n".join(memory_against_size(SMALL_SIDES if args.small else FULL_SIDES)))
+    elif args.child:
         mode, *rest = args.child
         print(json.dumps(child_pipeline(*rest) if mode == "pipeline" else child_bare(*rest)))
     else:
