@@ -18,24 +18,9 @@ from PIL import Image, ImageOps
 from clients.api.errors import ScoremapError
 from protos import scoring_pb2
 
-__all__ = ["ImageLike", "IMAGE_SIGNATURES", "image_fields", "looks_like_image", "open_photo"]
+__all__ = ["ImageLike", "image_fields", "looks_like_image", "open_photo"]
 
 ImageLike = Union[str, os.PathLike, bytes, bytearray, memoryview, Image.Image, np.ndarray]
-
-# Leading bytes of the encodings the server decodes (protos/scoring.proto: ScoreRequest.encoded).
-IMAGE_SIGNATURES: tuple[tuple[int, bytes], ...] = (
-    (0, b"\xff\xd8\xff"),          # JPEG
-    (0, b"\x89PNG\r\n\x1a\n"),     # PNG
-    (0, b"BM"),                    # BMP
-    (0, b"II*\x00"),               # TIFF, little-endian
-    (0, b"MM\x00*"),               # TIFF, big-endian
-    (8, b"WEBP"),                  # RIFF....WEBP
-)
-
-
-def looks_like_image(head: bytes) -> bool:
-    """Whether the first bytes of a file carry an image signature (content, not extension)."""
-    return any(head[offset:offset + len(magic)] == magic for offset, magic in IMAGE_SIGNATURES)
 
 
 def _invalid(message: str) -> ScoremapError:
@@ -43,11 +28,27 @@ def _invalid(message: str) -> ScoremapError:
 
 
 def _server_imaging():
-    """server/imaging.py, the one definition of how any image mode becomes the RGB the model sees; imported
-    when an image is converted, so `--help` of the command lines imports nothing of the server."""
+    """server/imaging.py, the one definition of which bytes are an image and how any image mode becomes the
+    RGB the model sees; imported when an image is checked or converted, so `--help` of the command lines imports nothing of the server."""
     from server import imaging
 
     return imaging
+
+
+def looks_like_image(head: bytes) -> bool:
+    """Whether the first bytes of a file carry the signature of a format the server opens (content, not
+    extension), by the server's own test (server/imaging.py `signature`: PIL's plugins, BigTIFF included)."""
+    return _server_imaging().signature(head) is not None
+
+
+def _encoded(data: bytes, *, source: str = "") -> dict[str, object]:
+    """{"encoded": data}, or the server's own refusal of `data` (named by `source`, a path, if given)."""
+    imaging = _server_imaging()
+    try:
+        imaging.check_encoded(data)
+    except imaging.ImageError as error:
+        raise _invalid(f"{source!r}: {error}" if source else str(error)) from None
+    return {"encoded": data}
 
 
 def _refused(what: str, why: str) -> ScoremapError:
@@ -133,21 +134,9 @@ def image_fields(image: ImageLike) -> dict[str, object]:
         path = Path(image)
         if not path.is_file():
             raise _invalid(f"image path {str(path)!r} is not a file")
-        data = path.read_bytes()
-        if not looks_like_image(data[:16]):
-            raise _invalid(
-                f"{str(path)!r} does not start with a JPEG, PNG, WebP, BMP or TIFF signature "
-                f"(first bytes {data[:8]!r})"
-            )
-        return {"encoded": data}
+        return _encoded(path.read_bytes(), source=str(path))
     if isinstance(image, (bytes, bytearray, memoryview)):
-        data = bytes(image)
-        if not looks_like_image(data[:16]):
-            raise _invalid(
-                f"encoded image bytes start with {data[:8]!r}; expected a JPEG, PNG, WebP, BMP "
-                "or TIFF signature (pass raw pixels as a numpy array instead)"
-            )
-        return {"encoded": data}
+        return _encoded(bytes(image))
     if isinstance(image, Image.Image):
         return {"raw": _raw(_image_pixels(image))}
     if isinstance(image, np.ndarray):

@@ -45,7 +45,7 @@ def test_arrays_and_pil_images_travel_as_raw_pixels():
     (np.zeros((4, 4, 2), np.uint8), "shape (4, 4, 2); expected"),
     (np.zeros((2, 4, 4, 3), np.uint8), "shape (2, 4, 4, 3)"),
     (np.zeros((0, 4, 3), np.uint8), "must be positive"),
-    (b"hello world", "start with b'hello wo'"),
+    (b"hello world", "starting b'hello wo' are not a JPEG, PNG, WebP, BMP or TIFF image"),
     (12, "type int"),
 ])
 def test_bad_images_say_what_was_received_and_expected(bad, says):
@@ -58,10 +58,46 @@ def test_bad_images_say_what_was_received_and_expected(bad, says):
 def test_a_text_file_is_not_an_image(tmp_path):
     path = tmp_path / "notes.jpg"
     path.write_text("not a picture")
-    with pytest.raises(ScoremapError, match="does not start with a JPEG"):
+    with pytest.raises(ScoremapError, match=r"notes.jpg'?: 13 bytes starting b'not a pi' are not a JPEG"):
         image_fields(path)
     assert not looks_like_image(path.read_bytes())
     assert looks_like_image(png_bytes())
+
+
+def _big_tiff() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (20, 10), (10, 20, 30)).save(buffer, format="TIFF", big_tiff=True)
+    return buffer.getvalue()
+
+
+def test_the_client_recognises_images_as_the_server_does(tmp_path):
+    """Issue 24 follow-up: BigTIFF (`II+\\x00`), which the server opens, was refused by every client; the
+    client now asks the server's own test (server/imaging.py `check_encoded`, PIL's plugins)."""
+    from server import imaging
+
+    data = _big_tiff()
+    assert data[:4] == b"II+\x00" and imaging.signature(data) == "TIFF"
+    path = tmp_path / "big.tif"
+    path.write_bytes(data)
+    assert looks_like_image(data)
+    assert image_fields(path) == {"encoded": data} and image_fields(data) == {"encoded": data}
+
+
+@pytest.mark.parametrize("data", [b"", b"hello world"])
+def test_a_refused_file_reads_as_the_server_says_it(tmp_path, data):
+    """One wording: the client's refusal of a file is the server's refusal of its bytes, named by path."""
+    from server import imaging
+
+    with pytest.raises(imaging.ImageError) as server_says:
+        imaging.check_encoded(data)
+    path = tmp_path / "photo.jpg"
+    path.write_bytes(data)
+    with pytest.raises(ScoremapError) as client_says:
+        image_fields(path)
+    assert client_says.value.message == f"{str(path)!r}: {server_says.value}"
+    with pytest.raises(ScoremapError) as client_says:
+        image_fields(data)
+    assert client_says.value.message == str(server_says.value)
 
 
 def test_open_photo_applies_exif_orientation_like_the_server(tmp_path):

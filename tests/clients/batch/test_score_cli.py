@@ -321,3 +321,18 @@ def test_outputs_carry_one_extension_and_sibling_formats_get_their_own(server, t
     assert main([str(photos), "--out", str(out), "--server", server, "--maps", "--heatmaps", "--no-progress"]) == EXIT_OK
     assert sorted(p.name for p in (out / "heatmaps").iterdir()) == ["coffee_jpg.png", "coffee_png.png"]
     assert sorted(p.name for p in (out / "maps").iterdir()) == ["coffee_jpg.npz", "coffee_png.npz"]
+
+
+def test_a_big_tiff_scores_as_its_png_locally_and_on_a_server(server, tiny_model, tmp_path):
+    """Issue 24 follow-up: BigTIFF files, which the server opens, were refused by the client's own signature list."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    pixels = np.asarray(Image.open(REPO / "samples" / "astronaut.jpg").convert("RGB").resize((96, 80)))
+    Image.fromarray(pixels).save(photos / "astro.png")
+    Image.fromarray(pixels).save(photos / "astro.tif", big_tiff=True)
+    for engine, where in (("--server", server), ("--local", tiny_model)):
+        out = tmp_path / engine.strip("-")
+        assert main([str(photos), "--out", str(out), engine, where, "--no-progress"]) == EXIT_OK
+        records = {Path(r["path"]).name: r for r in read_records(out / "results.jsonl").values()}
+        assert records["astro.tif"]["status"] == "OK", records["astro.tif"]
+        assert records["astro.tif"]["top_k"] == records["astro.png"]["top_k"]
