@@ -6,6 +6,7 @@ a wrong shape found on the server costs a round trip and reads worse.
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Union
 
 import grpc
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageFile, ImageOps
 
 from clients.api.errors import ScoremapError
 from protos import scoring_pb2
@@ -114,6 +115,37 @@ def _image_pixels(image: Image.Image) -> np.ndarray:
     return np.asarray(image)
 
 
+def _held_file(image: Image.Image) -> bytes | None:
+    """The encoded bytes of an image PIL opened and has not decoded yet, if the server opens them as the same
+    image; None otherwise (the object goes as its pixels).
+
+    Sent as its file, a large JPEG is decoded by the server in draft mode, down to the size the scales need,
+    so the object scores as its path does (issue 24: its full pixels gave other scores, and 24 MP of them
+    outgrew the message limit). Undecoded (`tile` still set) means unchanged: PIL decodes before any pixel
+    edit, and `draft`, another frame or a rewritten file change the header compared here."""
+    fp = getattr(image, "fp", None)
+    if not isinstance(image, ImageFile.ImageFile) or not image.tile or fp is None or image.tell() != 0:
+        return None
+    position = fp.tell()
+    try:
+        fp.seek(0)  # Image.open reads a file from its start
+        data = fp.read()
+    except (OSError, ValueError):  # closed, or not seekable
+        return None
+    finally:
+        try:
+            fp.seek(position)
+        except (OSError, ValueError):
+            pass
+    imaging = _server_imaging()
+    try:
+        opened = imaging.open_image(data, max_pixels=sys.maxsize).image
+    except imaging.ImageError:
+        return None
+    same = (opened.mode, opened.size, opened.tile) == (image.mode, image.size, image.tile)
+    return data if same else None
+
+
 def _raw(pixels: np.ndarray) -> scoring_pb2.RawImage:
     if pixels.ndim == 2:
         pixels = pixels[:, :, None]
@@ -126,9 +158,9 @@ def _raw(pixels: np.ndarray) -> scoring_pb2.RawImage:
 def image_fields(image: ImageLike) -> dict[str, object]:
     """The ScoreRequest fields carrying `image`: {"encoded": bytes} or {"raw": RawImage}.
 
-    Paths and bytes go as encoded bytes (smaller on the wire; the server decodes them), PIL images
-    and arrays as raw RGB(A)/grey pixels converted as the server converts their files, so an image
-    object scores as its file does.
+    Paths and bytes go as encoded bytes (smaller on the wire; the server decodes them), and so does a PIL
+    image still holding its file undecoded; other PIL images and arrays go as raw RGB(A)/grey pixels
+    converted as the server converts their files, so an image object scores as its file does.
     """
     if isinstance(image, (str, os.PathLike)):
         path = Path(image)
@@ -138,7 +170,8 @@ def image_fields(image: ImageLike) -> dict[str, object]:
     if isinstance(image, (bytes, bytearray, memoryview)):
         return _encoded(bytes(image))
     if isinstance(image, Image.Image):
-        return {"raw": _raw(_image_pixels(image))}
+        held = _held_file(image)
+        return {"encoded": held} if held is not None else {"raw": _raw(_image_pixels(image))}
     if isinstance(image, np.ndarray):
         return {"raw": _raw(_array_pixels(image))}
     raise _invalid(
