@@ -336,3 +336,15 @@ def test_a_big_tiff_scores_as_its_png_locally_and_on_a_server(server, tiny_model
         records = {Path(r["path"]).name: r for r in read_records(out / "results.jsonl").values()}
         assert records["astro.tif"]["status"] == "OK", records["astro.tif"]
         assert records["astro.tif"]["top_k"] == records["astro.png"]["top_k"]
+
+
+def test_a_file_recorded_as_failed_leaves_no_outputs(server, photos, tmp_path):
+    """Issue 24 follow-up: a file whose heatmap failed was recorded as failed with its .npz still written."""
+    out = tmp_path / "out"
+    (out / "heatmaps" / "photo000_jpg.png").mkdir(parents=True)  # its heatmap cannot be written there
+    assert main([str(photos), "--out", str(out), "--server", server, "--maps", "--heatmaps", "--no-progress"]) \
+        == EXIT_FAILURES
+    records = {Path(r["path"]).name: r for r in read_records(out / "results.jsonl").values()}
+    assert records["photo000.jpg"]["status"] == "IsADirectoryError" and "maps_file" not in records["photo000.jpg"]
+    assert not (out / "maps" / "photo000_jpg.npz").exists()
+    assert all((out / r["maps_file"]).exists() for r in records.values() if r["status"] == "OK")
