@@ -5,13 +5,15 @@
 Without --size the table is for the card's default scale (a square), else its training size.
 --device picks the execution provider whose memory terms (convert.memory_model) are printed.
 
-Exit status: 0 printed, 1 the model cannot be read or profiled at that size, 2 bad arguments.
+Exit status: 0 printed, 1 the model cannot be profiled at that size, 2 bad arguments (a model path that is
+no ONNX file included).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from importlib import metadata
 
@@ -39,6 +41,28 @@ def _budget(text: str) -> int:
     if budget <= 0:
         raise argparse.ArgumentTypeError(f"got {text!r}; expected a memory size above zero, such as 2GiB")
     return budget
+
+
+class NotAModel(ValueError):
+    """The model argument names no readable ONNX file: a mistake on the command line (exit 2)."""
+
+
+def open_model(path: str) -> onnx.ModelProto:
+    """The ONNX file at `path`, its weights left unread; NotAModel saying what the path is instead."""
+    expected = "expected a converted .onnx file (`scoremap-convert CLASSIFIER -o MODEL.onnx` makes one)"
+    if not os.path.exists(path):
+        raise NotAModel(f"{path!r}: no such file; {expected}")
+    if os.path.isdir(path):
+        raise NotAModel(f"{path!r} is a folder; {expected}")
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except DecodeError as error:
+        raise NotAModel(f"{path!r} is not an ONNX file ({error}); {expected}") from error
+    except OSError as error:
+        raise NotAModel(f"cannot read {path!r}: {error.strerror or error}; {expected}") from error
+    if not model.graph.node:  # an empty file parses as an empty ModelProto
+        raise NotAModel(f"{path!r} is not an ONNX file (no graph in it); {expected}")
+    return model
 
 
 def cuda_visible() -> bool:
@@ -131,12 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON for programs instead of tables")
     args = parser.parse_args(argv)
     try:
-        card = read_card(args.model)
+        card = read_card(open_model(args.model))
     except CardError:
         card = None
-    except (OSError, DecodeError) as error:
-        sys.stderr.write(f"scoremap-inspect: cannot read {args.model!r}: {error}\n")
-        return 1
+    except NotAModel as error:
+        sys.stderr.write(f"scoremap-inspect: {error}\n")
+        return 2
     size = args.size or _default_size(card)
     if size is None:
         parser.error(f"{args.model} has no model card naming a size: give --size HxW")
