@@ -17,7 +17,7 @@ from PIL import Image
 
 from clients import ScoremapClient
 from clients.batch.files import read_records
-from clients.batch.score_cli import EXIT_FAILURES, EXIT_OK, main
+from clients.batch.score_cli import EXIT_FAILURES, EXIT_OK, EXIT_REFUSED, main
 from protos import scoring_pb2, scoring_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[3]
@@ -348,3 +348,13 @@ def test_a_file_recorded_as_failed_leaves_no_outputs(server, photos, tmp_path):
     assert records["photo000.jpg"]["status"] == "IsADirectoryError" and "maps_file" not in records["photo000.jpg"]
     assert not (out / "maps" / "photo000_jpg.npz").exists()
     assert all((out / r["maps_file"]).exists() for r in records.values() if r["status"] == "OK")
+
+
+@pytest.mark.parametrize("where", ["/proc/nope", "a-file/out"])
+def test_an_out_folder_that_cannot_be_made_is_named_with_the_fix(server, photos, tmp_path, caplog, where):
+    """Issue 24 follow-up: `--out /proc/nope` printed a bare `[Errno 2] No such file or directory: '/proc/nope'`."""
+    (tmp_path / "a-file").write_text("a file, not a folder")
+    out = where if where.startswith("/") else str(tmp_path / where)
+    assert main([str(photos), "--out", out, "--server", server, "--no-progress"]) == EXIT_REFUSED
+    said = caplog.text
+    assert f"--out '{out}'" in said and "give --out a folder you can write to" in said and "Errno" not in said
