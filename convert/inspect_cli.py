@@ -21,26 +21,16 @@ import onnx
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
-from convert.arguments import number_in, size_pair
+from convert.arguments import memory_size, number_in, size_pair
 from convert.card import CardError, ImageInput, Layout, OutputKind, Precision, label, parse_label, read_card
 from convert.memory_model import PROVIDER_TERMS, Device
-from convert.profile import (Profile, ProfileError, largest_batch, largest_square_size, parse_bytes,
-                             load_skeleton, profile_model)
+from convert.profile import (Profile, ProfileError, largest_batch, largest_square_size, load_skeleton,
+                             profile_model)
 
 __all__ = ["main", "format_table"]
 
 # Square sizes are searched in steps of this when the model card names no size multiple.
 DEFAULT_SIZE_MULTIPLE = 32
-
-
-def _budget(text: str) -> int:
-    try:
-        budget = parse_bytes(text)
-    except ProfileError as error:
-        raise argparse.ArgumentTypeError(str(error)) from error
-    if budget <= 0:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected a memory size above zero, such as 2GiB")
-    return budget
 
 
 class NotAModel(ValueError):
@@ -151,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the image input's layout, for a graph without a model card")
     parser.add_argument("--dtype", choices=("fp32", "fp16"),
                         help="profile as this precision (fp16 of an fp32 graph: converted, unverified, for sizing)")
-    parser.add_argument("--budget", type=_budget, help="a memory budget such as 2GiB: largest batch and square size that fit")
+    parser.add_argument("--budget", type=memory_size, help="a memory budget such as 2GiB: largest batch and square size that fit")
     parser.add_argument("--json", action="store_true", help="print JSON for programs instead of tables")
     args = parser.parse_args(argv)
     try:

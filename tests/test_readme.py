@@ -228,3 +228,17 @@ def test_models_are_written_under_models_and_served_from_where_they_were_written
             problems += [f"line {line}: scoremap-serve {path}, which no example converts" for path in served
                          if path not in written]
     assert not problems, "\n".join(problems)
+
+
+def test_the_sizing_output_shown_is_what_the_command_prints(model, capsys):
+    """Issue 24 follow-up: the sizing block showed CPU MiB of an older memory model (52 / 130 / 1,689 where the
+    command printed 47 / 129 / 1,762). The ```text block after `python -m bench.sizing ...` is its output now."""
+    from bench.sizing import main
+
+    text = README.read_text()
+    (line, words), = [(line, words) for line, words in indented_commands(text) if words[:3] == ["python", "-m", "bench.sizing"]]
+    shown = next(block for block in BLOCKS if block.line > line)
+    assert shown.language == "text", f"README.md line {line}: the sizing command's output follows it in a ```text block"
+    assert main(words[3:]) == 0
+    printed = capsys.readouterr().out
+    assert shown.text == printed, f"README.md line {shown.line}: paste the output of `{' '.join(words)}` again"
