@@ -6,7 +6,6 @@ a wrong shape found on the server costs a round trip and reads worse.
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 from pathlib import Path
@@ -30,7 +29,8 @@ def _invalid(message: str) -> ScoremapError:
 
 def _server_imaging():
     """server/imaging.py, the one definition of which bytes are an image and how any image mode becomes the
-    RGB the model sees; imported when an image is checked or converted, so `--help` of the command lines imports nothing of the server."""
+    RGB the model sees; imported when an image is checked or converted, so `--help` of the command lines
+    imports nothing of the server."""
     from server import imaging
 
     return imaging
@@ -126,17 +126,13 @@ def _held_file(image: Image.Image) -> bytes | None:
     fp = getattr(image, "fp", None)
     if not isinstance(image, ImageFile.ImageFile) or not image.tile or fp is None or image.tell() != 0:
         return None
-    position = fp.tell()
     try:
+        position = fp.tell()
         fp.seek(0)  # Image.open reads a file from its start
         data = fp.read()
+        fp.seek(position)  # where PIL left it
     except (OSError, ValueError):  # closed, or not seekable
         return None
-    finally:
-        try:
-            fp.seek(position)
-        except (OSError, ValueError):
-            pass
     imaging = _server_imaging()
     try:
         opened = imaging.open_image(data, max_pixels=sys.maxsize).image
