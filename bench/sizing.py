@@ -21,14 +21,16 @@ import onnx
 
 from bench.__main__ import HERE, read_sections
 from bench.bench_host import HOST_COLUMN
+from convert.arguments import memory_size, number_in
 from convert.card import read_card
 from convert.memory_model import Device
-from convert.profile import parse_bytes, profile_model
+from convert.profile import profile_model
 from convert.triton_export import DEFAULT_GPU_MEMORY, canvas, plan
 
 DEFAULT_MODEL = HERE.parent / "models" / "default.onnx"
 GRID_PASSES = 4  # stride 16 from a stride-32 model: the 4 shifted passes of SHIFT_GRID
 COUNT_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9}
+MIN_HOURS = 0.001  # the shortest deadline --hours takes (3.6 s): 0 or less has no answer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,9 +97,11 @@ def units_needed(images: int, hours: float, per_unit: float) -> int:
 def parse_count(text: str) -> int:
     """ "10M" -> 10_000_000; K, M, B suffixes."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMB]?)", text.strip().upper())
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a count such as 250000, 500K, 10M or 1.5B")
-    return int(float(match.group(1)) * COUNT_SUFFIXES[match.group(2)])
+    count = int(float(match.group(1)) * COUNT_SUFFIXES[match.group(2)]) if match else 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a count of at least 1, such as 250000, 500K, 10M "
+                                         "or 1.5B")
+    return count
 
 
 def memory_rows(model_path: str, *, scale: int, gpu_memory_bytes: int) -> list[str]:
@@ -138,17 +142,17 @@ def report(sections: dict[str, str], *, images: int, hours: float, model: str | 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.sizing", description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=parse_count, required=True, help="images in the job, e.g. 10M")
-    parser.add_argument("--hours", type=float, required=True, help="the deadline")
+    parser.add_argument("--hours", type=number_in(float, MIN_HOURS), required=True, help="the deadline")
     parser.add_argument("--model", default=str(DEFAULT_MODEL) if DEFAULT_MODEL.exists() else None,
                         help="a converted model, for the memory per plan (default: models/default.onnx if present)")
-    parser.add_argument("--scale", type=int, default=384, help="the scale (shorter side) of the memory rows")
-    parser.add_argument("--gpu-memory", default=DEFAULT_GPU_MEMORY, help="the GPU the batch is sized for")
+    parser.add_argument("--scale", type=number_in(int, 1), default=384,
+                        help="the scale (shorter side) of the memory rows")
+    parser.add_argument("--gpu-memory", type=memory_size, default=DEFAULT_GPU_MEMORY,
+                        help="the GPU the batch is sized for")
     parser.add_argument("--results", type=pathlib.Path, default=HERE / "RESULTS.md")
     args = parser.parse_args(argv)
-    if args.hours <= 0:
-        parser.error(f"--hours {args.hours}: give a positive deadline")
     sys.stdout.write(report(read_sections(args.results), images=args.images, hours=args.hours, model=args.model,
-                            scale=args.scale, gpu_memory_bytes=parse_bytes(args.gpu_memory)) + "\n")
+                            scale=args.scale, gpu_memory_bytes=args.gpu_memory) + "\n")
     return 0
 
 

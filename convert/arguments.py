@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["DEFAULT_OUTPUT_STRIDE", "PORT", "SUPPORTED_OUTPUT_STRIDES", "host_port", "number_in", "number_list", "size_pair"]
+__all__ = ["DEFAULT_OUTPUT_STRIDE", "PORT", "SUPPORTED_OUTPUT_STRIDES", "host_port", "memory_size", "number_in",
+           "number_list", "size_pair"]
 
 # Native stride when a caller asks for none finer: one cell per 32 px, the classic dense evaluation.
 DEFAULT_OUTPUT_STRIDE = 32
@@ -47,6 +48,19 @@ def number_in(kind: type[int] | type[float], low: float | None = None, high: flo
 
 
 PORT = number_in(int, 0, 65535)  # 0: any free port
+
+
+def memory_size(text: str) -> int:
+    """An argparse type: a memory size above zero, such as 2GiB (convert.profile's units), in bytes."""
+    from convert.profile import ProfileError, parse_bytes  # imports onnx: only when a size is given
+
+    try:
+        value = parse_bytes(text)
+    except ProfileError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a memory size above zero, such as 2GiB")
+    return value
 
 
 def number_list(kind: type[int] | type[float], low: float | None = None, high: float | None = None):

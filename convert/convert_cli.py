@@ -139,14 +139,19 @@ def report_pixels(path: str, size: int) -> np.ndarray:
 
 def refuse_converted(source: str) -> None:
     """A graph scoremap-convert already made is refused (UsageError): its head is convolutional, so the
-    surgery would find no classifier head to rewrite, and its card already says how to serve it."""
+    surgery would find no classifier head to rewrite, and its card already says how to serve it. A .onnx that
+    does not parse is a UsageError too."""
     if not source.lower().endswith(".onnx") or not os.path.isfile(source):
         return
     import onnx
+    from google.protobuf.message import DecodeError
 
     from convert.card import METADATA_KEY
 
-    model = onnx.load(source, load_external_data=False)
+    try:
+        model = onnx.load(source, load_external_data=False)
+    except DecodeError as error:
+        raise UsageError(f"{source!r} is not an ONNX file ({error}); expected an ONNX classifier") from error
     if any(prop.key == METADATA_KEY for prop in model.metadata_props):
         raise UsageError(f"{source!r} is already converted (it carries a scoremap model card): serve or inspect it "
                          "as it is (scoremap-serve, scoremap-inspect), or convert its original classifier")

@@ -5,13 +5,15 @@
 Without --size the table is for the card's default scale (a square), else its training size.
 --device picks the execution provider whose memory terms (convert.memory_model) are printed.
 
-Exit status: 0 printed, 1 the model cannot be read or profiled at that size, 2 bad arguments.
+Exit status: 0 printed, 1 the model cannot be profiled at that size, 2 bad arguments (a model path that is
+no ONNX file included).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from importlib import metadata
 
@@ -19,11 +21,11 @@ import onnx
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
-from convert.arguments import number_in, size_pair
+from convert.arguments import memory_size, number_in, size_pair
 from convert.card import CardError, ImageInput, Layout, OutputKind, Precision, label, parse_label, read_card
 from convert.memory_model import PROVIDER_TERMS, Device
-from convert.profile import (Profile, ProfileError, largest_batch, largest_square_size, parse_bytes,
-                             load_skeleton, profile_model)
+from convert.profile import (Profile, ProfileError, largest_batch, largest_square_size, load_skeleton,
+                             profile_model)
 
 __all__ = ["main", "format_table"]
 
@@ -31,14 +33,26 @@ __all__ = ["main", "format_table"]
 DEFAULT_SIZE_MULTIPLE = 32
 
 
-def _budget(text: str) -> int:
+class NotAModel(ValueError):
+    """The model argument names no readable ONNX file: a mistake on the command line (exit 2)."""
+
+
+def open_model(path: str) -> onnx.ModelProto:
+    """The ONNX file at `path`, its weights left unread; NotAModel saying what the path is instead."""
+    expected = "expected a converted .onnx file (`scoremap-convert CLASSIFIER -o MODEL.onnx` makes one)"
+    if not os.path.exists(path):
+        raise NotAModel(f"{path!r}: no such file; {expected}")
+    if os.path.isdir(path):
+        raise NotAModel(f"{path!r} is a folder; {expected}")
     try:
-        budget = parse_bytes(text)
-    except ProfileError as error:
-        raise argparse.ArgumentTypeError(str(error)) from error
-    if budget <= 0:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected a memory size above zero, such as 2GiB")
-    return budget
+        model = onnx.load(path, load_external_data=False)
+    except DecodeError as error:
+        raise NotAModel(f"{path!r} is not an ONNX file ({error}); {expected}") from error
+    except OSError as error:
+        raise NotAModel(f"cannot read {path!r}: {error.strerror or error}; {expected}") from error
+    if not model.graph.node:  # an empty file parses as an empty ModelProto
+        raise NotAModel(f"{path!r} is not an ONNX file (no graph in it); {expected}")
+    return model
 
 
 def cuda_visible() -> bool:
@@ -127,16 +141,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="the image input's layout, for a graph without a model card")
     parser.add_argument("--dtype", choices=("fp32", "fp16"),
                         help="profile as this precision (fp16 of an fp32 graph: converted, unverified, for sizing)")
-    parser.add_argument("--budget", type=_budget, help="a memory budget such as 2GiB: largest batch and square size that fit")
+    parser.add_argument("--budget", type=memory_size, help="a memory budget such as 2GiB: largest batch and square size that fit")
     parser.add_argument("--json", action="store_true", help="print JSON for programs instead of tables")
     args = parser.parse_args(argv)
     try:
-        card = read_card(args.model)
+        card = read_card(open_model(args.model))
     except CardError:
         card = None
-    except (OSError, DecodeError) as error:
-        sys.stderr.write(f"scoremap-inspect: cannot read {args.model!r}: {error}\n")
-        return 1
+    except NotAModel as error:
+        sys.stderr.write(f"scoremap-inspect: {error}\n")
+        return 2
     size = args.size or _default_size(card)
     if size is None:
         parser.error(f"{args.model} has no model card naming a size: give --size HxW")

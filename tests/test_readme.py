@@ -202,3 +202,43 @@ def test_every_command_shown_exists_and_takes_its_flags():
             if flag.startswith("--") and flag not in helps[key]:
                 problems.append(f"line {line}: {' '.join(words[:2])} has no flag {flag}")
     assert not problems, "\n".join(problems)
+
+
+def _inline_commands(text: str) -> list[tuple[int, list[str]]]:
+    """(line, words) of each `scoremap-...` command quoted inline in the prose."""
+    return [(n, shlex.split(quoted)) for n, line in enumerate(text.splitlines(), 1)
+            for quoted in re.findall(r"`(scoremap-[^`]+)`", line)]
+
+
+def test_models_are_written_under_models_and_served_from_where_they_were_written():
+    """Issue 24 follow-up: `scoremap-convert default -o os16.onnx` wrote to the repository root, and the
+    serving example then asked for models/os16.onnx, which did not exist. Every model the README converts is
+    written under models/ (ignored by git), and every model it serves is one it converts."""
+    text = README.read_text()
+    commands = indented_commands(text) + _inline_commands(text)
+    written = {words[words.index("-o") + 1] for _, words in commands if words[0] == "scoremap-convert"}
+    assert "models/default.onnx" in written
+    problems = [f"line {line}: `scoremap-convert ... -o {words[words.index('-o') + 1]}` writes outside models/"
+                for line, words in commands if words[0] == "scoremap-convert"
+                and not words[words.index("-o") + 1].startswith("models/")]
+    assert "/models/" in (ROOT / ".gitignore").read_text().splitlines()
+    for line, words in commands:
+        if words[0] == "scoremap-serve":
+            served = [word.split("=", 1)[-1] for word in words[1:] if word.endswith(".onnx") and not word.startswith("[")]
+            problems += [f"line {line}: scoremap-serve {path}, which no example converts" for path in served
+                         if path not in written]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_sizing_output_shown_is_what_the_command_prints(model, capsys):
+    """Issue 24 follow-up: the sizing block showed CPU MiB of an older memory model (52 / 130 / 1,689 where the
+    command printed 47 / 129 / 1,762). The ```text block after `python -m bench.sizing ...` is its output now."""
+    from bench.sizing import main
+
+    text = README.read_text()
+    (line, words), = [(line, words) for line, words in indented_commands(text) if words[:3] == ["python", "-m", "bench.sizing"]]
+    shown = next(block for block in BLOCKS if block.line > line)
+    assert shown.language == "text", f"README.md line {line}: the sizing command's output follows it in a ```text block"
+    assert main(words[3:]) == 0
+    printed = capsys.readouterr().out
+    assert shown.text == printed, f"README.md line {shown.line}: paste the output of `{' '.join(words)}` again"

@@ -24,7 +24,7 @@ from clients.api.retry import Backoff, Interrupted, Retrying, Verdict, WaitNotic
 from clients.api.settings import ClientSettings
 from protos import is_loopback, model_card_pb2, scoring_pb2, scoring_pb2_grpc
 
-__all__ = ["ScoremapClient", "channel_options", "is_loopback", "open_channel"]
+__all__ = ["ScoremapClient", "channel_options", "explained", "is_loopback", "open_channel"]
 
 T = TypeVar("T")
 
@@ -53,6 +53,23 @@ def open_channel(target: str, *, tls: bool = False, root_certificates: bytes | N
         return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root_certificates),
                                    options=options)
     return grpc.insecure_channel(target, options=options)
+
+
+def explained(error: ScoremapError, request: scoring_pb2.ScoreRequest) -> ScoremapError:
+    """`error`, with the fix a user can make added when a request of raw pixels was too large to take.
+
+    A path (or a PIL image still holding its file) goes encoded, and the server decodes a large JPEG only
+    to the size the scales need; the pixels of an array or a decoded image cannot shrink that way
+    (issue 24: a 24-megapixel image object was refused where its file scored)."""
+    if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or error.retry_after_s is not None or not request.HasField("raw"):
+        return error  # a transient refusal (a full queue) is no matter of size
+    raw = request.raw
+    return ScoremapError(
+        error.code,
+        f"{error.message}. The image went as {raw.height}x{raw.width}x{raw.channels} raw pixels "
+        f"({len(raw.data)} bytes), as an array or a decoded or changed PIL image does: pass the file's path "
+        "instead, or resize the image (to about the largest scale asked for)",
+        retry_after_s=error.retry_after_s)
 
 
 class ScoremapClient:
@@ -163,7 +180,19 @@ class ScoremapClient:
 
     def score_request(self, request: scoring_pb2.ScoreRequest, *, timeout: float | None = None) -> scoring_pb2.ScoreResponse:
         """Send a prepared ScoreRequest; the raw ScoreResponse (what the CLI and load tester use)."""
-        return self._call(self._stub.Score, request, timeout=timeout)
+        try:
+            self._check_size(request)
+            return self._call(self._stub.Score, request, timeout=timeout)
+        except ScoremapError as error:
+            raise explained(error, request) from None
+
+    def _check_size(self, request: scoring_pb2.ScoreRequest) -> None:
+        """Refuse, naming the setting, a request gRPC would cut off on sending with only its own numbers."""
+        size, limit = request.ByteSize(), self.settings.max_message_bytes
+        if size > limit:
+            raise ScoremapError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the request is {size} bytes, over this client's limit of {limit} bytes "
+                                "(ClientSettings.max_message_bytes)")
 
     def score(
         self,
@@ -216,6 +245,11 @@ class ScoremapClient:
                 except ScoremapError as error:
                     bad_input.append(error)
                     return
+                try:
+                    self._check_size(request)
+                except ScoremapError as error:
+                    bad_input.append(explained(error, request))
+                    return
                 with lock:
                     pending.append(request)
                 yield request
@@ -240,7 +274,9 @@ class ScoremapClient:
                 translated = self._translate(error)
             finally:
                 stream.cancel()  # a consumer that stops early ends the call
-            retrying.after(translated)
+            with lock:
+                head = pending[0] if pending else None  # answers come in order: the one refused, if any
+            retrying.after(explained(translated, head) if head is not None else translated)
             with lock:
                 resend = list(pending)
 

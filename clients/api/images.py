@@ -13,29 +13,14 @@ from typing import Union
 
 import grpc
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageFile, ImageOps
 
 from clients.api.errors import ScoremapError
 from protos import scoring_pb2
 
-__all__ = ["ImageLike", "IMAGE_SIGNATURES", "image_fields", "looks_like_image", "open_photo"]
+__all__ = ["ImageLike", "image_fields", "looks_like_image", "open_photo"]
 
 ImageLike = Union[str, os.PathLike, bytes, bytearray, memoryview, Image.Image, np.ndarray]
-
-# Leading bytes of the encodings the server decodes (protos/scoring.proto: ScoreRequest.encoded).
-IMAGE_SIGNATURES: tuple[tuple[int, bytes], ...] = (
-    (0, b"\xff\xd8\xff"),          # JPEG
-    (0, b"\x89PNG\r\n\x1a\n"),     # PNG
-    (0, b"BM"),                    # BMP
-    (0, b"II*\x00"),               # TIFF, little-endian
-    (0, b"MM\x00*"),               # TIFF, big-endian
-    (8, b"WEBP"),                  # RIFF....WEBP
-)
-
-
-def looks_like_image(head: bytes) -> bool:
-    """Whether the first bytes of a file carry an image signature (content, not extension)."""
-    return any(head[offset:offset + len(magic)] == magic for offset, magic in IMAGE_SIGNATURES)
 
 
 def _invalid(message: str) -> ScoremapError:
@@ -43,11 +28,28 @@ def _invalid(message: str) -> ScoremapError:
 
 
 def _server_imaging():
-    """server/imaging.py, the one definition of how any image mode becomes the RGB the model sees; imported
-    when an image is converted, so `--help` of the command lines imports nothing of the server."""
+    """server/imaging.py, the one definition of which bytes are an image and how any image mode becomes the
+    RGB the model sees; imported when an image is checked or converted, so `--help` of the command lines
+    imports nothing of the server."""
     from server import imaging
 
     return imaging
+
+
+def looks_like_image(head: bytes) -> bool:
+    """Whether the first bytes of a file carry the signature of a format the server opens (content, not
+    extension), by the server's own test (server/imaging.py `signature`: PIL's plugins, BigTIFF included)."""
+    return _server_imaging().signature(head) is not None
+
+
+def _encoded(data: bytes, *, source: str = "") -> dict[str, object]:
+    """{"encoded": data}, or the server's own refusal of `data` (named by `source`, a path, if given)."""
+    imaging = _server_imaging()
+    try:
+        imaging.check_encoded(data)
+    except imaging.ImageError as error:
+        raise _invalid(f"{source!r}: {error}" if source else str(error)) from None
+    return {"encoded": data}
 
 
 def _refused(what: str, why: str) -> ScoremapError:
@@ -113,6 +115,33 @@ def _image_pixels(image: Image.Image) -> np.ndarray:
     return np.asarray(image)
 
 
+def _held_file(image: Image.Image) -> bytes | None:
+    """The encoded bytes of an image PIL opened and has not decoded yet, if the server opens them as the same
+    image; None otherwise (the object goes as its pixels).
+
+    Sent as its file, a large JPEG is decoded by the server in draft mode, down to the size the scales need,
+    so the object scores as its path does (issue 24: its full pixels gave other scores, and 24 MP of them
+    outgrew the message limit). Undecoded (`tile` still set) means unchanged: PIL decodes before any pixel
+    edit, and `draft`, another frame or a rewritten file change the header compared here."""
+    fp = getattr(image, "fp", None)
+    if not isinstance(image, ImageFile.ImageFile) or not image.tile or fp is None or image.tell() != 0:
+        return None
+    try:
+        position = fp.tell()
+        fp.seek(0)  # Image.open reads a file from its start
+        data = fp.read()
+        fp.seek(position)  # where PIL left it
+    except (OSError, ValueError):  # closed, or not seekable
+        return None
+    imaging = _server_imaging()
+    try:
+        opened = imaging.open_image(data, max_pixels=sys.maxsize).image
+    except imaging.ImageError:
+        return None
+    same = (opened.mode, opened.size, opened.tile) == (image.mode, image.size, image.tile)
+    return data if same else None
+
+
 def _raw(pixels: np.ndarray) -> scoring_pb2.RawImage:
     if pixels.ndim == 2:
         pixels = pixels[:, :, None]
@@ -125,31 +154,20 @@ def _raw(pixels: np.ndarray) -> scoring_pb2.RawImage:
 def image_fields(image: ImageLike) -> dict[str, object]:
     """The ScoreRequest fields carrying `image`: {"encoded": bytes} or {"raw": RawImage}.
 
-    Paths and bytes go as encoded bytes (smaller on the wire; the server decodes them), PIL images
-    and arrays as raw RGB(A)/grey pixels converted as the server converts their files, so an image
-    object scores as its file does.
+    Paths and bytes go as encoded bytes (smaller on the wire; the server decodes them), and so does a PIL
+    image still holding its file undecoded; other PIL images and arrays go as raw RGB(A)/grey pixels
+    converted as the server converts their files, so an image object scores as its file does.
     """
     if isinstance(image, (str, os.PathLike)):
         path = Path(image)
         if not path.is_file():
             raise _invalid(f"image path {str(path)!r} is not a file")
-        data = path.read_bytes()
-        if not looks_like_image(data[:16]):
-            raise _invalid(
-                f"{str(path)!r} does not start with a JPEG, PNG, WebP, BMP or TIFF signature "
-                f"(first bytes {data[:8]!r})"
-            )
-        return {"encoded": data}
+        return _encoded(path.read_bytes(), source=str(path))
     if isinstance(image, (bytes, bytearray, memoryview)):
-        data = bytes(image)
-        if not looks_like_image(data[:16]):
-            raise _invalid(
-                f"encoded image bytes start with {data[:8]!r}; expected a JPEG, PNG, WebP, BMP "
-                "or TIFF signature (pass raw pixels as a numpy array instead)"
-            )
-        return {"encoded": data}
+        return _encoded(bytes(image))
     if isinstance(image, Image.Image):
-        return {"raw": _raw(_image_pixels(image))}
+        held = _held_file(image)
+        return {"encoded": held} if held is not None else {"raw": _raw(_image_pixels(image))}
     if isinstance(image, np.ndarray):
         return {"raw": _raw(_array_pixels(image))}
     raise _invalid(

@@ -30,7 +30,7 @@ from clients.api.images import open_photo
 from clients.api.options import ScoreOptions, build_request
 from clients.api.results import result_from_response
 from clients.api.retry import Interrupted
-from clients.batch.files import ImageFile, ResultsLog, atomic_write, keep_records, remove_partials
+from clients.batch.files import ImageFile, ResultsLog, atomic_write, keep_records, read_records, remove_partials
 from clients.batch.run_options import run_options, settle_options
 from protos import scoring_pb2
 
@@ -212,10 +212,14 @@ def score_one(image: ImageFile, scorer: Scorer, options: ScoreOptions, out_dir: 
         result = result_from_response(scorer.score_request(request, timeout=timeout))
         record.update(result.to_record())
         outputs = _output_files(image, maps=maps, heatmaps=heatmaps)
+        # Every output is made before any is written, and a failed write takes back the others: a file
+        # recorded as failed has no outputs (issue 24: a failed heatmap left its .npz behind).
+        made = {}
         if maps:
-            atomic_write(out_dir / outputs["maps_file"], _npz_bytes(result.map_arrays()))
+            made[outputs["maps_file"]] = _npz_bytes(result.map_arrays())
         if heatmaps:
-            atomic_write(out_dir / outputs["heatmap_file"], heatmap_png(open_photo(content), result))
+            made[outputs["heatmap_file"]] = heatmap_png(open_photo(content), result)
+        _write_all(out_dir, made)
         record.update(outputs)
         record["status"] = "OK"
     except Interrupted:
@@ -230,6 +234,59 @@ def score_one(image: ImageFile, scorer: Scorer, options: ScoreOptions, out_dir: 
     return record
 
 
+def _write_all(out: Path, outputs: dict[str, bytes]) -> None:
+    """Write every output (name relative to `out`) atomically, or, when one write fails, none of them."""
+    written = []
+    try:
+        for name, data in outputs.items():
+            atomic_write(out / name, data)
+            written.append(name)
+    except BaseException:
+        for name in written:
+            _remove_output(out, name)
+        raise
+
+
+def _named_outputs(record: dict[str, Any]) -> list[str]:
+    return [record[field] for field in ("maps_file", "heatmap_file") if record.get(field)]
+
+
+def _remove_output(out: Path, name: str) -> None:
+    """Delete the output `name` (relative to `out`, as records name them), and folders it leaves empty."""
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts:
+        return  # not a name this program writes
+    path = out / relative
+    path.unlink(missing_ok=True)
+    for folder in path.parents:
+        if folder == out:
+            break
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or gone)
+            break
+
+
+def forget_other_options(out: Path, options_id: str) -> None:
+    """Remove the records of other options than `options_id`, and the outputs they name (only those: other
+    files in the folder are the user's), so after --force-new-options only the new options' results stay
+    (issue 24). Outputs go first, so a run killed in between leaves records naming nothing, which the next run
+    removes (it gets here with the new options stored, forced or not)."""
+    results = out / RESULTS_NAME
+    records = list(read_records(results).values())
+
+    def current(record: dict[str, Any]) -> bool:
+        return record.get("options", options_id) == options_id
+
+    kept = {name for record in records if current(record) for name in _named_outputs(record)}
+    for record in records:
+        if not current(record):
+            for name in _named_outputs(record):
+                if name not in kept:
+                    _remove_output(out, name)
+    keep_records(results, current)
+
+
 def open_run(out: Path, options: ScoreOptions, *, maps: bool, heatmaps: bool,
              force_new_options: bool) -> tuple[ScoreOptions, str]:
     """Ready the output folder for a run (every engine's): partial files of a killed run removed, the options
@@ -240,8 +297,7 @@ def open_run(out: Path, options: ScoreOptions, *, maps: bool, heatmaps: bool,
     if maps or heatmaps:
         options = dataclasses.replace(options, return_maps=True)
     options_id = settle_options(out, run_options(options, maps=maps, heatmaps=heatmaps), force=force_new_options)
-    if force_new_options:  # records of the old options are scored again: they go now, not beside the new ones
-        keep_records(out / RESULTS_NAME, lambda record: record.get("options") == options_id)
+    forget_other_options(out, options_id)  # their files are scored again: they go now, not beside the new ones
     return options, options_id
 
 

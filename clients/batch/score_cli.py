@@ -154,6 +154,20 @@ def _advice(error: ScoremapError) -> str:
     return f"{error.message}; {ADVICE[error.code]}" if error.code in ADVICE else error.message
 
 
+def _path_error(error: OSError, args: argparse.Namespace) -> str:
+    """An OSError of the run as one line naming the flag whose path failed, and the fix (a bare `[Errno 2]`
+    named neither: issue 24)."""
+    failed = Path(error.filename) if error.filename else None
+    reason = error.strerror or str(error)
+    if failed is not None and (failed == args.out or failed in args.out.parents or args.out in failed.parents):
+        inside = "" if failed == args.out else f" ({str(failed)!r})"
+        return (f"--out {str(args.out)!r}: cannot make or write the folder{inside}: {reason}; give --out a folder "
+                "you can write to (it is made if missing)")
+    if args.root_cert is not None and failed == args.root_cert:
+        return f"--root-cert {str(args.root_cert)!r}: {reason}; give a readable PEM file"
+    return str(error)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -230,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as error:
         if args.traceback:
             traceback.print_exc()
-        log.error("%s", error)
+        log.error("%s", _path_error(error, args))
         return EXIT_REFUSED
     finally:
         if progress is not None:

@@ -75,3 +75,23 @@ def test_the_repositorys_own_results_give_every_cpu_rate():
         rate = found[f"host path, the most a core feeds a GPU (null model): {row['request']}"]
         assert rate.per_unit == pytest.approx(1000 / float(row[HOST_COLUMN]))
     assert any(rate.source == "bench_server best level" and rate.per_unit > 0 for rate in found.values())
+
+
+@pytest.mark.parametrize("argv, flag, says", [
+    (["--hours", "nan"], "--hours", "got 'nan'"),
+    (["--hours", "0"], "--hours", "got '0'"),
+    (["--scale", "0"], "--scale", ">= 1"),
+    (["--scale", "-384"], "--scale", ">= 1"),
+    (["--images", "0"], "--images", "at least 1"),
+    (["--gpu-memory", "lots"], "--gpu-memory", "cannot read 'lots' as a memory size"),
+    (["--gpu-memory", "0"], "--gpu-memory", "above zero"),
+])
+def test_every_numeric_flag_is_range_checked_before_anything_loads(tmp_path, capsys, argv, flag, says):
+    """Issue 24 item 4 (every numeric flag of every command): exit 2 naming the flag; the model and the
+    results file do not exist, so nothing could have been read."""
+    defaults = {"--images": "10M", "--hours": "8"}
+    given = [word for pair in defaults.items() if pair[0] not in argv for word in pair]
+    with pytest.raises(SystemExit) as exited:
+        main([*given, *argv, "--model", str(tmp_path / "missing.onnx"), "--results", str(tmp_path / "missing.md")])
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and f"argument {flag}: " in error and says in error

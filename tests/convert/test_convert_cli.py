@@ -232,3 +232,13 @@ def test_size_without_report_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["default", "-o", str(tmp_path / "dense.onnx"), "--size", "384"])
     assert exited.value.code == EXIT_USAGE and "--size is the side of the --report image" in capsys.readouterr().err
+
+
+def test_a_source_that_is_not_onnx_is_a_usage_error(tmp_path, capsys):
+    """Issue 24 follow-up: a text file named .onnx ended in a DecodeError traceback."""
+    source = tmp_path / "notes.onnx"
+    source.write_text("not a model")
+    assert main([str(source), "-o", str(tmp_path / "out.onnx"), "--preprocessing", "raw"]) == 2
+    error = capsys.readouterr().err
+    assert f"scoremap-convert: '{source}' is not an ONNX file" in error
+    assert not (tmp_path / "out.onnx").exists()

@@ -86,11 +86,24 @@ def test_an_unprofilable_request_exits_1(small_model_path, tmp_path, capsys):
     assert "--dtype fp32 of a fp16 graph is not supported" in capsys.readouterr().err
 
 
-def test_a_file_that_is_not_onnx_is_a_clear_error(tmp_path, capsys):
-    path = tmp_path / "notes.onnx"
-    path.write_text("not a model")
-    assert main([str(path), "--size", "224"]) == 1
-    assert "scoremap-inspect:" in capsys.readouterr().err
+@pytest.mark.parametrize("name, content, says", [
+    ("nosuch.onnx", None, "'{path}': no such file; expected a converted .onnx file"),
+    ("folder", "", "'{path}' is a folder; expected a converted .onnx file"),
+    ("notes.onnx", b"not a model", "'{path}' is not an ONNX file"),
+    ("empty.onnx", b"", "'{path}' is not an ONNX file"),
+])
+def test_a_model_path_that_is_no_onnx_file_is_a_usage_error(tmp_path, capsys, name, content, says):
+    """Issue 24 follow-up: `scoremap-inspect nosuch.onnx` exited 1 with a raw `[Errno 2]`, where
+    scoremap-convert exits 2 saying what is wrong."""
+    path = tmp_path / name
+    if content == "":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    assert main([str(path), "--size", "224"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("scoremap-inspect: ") and says.format(path=path) in error and "Errno" not in error
+    assert "scoremap-convert" in error  # how to make one
 
 
 def test_console_script_on_the_converted_default_model(default_model_path):

@@ -45,7 +45,7 @@ def test_arrays_and_pil_images_travel_as_raw_pixels():
     (np.zeros((4, 4, 2), np.uint8), "shape (4, 4, 2); expected"),
     (np.zeros((2, 4, 4, 3), np.uint8), "shape (2, 4, 4, 3)"),
     (np.zeros((0, 4, 3), np.uint8), "must be positive"),
-    (b"hello world", "start with b'hello wo'"),
+    (b"hello world", "starting b'hello wo' are not a JPEG, PNG, WebP, BMP or TIFF image"),
     (12, "type int"),
 ])
 def test_bad_images_say_what_was_received_and_expected(bad, says):
@@ -58,10 +58,46 @@ def test_bad_images_say_what_was_received_and_expected(bad, says):
 def test_a_text_file_is_not_an_image(tmp_path):
     path = tmp_path / "notes.jpg"
     path.write_text("not a picture")
-    with pytest.raises(ScoremapError, match="does not start with a JPEG"):
+    with pytest.raises(ScoremapError, match=r"notes.jpg'?: 13 bytes starting b'not a pi' are not a JPEG"):
         image_fields(path)
     assert not looks_like_image(path.read_bytes())
     assert looks_like_image(png_bytes())
+
+
+def _big_tiff() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (20, 10), (10, 20, 30)).save(buffer, format="TIFF", big_tiff=True)
+    return buffer.getvalue()
+
+
+def test_the_client_recognises_images_as_the_server_does(tmp_path):
+    """Issue 24 follow-up: BigTIFF (`II+\\x00`), which the server opens, was refused by every client; the
+    client now asks the server's own test (server/imaging.py `check_encoded`, PIL's plugins)."""
+    from server import imaging
+
+    data = _big_tiff()
+    assert data[:4] == b"II+\x00" and imaging.signature(data) == "TIFF"
+    path = tmp_path / "big.tif"
+    path.write_bytes(data)
+    assert looks_like_image(data)
+    assert image_fields(path) == {"encoded": data} and image_fields(data) == {"encoded": data}
+
+
+@pytest.mark.parametrize("data", [b"", b"hello world"])
+def test_a_refused_file_reads_as_the_server_says_it(tmp_path, data):
+    """One wording: the client's refusal of a file is the server's refusal of its bytes, named by path."""
+    from server import imaging
+
+    with pytest.raises(imaging.ImageError) as server_says:
+        imaging.check_encoded(data)
+    path = tmp_path / "photo.jpg"
+    path.write_bytes(data)
+    with pytest.raises(ScoremapError) as client_says:
+        image_fields(path)
+    assert client_says.value.message == f"{str(path)!r}: {server_says.value}"
+    with pytest.raises(ScoremapError) as client_says:
+        image_fields(data)
+    assert client_says.value.message == str(server_says.value)
 
 
 def test_open_photo_applies_exif_orientation_like_the_server(tmp_path):
@@ -183,3 +219,99 @@ def test_what_has_no_faithful_conversion_is_refused_naming_it(held, says):
         image_fields(held)
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert says in caught.value.message and "convert it to 8-bit RGB" in caught.value.message
+
+
+# Issue 24 follow-up: the server decodes a large JPEG file in draft mode (DCT scaling) down to the size the
+# scales need; an image object opened from such a file must score as the file does, not as its full pixels.
+
+def _large_jpeg(folder, size: tuple[int, int]) -> str:
+    """samples/coffee.jpg upscaled to `size` (width, height), saved as a JPEG photo would be."""
+    return _saved(folder, f"large{size[0]}x{size[1]}.jpg",
+                  Image.open(SAMPLES / "coffee.jpg").convert("RGB").resize(size, Image.Resampling.BICUBIC), quality=90)
+
+
+@pytest.mark.parametrize("size", [(4000, 3000), (6000, 4000)])  # 6000x4000: 72 MB of raw pixels, over 64 MiB
+def test_a_large_jpeg_object_scores_as_its_file(default_server, tmp_path, size):
+    from clients import ScoremapClient
+
+    path = _large_jpeg(tmp_path, size)
+    with ScoremapClient(default_server) as client:
+        from_object = client.score(Image.open(path), return_maps=False)
+        from_file = client.score(path, return_maps=False)
+    assert [(p.label, round(p.probability, 4)) for p in from_object.top_k] == \
+        [(p.label, round(p.probability, 4)) for p in from_file.top_k]
+
+
+def _opened(path: str) -> Image.Image:
+    return Image.open(path)
+
+
+def _edited(path: str) -> Image.Image:
+    image = Image.open(path)
+    image.putpixel((0, 0), (255, 0, 0))
+    return image
+
+
+def _drafted(path: str) -> Image.Image:
+    image = Image.open(path)
+    image.draft("RGB", (100, 75))
+    return image
+
+
+def _loaded(path: str) -> Image.Image:
+    image = Image.open(path)
+    image.load()
+    return image
+
+
+def _second_frame(folder) -> Image.Image:
+    path = folder / "frames.tif"
+    Image.new("RGB", (40, 30), (200, 0, 0)).save(path, save_all=True, append_images=[Image.new("RGB", (40, 30))])
+    image = Image.open(path)
+    image.seek(1)
+    return image
+
+
+def test_only_an_image_pil_has_not_decoded_travels_as_its_file(tmp_path):
+    """Encoded bytes stand for the object only while PIL still holds its file undecoded: every pixel edit
+    decodes first, and draft mode, another frame or loaded pixels are what the user chose to send."""
+    path = _large_jpeg(tmp_path, (400, 300))
+    data = Path(path).read_bytes()
+    assert image_fields(_opened(path)) == {"encoded": data}
+    with open(path, "rb") as handle:
+        assert image_fields(Image.open(handle)) == {"encoded": data}
+    assert image_fields(Image.open(io.BytesIO(data))) == {"encoded": data}
+    for image in (_edited(path), _drafted(path), _loaded(path), _second_frame(tmp_path)):
+        sent = image_fields(image)
+        assert "raw" in sent
+        assert (sent["raw"].width, sent["raw"].height) == image.size
+    edited = image_fields(_edited(path))["raw"]
+    assert edited.data[:3] == bytes((255, 0, 0))
+
+
+def test_reading_the_file_leaves_the_object_usable(tmp_path):
+    path = _large_jpeg(tmp_path, (400, 300))
+    image = Image.open(path)
+    image_fields(image)
+    assert np.array_equal(np.asarray(image), np.asarray(Image.open(path)))
+
+
+def test_pixels_too_large_for_the_message_limit_say_how_to_send_them(start_server, tmp_path):
+    """Raw pixels over the server's limit, or the client's own, are refused naming the fix (pass the path,
+    or resize), not with gRPC's transport error alone."""
+    from clients import ScoremapClient
+    from clients.api.options import ScoreOptions
+    from clients.api.settings import ClientSettings
+
+    pixels = np.zeros((200, 200, 3), np.uint8)  # 120,000 bytes
+    _, port = start_server(max_message_bytes=100_000)
+    target = f"127.0.0.1:{port}"
+    for settings, limit in ((None, "over this server's limit of 100000 bytes"),
+                            (ClientSettings(max_message_bytes=50_000), "over this client's limit of 50000 bytes")):
+        with ScoremapClient(target, settings=settings) as client:
+            for call in (lambda: client.score(pixels), lambda: list(client.score_many([pixels], options=ScoreOptions()))):
+                with pytest.raises(ScoremapError) as caught:
+                    call()
+                message = caught.value.message
+                assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert limit in message and "200x200x3 raw pixels" in message and "pass the file's path" in message

@@ -34,3 +34,28 @@ def test_naming_the_defaults_is_the_same_run(server, photos, tmp_path):
     common = [str(photos), "--out", str(out), "--server", server, "--no-progress"]
     assert main(common) == EXIT_OK
     assert main([*common, "--model", "tiny"]) == EXIT_OK  # the one model, named: not "other options"
+
+
+def _files(folder) -> list[str]:
+    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file())
+
+
+def test_forced_new_options_remove_the_outputs_of_the_old(server, photos, tmp_path):
+    """Issue 24 follow-up: maps and heatmaps of the old options stayed beside the new results. Only the files
+    the old records name go: a file of the user's own in the output folder stays."""
+    out = tmp_path / "out"
+    common = [str(photos), "--out", str(out), "--server", server, "--no-progress"]
+    assert main([*common, "--stride", "16", "--maps", "--heatmaps"]) == EXIT_OK
+    old = read_records(out / "results.jsonl")
+    named = sorted(r[field] for r in old.values() for field in ("maps_file", "heatmap_file"))
+    assert len(named) == 12 and _files(out / "maps") + _files(out / "heatmaps")
+    (out / "maps" / "mine.npz").write_bytes(b"the user's own")
+
+    assert main([*common, "--stride", "32", "--force-new-options"]) == EXIT_OK
+    assert not any((out / name).exists() for name in named)
+    assert _files(out / "maps") == ["mine.npz"] and _files(out / "heatmaps") == []
+
+    assert main([*common, "--stride", "32", "--maps", "--force-new-options"]) == EXIT_OK
+    new = read_records(out / "results.jsonl")
+    assert sorted(r["maps_file"] for r in new.values()) == sorted(f for f in named if f.startswith("maps/"))
+    assert all((out / r["maps_file"]).exists() for r in new.values())

@@ -17,7 +17,7 @@ from PIL import Image
 
 from clients import ScoremapClient
 from clients.batch.files import read_records
-from clients.batch.score_cli import EXIT_FAILURES, EXIT_OK, main
+from clients.batch.score_cli import EXIT_FAILURES, EXIT_OK, EXIT_REFUSED, main
 from protos import scoring_pb2, scoring_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[3]
@@ -321,3 +321,40 @@ def test_outputs_carry_one_extension_and_sibling_formats_get_their_own(server, t
     assert main([str(photos), "--out", str(out), "--server", server, "--maps", "--heatmaps", "--no-progress"]) == EXIT_OK
     assert sorted(p.name for p in (out / "heatmaps").iterdir()) == ["coffee_jpg.png", "coffee_png.png"]
     assert sorted(p.name for p in (out / "maps").iterdir()) == ["coffee_jpg.npz", "coffee_png.npz"]
+
+
+def test_a_big_tiff_scores_as_its_png_locally_and_on_a_server(server, tiny_model, tmp_path):
+    """Issue 24 follow-up: BigTIFF files, which the server opens, were refused by the client's own signature list."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    pixels = np.asarray(Image.open(REPO / "samples" / "astronaut.jpg").convert("RGB").resize((96, 80)))
+    Image.fromarray(pixels).save(photos / "astro.png")
+    Image.fromarray(pixels).save(photos / "astro.tif", big_tiff=True)
+    for engine, where in (("--server", server), ("--local", tiny_model)):
+        out = tmp_path / engine.strip("-")
+        assert main([str(photos), "--out", str(out), engine, where, "--no-progress"]) == EXIT_OK
+        records = {Path(r["path"]).name: r for r in read_records(out / "results.jsonl").values()}
+        assert records["astro.tif"]["status"] == "OK", records["astro.tif"]
+        assert records["astro.tif"]["top_k"] == records["astro.png"]["top_k"]
+
+
+def test_a_file_recorded_as_failed_leaves_no_outputs(server, photos, tmp_path):
+    """Issue 24 follow-up: a file whose heatmap failed was recorded as failed with its .npz still written."""
+    out = tmp_path / "out"
+    (out / "heatmaps" / "photo000_jpg.png").mkdir(parents=True)  # its heatmap cannot be written there
+    assert main([str(photos), "--out", str(out), "--server", server, "--maps", "--heatmaps", "--no-progress"]) \
+        == EXIT_FAILURES
+    records = {Path(r["path"]).name: r for r in read_records(out / "results.jsonl").values()}
+    assert records["photo000.jpg"]["status"] == "IsADirectoryError" and "maps_file" not in records["photo000.jpg"]
+    assert not (out / "maps" / "photo000_jpg.npz").exists()
+    assert all((out / r["maps_file"]).exists() for r in records.values() if r["status"] == "OK")
+
+
+@pytest.mark.parametrize("where", ["/proc/nope", "a-file/out"])
+def test_an_out_folder_that_cannot_be_made_is_named_with_the_fix(server, photos, tmp_path, caplog, where):
+    """Issue 24 follow-up: `--out /proc/nope` printed a bare `[Errno 2] No such file or directory: '/proc/nope'`."""
+    (tmp_path / "a-file").write_text("a file, not a folder")
+    out = where if where.startswith("/") else str(tmp_path / where)
+    assert main([str(photos), "--out", out, "--server", server, "--no-progress"]) == EXIT_REFUSED
+    said = caplog.text
+    assert f"--out '{out}'" in said and "give --out a folder you can write to" in said and "Errno" not in said

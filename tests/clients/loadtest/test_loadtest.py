@@ -281,3 +281,13 @@ def test_a_folder_of_only_bad_files_is_refused_naming_them(tmp_path, capsys):
         main(["--server", "127.0.0.1:1", "--images", str(tmp_path)])
     error = capsys.readouterr().err
     assert exited.value.code == 2 and "no usable images" in error and "empty.png" in error
+
+
+def test_a_big_tiff_folder_is_usable(tmp_path):
+    """Issue 24 follow-up: BigTIFF files, which the server opens, were skipped as not images."""
+    from PIL import Image
+
+    Image.new("RGB", (40, 30), (10, 200, 30)).save(tmp_path / "big.tif", big_tiff=True)
+    inputs = load_inputs(str(tmp_path), [], ScoreOptions(), limits=LoadLimits())
+    assert inputs.skipped == [] and len(inputs.requests) == 1
+    assert inputs.requests[0].encoded == (tmp_path / "big.tif").read_bytes()
