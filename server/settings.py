@@ -238,6 +238,14 @@ def flag(declared: dataclasses.Field) -> str:
     return f"--no-{name}" if declared.default is True else f"--{name}"
 
 
+def described(declared: dataclasses.Field) -> str:
+    """What a setting's flag does: a --no-NAME flag turns off what the setting's help describes (issue 24)."""
+    if declared.default is True:
+        name = declared.name.replace("_", "-")
+        return f"turn {name} off (on by default: {declared.metadata['help']})"
+    return declared.metadata["help"]
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting, in an argument group per group; each parses and range-checks its value."""
     for title, group in GROUPS.items():
@@ -245,7 +253,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         for declared in dataclasses.fields(group):
             meta = declared.metadata
             shown = f" (default: {meta['shown']})" if meta["shown"] else ""
-            options: dict[str, Any] = dict(dest=declared.name, help=(meta["help"] + shown).replace("%", "%%"))
+            options: dict[str, Any] = dict(dest=declared.name, help=(described(declared) + shown).replace("%", "%%"))
             if isinstance(declared.default, bool):
                 options.update(action="store_false" if declared.default else "store_true")
             else:
@@ -270,10 +278,11 @@ def markdown_table() -> str:
         lines.append(f"| **{title}** | | |")
         for declared in dataclasses.fields(group):
             meta = declared.metadata
-            default = meta["shown"] or ("on" if declared.default is True else "off" if declared.default is False
+            default = meta["shown"] or (f"{declared.name.replace('_', '-')} on" if declared.default is True
+                                        else "off" if declared.default is False
                                         else f"{declared.default:g}" if isinstance(declared.default, float)
                                         else str(declared.default))
-            lines.append(f"| `{flag(declared)}` | {default} | {meta['help']} |")
+            lines.append(f"| `{flag(declared)}` | {default} | {described(declared)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -356,3 +356,15 @@ def test_a_name_counts_as_loopback_for_the_server_binding_it_never_for_a_client_
     assert is_loopback("inside.example", resolve=True) and is_loopback("inside.example:5", resolve=True)
     assert not is_loopback("inside.example:5")  # a client never sends a token in clear on a name's word
     assert not is_loopback("outside.example", resolve=True) and not is_loopback("nowhere.example", resolve=True)
+
+
+def test_a_no_flag_reads_as_turning_its_setting_off():
+    """`--no-warm-up | on | run every warm-up scale` read as if the flag turned warm-up on (issue 24)."""
+    from server import settings as declared
+
+    row = next(line for line in declared.markdown_table().splitlines() if line.startswith("| `--no-warm-up`"))
+    assert row == ("| `--no-warm-up` | warm-up on | turn warm-up off (on by default: run every warm-up scale and "
+                   "stride once before reporting SERVING) |")
+    from server.main import build_parser
+
+    assert "turn warm-up off" in " ".join(build_parser().format_help().split())
