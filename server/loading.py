@@ -18,9 +18,10 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from convert.card import CardError, ImageInput, batch_shape, read_card
+from convert.profile import ProfileError
 from protos import model_card_pb2, scoring_pb2
 from server import buckets, dense, imaging
-from server.admission import Admission, HostBudget
+from server.admission import Admission, HostBudget, format_bytes
 from server.batcher import Batcher, Work
 from server.device_graph import LATTICE, DeviceGraphError, scores_shape
 from server.engine import Engine
@@ -183,6 +184,37 @@ def configured_plans(model: Model, scales: tuple[int, ...]) -> list[PlanKey]:
                 if canvas is not None:
                     keys.extend(PlanKey(*canvas, batch, passes) for batch in model.buckets.batches)
     return list(dict.fromkeys(keys))
+
+
+def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
+    """ScoringError(INVALID_ARGUMENT) naming --warm-up-scales and the fix, before any plan is made, for a warm-up
+    scale the model cannot serve: below its smallest scale, above --max-scale, or with a plan predicted beyond
+    the memory budget (issue 24: these loaded, warmed up and failed as a generic warm-up error)."""
+    for model in models:
+        for scale in scales or (model.default_scale,):
+            named = (f"--warm-up-scales {scale}" if scales else
+                     f"{model.name}'s default scale {scale} (the warm-up scale without --warm-up-scales)")
+            if scale < model.training_size:
+                raise invalid(f"{named} is below {model.name}'s training size {model.training_size}, the smallest "
+                              f"input it can take: give --warm-up-scales of at least {model.training_size}")
+            if not model.min_scale <= scale <= model.limits.max_scale:
+                raise invalid(f"{named} is outside the scales requests may ask for, [{model.min_scale}, "
+                              f"{model.limits.max_scale}] (--min-scale, --max-scale): give --warm-up-scales "
+                              "within them")
+            total = model.admission.shared.total_bytes if model.admission.shared is not None else None
+            for key in configured_plans(model, (scale,)):
+                try:
+                    needed = model.admission.predicted_bytes(key.height, key.width, key.batch * len(key.passes.offsets))
+                except ProfileError:
+                    continue  # a shape the net cannot take: warm-up names it
+                if total is not None and needed > total:
+                    raise invalid(f"{named}: {model.name}'s plan {key} is predicted to need {format_bytes(needed)}, "
+                                  f"beyond the memory budget of {format_bytes(total)}: give a smaller "
+                                  "--warm-up-scales, or a larger --memory-budget")
+
+
+def invalid(message: str) -> ScoringError:
+    return ScoringError(Refusal.INVALID_ARGUMENT, message)
 
 
 def warm_up(models: list[Model], scales: tuple[int, ...],

@@ -75,6 +75,7 @@ class Pipeline:
                     )
                 self._models[model.name] = model
             if self.settings.warm_up:
+                self.check_warm_up()
                 self.warm_up()
         except BaseException:
             self.close()
@@ -89,6 +90,11 @@ class Pipeline:
             return free
         available = available_memory_bytes()
         return int(available * self.settings.cpu_memory_fraction) if available else None
+
+    def check_warm_up(self) -> None:
+        """ScoringError(INVALID_ARGUMENT) naming --warm-up-scales for a scale no model could warm up, before any
+        plan is made: a bad command line, not a failed warm-up."""
+        loading.check_warm_up_scales(list(self._models.values()), self.settings.warm_up_scales)
 
     def warm_up(self) -> None:
         """Every configured plan of every model made and run, then a request scored at each offered stride;

@@ -226,6 +226,18 @@ class Settings(ServiceEdge, RequestLimits, BatchPolicy, EngineOptions):
         """ValueError, naming the flags, for settings that are each in range but wrong together."""
         self.check_call_limits()
         self.check_queue()
+        self.check_scales()
+
+    def check_scales(self) -> None:
+        """--min-scale above --max-scale, or a warm-up scale outside them, before any model loads (issue 24)."""
+        least = self.min_scale or 1
+        if least > self.max_scale:
+            raise ValueError(f"--min-scale {least} is above --max-scale {self.max_scale}: no scale could be asked for; "
+                             "give a --min-scale at most --max-scale")
+        outside = [scale for scale in self.warm_up_scales if not least <= scale <= self.max_scale]
+        if outside:
+            raise ValueError(f"--warm-up-scales {' '.join(map(str, outside))} outside [{least}, {self.max_scale}] "
+                             "(--min-scale, --max-scale): warm up scales requests may ask for")
 
 
 GROUPS = {"service edge": ServiceEdge, "request limits": RequestLimits, "batch policy": BatchPolicy,

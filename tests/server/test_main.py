@@ -368,3 +368,36 @@ def test_a_no_flag_reads_as_turning_its_setting_off():
     from server.main import build_parser
 
     assert "turn warm-up off" in " ".join(build_parser().format_help().split())
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--min-scale", "1000", "--max-scale", "500"], "--min-scale 1000 is above --max-scale 500"),
+    (["--min-scale", "500", "--warm-up-scales", "384"], "--warm-up-scales 384 outside [500, 2048] (--min-scale, --max-scale)"),
+    (["--warm-up-scales", "5000"], "--warm-up-scales 5000 outside [1, 2048]"),
+])
+def test_scale_flags_that_contradict_exit_2_naming_them_before_models_load(tmp_path, capsys, flags, words):
+    """These loaded the model, warmed up and exited 3 naming no flag (issue 24)."""
+    message = refusal([str(tmp_path / "never-loaded.onnx"), "--port", "0", *flags], capsys)
+    assert words in message, message
+
+
+def test_an_http_port_the_same_as_the_grpc_port_exits_2_before_models_load(tmp_path, capsys):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    message = refusal([str(tmp_path / "never-loaded.onnx"), "--port", port, "--http-port", port], capsys)
+    assert f"--http-port {port} is the same as --port" in message, message
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--warm-up-scales", "100"], "--warm-up-scales 100 is below efficientnet-lite0's training size 224"),
+    (["--min-scale", "500"], "default scale 384 (the warm-up scale without --warm-up-scales) is outside the scales"),
+    (["--warm-up-scales", "1024", "--memory-budget", "64MiB"], "beyond the memory budget of 64.0 MiB: give a "
+                                                                 "smaller --warm-up-scales, or a larger --memory-budget"),
+])
+def test_a_warm_up_scale_the_model_cannot_serve_exits_2_naming_the_flag(default_model_path, flags, words):
+    """Checked once the model is loaded, before warm-up: a bad command line (2), not a warm-up failure (3)."""
+    result = subprocess.run(serve_command() + [default_model_path, "--port", "0", "--intra-op-threads", "1", *flags],
+                            capture_output=True, text=True, timeout=120)
+    last = result.stderr.splitlines()[-1]
+    assert result.returncode == 2 and "cannot start" in last and words in last, result.stderr
