@@ -34,6 +34,7 @@ from server.settings import RequestLimits, Settings
 LOG = logging.getLogger(__name__)
 FALLBACK_SCALE = 384  # when a card names no default scale
 CELLS_CACHE_SIZE = 4096  # resized sizes whose cell counts each model remembers
+CONVERT_FIRST = "convert a classifier with `scoremap-convert`, then serve the .onnx file it writes"
 WARM_UP_FAILURES_SHOWN = 3  # failed plans named in the warm-up error (the log line stays readable)
 
 
@@ -118,10 +119,19 @@ def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: Me
     since every model's batcher runs its batches concurrently with the others'."""
     try:
         net = onnx.load(path)
+    except DecodeError as error:  # protobuf's own words ("Wire format was corrupt") say nothing to a user
+        raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path} is not an ONNX file (it does not parse as an ONNX "
+                           f"model): {CONVERT_FIRST}") from error
+    except OSError as error:
+        raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
+    if not net.graph.node:  # an empty file parses as an empty ModelProto
+        raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path} is not an ONNX file (it holds no graph): "
+                           f"{CONVERT_FIRST}")
+    try:
         card = read_card(net)
         image = ImageInput.of(card)
         imaging.resample_filter(image.resize_filter)
-    except (CardError, DecodeError, OSError, imaging.ImageError) as error:
+    except (CardError, imaging.ImageError) as error:
         raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
     name = name or card.name or pathlib.Path(path).stem  # never the folders, which ListModels would show
     admission = Admission(net, budget_bytes=budget.total_bytes // share if budget.total_bytes else None,

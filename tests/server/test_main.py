@@ -1,6 +1,7 @@
 """`scoremap-serve` as users run it: a subprocess, --port 0, SIGTERM drains; refusals before models load."""
 
 import os
+import pathlib
 import queue
 import re
 import shutil
@@ -401,3 +402,14 @@ def test_a_warm_up_scale_the_model_cannot_serve_exits_2_naming_the_flag(default_
                             capture_output=True, text=True, timeout=120)
     last = result.stderr.splitlines()[-1]
     assert result.returncode == 2 and "cannot start" in last and words in last, result.stderr
+
+
+@pytest.mark.parametrize("content", [pathlib.Path(__file__).parents[2].joinpath("samples", "cat.jpg").read_bytes(),
+                                     b"a text file, not a model\n", b""])
+def test_a_file_that_is_not_onnx_is_named_with_the_fix(tmp_path, capsys, content):
+    """It said protobuf's `Error parsing message with type 'onnx.ModelProto': Wire format was corrupt` (issue 24)."""
+    path = tmp_path / "photo.onnx"
+    path.write_bytes(content)
+    message = refusal([str(path), "--port", "0", "--no-warm-up"], capsys)
+    assert f"{path} is not an ONNX file" in message and "scoremap-convert" in message, message
+    assert "Wire format" not in message
