@@ -25,7 +25,7 @@ import numpy as np
 
 from convert.card import Precision, label
 from convert.memory_model import Device
-from server.runtime_memory import configure_allocator
+from server.runtime_memory import HOST_ACTIVITY, configure_allocator
 from protos import model_card_pb2, scoring_pb2
 from server import admission, assemble, imaging, loading
 from server.admission import HostBudget, Ticket, available_memory_bytes
@@ -155,7 +155,8 @@ class Pipeline:
                 raise ScoringError(Refusal.CANCELLED, "the call was cancelled")
             scored = model.batcher.process(works, ticket.places, cancelled=cancelled)
             computed = time.monotonic()
-            response = assemble.response(ticket, scored, provider=self.engine.provider)
+            with HOST_ACTIVITY.busy():
+                response = assemble.response(ticket, scored, provider=self.engine.provider)
             seconds = assemble.timings(response, works, scored, started=started, decoded=decoded, computed=computed)
         if record and self.metrics is not None:
             self.metrics.record_stages(model.name, seconds)
@@ -180,8 +181,9 @@ class Pipeline:
 
     def _canvases(self, ticket: Ticket) -> list[np.ndarray]:
         model = ticket.model
-        return imaging.canvases(ticket.opened, ticket.jobs, ticket.flips, fill=model.fill,
-                                resize_filter=model.image.resize_filter)
+        with HOST_ACTIVITY.busy():  # a plan measured meanwhile would count these pixels as its own
+            return imaging.canvases(ticket.opened, ticket.jobs, ticket.flips, fill=model.fill,
+                                    resize_filter=model.image.resize_filter)
 
     def close(self) -> None:
         """Stop the batchers (queued work fails with UNAVAILABLE) and the decoding threads."""

@@ -294,7 +294,13 @@ class PlanCache:
         except BaseException:
             self._admission.plan_evicted(key)
             raise
-        self._admission.plan_created(key, footprint.device_bytes if self._engine.on_gpu else footprint.host_bytes)
+        if self._engine.on_gpu:
+            self._admission.plan_created(key, footprint.device_bytes)
+        elif footprint.host_shared:  # decoding beside it grew the resident set too: admission keeps the prediction
+            LOG.debug("%s: plan %s measured %d bytes while other work ran in the process: not used",
+                      self._card.name, key, footprint.host_bytes)
+        else:
+            self._admission.plan_created(key, footprint.host_bytes)
         with self._lock:
             self._plans[key] = plan
         self.made += 1
