@@ -21,7 +21,7 @@ from convert.card import CardError, ImageInput, batch_shape, read_card
 from convert.profile import ProfileError
 from protos import model_card_pb2, scoring_pb2
 from server import buckets, dense, imaging
-from server.admission import Admission, HostBudget, format_bytes
+from server.admission import Admission, HostBudget, format_bytes, invalid
 from server.batcher import Batcher, Work
 from server.device_graph import LATTICE, DeviceGraphError, scores_shape
 from server.engine import Engine
@@ -214,17 +214,14 @@ def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
             total = model.admission.shared.total_bytes if model.admission.shared is not None else None
             for key in configured_plans(model, (scale,)):
                 try:
-                    needed = model.admission.predicted_bytes(key.height, key.width, key.batch * len(key.passes.offsets))
+                    needed = model.admission.predicted_bytes(key.height, key.width,
+                                                             key.batch * len(key.passes.offsets))
                 except ProfileError:
                     continue  # a shape the net cannot take: warm-up names it
                 if total is not None and needed > total:
                     raise invalid(f"{named}: {model.name}'s plan {key} is predicted to need {format_bytes(needed)}, "
                                   f"beyond the memory budget of {format_bytes(total)}: give a smaller "
                                   "--warm-up-scales, or a larger --memory-budget")
-
-
-def invalid(message: str) -> ScoringError:
-    return ScoringError(Refusal.INVALID_ARGUMENT, message)
 
 
 def warm_up(models: list[Model], scales: tuple[int, ...],

@@ -373,7 +373,8 @@ def test_a_no_flag_reads_as_turning_its_setting_off():
 
 @pytest.mark.parametrize("flags, words", [
     (["--min-scale", "1000", "--max-scale", "500"], "--min-scale 1000 is above --max-scale 500"),
-    (["--min-scale", "500", "--warm-up-scales", "384"], "--warm-up-scales 384 outside [500, 2048] (--min-scale, --max-scale)"),
+    (["--min-scale", "500", "--warm-up-scales", "384"],
+     "--warm-up-scales 384 outside [500, 2048] (--min-scale, --max-scale)"),
     (["--warm-up-scales", "5000"], "--warm-up-scales 5000 outside [1, 2048]"),
 ])
 def test_scale_flags_that_contradict_exit_2_naming_them_before_models_load(tmp_path, capsys, flags, words):
@@ -393,8 +394,8 @@ def test_an_http_port_the_same_as_the_grpc_port_exits_2_before_models_load(tmp_p
 @pytest.mark.parametrize("flags, words", [
     (["--warm-up-scales", "100"], "--warm-up-scales 100 is below efficientnet-lite0's training size 224"),
     (["--min-scale", "500"], "default scale 384 (the warm-up scale without --warm-up-scales) is outside the scales"),
-    (["--warm-up-scales", "1024", "--memory-budget", "64MiB"], "beyond the memory budget of 64.0 MiB: give a "
-                                                                 "smaller --warm-up-scales, or a larger --memory-budget"),
+    (["--warm-up-scales", "1024", "--memory-budget", "64MiB"],
+     "beyond the memory budget of 64.0 MiB: give a smaller --warm-up-scales, or a larger --memory-budget"),
 ])
 def test_a_warm_up_scale_the_model_cannot_serve_exits_2_naming_the_flag(default_model_path, flags, words):
     """Checked once the model is loaded, before warm-up: a bad command line (2), not a warm-up failure (3)."""
