@@ -84,9 +84,17 @@ def open_image(data: bytes, *, max_pixels: int) -> OpenedImage:
     except (OSError, SyntaxError, ValueError) as error:  # UnidentifiedImageError is an OSError
         raise ImageError(f"cannot decode the {signature(data)} image ({len(data)} bytes): {error}") from error
     height, width = image.height, image.width
-    if orientation in TRANSPOSED_ORIENTATIONS:
+    if orientation in TRANSPOSED_ORIENTATIONS and stored_size(image) == (width, height):
         height, width = width, height
     return OpenedImage(height, width, image, len(data))
+
+
+def stored_size(image: Image.Image) -> tuple[int, int]:
+    """(width, height) as the pixels are stored, from the decoder tiles: Pillow's TIFF reader already reports
+    the upright size of an Orientation 5-8 image (issue 24), where the other readers report the stored one."""
+    if not image.tile:
+        return image.size
+    return max(tile.extents[2] for tile in image.tile), max(tile.extents[3] for tile in image.tile)
 
 
 def load(opened: OpenedImage, *, largest: tuple[int, int]) -> Image.Image:

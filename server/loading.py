@@ -18,9 +18,10 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from convert.card import CardError, ImageInput, batch_shape, read_card
+from convert.profile import ProfileError
 from protos import model_card_pb2, scoring_pb2
 from server import buckets, dense, imaging
-from server.admission import Admission, HostBudget
+from server.admission import Admission, HostBudget, format_bytes, invalid
 from server.batcher import Batcher, Work
 from server.device_graph import LATTICE, DeviceGraphError, scores_shape
 from server.engine import Engine
@@ -33,6 +34,7 @@ from server.settings import RequestLimits, Settings
 LOG = logging.getLogger(__name__)
 FALLBACK_SCALE = 384  # when a card names no default scale
 CELLS_CACHE_SIZE = 4096  # resized sizes whose cell counts each model remembers
+CONVERT_FIRST = "convert a classifier with `scoremap-convert`, then serve the .onnx file it writes"
 WARM_UP_FAILURES_SHOWN = 3  # failed plans named in the warm-up error (the log line stays readable)
 
 
@@ -135,10 +137,19 @@ def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: Me
     since every model's batcher runs its batches concurrently with the others'."""
     try:
         net = onnx.load(path)
+    except DecodeError as error:  # protobuf's own words ("Wire format was corrupt") say nothing to a user
+        raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path} is not an ONNX file (it does not parse as an ONNX "
+                           f"model): {CONVERT_FIRST}") from error
+    except OSError as error:
+        raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
+    if not net.graph.node:  # an empty file parses as an empty ModelProto
+        raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path} is not an ONNX file (it holds no graph): "
+                           f"{CONVERT_FIRST}")
+    try:
         card = read_card(net)
         image = ImageInput.of(card)
         imaging.resample_filter(image.resize_filter)
-    except (CardError, DecodeError, OSError, imaging.ImageError) as error:
+    except (CardError, imaging.ImageError) as error:
         raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
     name = name or card.name or pathlib.Path(path).stem  # never the folders, which ListModels would show
     admission = Admission(net, budget_bytes=budget.total_bytes // share if budget.total_bytes else None,
@@ -207,6 +218,34 @@ def configured_plans(model: Model, scales: tuple[int, ...]) -> list[PlanKey]:
                 if canvas is not None:
                     keys.extend(PlanKey(*canvas, batch, passes) for batch in model.buckets.batches)
     return list(dict.fromkeys(keys))
+
+
+def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
+    """ScoringError(INVALID_ARGUMENT) naming --warm-up-scales and the fix, before any plan is made, for a warm-up
+    scale the model cannot serve: below its smallest scale, above --max-scale, or with a plan predicted beyond
+    the memory budget (issue 24: these loaded, warmed up and failed as a generic warm-up error)."""
+    for model in models:
+        for scale in scales or (model.default_scale,):
+            named = (f"--warm-up-scales {scale}" if scales else
+                     f"{model.name}'s default scale {scale} (the warm-up scale without --warm-up-scales)")
+            if scale < model.training_size:
+                raise invalid(f"{named} is below {model.name}'s training size {model.training_size}, the smallest "
+                              f"input it can take: give --warm-up-scales of at least {model.training_size}")
+            if not model.min_scale <= scale <= model.limits.max_scale:
+                raise invalid(f"{named} is outside the scales requests may ask for, [{model.min_scale}, "
+                              f"{model.limits.max_scale}] (--min-scale, --max-scale): give --warm-up-scales "
+                              "within them")
+            total = model.admission.shared.total_bytes if model.admission.shared is not None else None
+            for key in configured_plans(model, (scale,)):
+                try:
+                    needed = model.admission.predicted_bytes(key.height, key.width,
+                                                             key.batch * len(key.passes.offsets))
+                except ProfileError:
+                    continue  # a shape the net cannot take: warm-up names it
+                if total is not None and needed > total:
+                    raise invalid(f"{named}: {model.name}'s plan {key} is predicted to need {format_bytes(needed)}, "
+                                  f"beyond the memory budget of {format_bytes(total)}: give a smaller "
+                                  "--warm-up-scales, or a larger --memory-budget")
 
 
 def warm_up(models: list[Model], scales: tuple[int, ...],

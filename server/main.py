@@ -134,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             LOG.warning("metrics on %s are open to anyone who reaches it (no TLS, no token): model names, traffic "
                         "and latencies; bind them to loopback or keep the network private", settings.metrics_address)
         tls = read_tls(args.tls_cert, args.tls_key)
+        if settings.http_port == args.port != 0:  # else the HTTP face dies on a port gRPC already holds
+            raise StartRefused(f"--http-port {args.port} is the same as --port: give HTTP a port of its own "
+                               "(0 picks a free one)")
         check_port_free(args.host, args.port, "--port")
         if settings.metrics_port is not None:
             check_port_free(settings.metrics_address, settings.metrics_port, "--metrics-port")

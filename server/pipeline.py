@@ -26,7 +26,7 @@ import numpy as np
 
 from convert.card import Precision, label
 from convert.memory_model import Device
-from server.runtime_memory import configure_allocator
+from server.runtime_memory import HOST_ACTIVITY, configure_allocator
 from protos import model_card_pb2, scoring_pb2
 from server import admission, assemble, imaging, loading
 from server.admission import HostBudget, Ticket, available_memory_bytes
@@ -76,6 +76,7 @@ class Pipeline:
                     )
                 self._models[model.name] = model
             if self.settings.warm_up:
+                self.check_warm_up()
                 self.warm_up()
         except BaseException:
             self.close()
@@ -90,6 +91,11 @@ class Pipeline:
             return free
         available = available_memory_bytes()
         return int(available * self.settings.cpu_memory_fraction) if available else None
+
+    def check_warm_up(self) -> None:
+        """ScoringError(INVALID_ARGUMENT) naming --warm-up-scales for a scale no model could warm up, before any
+        plan is made: a bad command line, not a failed warm-up."""
+        loading.check_warm_up_scales(list(self._models.values()), self.settings.warm_up_scales)
 
     def warm_up(self) -> None:
         """Every configured plan of every model made and run, then a request scored at each offered stride;
@@ -150,7 +156,8 @@ class Pipeline:
                 raise ScoringError(Refusal.CANCELLED, "the call was cancelled")
             scored = model.batcher.process(works, ticket.places, cancelled=cancelled)
             computed = time.monotonic()
-            response = assemble.response(ticket, scored, provider=self.engine.provider)
+            with HOST_ACTIVITY.busy():
+                response = assemble.response(ticket, scored, provider=self.engine.provider)
             seconds = assemble.timings(response, works, scored, started=started, decoded=decoded, computed=computed)
         if record and self.metrics is not None:
             self.metrics.record_stages(model.name, seconds)
@@ -175,8 +182,9 @@ class Pipeline:
 
     def _canvases(self, ticket: Ticket) -> list[np.ndarray]:
         model = ticket.model
-        return imaging.canvases(ticket.opened, ticket.jobs, ticket.flips, fill=model.fill,
-                                resize_filter=model.image.resize_filter)
+        with HOST_ACTIVITY.busy():  # a plan measured meanwhile would count these pixels as its own
+            return imaging.canvases(ticket.opened, ticket.jobs, ticket.flips, fill=model.fill,
+                                    resize_filter=model.image.resize_filter)
 
     def close(self) -> None:
         """Stop the batchers (queued work fails with UNAVAILABLE) and the decoding threads."""

@@ -25,7 +25,7 @@ import onnx
 import onnxruntime
 
 from convert.memory_model import Device, MemoryTerms
-from server.runtime_memory import measure_footprint
+from server.runtime_memory import HOST_ACTIVITY, measure_footprint
 from protos.model_card_pb2 import ModelCard
 from server.buckets import Buckets
 from server.dense import Passes
@@ -236,6 +236,11 @@ class PlanCache:
             self._metrics.plans_made.labels(self._name).inc()  # a shape outside the warm-up's plans
         if planning:
             LOG.info("%s: planned %s in %.0f ms", self._name, key, 1000 * planning)
+        with HOST_ACTIVITY.busy():  # a plan made meanwhile on another batcher's thread would count this batch
+            return self._run_batch(plan, key, items, planning, lattice=lattice)
+
+    def _run_batch(self, plan: Plan, key: PlanKey, items: list[Item], planning: float, *,
+                   lattice: str | None) -> list[Scored]:
         pixels = np.empty((key.batch, key.height, key.width, 3), dtype=np.uint8)
         pixels[len(items):] = self._fill  # the batch bucket's padding: the canvases hold their own fill
         valid = np.zeros((key.batch, *plan.lattice_shape[2:]), dtype=np.float32)
@@ -294,7 +299,13 @@ class PlanCache:
         except BaseException:
             self._admission.plan_evicted(key)
             raise
-        self._admission.plan_created(key, footprint.device_bytes if self._engine.on_gpu else footprint.host_bytes)
+        if self._engine.on_gpu:
+            self._admission.plan_created(key, footprint.device_bytes)
+        elif footprint.host_shared:  # decoding beside it grew the resident set too: admission keeps the prediction
+            LOG.debug("%s: plan %s measured %d bytes while other work ran in the process: not used",
+                      self._card.name, key, footprint.host_bytes)
+        else:
+            self._admission.plan_created(key, footprint.host_bytes)
         with self._lock:
             self._plans[key] = plan
         self.made += 1

@@ -28,6 +28,7 @@ runtime touches on its first run are part of the baseline, not of the measuremen
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -35,7 +36,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import numpy as np
@@ -54,6 +56,8 @@ __all__ = [
     "PREDICTABLE_CUDA_OPTIONS",
     "measure_peak",
     "Footprint",
+    "HostActivity",
+    "HOST_ACTIVITY",
     "measure_footprint",
     "resident_bytes",
     "cuda_used_bytes",
@@ -189,12 +193,43 @@ def release_free_memory() -> None:
         libc.malloc_trim(0)
 
 
+class HostActivity:
+    """Work in this process that grows and shrinks its resident set beside plan building (decoding images,
+    assembling responses): a host footprint read while any ran is not the plan's alone (issue 24, item 5:
+    concurrent decoding measured a plan at 2.59x its prediction)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._begun = 0
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        with self._lock:
+            self._running += 1
+            self._begun += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def mark(self) -> tuple[int, int]:
+        """(running now, begun so far): equal marks with none running mean none ran in between."""
+        with self._lock:
+            return self._running, self._begun
+
+
+HOST_ACTIVITY = HostActivity()  # process-wide, as the resident set it guards is
+
+
 @dataclasses.dataclass(frozen=True)
 class Footprint:
     """What building something (a plan: session + warm-up run) left in use, in bytes."""
 
     host_bytes: int            # resident set after minus before
     device_bytes: int | None   # CUDA memory in use after minus before; None without CUDA
+    host_shared: bool = False  # other work (HOST_ACTIVITY) ran meanwhile: host_bytes is not the build's alone
 
     @property
     def bytes(self) -> int:
@@ -206,21 +241,25 @@ def measure_footprint(build: Callable[[], T], *, on_gpu: bool) -> tuple[T, Footp
     """Run `build` (create a plan and warm it up) and measure what it left in use.
 
     Both readings are process- (RSS) or device-wide (cudaMemGetInfo): whatever other threads
-    allocate meanwhile is counted too, so build plans before serving or one at a time. On the
+    allocate meanwhile is counted too, so build plans before serving or one at a time; `host_shared`
+    says when work declared in HOST_ACTIVITY ran meanwhile. On the
     CPU, with `predictable_session_options`, the arena keeps the runs' activations (the memory
     pattern's block), so the footprint is what the plan holds from then on."""
     cudart = runtime() if on_gpu else None
     if on_gpu and cudart is None:
         raise MeasurementError("a GPU footprint was asked but the CUDA runtime library does not load")
     release_free_memory()
+    activity_before = HOST_ACTIVITY.mark()
     host_before = resident_bytes()
     device_before = _cuda_used_bytes(cudart) if cudart is not None else None
     built = build()
     device_after = _cuda_used_bytes(cudart) if cudart is not None else None
     release_free_memory()
     host = max(0, resident_bytes() - host_before)
+    activity_after = HOST_ACTIVITY.mark()
+    shared = activity_before[0] > 0 or activity_after != activity_before
     device = None if cudart is None else max(0, device_after - device_before)
-    return built, Footprint(host_bytes=host, device_bytes=device)
+    return built, Footprint(host_bytes=host, device_bytes=device, host_shared=shared)
 
 
 def _status_bytes(field: str) -> int:

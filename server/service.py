@@ -473,6 +473,8 @@ def create_server(
     pipeline = Pipeline(models, settings=dataclasses.replace(settings, warm_up=False), metrics=metrics)
     grpc_server = None
     try:
+        if settings.warm_up:
+            pipeline.check_warm_up()
         limits = CallLimits(total=settings.scoring_workers, per_peer=settings.max_calls_per_peer, metrics=metrics)
         interceptors = [TokenInterceptor(token), limits] if token is not None else [limits]
         grpc_server = grpc.server(

@@ -258,6 +258,18 @@ class Settings(ServiceEdge, RequestLimits, BatchPolicy, EngineOptions):
         """ValueError, naming the flags, for settings that are each in range but wrong together."""
         self.check_call_limits()
         self.check_queue()
+        self.check_scales()
+
+    def check_scales(self) -> None:
+        """--min-scale above --max-scale, or a warm-up scale outside them, before any model loads (issue 24)."""
+        least = self.min_scale or 1
+        if least > self.max_scale:
+            raise ValueError(f"--min-scale {least} is above --max-scale {self.max_scale}: no scale could be asked for; "
+                             "give a --min-scale at most --max-scale")
+        outside = [scale for scale in self.warm_up_scales if not least <= scale <= self.max_scale]
+        if outside:
+            raise ValueError(f"--warm-up-scales {' '.join(map(str, outside))} outside [{least}, {self.max_scale}] "
+                             "(--min-scale, --max-scale): warm up scales requests may ask for")
 
 
 GROUPS = {"service edge": ServiceEdge, "request limits": RequestLimits, "batch policy": BatchPolicy,
@@ -270,6 +282,14 @@ def flag(declared: dataclasses.Field) -> str:
     return f"--no-{name}" if declared.default is True else f"--{name}"
 
 
+def described(declared: dataclasses.Field) -> str:
+    """What a setting's flag does: a --no-NAME flag turns off what the setting's help describes (issue 24)."""
+    if declared.default is True:
+        name = declared.name.replace("_", "-")
+        return f"turn {name} off (on by default: {declared.metadata['help']})"
+    return declared.metadata["help"]
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting, in an argument group per group; each parses and range-checks its value."""
     for title, group in GROUPS.items():
@@ -277,7 +297,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         for declared in dataclasses.fields(group):
             meta = declared.metadata
             shown = f" (default: {meta['shown']})" if meta["shown"] else ""
-            options: dict[str, Any] = dict(dest=declared.name, help=(meta["help"] + shown).replace("%", "%%"))
+            options: dict[str, Any] = dict(dest=declared.name, help=(described(declared) + shown).replace("%", "%%"))
             if isinstance(declared.default, bool):
                 options.update(action="store_false" if declared.default else "store_true")
             else:
@@ -302,10 +322,11 @@ def markdown_table() -> str:
         lines.append(f"| **{title}** | | |")
         for declared in dataclasses.fields(group):
             meta = declared.metadata
-            default = meta["shown"] or ("on" if declared.default is True else "off" if declared.default is False
+            default = meta["shown"] or (f"{declared.name.replace('_', '-')} on" if declared.default is True
+                                        else "off" if declared.default is False
                                         else f"{declared.default:g}" if isinstance(declared.default, float)
                                         else str(declared.default))
-            lines.append(f"| `{flag(declared)}` | {default} | {meta['help']} |")
+            lines.append(f"| `{flag(declared)}` | {default} | {described(declared)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException
 from starlette.middleware.gzip import GZipMiddleware
 
 from server.errors import Refusal
@@ -29,6 +30,17 @@ def _invalid_query(_request: Request, error: RequestValidationError) -> JSONResp
                          for problem in error.errors())
     return JSONResponse({"error": f"{problems} (see /openapi.json)", "code": Refusal.INVALID_ARGUMENT.name},
                         status_code=400)
+
+
+def _no_route(request: Request, error: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (an unknown path, a method a route does not take) in our error shape."""
+    if error.status_code == 404:
+        message = f"no route {request.method} {request.url.path}: the routes are listed in /openapi.json"
+        code = Refusal.NOT_FOUND
+    else:
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        code = Refusal.INVALID_ARGUMENT
+    return JSONResponse({"error": message, "code": code.name}, status_code=error.status_code, headers=error.headers)
 
 
 def _without_422(app: FastAPI) -> None:
@@ -51,6 +63,7 @@ def create_app(edge: Edge) -> FastAPI:
                   description="Dense score maps over HTTP: scoremap's REST routes (/v1), KServe v2 REST (/v2, "
                               "with the `triton` extra) and a score-map viewer (/).")
     app.add_exception_handler(RequestValidationError, _invalid_query)
+    app.add_exception_handler(HTTPException, _no_route)
     _without_422(app)
     app.add_middleware(GZipMiddleware, minimum_size=GZIP_MIN_BYTES)  # for clients that Accept-Encoding gzip
     app.include_router(v1.router(edge))

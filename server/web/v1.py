@@ -19,10 +19,11 @@ from starlette.datastructures import UploadFile
 
 from protos import scoring_pb2
 from server.errors import Refusal, ScoringError
-from server.open_inference import MAP_DTYPES, SHIFTS, apply_parameters
+from server.open_inference import MAP_DTYPES, PARAMETERS, SHIFTS, apply_parameters
 from server.web.edge import Edge, HttpCall, deadline_after
 
 IMAGE_FIELD = "image"
+QUERY = (*PARAMETERS, "maps", "timeout_ms")  # the score route's query options, as its signature declares them
 UPLOAD = {"requestBody": {"required": True, "content": {
     "multipart/form-data": {"schema": {"type": "object", "required": [IMAGE_FIELD], "properties": {
         IMAGE_FIELD: {"type": "string", "format": "binary",
@@ -87,6 +88,10 @@ def router(edge: Edge) -> APIRouter:
                                                  ("classes", classes), ("map_dtype", map_dtype)) if value is not None}
 
         async def work(call: HttpCall):
+            unknown = [key for key in request.query_params if key not in QUERY]
+            if unknown:  # FastAPI ignores names its signature lacks: `?scale=512` would score at the default
+                raise ScoringError(Refusal.INVALID_ARGUMENT, f"unknown query option {unknown[0]!r}: this route "
+                                   f"takes {', '.join(QUERY)}")
             call.deadline = deadline_after(timeout_ms)
             wanted = scoring_pb2.ScoreRequest(model=name, return_maps=maps, encoded=await _image(edge, request))
             apply_parameters(wanted, options)

@@ -109,6 +109,13 @@ def test_refusals_have_score_s_messages_and_their_http_status(kit, tiny_model_pa
                                                                "code": "INVALID_ARGUMENT"}
         assert score(png(PIXELS), model="absent").status_code == 404
         assert score(png(PIXELS), query="scales=64&stride=seven").status_code == 400
+        declared = {parameter["name"] for parameter in httpx.get(f"{base}/openapi.json").json()["paths"][
+            "/v1/models/{name}/score"]["post"]["parameters"] if parameter["in"] == "query"}
+        for unknown in ("scale=512", "topk=2", "bogus=1"):  # answered at the default scale before (issue 24)
+            answer = score(png(PIXELS), query=f"scales=64&{unknown}")
+            assert answer.status_code == 400 and answer.json()["code"] == "INVALID_ARGUMENT", answer.text
+            message = answer.json()["error"]
+            assert f"'{unknown.split('=')[0]}'" in message and all(name in message for name in declared), message
         missing = httpx.post(f"{base}/v1/models/tiny/score", files={"photo": ("a.png", png(PIXELS))})
         assert missing.status_code == 400 and "-F image=@photo.jpg" in missing.json()["error"]
 
@@ -143,7 +150,7 @@ def test_refusals_have_score_s_messages_and_their_http_status(kit, tiny_model_pa
 
         good = score(png(PIXELS))
         assert good.status_code == 200 and good.json()["top_k"]  # still up
-        assert counted(server, "http/Score", "INVALID_ARGUMENT") == 3
+        assert counted(server, "http/Score", "INVALID_ARGUMENT") == 6  # 3 above, 3 unknown query options
         assert counted(server, "http/Score", "RESOURCE_EXHAUSTED") == 2
 
 
@@ -198,7 +205,12 @@ def test_openapi_and_the_viewer_are_served_without_a_cdn(kit, tiny_model_path):
         assert {"/v1/models", "/v1/models/{name}/score", "/v2/models/{name}/infer"} <= set(paths)
         responses = paths["/v1/models/{name}/score"]["post"]["responses"]
         assert {"200", "400", "401", "404", "413", "429", "503", "504"} == set(responses)  # as answered: no 422
-        assert httpx.get(f"{base}/docs").status_code == 404  # Swagger UI would load from a CDN
+        for path in ("/docs", "/no/such/route"):  # Swagger UI would load from a CDN
+            answer = httpx.get(f"{base}{path}")
+            assert answer.status_code == 404 and answer.json() == {
+                "error": f"no route GET {path}: the routes are listed in /openapi.json", "code": "NOT_FOUND"}
+        answer = httpx.delete(f"{base}/v1/models")
+        assert answer.status_code == 405 and set(answer.json()) == {"error", "code"}
         page = httpx.get(f"{base}/")
         assert page.status_code == 200 and "viewer.js" in page.text
         for name in ("viewer.js", "viewer.css"):

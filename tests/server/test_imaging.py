@@ -140,3 +140,16 @@ def test_resize_uses_the_named_filter():
     np.testing.assert_array_equal(nearest, np.asarray(image.resize((32, 32), Image.Resampling.NEAREST)))
     with pytest.raises(imaging.ImageError, match="resize_filter 'sinc'"):
         imaging.resize(image, (32, 32), filter_name="sinc")
+
+
+@pytest.mark.parametrize("orientation, turn", [(6, Image.Transpose.ROTATE_90), (8, Image.Transpose.ROTATE_270)])
+def test_a_rotated_tiff_opens_at_the_size_it_decodes_to(orientation, turn):
+    """Pillow's TIFF reader reports the upright size itself (issue 24): the header size must not be swapped again."""
+    upright = gradient(40, 30)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    opened = imaging.open_image(encode(upright.transpose(turn), "TIFF", exif=exif), max_pixels=LIMIT)
+    assert (opened.height, opened.width) == (30, 40)
+    decoded = imaging.load(opened, largest=(30, 40))
+    assert decoded.size == (40, 30)
+    np.testing.assert_array_equal(np.asarray(decoded), np.asarray(upright))

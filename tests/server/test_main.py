@@ -1,6 +1,7 @@
 """`scoremap-serve` as users run it: a subprocess, --port 0, SIGTERM drains; refusals before models load."""
 
 import os
+import pathlib
 import queue
 import re
 import shutil
@@ -356,3 +357,60 @@ def test_a_name_counts_as_loopback_for_the_server_binding_it_never_for_a_client_
     assert is_loopback("inside.example", resolve=True) and is_loopback("inside.example:5", resolve=True)
     assert not is_loopback("inside.example:5")  # a client never sends a token in clear on a name's word
     assert not is_loopback("outside.example", resolve=True) and not is_loopback("nowhere.example", resolve=True)
+
+
+def test_a_no_flag_reads_as_turning_its_setting_off():
+    """`--no-warm-up | on | run every warm-up scale` read as if the flag turned warm-up on (issue 24)."""
+    from server import settings as declared
+
+    row = next(line for line in declared.markdown_table().splitlines() if line.startswith("| `--no-warm-up`"))
+    assert row == ("| `--no-warm-up` | warm-up on | turn warm-up off (on by default: run every warm-up scale and "
+                   "stride once before reporting SERVING) |")
+    from server.main import build_parser
+
+    assert "turn warm-up off" in " ".join(build_parser().format_help().split())
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--min-scale", "1000", "--max-scale", "500"], "--min-scale 1000 is above --max-scale 500"),
+    (["--min-scale", "500", "--warm-up-scales", "384"],
+     "--warm-up-scales 384 outside [500, 2048] (--min-scale, --max-scale)"),
+    (["--warm-up-scales", "5000"], "--warm-up-scales 5000 outside [1, 2048]"),
+])
+def test_scale_flags_that_contradict_exit_2_naming_them_before_models_load(tmp_path, capsys, flags, words):
+    """These loaded the model, warmed up and exited 3 naming no flag (issue 24)."""
+    message = refusal([str(tmp_path / "never-loaded.onnx"), "--port", "0", *flags], capsys)
+    assert words in message, message
+
+
+def test_an_http_port_the_same_as_the_grpc_port_exits_2_before_models_load(tmp_path, capsys):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    message = refusal([str(tmp_path / "never-loaded.onnx"), "--port", port, "--http-port", port], capsys)
+    assert f"--http-port {port} is the same as --port" in message, message
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--warm-up-scales", "100"], "--warm-up-scales 100 is below efficientnet-lite0's training size 224"),
+    (["--min-scale", "500"], "default scale 384 (the warm-up scale without --warm-up-scales) is outside the scales"),
+    (["--warm-up-scales", "1024", "--memory-budget", "64MiB"],
+     "beyond the memory budget of 64.0 MiB: give a smaller --warm-up-scales, or a larger --memory-budget"),
+])
+def test_a_warm_up_scale_the_model_cannot_serve_exits_2_naming_the_flag(default_model_path, flags, words):
+    """Checked once the model is loaded, before warm-up: a bad command line (2), not a warm-up failure (3)."""
+    result = subprocess.run(serve_command() + [default_model_path, "--port", "0", "--intra-op-threads", "1", *flags],
+                            capture_output=True, text=True, timeout=120)
+    last = result.stderr.splitlines()[-1]
+    assert result.returncode == 2 and "cannot start" in last and words in last, result.stderr
+
+
+@pytest.mark.parametrize("content", [pathlib.Path(__file__).parents[2].joinpath("samples", "cat.jpg").read_bytes(),
+                                     b"a text file, not a model\n", b""])
+def test_a_file_that_is_not_onnx_is_named_with_the_fix(tmp_path, capsys, content):
+    """It said protobuf's `Error parsing message with type 'onnx.ModelProto': Wire format was corrupt` (issue 24)."""
+    path = tmp_path / "photo.onnx"
+    path.write_bytes(content)
+    message = refusal([str(path), "--port", "0", "--no-warm-up"], capsys)
+    assert f"{path} is not an ONNX file" in message and "scoremap-convert" in message, message
+    assert "Wire format" not in message

@@ -46,3 +46,54 @@ def test_the_default_model_starts_without_calling_the_memory_model_off(default_m
         log.seek(0)
         said = log.read()
     assert "memory model is off" not in said, said
+
+
+def test_decoding_beside_a_plan_s_creation_does_not_count_as_its_memory(default_model_path, caplog):
+    """Large images decoded on other threads while a plan is made grew the process's resident set, which was
+    read as the plan's (`measured 446.8 MiB, predicted 172.8 MiB (2.59x)`, issue 24 item 5): that reading is
+    not used, admission keeps the prediction, and nothing is called off. A plan made alone is still measured."""
+    import io
+    import logging
+    import threading
+
+    import numpy as np
+    from PIL import Image
+
+    from protos import scoring_pb2
+    from server.pipeline import Pipeline
+    from server.settings import Settings
+
+    pixels = np.random.default_rng(5).integers(0, 256, (3000, 4000, 3), dtype=np.uint8)  # 36 MB decoded
+    encoded = io.BytesIO()
+    Image.fromarray(pixels).save(encoded, format="PNG", compress_level=0)
+    large = scoring_pb2.ScoreRequest(encoded=encoded.getvalue(), scales=[384])
+    pipeline = Pipeline([default_model_path], settings=Settings(warm_up=False, provider="cpu",
+                                                                intra_op_threads=1))
+    try:
+        alone = pipeline.score(scoring_pb2.ScoreRequest(encoded=encoded.getvalue(), scales=[384]))
+        assert alone.top_k
+        [quiet] = pipeline.budget.plans()
+        assert quiet.measured_bytes is not None  # nothing else ran: measured
+        stop, decoded = threading.Event(), []
+
+        def decode_in_a_loop() -> None:
+            while not stop.is_set():
+                decoded.append(pipeline.score(large))
+
+        threads = [threading.Thread(target=decode_in_a_loop) for _ in range(2)]
+        caplog.set_level(logging.WARNING)
+        for thread in threads:
+            thread.start()
+        try:
+            while not decoded:  # the decoding threads are under way
+                stop.wait(0.05)
+            pipeline.score(scoring_pb2.ScoreRequest(encoded=encoded.getvalue(), scales=[512]))  # a new plan
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+        [made] = [record for record in pipeline.budget.plans() if record.key != quiet.key]
+    finally:
+        pipeline.close()
+    assert made.measured_bytes is None and made.accounted_bytes == made.predicted.total
+    assert not [record for record in caplog.records if "memory model is off" in record.getMessage()]

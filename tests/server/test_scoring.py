@@ -355,3 +355,24 @@ def test_float16_maps_beyond_its_range_are_an_error_not_infinities(pipeline_of):
         request.cell_top_k = cell_top_k
         with pytest.raises(ScoringError, match="in float16 \\(ask for map_dtype FLOAT32\\)"):
             pipeline.score(request)
+
+
+@pytest.mark.parametrize("orientation, turn", [(6, Image.Transpose.ROTATE_90), (8, Image.Transpose.ROTATE_270)])
+def test_a_rotated_tiff_scores_as_its_upright_image(default_model_path, orientation, turn):
+    """A TIFF tagged Orientation 6 or 8 is scored upright, not squashed into the transposed shape (issue 24)."""
+    upright = Image.open("samples/cat.jpg").convert("RGB")
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    rotated, plain = io.BytesIO(), io.BytesIO()
+    upright.transpose(turn).save(rotated, format="TIFF", exif=exif)
+    upright.save(plain, format="TIFF")
+    pipeline = Pipeline([default_model_path], settings=SETTINGS)
+    try:
+        expected, received = (pipeline.score(scoring_pb2.ScoreRequest(encoded=data.getvalue(), return_maps=True))
+                              for data in (plain, rotated))
+    finally:
+        pipeline.close()
+    assert (received.image_height, received.image_width) == (upright.height, upright.width)
+    assert decode(received.maps[0].scores).shape == decode(expected.maps[0].scores).shape
+    np.testing.assert_allclose(decode(received.maps[0].scores), decode(expected.maps[0].scores), atol=1e-5)
+    assert [label.index for label in received.top_k] == [label.index for label in expected.top_k]

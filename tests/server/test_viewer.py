@@ -126,12 +126,36 @@ def test_the_viewer_draws_the_cat_s_map_over_the_cat(kit, default_model_path, br
         assert holes.any()
         np.testing.assert_array_equal(overlay(page)[..., 3] == 0, holes)  # drawn as holes, nothing else is
 
+        # A TIFF: scored, but Chromium cannot display it (issue 24): the map goes over a gray canvas of its size.
+        tiff = io.BytesIO()
+        Image.open(CAT).save(tiff, format="TIFF")
+        page.select_option("#shift", "auto")
+        page.set_input_files("#file", {"name": "cat.tiff", "mimeType": "image/tiff", "buffer": tiff.getvalue()})
+        page.wait_for_selector("#stage[data-state=scoring]", state="detached")
+        page.wait_for_selector("#stage[data-state=rendered]")
+        page.wait_for_selector("#note:has-text('cannot display TIFF images')")
+        page.wait_for_function("() => document.getElementById('photo').src.startsWith('data:') && "
+                               "document.getElementById('photo').naturalWidth > 0")
+        assert page.eval_on_selector("#photo", "e => [e.naturalWidth, e.naturalHeight]") == [
+            expected.image_width, expected.image_height]
+        placed = page.eval_on_selector("#overlay", "e => e.getBoundingClientRect().toJSON()"), \
+            page.eval_on_selector("#photo", "e => e.getBoundingClientRect().toJSON()")
+        for side in ("width", "height"):  # the overlay and the picture as the JPEG's were, not collapsed
+            assert placed[1][side] == pytest.approx(photo[side], abs=1), (placed, photo)
+            assert placed[0][side] == pytest.approx(box[side], abs=1), (placed, box)
+        assert overlay(page).shape[:2] == reference.shape
+        assert page.eval_on_selector_all("#topk li", "items => items.length") > 0
+
         not_an_image = b"these are words, not pixels"
         message = httpx.post(f"{base}/v1/models/default/score?scales=384",
                              files={"image": ("notes.txt", not_an_image)}).json()["error"]
         page.set_input_files("#file", {"name": "notes.txt", "mimeType": "text/plain", "buffer": not_an_image})
-        page.wait_for_selector("#stage[data-state=error]")
+        page.wait_for_selector("#stage[data-state=error]", state="attached")
         assert page.is_visible("#error") and message in page.text_content("#error")
+        # Nothing of the TIFF stays under the error: its top-k, class menu, maps, note and picture (issue 24).
+        assert page.eval_on_selector_all("#topk li, #class option, #scale option", "items => items.length") == 0
+        for shown in ("#results", "#stage", "#note"):
+            assert not page.is_visible(shown), shown
         page.close()
 
 

@@ -11,7 +11,9 @@ const CELL_TOP_K = 5;
 const VIRIDIS = [[68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
   [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37]];
 
-const state = { models: [], card: null, file: null, response: null, scale: 0, cls: 0, lattice: null, map: null };
+const state = { models: [], card: null, file: null, response: null, scale: 0, cls: 0, lattice: null, map: null,
+  undisplayable: false };
+const PLACEHOLDER_SIDE = 4096; // the neutral canvas's longest side at most (a photo of any size keeps its shape)
 window.scoremapViewer = state; // for the browser test and the curious
 
 // --- the server ------------------------------------------------------------------------------------
@@ -66,11 +68,13 @@ async function score() {
     state.response = await call(`/v1/models/${encodeURIComponent($("model").value)}/score?${query}`,
       { method: "POST", body: form });
   } catch (error) {
+    clearResults();
     $("stage").dataset.state = "error";
     $("status").textContent = "";
     return showError(error);
   }
   const r = state.response;
+  if (state.undisplayable) placeholder();
   $("status").textContent = `${r.model}: ${r.image_width}×${r.image_height}, ${r.timings.total_ms.toFixed(0)} ms on ${r.execution_provider}`;
   $("scale").replaceChildren(...r.maps.map((m, i) => new Option(`${m.scale} px: ${m.height}×${m.width} cells`, i)));
   state.scale = r.maps.reduce((best, m, i) => (m.height * m.width > r.maps[best].height * r.maps[best].width ? i : best), 0);
@@ -85,6 +89,33 @@ async function score() {
   $("results").hidden = false;
   chooseScale();
   chooseClass(r.top_k[0].index);
+}
+
+function clearResults() { // an error: nothing of the previous image stays on screen under it
+  state.response = null;
+  state.lattice = null;
+  state.map = null;
+  for (const id of ["topk", "class", "scale"]) $(id).replaceChildren();
+  $("results").hidden = true;
+  $("stage").hidden = true;
+  $("note").hidden = true;
+  $("cell").textContent = "";
+}
+
+function placeholder() { // the browser cannot show this image (TIFF, say): a neutral canvas of its size instead
+  const r = state.response, shrink = Math.min(1, PLACEHOLDER_SIDE / Math.max(r.image_width, r.image_height));
+  const canvas = document.createElement("canvas");
+  canvas.width = Math.max(1, Math.round(r.image_width * shrink));
+  canvas.height = Math.max(1, Math.round(r.image_height * shrink));
+  const context = canvas.getContext("2d");
+  context.fillStyle = "#9e9e9e";
+  context.fillRect(0, 0, canvas.width, canvas.height);
+  $("photo").src = canvas.toDataURL("image/png");
+  const kind = state.file.type.split("/")[1] || (state.file.name.match(/\.([^.]+)$/) || [])[1];
+  const what = kind ? `${kind.toUpperCase()} images` : "this image";
+  $("note").textContent = `this browser cannot display ${what}: the map is drawn over a gray canvas of the ` +
+    `image's size (${r.image_width}×${r.image_height}); the scores are the image's own`;
+  $("note").hidden = false;
 }
 
 function showError(error) {
@@ -262,8 +293,17 @@ function downloadNpy() { // the class's [h, w] float32 map (NaN: holes), in NumP
 function choose(file) {
   if (!file) return;
   state.file = file;
+  state.undisplayable = false;
+  state.response = null;
+  $("note").hidden = true;
   $("photo").src = URL.createObjectURL(file);
   score();
+}
+
+function photoFailed() { // the browser cannot decode the chosen file; the server may still score it
+  if (!$("photo").src.startsWith("blob:")) return; // the placeholder itself
+  state.undisplayable = true;
+  if (state.response) placeholder(); // scored before the browser gave up on the image
 }
 
 document.addEventListener("DOMContentLoaded", () => {
@@ -286,6 +326,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("opacity").oninput = () => { $("overlay").style.opacity = $("opacity").value; };
   $("png").onclick = downloadPng;
   $("npy").onclick = downloadNpy;
+  $("photo").onerror = photoFailed;
   $("stage").onmousemove = hover;
   $("stage").onmouseleave = () => { $("box").hidden = true; };
 });
