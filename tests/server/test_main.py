@@ -373,9 +373,9 @@ def test_a_no_flag_reads_as_turning_its_setting_off():
 
 @pytest.mark.parametrize("flags, words", [
     (["--min-scale", "1000", "--max-scale", "500"], "--min-scale 1000 is above --max-scale 500"),
-    (["--min-scale", "500", "--warm-up-scales", "384"],
+    (["--min-scale", "500", "--max-scale", "2048", "--warm-up-scales", "384"],
      "--warm-up-scales 384 outside [500, 2048] (--min-scale, --max-scale)"),
-    (["--warm-up-scales", "5000"], "--warm-up-scales 5000 outside [1, 2048]"),
+    (["--max-scale", "2048", "--warm-up-scales", "5000"], "--warm-up-scales 5000 outside [1, 2048]"),
 ])
 def test_scale_flags_that_contradict_exit_2_naming_them_before_models_load(tmp_path, capsys, flags, words):
     """These loaded the model, warmed up and exited 3 naming no flag (issue 24)."""
