@@ -102,6 +102,7 @@ class Resent:
     refused_ms: np.ndarray  # latency of each RESOURCE_EXHAUSTED inside the window
     hinted: int  # of those, how many carried the retry hint
     others: dict[str, int]  # other statuses
+    dropped: int  # images admitted, decoded, then dropped before compute inside the window (the server's count)
     server_cpu_s: float  # the server process's CPU time over the window (user + system)
     client_cpu_s: float  # this process's: the load generator shares the machine
 
@@ -123,8 +124,8 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def resend_at_once(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreRequest, *, clients: int,
-                   paced: bool, seconds: float, server_pid: int) -> Resent:
+def resend_at_once(*, stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreRequest, clients: int,
+                   paced: bool, seconds: float, server_pid: int, metrics_url: str) -> Resent:
     """`clients` callers, each sending again as soon as it is answered, whatever the answer; figures over the
     window from SETTLE_SECONDS on, counting the answers completed inside it, and the CPU spent meanwhile."""
     answers: list[tuple[float, float, str, bool]] = []  # (done, latency s, status, hinted)
@@ -148,10 +149,12 @@ def resend_at_once(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.Sco
     for thread in threads:
         thread.start()
     time.sleep(SETTLE_SECONDS)
+    dropped = dropped_images(metrics_url)
     opened, server_cpu, client_cpu = time.perf_counter(), process_cpu_seconds(server_pid), time.process_time()
     time.sleep(seconds)
     closed = time.perf_counter()
     server_cpu, client_cpu = process_cpu_seconds(server_pid) - server_cpu, time.process_time() - client_cpu
+    dropped = round(dropped_images(metrics_url) - dropped)
     stop.set()
     for thread in threads:
         thread.join(TIMEOUT_S)
@@ -164,7 +167,7 @@ def resend_at_once(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.Sco
         refused_ms=np.array([1000 * latency for _, latency, status, _ in inside if status == REJECTED]),
         hinted=sum(hinted for *_, hinted in inside),
         others={code: n for code, n in statuses.items() if code not in (grpc.StatusCode.OK.name, REJECTED)},
-        server_cpu_s=server_cpu, client_cpu_s=client_cpu,
+        dropped=dropped, server_cpu_s=server_cpu, client_cpu_s=client_cpu,
     )
 
 
@@ -317,18 +320,20 @@ def resent_row(level: Resent, capacity_rps: float, cpu_per_answer_s: float) -> s
              f"{level.goodput:.2f}", f"{100 * level.goodput / capacity_rps:.0f}%",
              f"{percentile(level.ok_ms, 50):.0f} / {percentile(level.ok_ms, 99):.0f}",
              f"{refused.size / level.seconds:.0f}", f"{percentile(refused, 50):.1f} / {percentile(refused, 99):.1f}",
-             f"{level.hinted}/{refused.size}", f"{level.server_cpu_s / level.seconds:.2f}",
+             f"{level.hinted}/{refused.size}", f"{level.dropped}", f"{level.server_cpu_s / level.seconds:.2f}",
              f"{level.cpu_per_refusal_ms(cpu_per_answer_s):.2f}", f"{level.client_cpu_s / level.seconds:.2f}",
              by_status(level.others)]
     return "| " + " | ".join(cells) + " |"
 
 
-def resent_verdict(level: Resent, capacity_rps: float) -> str:
+def resent_verdict(level: Resent, capacity_rps: float, refusal_cpu_ms: float) -> str:
     goodput = level.goodput / capacity_rps
     said = "met" if goodput >= GOODPUT_TARGET else "missed"
     server = "refusals paced (the default)" if level.paced else "every refusal answered at once"
+    rate = level.refused_ms.size / level.seconds
     return (f"- {level.clients} clients resending at once, {server}: goodput {100 * goodput:.0f}% of capacity "
-            f"(target >= {100 * GOODPUT_TARGET:.0f}%: {said}), {level.refused_ms.size / level.seconds:.0f} refusals/s.")
+            f"(target >= {100 * GOODPUT_TARGET:.0f}%: {said}); {rate:.0f} refusals/s, at {refusal_cpu_ms:.2f} ms "
+            f"each about {rate * refusal_cpu_ms / 1000:.2f} s of server CPU a second.")
 
 
 def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float = OVERLOAD_SECONDS,
@@ -341,7 +346,7 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
     with tempfile.TemporaryDirectory() as folder:
         model = converted(folder, output_stride=STRIDE)
         server, address, metrics_url = start_server(model, pathlib.Path(folder) / "server.log")
-        unpaced, unpaced_address, _ = start_server(model, pathlib.Path(folder) / "unpaced.log", UNPACED)
+        unpaced, unpaced_address, unpaced_metrics = start_server(model, pathlib.Path(folder) / "unpaced.log", UNPACED)
         try:
             with grpc.insecure_channel(address) as channel, grpc.insecure_channel(unpaced_address) as unpaced_channel:
                 stub = scoring_pb2_grpc.DenseScoringStub(channel)
@@ -350,19 +355,22 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
                 levels = [open_loop(stub, job, metrics_url, factor=factor, rate=factor * before.throughput_rps,
                                     seconds=overload_seconds) for factor in OVERLOAD_FACTORS]
                 after = capacity(stub, job, seconds=capacity_seconds)  # the machine's pace drifts by a few %
-                servers = {True: (stub, server.pid),
-                           False: (scoring_pb2_grpc.DenseScoringStub(unpaced_channel), unpaced.pid)}
-                reference = resend_at_once(stub, job, clients=REFERENCE_CLIENTS, paced=True, seconds=resend_seconds,
-                                           server_pid=server.pid)
-                resent = [resend_at_once(servers[paced][0], job, clients=clients, paced=paced, seconds=resend_seconds,
-                                         server_pid=servers[paced][1])  # ABBA per client count: drift cancels
-                          for clients in RESEND_CLIENTS for paced in (True, False, False, True)]
+                servers = {True: dict(stub=stub, server_pid=server.pid, metrics_url=metrics_url),
+                           False: dict(stub=scoring_pb2_grpc.DenseScoringStub(unpaced_channel), server_pid=unpaced.pid,
+                                       metrics_url=unpaced_metrics)}
+                reference = resend_at_once(job=job, clients=REFERENCE_CLIENTS, paced=True, seconds=resend_seconds,
+                                           **servers[True])
+                resent = [resend_at_once(job=job, clients=clients, paced=paced, seconds=resend_seconds, **servers[paced])
+                          for clients in RESEND_CLIENTS for paced in (True, False, False, True)]  # ABBA: drift cancels
         finally:
             for process in (server, unpaced):
                 process.terminate()
                 process.wait(30)
     capacity_rps = (before.throughput_rps + after.throughput_rps) / 2
     cpu_per_answer_s = reference.server_cpu_s / max(reference.ok_ms.size, 1)
+    # What a refusal costs, from the unpaced levels: there refusals are most of the server's work, so the
+    # estimate is not lost in the answers' own cost, as it is with tens of refusals a second.
+    refusal_cpu_ms = statistics.mean(level.cpu_per_refusal_ms(cpu_per_answer_s) for level in resent if not level.paced)
     return "\n".join([
         "## Overload (bench_overload)",
         "",
@@ -406,15 +414,19 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
         f"{1000 * cpu_per_answer_s:.0f} ms per answer.",
         "",
         "| clients | server | goodput req/s | of capacity | OK p50 / p99 ms | refusals/s | refusal p50 / p99 ms "
-        "| retry hint | server CPU s/s | server CPU per refusal ms | load generator CPU s/s | other errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| retry hint | dropped after decode | server CPU s/s | server CPU per refusal ms | load generator CPU s/s "
+        "| other errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *(resent_row(level, capacity_rps, cpu_per_answer_s) for level in resent),
         "",
-        *(resent_verdict(level, capacity_rps) for level in resent),
+        *(resent_verdict(level, capacity_rps, refusal_cpu_ms) for level in resent),
         "",
         "Server CPU: the server process's user + system time over the window (/proc/PID/stat). Per refusal: that, "
         "less the OK answers' cost at the reference level (its CPU per answer, no refusals there), divided by the "
-        "refusals; an estimate, as contention changes what an answer costs. Refusal latency includes the hold.",
+        "refusals: an estimate, as contention changes what an answer costs; with tens of refusals a second it is "
+        f"within that noise, so the lines above use the unpaced levels' mean, {refusal_cpu_ms:.2f} ms. Refusal "
+        "latency includes the hold, and for a request dropped after its decode its time in the queue too. "
+        f"Load generator CPU: this process's, sharing the server's {os.cpu_count()} cores.",
     ])
 
 

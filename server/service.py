@@ -62,8 +62,7 @@ class Call:
 class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
     """Score, ScoreStream, ListModels and GetModel over one Pipeline."""
 
-    def __init__(self, pipeline: Pipeline, *, settings: Settings, metrics: Metrics,
-                 limits: CallLimits | None = None) -> None:
+    def __init__(self, pipeline: Pipeline, *, settings: Settings, metrics: Metrics, limits: CallLimits) -> None:
         self.pipeline = pipeline
         self.settings = settings
         self.metrics = metrics
@@ -101,7 +100,7 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
             yield call
         except ScoringError as error:
             code = error.code
-            if error.retry_after_seconds is not None and self.limits is not None:
+            if error.retry_after_seconds is not None:
                 self.limits.hold(context, deadline=call.deadline, cancelled=call.cancelled)
             refuse(context, error)
         except (grpc.RpcError, GeneratorExit):
