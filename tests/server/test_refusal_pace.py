@@ -146,3 +146,19 @@ def test_held_refusals_wait_on_threads_of_their_own_and_probes_are_answered(kit,
         for call in calls:
             assert call.exception(timeout=30).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert server.pacer.held == 0
+
+
+def test_a_held_refusal_gives_its_scoring_place_back(kit, tiny_model_path):
+    request = kit.raw_request(PIXELS, scales=[64])
+    settings = dict(refusals_per_second=0.2, max_refusal_hold_ms=5000, grpc_workers=3, reserved_workers=1,
+                    max_calls_per_peer=0)  # two places for scoring calls
+    with kit.serving([tiny_model_path], **settings) as (server, _port, stub):
+        server.servicer.ready.clear()  # every Score refused UNAVAILABLE (warming up), with a hint
+        refused(stub, request)  # the pace's burst
+        calls = [stub.Score.future(request, timeout=30) for _ in range(2)]
+        while server.pacer.held < 2:
+            time.sleep(0.01)
+        _latency, error = refused(stub, request, timeout=1)  # both places are free again: the servicer answers
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "warming up" in error.details()
+        for call in calls:
+            assert call.exception(timeout=30).code() == grpc.StatusCode.UNAVAILABLE
