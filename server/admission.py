@@ -182,14 +182,15 @@ class RefusalPacer:
     """When transient refusals are answered: one per server, shared by its edges (issue 22, item 4).
 
     A client that resends at once on a refusal (a naive retry loop, an HTTP load balancer) ignores the
-    retry hint, and each refusal still costs a call's server CPU (about 0.8 ms in gRPC Python, under the
+    retry hint, and each refusal still costs a call's server CPU (0.5 to 0.8 ms in gRPC Python, under the
     one GIL): 16 such clients spent on refusals the CPU inference needed, and goodput fell to half.
     Refusals are answered at once up to `rate` a second (bursts of a second's worth: a generic cell rate
     algorithm); beyond that pace each is held for its turn, so the refusals answered stay near `rate`
     a second however fast clients resend, and a resending client is slowed to its turn. A hold lasts at
     most `max_hold` seconds and ends before the call's deadline; at most `max_held` refusals are held at
-    once (each holds the edge's thread or task), beyond that a refusal is answered at once. Clients that
-    honour the hints refuse slower than the pace and are not held. Transport-free; an edge does
+    once (each holds the edge's thread or task), beyond that a refusal is answered at once. A client that
+    honours the hints is refused a few times a second at most: such clients are held only when together
+    they are refused more often than the pace. Transport-free; an edge does
 
         with pacer.hold(deadline=deadline) as seconds:  # 0.0: answer now
             wait up to `seconds`, waking early when the call is cancelled

@@ -78,7 +78,7 @@ class ServiceEdge:
         50.0, "transient refusals (overloaded, retry later) answered at once per second, a second's worth at a "
         "time; beyond this pace each is held for its turn before it is answered, with its retry hint, so clients "
         "that resend at once cannot spend on refusals the CPU scoring needs (issue 22, item 4); clients that "
-        "honour the hints stay below it; 0: never held", parse=number_in(float, 0), metavar="N")
+        "honour the hints are refused a few times a second each; 0: never held", parse=number_in(float, 0), metavar="N")
     max_refusal_hold_ms: float = setting(
         1000.0, "longest a refusal is held before it is answered (never past its call's deadline)",
         parse=MILLISECONDS, metavar="MS")
