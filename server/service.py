@@ -521,10 +521,10 @@ def create_server(
         limits = CallLimits(total=settings.scoring_workers, per_peer=settings.max_calls_per_peer, metrics=metrics,
                             pacer=RefusalPacer.for_settings(settings))
         interceptors = [TokenInterceptor(token), limits] if token is not None else [limits]
-        grpc_server = grpc.server(  # the held refusals wait on threads of their own
+        grpc_server = grpc.server(  # held refusals wait on threads of their own, counted beyond the call limit
             ThreadPoolExecutor(max_workers=settings.grpc_workers + settings.max_held_refusals, thread_name_prefix="rpc"),
             options=server_options(settings), interceptors=interceptors,
-            maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+            maximum_concurrent_rpcs=settings.max_concurrent_rpcs + settings.max_held_refusals,
         )
         servicer = DenseScoringServicer(pipeline, settings=settings, metrics=metrics, limits=limits)
         scoring_pb2_grpc.add_DenseScoringServicer_to_server(servicer, grpc_server)

@@ -131,7 +131,7 @@ def test_a_held_refusal_is_answered_before_its_deadline_and_a_warming_server_pac
 def test_held_refusals_wait_on_threads_of_their_own_and_probes_are_answered(kit, tiny_model_path):
     request = kit.raw_request(PIXELS, scales=[64])
     settings = dict(refusals_per_second=0.2, max_refusal_hold_ms=5000, max_held_refusals=2, grpc_workers=4,
-                    reserved_workers=1)
+                    reserved_workers=1, max_concurrent_rpcs=2)  # the stream and the probe; the held, beyond
     with refusing(kit, tiny_model_path, **settings) as (server, port, stub):
         refused(stub, request)  # the pace's burst: the next turns are 4 s away and more
         calls = [stub.Score.future(request, timeout=30) for _ in range(4)]
