@@ -375,8 +375,8 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
         "## Overload (bench_overload)",
         "",
         f"`scoremap-serve` in its own process: EfficientNet-Lite0, samples/cat.jpg, scale {SCALE}, stride {STRIDE} "
-        f"(one pass), CPU, batching off, --max-queue-ms {max_queue_ms:g}, no per-peer limit; every call's deadline "
-        f"{TIMEOUT_S:g} s, no retries.",
+        f"(one pass), CPU, batching off, --max-queue-ms {max_queue_ms:g}, --refusals-per-second "
+        f"{defaults.refusals_per_second:g}, no per-peer limit; every call's deadline {TIMEOUT_S:g} s, no retries.",
         "",
         f"One request alone: {own_ms:.0f} ms (median of {SINGLE_CALLS}). Capacity, closed loop, {CAPACITY_CLIENTS} "
         f"clients, {before.duration_s:.0f} s before the levels and again after them: {before.throughput_rps:.2f} and "
