@@ -10,6 +10,10 @@ within `--max-queue-ms` at p99, their latency p99 within `--max-queue-ms` plus t
 load (their median latency outside the queue: contention slows the work itself, which no queue limit
 bounds), and at most 1% of them dropped after their decode (admitted, then found to have waited past
 the limit: work wasted on a refusal).
+Then clients that resend at once on any answer, refusals included (a naive retry loop, an HTTP load
+balancer: a closed loop that ignores the retry hint), 16 and 64 of them, against the same server and
+against one that never holds a refusal (`--refusals-per-second 0`): goodput must stay >= 90% of
+capacity (issue 22, item 4), with the refusals answered per second and the server CPU each costs.
 The server runs without a per-peer call limit: one loopback address stands here for many clients.
 """
 
@@ -24,6 +28,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -55,6 +61,11 @@ GOODPUT_TARGET = 0.90  # of capacity, at 5x
 REJECTION_MEDIAN_TARGET_MS = 5.0
 REJECTED = grpc.StatusCode.RESOURCE_EXHAUSTED.name
 DROPPED_TARGET = 0.01  # of admitted requests
+RESEND_CLIENTS = (16, 64)  # closed loops that resend at once on a refusal
+RESEND_SECONDS = 20.0  # window per closed-loop level, after SETTLE_SECONDS
+REFERENCE_CLIENTS = CAPACITY_CLIENTS  # the closed loop with no refusals: the server CPU an answer costs
+UNPACED = ("--refusals-per-second", "0")  # the server that answers every refusal at once
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -80,15 +91,95 @@ class Answer:
     hinted: bool  # RESOURCE_EXHAUSTED with the retry hint
 
 
+@dataclass(frozen=True)
+class Resent:
+    """One closed-loop level whose clients resend at once on any answer: what its window saw."""
+
+    clients: int
+    paced: bool  # the server holds refusals beyond its pace (the default), or answers every one at once
+    seconds: float
+    ok_ms: np.ndarray  # latency of each OK answer inside the window
+    refused_ms: np.ndarray  # latency of each RESOURCE_EXHAUSTED inside the window
+    hinted: int  # of those, how many carried the retry hint
+    others: dict[str, int]  # other statuses
+    dropped: int  # images admitted, decoded, then dropped before compute inside the window (the server's count)
+    server_cpu_s: float  # the server process's CPU time over the window (user + system)
+    client_cpu_s: float  # this process's: the load generator shares the machine
+
+    @property
+    def goodput(self) -> float:
+        return self.ok_ms.size / self.seconds
+
+    def cpu_per_refusal_ms(self, cpu_per_answer_s: float) -> float:
+        """The server CPU one refusal costs: the window's, less what its OK answers cost at the reference
+        level (no refusals there), per refusal."""
+        if not self.refused_ms.size:
+            return float("nan")
+        return 1000 * (self.server_cpu_s - self.ok_ms.size * cpu_per_answer_s) / self.refused_ms.size
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` (/proc/PID/stat, fields 14 and 15), all its threads."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def resend_at_once(*, stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreRequest, clients: int,
+                   paced: bool, seconds: float, server_pid: int, metrics_url: str) -> Resent:
+    """`clients` callers, each sending again as soon as it is answered, whatever the answer; figures over the
+    window from SETTLE_SECONDS on, counting the answers completed inside it, and the CPU spent meanwhile."""
+    answers: list[tuple[float, float, str, bool]] = []  # (done, latency s, status, hinted)
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def caller() -> None:
+        while not stop.is_set():
+            started = time.perf_counter()
+            try:
+                stub.Score(job, timeout=TIMEOUT_S)
+                status, hinted = grpc.StatusCode.OK.name, False
+            except grpc.RpcError as error:
+                status = error.code().name
+                hinted = any(key == RETRY_AFTER_KEY for key, _ in error.trailing_metadata() or ())
+            done = time.perf_counter()
+            with lock:
+                answers.append((done, done - started, status, hinted))
+
+    threads = [threading.Thread(target=caller, daemon=True) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    time.sleep(SETTLE_SECONDS)
+    dropped = dropped_images(metrics_url)
+    opened, server_cpu, client_cpu = time.perf_counter(), process_cpu_seconds(server_pid), time.process_time()
+    time.sleep(seconds)
+    closed = time.perf_counter()
+    server_cpu, client_cpu = process_cpu_seconds(server_pid) - server_cpu, time.process_time() - client_cpu
+    dropped = round(dropped_images(metrics_url) - dropped)
+    stop.set()
+    for thread in threads:
+        thread.join(TIMEOUT_S)
+    with lock:
+        inside = [answer for answer in answers if opened < answer[0] <= closed]
+    statuses = Counter(status for _, _, status, _ in inside)
+    return Resent(
+        clients, paced, closed - opened,
+        ok_ms=np.array([1000 * latency for _, latency, status, _ in inside if status == grpc.StatusCode.OK.name]),
+        refused_ms=np.array([1000 * latency for _, latency, status, _ in inside if status == REJECTED]),
+        hinted=sum(hinted for *_, hinted in inside),
+        others={code: n for code, n in statuses.items() if code not in (grpc.StatusCode.OK.name, REJECTED)},
+        dropped=dropped, server_cpu_s=server_cpu, client_cpu_s=client_cpu,
+    )
+
+
 def request() -> scoring_pb2.ScoreRequest:
     return build_request(ROOT / "samples" / "cat.jpg", ScoreOptions(scales=(SCALE,), stride=STRIDE))
 
 
-def start_server(model: str, log: pathlib.Path) -> tuple[subprocess.Popen, str, str]:
-    """`scoremap-serve` on a free port, on the CPU, no per-peer limit; (process, address, metrics URL) once
-    SERVING."""
+def start_server(model: str, log: pathlib.Path, flags: Sequence[str] = ()) -> tuple[subprocess.Popen, str, str]:
+    """`scoremap-serve` on a free port, on the CPU, no per-peer limit, with `flags`; (process, address, metrics
+    URL) once SERVING."""
     command = [sys.executable, "-m", "server.main", model, "--port", "0", "--provider", "cpu", "--metrics-port", "0",
-               "--max-calls-per-peer", "0", "--warm-up-scales", str(SCALE), "--log-level", "WARNING"]
+               "--max-calls-per-peer", "0", "--warm-up-scales", str(SCALE), "--log-level", "WARNING", *flags]
     with log.open("w") as errors:
         server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
     lines = [server.stdout.readline(), server.stdout.readline()]  # where it listens, then its metrics
@@ -223,32 +314,69 @@ def verdicts(level: Level, capacity_rps: float, max_queue_ms: float) -> str:
             f"{said(level.dropped <= DROPPED_TARGET * level.admitted)}).")
 
 
-def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float = OVERLOAD_SECONDS) -> str:
+def resent_row(level: Resent, capacity_rps: float, cpu_per_answer_s: float) -> str:
+    refused = level.refused_ms
+    cells = [f"{level.clients}", "paced (default)" if level.paced else "--refusals-per-second 0",
+             f"{level.goodput:.2f}", f"{100 * level.goodput / capacity_rps:.0f}%",
+             f"{percentile(level.ok_ms, 50):.0f} / {percentile(level.ok_ms, 99):.0f}",
+             f"{refused.size / level.seconds:.0f}", f"{percentile(refused, 50):.1f} / {percentile(refused, 99):.1f}",
+             f"{level.hinted}/{refused.size}", f"{level.dropped}", f"{level.server_cpu_s / level.seconds:.2f}",
+             f"{level.cpu_per_refusal_ms(cpu_per_answer_s):.2f}", f"{level.client_cpu_s / level.seconds:.2f}",
+             by_status(level.others)]
+    return "| " + " | ".join(cells) + " |"
+
+
+def resent_verdict(level: Resent, capacity_rps: float, refusal_cpu_ms: float) -> str:
+    goodput = level.goodput / capacity_rps
+    said = "met" if goodput >= GOODPUT_TARGET else "missed"
+    server = "refusals paced (the default)" if level.paced else "every refusal answered at once"
+    rate = level.refused_ms.size / level.seconds
+    return (f"- {level.clients} clients resending at once, {server}: goodput {100 * goodput:.0f}% of capacity "
+            f"(target >= {100 * GOODPUT_TARGET:.0f}%: {said}); {rate:.0f} refusals/s, at {refusal_cpu_ms:.2f} ms "
+            f"each about {rate * refusal_cpu_ms / 1000:.2f} s of server CPU a second.")
+
+
+def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float = OVERLOAD_SECONDS,
+        resend_seconds: float = RESEND_SECONDS) -> str:
     """The section; shorter durations prove the module works (timings then mean little)."""
     load_before = os.getloadavg()[0]
-    max_queue_ms = Settings().max_queue_ms
+    defaults = Settings()
+    max_queue_ms = defaults.max_queue_ms
     job = request()
     with tempfile.TemporaryDirectory() as folder:
         model = converted(folder, output_stride=STRIDE)
         server, address, metrics_url = start_server(model, pathlib.Path(folder) / "server.log")
+        unpaced, unpaced_address, unpaced_metrics = start_server(model, pathlib.Path(folder) / "unpaced.log", UNPACED)
         try:
-            with grpc.insecure_channel(address) as channel:
+            with grpc.insecure_channel(address) as channel, grpc.insecure_channel(unpaced_address) as unpaced_channel:
                 stub = scoring_pb2_grpc.DenseScoringStub(channel)
                 own_ms = own_time_ms(stub, job)
                 before = capacity(stub, job, seconds=capacity_seconds)
                 levels = [open_loop(stub, job, metrics_url, factor=factor, rate=factor * before.throughput_rps,
                                     seconds=overload_seconds) for factor in OVERLOAD_FACTORS]
                 after = capacity(stub, job, seconds=capacity_seconds)  # the machine's pace drifts by a few %
+                servers = {True: dict(stub=stub, server_pid=server.pid, metrics_url=metrics_url),
+                           False: dict(stub=scoring_pb2_grpc.DenseScoringStub(unpaced_channel), server_pid=unpaced.pid,
+                                       metrics_url=unpaced_metrics)}
+                reference = resend_at_once(job=job, clients=REFERENCE_CLIENTS, paced=True, seconds=resend_seconds,
+                                           **servers[True])
+                resent = [resend_at_once(job=job, clients=clients, paced=paced, seconds=resend_seconds, **servers[paced])
+                          for clients in RESEND_CLIENTS for paced in (True, False, False, True)]  # ABBA: drift cancels
         finally:
-            server.terminate()
-            server.wait(30)
+            for process in (server, unpaced):
+                process.terminate()
+                process.wait(30)
     capacity_rps = (before.throughput_rps + after.throughput_rps) / 2
+    cpu_per_answer_s = reference.server_cpu_s / max(reference.ok_ms.size, 1)
+    # What a refusal costs, from the unpaced levels: there refusals are most of the server's work, so the
+    # estimate is not lost in the answers' own cost, as it is with tens of refusals a second.
+    refusal_cpu_ms = statistics.mean(level.cpu_per_refusal_ms(cpu_per_answer_s) for level in resent if not level.paced)
     return "\n".join([
         "## Overload (bench_overload)",
         "",
         f"`scoremap-serve` in its own process: EfficientNet-Lite0, samples/cat.jpg, scale {SCALE}, stride {STRIDE} "
-        f"(one pass), CPU, batching off, --max-queue-ms {max_queue_ms:g}, no per-peer limit; every call's deadline "
-        f"{TIMEOUT_S:g} s, no retries.",
+        f"(one pass), CPU, batching off, --max-queue-ms {max_queue_ms:g}, --refusals-per-second "
+        f"{defaults.refusals_per_second:g}, no per-peer limit; every call's deadline {TIMEOUT_S:g} s, no retries.",
         "",
         f"One request alone: {own_ms:.0f} ms (median of {SINGLE_CALLS}). Capacity, closed loop, {CAPACITY_CLIENTS} "
         f"clients, {before.duration_s:.0f} s before the levels and again after them: {before.throughput_rps:.2f} and "
@@ -272,6 +400,33 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
         "time: their latency outside the queue (decode, run, answer), median; the latency bound is --max-queue-ms "
         f"plus it, as contention slows the work itself (alone: {own_ms:.0f} ms). Load average "
         f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores.",
+        "",
+        "### Clients that resend at once (issue 22, item 4)",
+        "",
+        f"Closed loops whose callers send again as soon as they are answered, refusals included (the retry hint "
+        f"ignored), each call's deadline {TIMEOUT_S:g} s, from one process on the same machine; {resend_seconds:g} s "
+        f"windows after {SETTLE_SECONDS:g} s, two per setting, in the order paced, unpaced, unpaced, paced. Paced: "
+        f"the defaults, --refusals-per-second {defaults.refusals_per_second:g}, --max-refusal-hold-ms "
+        f"{defaults.max_refusal_hold_ms:g}, --max-held-refusals {defaults.max_held_refusals}, --grpc-workers "
+        f"{defaults.grpc_workers}; unpaced: the same server with --refusals-per-second 0, every refusal answered at "
+        f"once. Capacity: {capacity_rps:.2f} requests/s, as above. Reference: {REFERENCE_CLIENTS} such clients on the "
+        f"paced server, {reference.goodput:.2f} requests/s, {reference.refused_ms.size} refused, the server's CPU "
+        f"{1000 * cpu_per_answer_s:.0f} ms per answer.",
+        "",
+        "| clients | server | goodput req/s | of capacity | OK p50 / p99 ms | refusals/s | refusal p50 / p99 ms "
+        "| retry hint | dropped after decode | server CPU s/s | server CPU per refusal ms | load generator CPU s/s "
+        "| other errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *(resent_row(level, capacity_rps, cpu_per_answer_s) for level in resent),
+        "",
+        *(resent_verdict(level, capacity_rps, refusal_cpu_ms) for level in resent),
+        "",
+        "Server CPU: the server process's user + system time over the window (/proc/PID/stat). Per refusal: that, "
+        "less the OK answers' cost at the reference level (its CPU per answer, no refusals there), divided by the "
+        "refusals: an estimate, as contention changes what an answer costs; with tens of refusals a second it is "
+        f"within that noise, so the lines above use the unpaced levels' mean, {refusal_cpu_ms:.2f} ms. Refusal "
+        "latency includes the hold, and for a request dropped after its decode its time in the queue too. "
+        f"Load generator CPU: this process's, sharing the server's {os.cpu_count()} cores.",
     ])
 
 

@@ -72,9 +72,11 @@ PROFILE_CACHE_SIZE = 1024  # input sizes (and batch sizes) whose predictions eac
 PREDICTION_TOLERANCE = 0.25  # a plan measured further than this from its prediction is logged ...
 MEASUREMENT_RESOLUTION_BYTES = 4 * 2**20  # ... and by more than this: RSS moves by a few MiB on its own
 
-__all__ = ["Admission", "HostBudget", "admit_host", "available_memory_bytes",
+__all__ = ["Admission", "HostBudget", "RefusalPacer", "admit_host", "available_memory_bytes",
            "format_bytes"]
 TRIM_AFTER_BYTES = 256 * 2**20  # host memory held by requests since the last trim that makes going idle trim
+BURST_SECONDS = 1.0  # a second's worth of refusals at the pace is answered at once: an honest burst is never held
+ANSWER_MARGIN_SECONDS = 0.05  # a held refusal is answered this long before its call's deadline, to arrive in time
 
 
 def available_memory_bytes() -> int | None:
@@ -175,6 +177,75 @@ class HostBudget:
             yield
         finally:
             self.give_back(estimate.total)
+
+
+class RefusalPacer:
+    """When transient refusals are answered: one per server, shared by its edges (issue 22, item 4).
+
+    A client that resends at once on a refusal (a naive retry loop, an HTTP load balancer) ignores the
+    retry hint, and each refusal still costs a call's server CPU (0.5 to 0.8 ms in gRPC Python, under the
+    one GIL): 16 such clients spent on refusals the CPU inference needed, and goodput fell to half.
+    Refusals are answered at once up to `rate` a second (bursts of a second's worth: a generic cell rate
+    algorithm); beyond that pace each is held for its turn, so the refusals answered stay near `rate`
+    a second however fast clients resend, and a resending client is slowed to its turn. A hold lasts at
+    most `max_hold` seconds and ends before the call's deadline; at most `max_held` refusals are held at
+    once (each holds the edge's thread or task), beyond that a refusal is answered at once. A client that
+    honours the hints is refused a few times a second at most: such clients are held only when together
+    they are refused more often than the pace. Transport-free; an edge does
+
+        with pacer.hold(deadline=deadline) as seconds:  # 0.0: answer now
+            wait up to `seconds`, waking early when the call is cancelled
+        answer the refusal, with its retry hint
+    """
+
+    def __init__(self, *, rate: float, max_hold: float, max_held: int) -> None:
+        self.rate = rate  # 0: never held
+        self.max_hold = max_hold
+        self.max_held = max_held
+        self._next = 0.0  # when the next refusal at the pace is due (the algorithm's theoretical arrival time)
+        self._held = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> RefusalPacer:
+        return cls(rate=settings.refusals_per_second, max_hold=settings.max_refusal_hold_ms / 1000,
+                   max_held=settings.max_held_refusals)
+
+    @property
+    def held(self) -> int:
+        """Refusals being held now."""
+        with self._lock:
+            return self._held
+
+    def _take(self, deadline: float | None) -> float:
+        """This refusal's hold in seconds, counted among the held when above 0."""
+        if not self.rate:
+            return 0.0
+        with self._lock:
+            now = time.monotonic()
+            wait = max(self._next - BURST_SECONDS - now, 0.0)
+            if wait and self._held >= self.max_held:
+                return 0.0  # no thread to hold it on: answered at once, outside the pace
+            if wait <= self.max_hold:  # its turn is within the bound: it takes that turn
+                self._next = max(self._next, now) + 1 / self.rate
+            seconds = min(wait, self.max_hold)
+            if deadline is not None:
+                seconds = min(seconds, max(deadline - now - ANSWER_MARGIN_SECONDS, 0.0))
+            if seconds:
+                self._held += 1
+            return seconds
+
+    @contextlib.contextmanager
+    def hold(self, *, deadline: float | None = None) -> Iterator[float]:
+        """The seconds to hold this refusal before answering it (0.0: at once); `deadline` a time.monotonic()
+        instant. The hold counts among the held until the block ends."""
+        seconds = self._take(deadline)
+        try:
+            yield seconds
+        finally:
+            if seconds:
+                with self._lock:
+                    self._held -= 1
 
 
 class Admission:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from server.errors import Refusal, ScoringError, Transient, retry_after
 
@@ -33,9 +33,9 @@ class CallSlots:
                     "address (--max-calls-per-peer); retry with backoff, or close idle streams")
         return None
 
-    @contextlib.contextmanager
-    def held(self, peer: str) -> Iterator[None]:
-        """A slot for a call from `peer` while the block runs; RESOURCE_EXHAUSTED with a retry hint when none is free."""
+    def take(self, peer: str) -> Callable[[], None]:
+        """A slot for a call from `peer`, and the function that gives it back (once, however often called);
+        RESOURCE_EXHAUSTED with a retry hint when none is free."""
         with self._lock:
             problem = self._problem(peer)
             if problem is None:
@@ -43,11 +43,25 @@ class CallSlots:
                 self._by_peer[peer] += 1
         if problem is not None:
             raise ScoringError(Refusal.RESOURCE_EXHAUSTED, problem, retry_after_seconds=retry_after(Transient.CALLS_BUSY))
-        try:
-            yield
-        finally:
+        given_back = threading.Event()
+
+        def give_back() -> None:
             with self._lock:
+                if given_back.is_set():
+                    return
+                given_back.set()
                 self._running -= 1
                 self._by_peer[peer] -= 1
                 if not self._by_peer[peer]:
                     del self._by_peer[peer]
+
+        return give_back
+
+    @contextlib.contextmanager
+    def held(self, peer: str) -> Iterator[None]:
+        """A slot for a call from `peer` while the block runs; RESOURCE_EXHAUSTED with a retry hint when none is free."""
+        give_back = self.take(peer)
+        try:
+            yield
+        finally:
+            give_back()

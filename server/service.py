@@ -2,7 +2,8 @@
 
 Each method turns the call's deadline and cancellation into plain values, calls the pipeline and
 maps its ScoringError to a status with `context.abort` (gRPC's route_guide / errors examples); a
-transient refusal also carries a retry hint in trailing metadata (`RETRY_AFTER_KEY`).
+transient refusal also carries a retry hint in trailing metadata (`RETRY_AFTER_KEY`), and is answered
+at the server's refusal pace (`CallLimits.hold`, server.admission.RefusalPacer).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import model_card_pb2, scoring_pb2, scoring_pb2_grpc, version
+from server.admission import RefusalPacer
 from server.call_slots import CallSlots
 from server.errors import RETRY_AFTER_KEY, Refusal, ScoringError, Transient, retry_after
 from server.exposure import token_problem
@@ -64,10 +66,11 @@ class Call:
 class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
     """Score, ScoreStream, ListModels and GetModel over one Pipeline."""
 
-    def __init__(self, pipeline: Pipeline, *, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, pipeline: Pipeline, *, settings: Settings, metrics: Metrics, limits: CallLimits) -> None:
         self.pipeline = pipeline
         self.settings = settings
         self.metrics = metrics
+        self.limits = limits  # the call limits it runs under, which hold its transient refusals
         self.draining = threading.Event()
         self.ready = threading.Event()  # set once warm-up is done: scoring before it is refused (UNAVAILABLE)
         self._names = [summary.name for summary in pipeline.models()]
@@ -88,7 +91,7 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
     @contextlib.contextmanager
     def accounted(self, method: str, context: grpc.ServicerContext, model: str = NO_MODEL) -> Iterator[Call]:
         """Count the call by method, final code and model (`model`, or the first request's), track it in
-        flight, abort on ScoringError."""
+        flight, abort on ScoringError (a transient one once held for its turn at the refusal pace)."""
         code = grpc.StatusCode.OK
         call = Call(context)
         call.model = model
@@ -101,6 +104,8 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
             yield call
         except ScoringError as error:
             code = error.code
+            if error.retry_after_seconds is not None:
+                self.limits.hold(context, deadline=call.deadline, cancelled=call.cancelled)
             refuse(context, error)
         except (grpc.RpcError, GeneratorExit):
             # A stream's call ended under it (the client cancelled or the deadline passed): reading its
@@ -307,13 +312,21 @@ class CallLimits(grpc.ServerInterceptor):
     gRPC runs every call on one thread pool: idle streams from one client, or from many, could hold
     every worker, and health probes would wait behind them (issue 10, item 4). Calls beyond a limit
     are refused as soon as they reach a worker, RESOURCE_EXHAUSTED with a retry hint, so the workers
-    `total` leaves free always answer probes (`PROBES`, exempt here) and refusals at once. The client's
+    `total` leaves free always answer probes (`PROBES`, exempt here) and refusals. The client's
     address is known only inside the call (`context.peer()`), hence the check there, not here.
+
+    Transient refusals, these and the servicer's, are answered at `pacer`'s pace (issue 22, item 4):
+    a refusal to hold gives its worker place back first and waits on a thread of the pool's own
+    (`--max-held-refusals` of them beyond `--grpc-workers`), so held refusals never take the places of
+    calls being scored, nor the reserved workers.
     """
 
-    def __init__(self, *, total: int, per_peer: int, metrics: Metrics) -> None:
+    def __init__(self, *, total: int, per_peer: int, metrics: Metrics, pacer: RefusalPacer) -> None:
         self._slots = CallSlots(total=total, per_peer=per_peer)
         self._metrics = metrics
+        self.pacer = pacer
+        self._lock = threading.Lock()
+        self._places: dict[grpc.ServicerContext, Callable[[], None]] = {}  # each call's slot, to give back
 
     def intercept_service(
         self,
@@ -328,13 +341,37 @@ class CallLimits(grpc.ServerInterceptor):
 
     @contextlib.contextmanager
     def _slot(self, context: grpc.ServicerContext, *, method: str) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            try:
-                stack.enter_context(self._slots.held(client_address(context.peer())))
-            except ScoringError as error:
-                self._metrics.count_request(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-                refuse(context, error)
+        try:
+            give_back = self._slots.take(client_address(context.peer()))
+        except ScoringError as error:
+            self._metrics.count_request(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+            remaining = context.time_remaining()
+            self.hold(context, deadline=time.monotonic() + remaining if remaining is not None else None)
+            refuse(context, error)
+        with self._lock:
+            self._places[context] = give_back
+        try:
             yield
+        finally:
+            self.leave(context)
+
+    def leave(self, context: grpc.ServicerContext) -> None:
+        """Give back the call's place, once (a held refusal gives it back before its hold)."""
+        with self._lock:
+            give_back = self._places.pop(context, None)
+        if give_back is not None:
+            give_back()
+    def hold(self, context: grpc.ServicerContext, *, deadline: float | None,
+             cancelled: threading.Event | None = None) -> None:
+        """Hold a transient refusal for its turn at the refusal pace, out of its worker place; a call that is
+        cancelled or ends meanwhile stops waiting (`cancelled`: the event its end sets, if it has one)."""
+        self.leave(context)
+        with self.pacer.hold(deadline=deadline) as seconds:
+            if seconds:
+                if cancelled is None:
+                    cancelled = threading.Event()
+                    context.add_callback(cancelled.set)
+                cancelled.wait(seconds)
 
 
 def client_address(peer: str) -> str:
@@ -386,6 +423,7 @@ class ScoringServer:
                  health_servicer: health.HealthServicer, metrics: Metrics, metrics_port: int | None,
                  http: HttpServer | None = None) -> None:
         self.grpc_server = grpc_server
+        self.pacer = servicer.limits.pacer  # the refusal pace: another edge of this server shares it
         self.pipeline = pipeline
         self.servicer = servicer
         self.health = health_servicer
@@ -475,14 +513,15 @@ def create_server(
     try:
         if settings.warm_up:
             pipeline.check_warm_up()
-        limits = CallLimits(total=settings.scoring_workers, per_peer=settings.max_calls_per_peer, metrics=metrics)
+        limits = CallLimits(total=settings.scoring_workers, per_peer=settings.max_calls_per_peer, metrics=metrics,
+                            pacer=RefusalPacer.for_settings(settings))
         interceptors = [TokenInterceptor(token), limits] if token is not None else [limits]
-        grpc_server = grpc.server(
-            ThreadPoolExecutor(max_workers=settings.grpc_workers, thread_name_prefix="rpc"),
+        grpc_server = grpc.server(  # held refusals wait on threads of their own, counted beyond the call limit
+            ThreadPoolExecutor(max_workers=settings.grpc_workers + settings.max_held_refusals, thread_name_prefix="rpc"),
             options=server_options(settings), interceptors=interceptors,
-            maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+            maximum_concurrent_rpcs=settings.max_concurrent_rpcs + settings.max_held_refusals,
         )
-        servicer = DenseScoringServicer(pipeline, settings=settings, metrics=metrics)
+        servicer = DenseScoringServicer(pipeline, settings=settings, metrics=metrics, limits=limits)
         scoring_pb2_grpc.add_DenseScoringServicer_to_server(servicer, grpc_server)
         health_servicer = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)

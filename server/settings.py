@@ -85,6 +85,18 @@ class ServiceEdge:
         16, "calls one client address may have running at once (0: no limit), beyond: RESOURCE_EXHAUSTED; "
         "below --grpc-workers less --reserved-workers, or the server refuses to start",
         parse=number_in(int, 0), metavar="N")
+    refusals_per_second: float = setting(
+        100.0, "transient refusals (overloaded, retry later) answered at once per second, a second's worth at a "
+        "time; beyond this pace each is held for its turn before it is answered, with its retry hint, so clients "
+        "that resend at once cannot spend on refusals the CPU scoring needs (issue 22, item 4); clients that "
+        "honour the hints are refused a few times a second each; 0: never held", parse=number_in(float, 0), metavar="N")
+    max_refusal_hold_ms: float = setting(
+        1000.0, "longest a refusal is held before it is answered (never past its call's deadline)",
+        parse=MILLISECONDS, metavar="MS")
+    max_held_refusals: int = setting(
+        64, "refusals held at once, each waiting on a thread of its own beyond --grpc-workers and counted "
+        "beyond --max-concurrent-rpcs (so probes and new calls still get in); beyond it a refusal is answered "
+        "at once", parse=number_in(int, 0), metavar="N")
     stream_window: int = setting(4, "requests of one ScoreStream scored at once (answers stay in order)",
                                  parse=COUNT, metavar="N")
     stream_idle_seconds: float = setting(

@@ -139,6 +139,10 @@ class Edge:
                 return await work(call)
         except ScoringError as error:
             code = error.refusal.name
+            if error.retry_after_seconds is not None:  # transient: answered at the server's refusal pace, as gRPC's
+                with self.scoring.limits.pacer.hold(deadline=call.deadline) as seconds:
+                    if seconds:
+                        await anyio.sleep(seconds)
             return error_response(error)
         except Exception:
             code = UNKNOWN  # a bug: the log keeps the traceback, the client gets 500 without it

@@ -101,8 +101,9 @@ def test_calls_beyond_max_concurrent_rpcs_get_resource_exhausted_then_recover(ki
 
     assert settings_from(parse_args(["m.onnx", "--max-concurrent-rpcs", "5"])).max_concurrent_rpcs == 5
     request = kit.raw_request(PIXELS, scales=[64])
+    # No threads for held refusals beyond the one worker (--max-held-refusals 0): a call waits for it.
     with kit.serving([tiny_model_path], grpc_workers=1, reserved_workers=0, max_calls_per_peer=0,
-                     max_concurrent_rpcs=2) as (server, _p, stub):
+                     max_concurrent_rpcs=2, max_held_refusals=0) as (server, _p, stub):
         (held,) = hold(server, stub, 1)  # one call running on the only worker
         calls = [stub.Score.future(request, timeout=60) for _ in range(2)]  # one waits for it, one is too many
         finished: queue.Queue = queue.Queue()
@@ -117,7 +118,8 @@ def test_calls_beyond_max_concurrent_rpcs_get_resource_exhausted_then_recover(ki
 
 def test_calls_that_expire_or_are_cancelled_while_waiting_for_a_worker_cost_no_compute(kit, tiny_model_path):
     request = kit.raw_request(PIXELS, scales=[64])
-    with kit.serving([tiny_model_path], grpc_workers=1, reserved_workers=0, max_calls_per_peer=0) as (server, _port, stub):
+    with kit.serving([tiny_model_path], grpc_workers=1, reserved_workers=0, max_calls_per_peer=0,
+                     max_held_refusals=0) as (server, _port, stub):
         counted = server.metrics.registry.get_sample_value
         assert stub.Score(request, timeout=60).maps
         one_request = counted("scoremap_batch_size_sum", {"model": "tiny"})

@@ -1,0 +1,185 @@
+"""Refusals answered at a pace the server can afford (issue 22, item 4): the pacer's schedule, then a real
+server on a loopback port, where clients resending at once are held (never beyond the bound or the deadline,
+the retry hint kept) and clients that honour the hints are not.
+
+A server that refuses every call is made without waiting on a model: a ScoreStream holds the one call a
+client address may run (--max-calls-per-peer 1), or the server is put back to warming up.
+"""
+
+import contextlib
+import queue
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from server.admission import ANSWER_MARGIN_SECONDS, BURST_SECONDS, RefusalPacer
+from server.errors import RETRY_AFTER_KEY
+
+PIXELS = np.random.default_rng(5).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+SLACK = 0.5  # seconds a loaded 2-core test machine may add to a call's round trip
+
+
+def holds(pacer: RefusalPacer, count: int, *, deadline: float | None = None) -> list[float]:
+    """The holds of `count` refusals arriving together, all held at once."""
+    with contextlib.ExitStack() as stack:
+        return [stack.enter_context(pacer.hold(deadline=deadline)) for _ in range(count)]
+
+
+def test_a_burst_within_the_pace_is_answered_at_once_then_each_waits_its_turn_up_to_the_bound():
+    pacer = RefusalPacer(rate=10, max_hold=0.5, max_held=100)
+    seconds = holds(pacer, 20)
+    at_once = round(BURST_SECONDS * 10) + 1
+    assert seconds[:at_once] == [0.0] * at_once
+    turns = [0.1 * n for n in range(1, 6)] + [0.5] * (20 - at_once - 5)
+    assert seconds[at_once:] == pytest.approx(turns, abs=0.02)
+    assert pacer.held == 0  # every hold ended with its block
+
+
+def test_beyond_max_held_a_refusal_is_answered_at_once_and_a_hold_never_outlasts_its_deadline():
+    pacer = RefusalPacer(rate=1, max_hold=5, max_held=2)
+    with contextlib.ExitStack() as stack:
+        seconds = [stack.enter_context(pacer.hold()) for _ in range(5)]
+        assert pacer.held == 2
+    assert seconds[:2] == [0.0, 0.0] and seconds[2] > 0 and seconds[3] > 0 and seconds[4] == 0.0
+    deadline = time.monotonic() + 0.3
+    (held,) = holds(pacer, 1, deadline=deadline)
+    assert 0 < held <= 0.3 - ANSWER_MARGIN_SECONDS
+    assert holds(RefusalPacer(rate=0, max_hold=5, max_held=2), 50) == [0.0] * 50  # rate 0: never held
+
+
+class HeldStream:
+    """A ScoreStream that sends nothing: while open it holds a call place of its client address."""
+
+    def __init__(self, stub):
+        self._outbox: queue.Queue = queue.Queue()
+        self.answers = stub.ScoreStream(iter(self._outbox.get, None), timeout=60)
+
+    def close(self):
+        self._outbox.put(None)
+        with contextlib.suppress(grpc.RpcError):
+            list(self.answers)
+
+
+@contextlib.contextmanager
+def refusing(kit, model_path, **settings):
+    """A real server whose every Score call from this client is refused RESOURCE_EXHAUSTED with a retry hint
+    (calls busy: a stream holds the one place of 127.0.0.1)."""
+    with kit.serving([model_path], max_calls_per_peer=1, **settings) as (server, port, stub):
+        stream = HeldStream(stub)
+        while server.servicer.active < 1:
+            time.sleep(0.01)
+        try:
+            yield server, port, stub
+        finally:
+            stream.close()
+
+
+def refused(stub, request, *, timeout: float = 30) -> tuple[float, grpc.RpcError]:
+    """One call's latency in seconds and its error (the call must fail)."""
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Score(request, timeout=timeout)
+    return time.monotonic() - started, caught.value
+
+
+def hint_ms(error: grpc.RpcError) -> int:
+    return int(dict(error.trailing_metadata())[RETRY_AFTER_KEY])
+
+
+def test_a_client_resending_at_once_is_held_for_its_turn_never_beyond_the_bound(kit, tiny_model_path):
+    bound = 0.6
+    request = kit.raw_request(PIXELS, scales=[64])
+    with refusing(kit, tiny_model_path, refusals_per_second=2, max_refusal_hold_ms=1000 * bound) as (server, _, stub):
+        answers = [refused(stub, request) for _ in range(10)]
+        for _latency, error in answers:
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-calls-per-peer" in error.details()
+            assert hint_ms(error) > 0  # the hint is still there
+        latencies = [latency for latency, _ in answers]
+        assert max(latencies) < bound + SLACK
+        assert sum(latency >= bound / 2 for latency in latencies) >= 5  # past the burst, each waited its turn
+        assert server.pacer.held == 0
+
+
+def test_a_client_that_honours_the_hints_is_never_held(kit, tiny_model_path):
+    bound = 2.0
+    request = kit.raw_request(PIXELS, scales=[64])
+    with refusing(kit, tiny_model_path, refusals_per_second=2, max_refusal_hold_ms=1000 * bound) as (_s, _p, stub):
+        for _ in range(4):
+            latency, error = refused(stub, request)
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert latency < bound / 4
+            time.sleep(hint_ms(error) / 1000)  # one refusal a second at most: below the pace
+
+
+def test_a_held_refusal_is_answered_before_its_deadline_and_a_warming_server_paces_its_refusals(kit, tiny_model_path):
+    request = kit.raw_request(PIXELS, scales=[64])
+    with kit.serving([tiny_model_path], refusals_per_second=0.5, max_refusal_hold_ms=5000) as (server, _p, stub):
+        server.servicer.ready.clear()  # warming up again: every Score is refused UNAVAILABLE, with a hint
+        refused(stub, request)  # the pace's burst
+        latency, error = refused(stub, request, timeout=0.6)  # its turn is a second away
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "warming up" in error.details()
+        assert hint_ms(error) > 0
+        assert 0.3 < latency < 0.6  # held as long as its deadline let it, then answered in time
+        server.servicer.ready.set()
+        assert stub.Score(request, timeout=30).maps  # admitted calls are never held
+
+
+def test_held_refusals_wait_on_threads_of_their_own_and_probes_are_answered(kit, tiny_model_path):
+    request = kit.raw_request(PIXELS, scales=[64])
+    settings = dict(refusals_per_second=0.2, max_refusal_hold_ms=5000, max_held_refusals=2, grpc_workers=4,
+                    reserved_workers=1, max_concurrent_rpcs=2)  # the stream and the probe; the held, beyond
+    with refusing(kit, tiny_model_path, **settings) as (server, port, stub):
+        refused(stub, request)  # the pace's burst: the next turns are 4 s away and more
+        calls = [stub.Score.future(request, timeout=30) for _ in range(4)]
+        until = time.monotonic() + SLACK + 1
+        while sum(call.done() for call in calls) < 2 and time.monotonic() < until:
+            time.sleep(0.01)
+        assert sum(call.done() for call in calls) == 2 and server.pacer.held == 2  # beyond two, answered at once
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=SLACK + 1).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        for call in calls:
+            assert call.exception(timeout=30).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert server.pacer.held == 0
+
+
+def test_a_held_refusal_gives_its_scoring_place_back(kit, tiny_model_path):
+    request = kit.raw_request(PIXELS, scales=[64])
+    settings = dict(refusals_per_second=0.2, max_refusal_hold_ms=5000, grpc_workers=3, reserved_workers=1,
+                    max_calls_per_peer=0)  # two places for scoring calls
+    with kit.serving([tiny_model_path], **settings) as (server, _port, stub):
+        server.servicer.ready.clear()  # every Score refused UNAVAILABLE (warming up), with a hint
+        refused(stub, request)  # the pace's burst
+        calls = [stub.Score.future(request, timeout=30) for _ in range(2)]
+        while server.pacer.held < 2:
+            time.sleep(0.01)
+        _latency, error = refused(stub, request, timeout=1)  # both places are free again: the servicer answers
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "warming up" in error.details()
+        for call in calls:
+            assert call.exception(timeout=30).code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_http_edge_answers_transient_refusals_at_the_same_pace(kit, tiny_model_path):
+    """One pacer per server: a curl loop that resends at once is held on the HTTP port as on gRPC's."""
+    import httpx
+
+    bound = 0.6
+    with kit.serving([tiny_model_path], http_port=0, refusals_per_second=2,
+                     max_refusal_hold_ms=1000 * bound) as (server, _port, _stub):
+        server.servicer.ready.clear()  # warming up again: every score is refused 503, with a Retry-After
+        url = f"http://127.0.0.1:{server.http.port}/v1/models/{server.pipeline.models()[0].name}/score"
+        latencies = []
+        with httpx.Client(timeout=30) as client:
+            for _ in range(8):
+                started = time.monotonic()
+                answer = client.post(url, files={"image": ("x.png", b"\x89PNG\r\n\x1a\n", "image/png")})
+                latencies.append(time.monotonic() - started)
+                assert answer.status_code == 503 and answer.headers["Retry-After"]
+        assert max(latencies) < bound + SLACK
+        assert sum(latency >= bound / 2 for latency in latencies) >= 4  # past the burst, each waited its turn
+        assert server.pacer.held == 0
