@@ -21,6 +21,7 @@ from server.settings import Settings
 from tests.tiny_models import patch_net
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported: Ray stays on loopback
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")  # as clients.batch.ray_engine: a loaded machine
 ray = pytest.importorskip("ray", reason="--engine ray needs the `ray` extra: pip install -e '.[ray]'")
 from clients.batch.ray_engine import FILES_PER_BATCH, find_inputs, run_ray_batch  # noqa: E402
 
