@@ -86,10 +86,11 @@ class ServiceEdge:
         "below --grpc-workers less --reserved-workers, or the server refuses to start",
         parse=number_in(int, 0), metavar="N")
     refusals_per_second: float = setting(
-        100.0, "transient refusals (overloaded, retry later) answered at once per second, a second's worth at a "
+        0.0, "transient refusals (overloaded, retry later) answered at once per second, a second's worth at a "
         "time; beyond this pace each is held for its turn before it is answered, with its retry hint, so clients "
-        "that resend at once cannot spend on refusals the CPU scoring needs (issue 22, item 4); clients that "
-        "honour the hints are refused a few times a second each; 0: never held", parse=number_in(float, 0), metavar="N")
+        "that resend at once cannot spend on refusals the CPU scoring needs (issue 22, item 4: e.g. 100); off by "
+        "default, since a fixed pace also holds an open loop's refusals once they come faster than it (median "
+        "refusal 0.64 s at 5x, bench/RESULTS.md)", parse=number_in(float, 0), metavar="N", shown="0 (off)")
     max_refusal_hold_ms: float = setting(
         1000.0, "longest a refusal is held before it is answered (never past its call's deadline)",
         parse=MILLISECONDS, metavar="MS")
