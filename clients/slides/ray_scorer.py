@@ -83,6 +83,10 @@ class RayTileScorer:
             self._busy[index] += 1
         try:
             answer = self._ray.get(self._actors[index].score.remote(request.SerializeToString(), timeout))
+        except self._ray.exceptions.RayActorError as lost:  # restarted ACTOR_RESTARTS times already
+            raise ScoremapError(grpc.StatusCode.UNAVAILABLE,
+                                f"a Ray actor scoring tiles was lost ({lost.__class__.__name__}); "
+                                "re-run the same command to resume") from lost
         finally:
             with self._lock:
                 self._busy[index] -= 1
