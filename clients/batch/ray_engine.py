@@ -39,7 +39,7 @@ from clients.api.settings import ClientSettings
 from clients.batch.files import ImageFile, ResultsLog, find_images, is_image_file, unique_label
 from clients.batch.run import RESULTS_NAME, BatchSummary, RunAborted, files_to_score, open_run, score_one
 
-__all__ = ["run_ray_batch", "connect", "find_inputs", "UriImage", "FILES_PER_BATCH"]
+__all__ = ["run_ray_batch", "connect", "pool_size", "find_inputs", "UriImage", "FILES_PER_BATCH"]
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class FileScorer:
                                               batch["filesystem"]))}
 
 
-def _pool_size(ray_module) -> tuple[int, float, int]:
+def pool_size(ray_module) -> tuple[int, float, int]:
     """(actors, GPUs per actor, CPU threads per actor): one actor per GPU, else one per core."""
     resources = ray_module.cluster_resources()
     gpus = int(resources.get("GPU", 0))
@@ -269,7 +269,7 @@ def _score_on_ray(ray, todo: list[ImageFile], model_path: str, out: Path, result
                   heatmaps: bool, timeout: float | None, options_id: str, concurrency: int, actors: int,
                   client_settings: ClientSettings, on_progress: Callable[[dict[str, Any]], None] | None) -> None:
     """Stream `todo` through the actor pool; append each record once, as it comes back."""
-    size, gpus, threads = _pool_size(ray)
+    size, gpus, threads = pool_size(ray)
     filesystems: list[Any] = []  # the URI inputs' pyarrow filesystems, sent once to each actor; rows name theirs
     index_of: dict[int, int] = {}
 

@@ -8,6 +8,7 @@ unreachable, 4 refused, 130 interrupted (re-run the same command to resume).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="scores stored as (default float16)")
 
 
+def open_ray_scorer(args: argparse.Namespace):
+    """The actor pool of --engine ray, each actor taking --concurrency tiles at once."""
+    from clients.api.settings import ClientSettings
+    from clients.slides.ray_scorer import RayTileScorer  # imports ray only for this engine
+
+    return RayTileScorer(str(Path(args.local).resolve()), address=args.ray_address, per_actor=args.concurrency,
+                         client_settings=ClientSettings(timeout_s=args.timeout, retry_budget_s=args.retry_for))
+
+
 def main(args: argparse.Namespace, open_scorer: Callable[[argparse.Namespace], object]) -> int:
     """Score every PATH in turn; `open_scorer` gives the server or in-process scorer, as for files."""
     # Imported here: the geometry imports the model card's reader, which plain file scoring does not need.
@@ -55,13 +65,14 @@ def main(args: argparse.Namespace, open_scorer: Callable[[argparse.Namespace], o
                        classes=args.classes)
     options = SlideOptions(tile=tile, canvas=args.canvas, halo=args.halo, cell_top_k=args.cell_top_k,
                            dtype=args.zarr_dtype, concurrency=args.concurrency)
-    if args.engine == "ray":
-        log.error("--tiled scores with --server or --local; --engine ray is for folders of images")
-        return EXIT_USAGE
     scorer = None
     progress = None
     try:
-        scorer = open_scorer(args)
+        if args.engine == "ray":  # the tiles go to Ray actors; reading, stitching and the journal stay here
+            scorer = open_ray_scorer(args)
+            options = dataclasses.replace(options, concurrency=scorer.in_flight)
+        else:
+            scorer = open_scorer(args)
         for path in args.paths:
             progress = tqdm(total=0, unit="tile", desc=Path(path).name, dynamic_ncols=True,
                             disable=True if args.no_progress else None)
