@@ -18,6 +18,7 @@ from clients.batch.local import LocalScorer
 from clients.batch.run import RESULTS_NAME, run_batch
 from clients.batch.score_cli import main
 from server.settings import Settings
+from tests.processes import pids_named
 from tests.tiny_models import patch_net
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported: Ray stays on loopback
@@ -62,14 +63,7 @@ def same_file(tmp_path: Path, name: str) -> bool:
 
 def map_workers() -> list[int]:
     """Process ids of the running FileScorer actors (their process title names the class)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and b"FileScorer" in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
+    return pids_named(b"FileScorer")
 
 
 @pytest.fixture(scope="module")

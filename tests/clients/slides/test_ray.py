@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from clients.batch.score_cli import main
 from clients.slides.run import SlideOptions, score_file
 from tests.clients.slides.nets import ON_DEMAND
 from tests.clients.slides.test_run import mosaic, write_tiff
+from tests.processes import pids_named
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported: Ray stays on loopback
 os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")  # as clients.batch.ray_engine: a loaded machine
@@ -56,14 +56,7 @@ def test_ray_actors_score_the_tiles_into_the_local_map(converted, tmp_path, loca
 
 def tile_scorers() -> list[int]:
     """Process ids of the running TileScorer actors (their process title names the class)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and b"TileScorer" in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
+    return pids_named(b"TileScorer")
 
 
 def test_an_actor_killed_mid_run_is_restarted_and_its_tiles_sent_again(converted, tmp_path, local_ray):
