@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import resource
 import subprocess
 import sys
 import tempfile
@@ -69,7 +68,11 @@ def write_mosaic(path: pathlib.Path, side: int) -> pathlib.Path:
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's own peak resident set (VmHWM): ru_maxrss would carry the parent's across exec on Linux."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
 def child_pipeline(tiff: str, model: str, out: str) -> dict:
