@@ -34,6 +34,7 @@ from convert.card import read_card
 from convert.preprocessing import to_input
 from protos import scoring_pb2, scoring_pb2_grpc
 from server.main import ScoringServer, create_server
+from server.dense import resized_size
 from server.pipeline import Pipeline
 from server.settings import Settings
 
@@ -93,16 +94,15 @@ def portrait_jpeg() -> bytes:
 
 
 def bare_scorer(model: str):
-    """The same work by hand: decode, resize to SCALE on the shorter side (sides multiples of 32, as the
-    server rounds them), normalise per the card, one run with onnxruntime's default options, top-5."""
+    """The same work by hand: decode, resize to SCALE on the shorter side (sides rounded to the card's size
+    multiple, as the server rounds them), normalise per the card, one run with onnxruntime's default options, top-5."""
     card = read_card(onnx.load(model))
     session = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
 
     def score(encoded: bytes) -> np.ndarray:
         image = Image.open(io.BytesIO(encoded)).convert("RGB")
-        short = min(image.size)
-        width, height = (max(32, round(side * SCALE / short / 32) * 32) for side in image.size)
+        height, width = resized_size(image.height, image.width, scale=SCALE, multiple=card.size_multiple)
         pixels = np.asarray(image.resize((width, height), Image.Resampling.BILINEAR))[None]
         logits = session.run(None, {name: to_input(pixels, card.preprocessing)})[0]
         mean = logits.reshape(logits.shape[0], logits.shape[1], -1).mean(axis=2)[0]
