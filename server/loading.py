@@ -163,7 +163,7 @@ def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: Me
         shape_buckets = buckets.default_buckets(
             scales=settings.warm_up_scales or (card.default_scale or FALLBACK_SCALE,),
             slacks=sorted({p.slack for p in passes}), multiple=card.size_multiple or card.output_stride,
-            max_batch=max_batch,
+            max_batch=max_batch, every_step=not engine.on_gpu,
         )
     training = batch_shape(image.layout, batch=1, channels=3, height=card.training_height, width=card.training_width)
     try:

@@ -66,3 +66,20 @@ def test_default_buckets_hold_every_common_aspect_at_every_scale_with_and_withou
 def test_default_buckets_with_one_aspect_and_no_slack_are_one_square_per_scale():
     buckets = default_buckets(scales=(384, 224), slacks=(0,), multiple=32, max_batch=1, aspects=((1, 1),))
     assert buckets == Buckets(canvases=((224, 224), (384, 384)), batches=(1,))
+
+
+def test_every_step_buckets_hold_each_image_from_1_1_to_2_1_with_no_padding():
+    """The CPU's buckets: any photo between 1:1 and 2:1 either way runs on a canvas of its own resized size
+    (issue 22: 448x384 padded to 512x384 cost 1.19x bare onnxruntime), and beyond 2:1 none holds it."""
+    multiple = 32
+    buckets = default_buckets(scales=(384,), slacks=(0, 16), multiple=multiple, max_batch=1, every_step=True)
+    for height in range(384, 2 * 384 + 1):
+        for size in ((height, 384), (384, height)):
+            resized = resized_size(*size, scale=384, multiple=multiple)
+            for slack in (0, 16):
+                assert buckets.canvas_for(*resized, slack=slack) == on_demand_canvas(*resized, slack=slack,
+                                                                                     multiple=multiple), (size, slack)
+    assert buckets.canvas_for(384, 832, slack=0) is None  # beyond 2:1 and its slack: planned on demand
+    assert len(buckets.canvases) == 2 * (2 * 13 - 1)  # 13 long sides either way, the square once, two slacks
+    coarse = default_buckets(scales=(384,), slacks=(0,), multiple=multiple, max_batch=1)
+    assert coarse.canvas_for(448, 384, slack=0) == (512, 384)  # the GPU's common aspects pad it
