@@ -11,10 +11,10 @@ load (their median latency outside the queue: contention slows the work itself, 
 bounds), and at most 1% of them dropped after their decode (admitted, then found to have waited past
 the limit: work wasted on a refusal).
 Then clients that resend at once on any answer, refusals included (a naive retry loop, an HTTP load
-balancer: a closed loop that ignores the retry hint), 16 and 64 of them, against the same server (which
-answers every refusal at once, the default) and against one that paces them (`--refusals-per-second
-100`): goodput must stay >= 90% of
-capacity (issue 22, item 4), with the refusals answered per second and the server CPU each costs.
+balancer: a closed loop that ignores the retry hint), 16 and 64 of them, against the same server (whose
+default refusal pace follows the calls it answers) and against one that answers every refusal at once
+(`--refusals-per-second 0 --refusals-per-answer 0`): goodput must stay >= 90% of capacity (issue 22,
+item 4), with the refusals answered per second and the server CPU each costs.
 The server runs without a per-peer call limit: one loopback address stands here for many clients.
 """
 
@@ -65,8 +65,7 @@ DROPPED_TARGET = 0.01  # of admitted requests
 RESEND_CLIENTS = (16, 64)  # closed loops that resend at once on a refusal
 RESEND_SECONDS = 20.0  # window per closed-loop level, after SETTLE_SECONDS
 REFERENCE_CLIENTS = CAPACITY_CLIENTS  # the closed loop with no refusals: the server CPU an answer costs
-PACE = 100  # refusals a second the paced server answers at once (--refusals-per-second; off by default)
-PACED = ("--refusals-per-second", str(PACE))  # the server that holds refusals beyond that pace
+UNPACED = ("--refusals-per-second", "0", "--refusals-per-answer", "0")  # every refusal answered at once
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -318,7 +317,7 @@ def verdicts(level: Level, capacity_rps: float, max_queue_ms: float) -> str:
 
 def resent_row(level: Resent, capacity_rps: float, cpu_per_answer_s: float) -> str:
     refused = level.refused_ms
-    cells = [f"{level.clients}", f"--refusals-per-second {PACE}" if level.paced else "unpaced (the default)",
+    cells = [f"{level.clients}", "paced (the defaults)" if level.paced else "unpaced",
              f"{level.goodput:.2f}", f"{100 * level.goodput / capacity_rps:.0f}%",
              f"{percentile(level.ok_ms, 50):.0f} / {percentile(level.ok_ms, 99):.0f}",
              f"{refused.size / level.seconds:.0f}", f"{percentile(refused, 50):.1f} / {percentile(refused, 99):.1f}",
@@ -331,7 +330,7 @@ def resent_row(level: Resent, capacity_rps: float, cpu_per_answer_s: float) -> s
 def resent_verdict(level: Resent, capacity_rps: float, refusal_cpu_ms: float) -> str:
     goodput = level.goodput / capacity_rps
     said = "met" if goodput >= GOODPUT_TARGET else "missed"
-    server = f"refusals paced at {PACE}/s" if level.paced else "every refusal answered at once (the default)"
+    server = "refusals paced (the defaults)" if level.paced else "every refusal answered at once"
     rate = level.refused_ms.size / level.seconds
     return (f"- {level.clients} clients resending at once, {server}: goodput {100 * goodput:.0f}% of capacity "
             f"(target >= {100 * GOODPUT_TARGET:.0f}%: {said}); {rate:.0f} refusals/s, at {refusal_cpu_ms:.2f} ms "
@@ -348,24 +347,24 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
     with tempfile.TemporaryDirectory() as folder:
         model = converted(folder, output_stride=STRIDE)
         server, address, metrics_url = start_server(model, pathlib.Path(folder) / "server.log")
-        paced, paced_address, paced_metrics = start_server(model, pathlib.Path(folder) / "paced.log", PACED)
+        unpaced, unpaced_address, unpaced_metrics = start_server(model, pathlib.Path(folder) / "unpaced.log", UNPACED)
         try:
-            with grpc.insecure_channel(address) as channel, grpc.insecure_channel(paced_address) as paced_channel:
+            with grpc.insecure_channel(address) as channel, grpc.insecure_channel(unpaced_address) as unpaced_channel:
                 stub = scoring_pb2_grpc.DenseScoringStub(channel)
                 own_ms = own_time_ms(stub, job)
                 before = capacity(stub, job, seconds=capacity_seconds)
                 levels = [open_loop(stub, job, metrics_url, factor=factor, rate=factor * before.throughput_rps,
                                     seconds=overload_seconds) for factor in OVERLOAD_FACTORS]
                 after = capacity(stub, job, seconds=capacity_seconds)  # the machine's pace drifts by a few %
-                servers = {True: dict(stub=scoring_pb2_grpc.DenseScoringStub(paced_channel), server_pid=paced.pid,
-                                      metrics_url=paced_metrics),
-                           False: dict(stub=stub, server_pid=server.pid, metrics_url=metrics_url)}
+                servers = {True: dict(stub=stub, server_pid=server.pid, metrics_url=metrics_url),
+                           False: dict(stub=scoring_pb2_grpc.DenseScoringStub(unpaced_channel),
+                                       server_pid=unpaced.pid, metrics_url=unpaced_metrics)}
                 reference = resend_at_once(job=job, clients=REFERENCE_CLIENTS, paced=True, seconds=resend_seconds,
                                            **servers[True])
                 resent = [resend_at_once(job=job, clients=clients, paced=paced, seconds=resend_seconds, **servers[paced])
                           for clients in RESEND_CLIENTS for paced in (True, False, False, True)]  # ABBA: drift cancels
         finally:
-            for process in (server, paced):
+            for process in (server, unpaced):
                 process.terminate()
                 process.wait(30)
     capacity_rps = (before.throughput_rps + after.throughput_rps) / 2
@@ -377,8 +376,8 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
         "## Overload (bench_overload)",
         "",
         f"`scoremap-serve` in its own process: EfficientNet-Lite0, samples/cat.jpg, scale {SCALE}, stride {STRIDE} "
-        f"(one pass), CPU, batching off, --max-queue-ms {max_queue_ms:g}, --refusals-per-second "
-        f"{defaults.refusals_per_second:g}, no per-peer limit; every call's deadline {TIMEOUT_S:g} s, no retries.",
+        f"(one pass), CPU, batching off, --max-queue-ms {max_queue_ms:g}, --refusals-per-answer "
+        f"{defaults.refusals_per_answer:g}, --refusals-per-second {defaults.refusals_per_second:g}, no per-peer limit; every call's deadline {TIMEOUT_S:g} s, no retries.",
         "",
         f"One request alone: {own_ms:.0f} ms (median of {SINGLE_CALLS}). Capacity, closed loop, {CAPACITY_CLIENTS} "
         f"clients, {before.duration_s:.0f} s before the levels and again after them: {before.throughput_rps:.2f} and "
@@ -408,9 +407,11 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
         f"Closed loops whose callers send again as soon as they are answered, refusals included (the retry hint "
         f"ignored), each call's deadline {TIMEOUT_S:g} s, from one process on the same machine; {resend_seconds:g} s "
         f"windows after {SETTLE_SECONDS:g} s, two per setting, in the order paced, unpaced, unpaced, paced. Paced: "
-        f"--refusals-per-second {PACE}, --max-refusal-hold-ms {defaults.max_refusal_hold_ms:g}, --max-held-refusals "
-        f"{defaults.max_held_refusals}, --grpc-workers {defaults.grpc_workers}; unpaced: the defaults, every refusal "
-        f"answered at once. Capacity: {capacity_rps:.2f} requests/s, as above. Reference: {REFERENCE_CLIENTS} such clients on the "
+        f"the defaults, --refusals-per-answer {defaults.refusals_per_answer:g}, --refusals-per-second "
+        f"{defaults.refusals_per_second:g}, --max-refusal-hold-ms {defaults.max_refusal_hold_ms:g}, "
+        f"--max-held-refusals {defaults.max_held_refusals}, --grpc-workers {defaults.grpc_workers}; unpaced: "
+        f"the same with {' '.join(UNPACED)}, every refusal answered at once. Capacity: {capacity_rps:.2f} "
+        f"requests/s, as above. Reference: {REFERENCE_CLIENTS} such clients on the "
         f"paced server, {reference.goodput:.2f} requests/s, {reference.refused_ms.size} refused, the server's CPU "
         f"{1000 * cpu_per_answer_s:.0f} ms per answer.",
         "",

@@ -39,6 +39,7 @@ so what users are shown is what the server enforces. Two ways to use it:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -76,6 +77,7 @@ __all__ = ["Admission", "HostBudget", "RefusalPacer", "admit_host", "available_m
            "format_bytes"]
 TRIM_AFTER_BYTES = 256 * 2**20  # host memory held by requests since the last trim that makes going idle trim
 BURST_SECONDS = 1.0  # a second's worth of refusals at the pace is answered at once: an honest burst is never held
+ANSWER_WINDOW_SECONDS = 1.0  # the refusal pace follows the calls answered over this window
 ANSWER_MARGIN_SECONDS = 0.05  # a held refusal is answered this long before its call's deadline, to arrive in time
 
 
@@ -183,33 +185,48 @@ class RefusalPacer:
     """When transient refusals are answered: one per server, shared by its edges (issue 22, item 4).
 
     A client that resends at once on a refusal (a naive retry loop, an HTTP load balancer) ignores the
-    retry hint, and each refusal still costs a call's server CPU (0.5 to 0.8 ms in gRPC Python, under the
-    one GIL): 16 such clients spent on refusals the CPU inference needed, and goodput fell to half.
-    Refusals are answered at once up to `rate` a second (bursts of a second's worth: a generic cell rate
-    algorithm); beyond that pace each is held for its turn, so the refusals answered stay near `rate`
-    a second however fast clients resend, and a resending client is slowed to its turn. A hold lasts at
+    retry hint, and each refusal still costs a call's server CPU under the one GIL: 64 such clients were
+    refused 1,230 times a second, and goodput fell to 13%. An open loop refused as fast does not resend,
+    and its refusals must stay fast (issue 10: median < 5 ms at 5x capacity), so the pace follows what
+    the server answers: refusals are answered at once up to `per_answer` times the calls answered over
+    the last second, and never below `floor` a second (bursts of a second's worth: a generic cell rate
+    algorithm). An open loop up to (1 + `per_answer`) times capacity is refused at once; beyond that
+    pace each refusal is held for its turn, so a resending client is slowed to its turn. A hold lasts at
     most `max_hold` seconds and ends before the call's deadline; at most `max_held` refusals are held at
-    once (each holds the edge's thread or task), beyond that a refusal is answered at once. A client that
-    honours the hints is refused a few times a second at most: such clients are held only when together
-    they are refused more often than the pace. Transport-free; an edge does
+    once (each holds the edge's thread or task), beyond that a refusal is answered at once. Transport-free;
+    an edge calls `answered()` for each call answered OK, and for a refusal does
 
         with pacer.hold(deadline=deadline) as seconds:  # 0.0: answer now
             wait up to `seconds`, waking early when the call is cancelled
         answer the refusal, with its retry hint
     """
 
-    def __init__(self, *, rate: float, max_hold: float, max_held: int) -> None:
-        self.rate = rate  # 0: never held
+    def __init__(self, *, per_answer: float, floor: float, max_hold: float, max_held: int) -> None:
+        self.per_answer = per_answer
+        self.floor = floor  # per_answer and floor both 0: never held
         self.max_hold = max_hold
         self.max_held = max_held
         self._next = 0.0  # when the next refusal at the pace is due (the algorithm's theoretical arrival time)
         self._held = 0
+        self._answers: collections.deque[float] = collections.deque()  # when calls were answered, the last second
         self._lock = threading.Lock()
 
     @classmethod
     def for_settings(cls, settings: Settings) -> RefusalPacer:
-        return cls(rate=settings.refusals_per_second, max_hold=settings.max_refusal_hold_ms / 1000,
-                   max_held=settings.max_held_refusals)
+        return cls(per_answer=settings.refusals_per_answer, floor=settings.refusals_per_second,
+                   max_hold=settings.max_refusal_hold_ms / 1000, max_held=settings.max_held_refusals)
+
+    def answered(self) -> None:
+        """A call was answered OK: the pace follows these."""
+        if self.per_answer:
+            with self._lock:
+                self._answers.append(time.monotonic())
+
+    def pace(self, now: float) -> float:
+        """Refusals a second answered at once now (0: never held); call under the lock."""
+        while self._answers and self._answers[0] <= now - ANSWER_WINDOW_SECONDS:
+            self._answers.popleft()
+        return max(self.floor, self.per_answer * len(self._answers) / ANSWER_WINDOW_SECONDS)
 
     @property
     def held(self) -> int:
@@ -219,15 +236,16 @@ class RefusalPacer:
 
     def _take(self, deadline: float | None) -> float:
         """This refusal's hold in seconds, counted among the held when above 0."""
-        if not self.rate:
-            return 0.0
         with self._lock:
             now = time.monotonic()
+            pace = self.pace(now)
+            if not pace:
+                return 0.0
             wait = max(self._next - BURST_SECONDS - now, 0.0)
             if wait and self._held >= self.max_held:
                 return 0.0  # no thread to hold it on: answered at once, outside the pace
             if wait <= self.max_hold:  # its turn is within the bound: it takes that turn
-                self._next = max(self._next, now) + 1 / self.rate
+                self._next = max(self._next, now) + 1 / pace
             seconds = min(wait, self.max_hold)
             if deadline is not None:
                 seconds = min(seconds, max(deadline - now - ANSWER_MARGIN_SECONDS, 0.0))
@@ -342,7 +360,14 @@ class Admission:
         return mine
 
     def plan_created(self, key: Hashable, measured_bytes: int) -> None:
-        """Record a made and warmed-up plan's measured footprint (device bytes on CUDA, RSS on the CPU)."""
+        """Record a made and warmed-up plan's measured footprint (device bytes on CUDA, RSS on the CPU). A
+        reading below the weights every session holds means memory was freed elsewhere meanwhile (bench_server
+        read 0 B for a 115 MiB plan): admission keeps the prediction."""
+        reserved = self.shared.record(self, key) if self.shared is not None else None
+        if reserved is not None and measured_bytes < reserved.predicted.weights:
+            LOG.debug("%s: plan %s measured %d bytes, below its %d bytes of weights: not used", self.name, key,
+                      measured_bytes, reserved.predicted.weights)
+            return
         self._measured[key] = measured_bytes
         record = self.shared.measured(self, key, measured_bytes) if self.shared is not None else None
         if record is None:

@@ -123,6 +123,11 @@ class MemoryBudget:
             self._plans[slot] = record
             return record, victims
 
+    def record(self, owner: Admission, key: Hashable) -> PlanRecord | None:
+        """`owner`'s plan `key` as accounted now, or None when it is not."""
+        with self._lock:
+            return self._plans.get((id(owner), key))
+
     def measured(self, owner: Admission, key: Hashable, measured_bytes: int) -> PlanRecord | None:
         with self._lock:
             record = self._plans.get((id(owner), key))

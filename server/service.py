@@ -119,6 +119,8 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
         finally:
             if code == grpc.StatusCode.OK and not context.is_active():
                 code = ended(context)  # the call ended before its answer: the request iterator just stopped
+            if code == grpc.StatusCode.OK:
+                self.limits.pacer.answered()
             self.metrics.in_flight.dec()
             self.metrics.count_request(method, code.name, call.model)
             with self._idle:

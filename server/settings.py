@@ -85,12 +85,15 @@ class ServiceEdge:
         16, "calls one client address may have running at once (0: no limit), beyond: RESOURCE_EXHAUSTED; "
         "below --grpc-workers less --reserved-workers, or the server refuses to start",
         parse=number_in(int, 0), metavar="N")
+    refusals_per_answer: float = setting(
+        8.0, "transient refusals (overloaded, retry later) answered at once per call answered over the last "
+        "second, a second's worth at a time: an open loop up to 1 + N times capacity is refused at once; beyond "
+        "this pace each refusal is held for its turn before it is answered, with its retry hint, so clients "
+        "that resend at once cannot spend on refusals the CPU scoring needs (issue 22, item 4; 0 with "
+        "--refusals-per-second 0: never held)", parse=number_in(float, 0), metavar="N")
     refusals_per_second: float = setting(
-        0.0, "transient refusals (overloaded, retry later) answered at once per second, a second's worth at a "
-        "time; beyond this pace each is held for its turn before it is answered, with its retry hint, so clients "
-        "that resend at once cannot spend on refusals the CPU scoring needs (issue 22, item 4: e.g. 100); off by "
-        "default, since a fixed pace also holds an open loop's refusals once they come faster than it (median "
-        "refusal 0.64 s at 5x, bench/RESULTS.md)", parse=number_in(float, 0), metavar="N", shown="0 (off)")
+        100.0, "the refusal pace's floor: this many refusals a second are always answered at once, however "
+        "few calls are answered (a warming or draining server)", parse=number_in(float, 0), metavar="N")
     max_refusal_hold_ms: float = setting(
         1000.0, "longest a refusal is held before it is answered (never past its call's deadline)",
         parse=MILLISECONDS, metavar="MS")
@@ -233,7 +236,9 @@ class EngineOptions:
         (), "canvas sizes images are padded to, e.g. 384x512,512x384,2048x2048; an image none holds is tiled onto "
         "one that holds --halo (the default model's exact halo needs 1184 px or more)", parse=canvas_sizes,
         metavar="HxW,...",
-        shown="every warm-up scale at 1:1, 3:4, 4:3, 2:3, 3:2, with and without the shifted passes' slack")
+        shown="every warm-up scale, with and without the shifted passes' slack, at 1:1, 3:4, 4:3, 2:3, 3:2 on a GPU "
+        "and on the CPU at every step of the size multiple from 1:1 to 2:1 either way (warm-up makes the first "
+        "five; the others are made on first use)")
     strict_shapes: bool = setting(False, "never plan a shape outside the buckets: an image no bucket holds that "
                                   "cannot be tiled onto one either (the halo does not fit) is refused "
                                   "(INVALID_ARGUMENT, naming the buckets) instead of planned on demand")

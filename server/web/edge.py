@@ -150,6 +150,8 @@ class Edge:
             return JSONResponse({"error": f"{method} failed inside the server; its log says why", "code": UNKNOWN},
                                 status_code=500)
         finally:
+            if code == "OK" and not probe:
+                self.scoring.limits.pacer.answered()
             self.metrics.in_flight.dec()
             self.metrics.count_request(METHOD_PREFIX + method, code, call.model)
 

@@ -173,6 +173,20 @@ def test_a_measured_plan_is_accounted_at_its_measurement_and_a_bad_prediction_is
     assert budget.used_bytes() == 10 * terms.resident + terms.transient
 
 
+def test_a_reading_below_the_weights_keeps_the_prediction(tiny_model_path, coordinate_model_path):
+    """A session holds at least its weights: a smaller reading means memory was freed elsewhere while the
+    plan was made (bench_server read 0 B for a 115 MiB plan), and accounting it would overcommit the budget."""
+    budget, tiny, _coords = plan_admissions(tiny_model_path, coordinate_model_path, total_bytes=None)
+    terms = tiny.terms(256, 256, 1)
+    assert terms.weights > 0
+    tiny.make_room("a", height=256, width=256, batch=1)
+    tiny.plan_created("a", terms.weights - 1)
+    assert budget.used_bytes() == terms.total
+    tiny.plan_evicted("a")
+    tiny.make_room("a", height=256, width=256, batch=1)  # made again: still the prediction, not the reading
+    assert budget.used_bytes() == terms.total
+
+
 def test_admission_predicts_for_the_device_the_model_runs_on(tiny_model_path):
     import onnx
 

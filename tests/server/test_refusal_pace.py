@@ -29,7 +29,7 @@ def holds(pacer: RefusalPacer, count: int, *, deadline: float | None = None) -> 
 
 
 def test_a_burst_within_the_pace_is_answered_at_once_then_each_waits_its_turn_up_to_the_bound():
-    pacer = RefusalPacer(rate=10, max_hold=0.5, max_held=100)
+    pacer = RefusalPacer(per_answer=0, floor=10, max_hold=0.5, max_held=100)
     seconds = holds(pacer, 20)
     at_once = round(BURST_SECONDS * 10) + 1
     assert seconds[:at_once] == [0.0] * at_once
@@ -39,7 +39,7 @@ def test_a_burst_within_the_pace_is_answered_at_once_then_each_waits_its_turn_up
 
 
 def test_beyond_max_held_a_refusal_is_answered_at_once_and_a_hold_never_outlasts_its_deadline():
-    pacer = RefusalPacer(rate=1, max_hold=5, max_held=2)
+    pacer = RefusalPacer(per_answer=0, floor=1, max_hold=5, max_held=2)
     with contextlib.ExitStack() as stack:
         seconds = [stack.enter_context(pacer.hold()) for _ in range(5)]
         assert pacer.held == 2
@@ -47,7 +47,23 @@ def test_beyond_max_held_a_refusal_is_answered_at_once_and_a_hold_never_outlasts
     deadline = time.monotonic() + 0.3
     (held,) = holds(pacer, 1, deadline=deadline)
     assert 0 < held <= 0.3 - ANSWER_MARGIN_SECONDS
-    assert holds(RefusalPacer(rate=0, max_hold=5, max_held=2), 50) == [0.0] * 50  # rate 0: never held
+    assert holds(RefusalPacer(per_answer=0, floor=0, max_hold=5, max_held=2), 50) == [0.0] * 50  # no pace: never held
+
+
+def test_the_pace_follows_the_calls_answered_over_the_last_second_never_below_its_floor():
+    """8 refusals per answer: 5 answers in the last second allow 40 refusals at once (an open loop up to
+    9x capacity is never held), then each waits its turn; answers older than a second no longer count."""
+    pacer = RefusalPacer(per_answer=8, floor=10, max_hold=5, max_held=1000)
+    for _ in range(5):
+        pacer.answered()
+    seconds = holds(pacer, 50)
+    at_once = round(BURST_SECONDS * 40) + 1
+    assert seconds[:at_once] == [0.0] * at_once and all(s > 0 for s in seconds[at_once:])
+    assert seconds[at_once:at_once + 3] == pytest.approx([1 / 40, 2 / 40, 3 / 40], abs=0.01)
+    idle = RefusalPacer(per_answer=8, floor=10, max_hold=5, max_held=1000)
+    idle.answered()
+    time.sleep(1.05)  # that answer leaves the window: the floor, 10 a second, is the pace
+    assert holds(idle, 12).count(0.0) == round(BURST_SECONDS * 10) + 1
 
 
 class HeldStream:
@@ -92,7 +108,8 @@ def hint_ms(error: grpc.RpcError) -> int:
 def test_a_client_resending_at_once_is_held_for_its_turn_never_beyond_the_bound(kit, tiny_model_path):
     bound = 0.6
     request = kit.raw_request(PIXELS, scales=[64])
-    with refusing(kit, tiny_model_path, refusals_per_second=2, max_refusal_hold_ms=1000 * bound) as (server, _, stub):
+    with refusing(kit, tiny_model_path, refusals_per_second=2, refusals_per_answer=0,
+                  max_refusal_hold_ms=1000 * bound) as (server, _, stub):
         answers = [refused(stub, request) for _ in range(10)]
         for _latency, error in answers:
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -107,7 +124,8 @@ def test_a_client_resending_at_once_is_held_for_its_turn_never_beyond_the_bound(
 def test_a_client_that_honours_the_hints_is_never_held(kit, tiny_model_path):
     bound = 2.0
     request = kit.raw_request(PIXELS, scales=[64])
-    with refusing(kit, tiny_model_path, refusals_per_second=2, max_refusal_hold_ms=1000 * bound) as (_s, _p, stub):
+    with refusing(kit, tiny_model_path, refusals_per_second=2, refusals_per_answer=0,
+                  max_refusal_hold_ms=1000 * bound) as (_s, _p, stub):
         for _ in range(4):
             latency, error = refused(stub, request)
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -117,7 +135,8 @@ def test_a_client_that_honours_the_hints_is_never_held(kit, tiny_model_path):
 
 def test_a_held_refusal_is_answered_before_its_deadline_and_a_warming_server_paces_its_refusals(kit, tiny_model_path):
     request = kit.raw_request(PIXELS, scales=[64])
-    with kit.serving([tiny_model_path], refusals_per_second=0.5, max_refusal_hold_ms=5000) as (server, _p, stub):
+    with kit.serving([tiny_model_path], refusals_per_second=0.5, refusals_per_answer=0,
+                     max_refusal_hold_ms=5000) as (server, _p, stub):
         server.servicer.ready.clear()  # warming up again: every Score is refused UNAVAILABLE, with a hint
         refused(stub, request)  # the pace's burst
         latency, error = refused(stub, request, timeout=0.6)  # its turn is a second away
@@ -130,7 +149,8 @@ def test_a_held_refusal_is_answered_before_its_deadline_and_a_warming_server_pac
 
 def test_held_refusals_wait_on_threads_of_their_own_and_probes_are_answered(kit, tiny_model_path):
     request = kit.raw_request(PIXELS, scales=[64])
-    settings = dict(refusals_per_second=0.2, max_refusal_hold_ms=5000, max_held_refusals=2, grpc_workers=4,
+    settings = dict(refusals_per_second=0.2, refusals_per_answer=0,
+                    max_refusal_hold_ms=5000, max_held_refusals=2, grpc_workers=4,
                     reserved_workers=1, max_concurrent_rpcs=2)  # the stream and the probe; the held, beyond
     with refusing(kit, tiny_model_path, **settings) as (server, port, stub):
         refused(stub, request)  # the pace's burst: the next turns are 4 s away and more
@@ -150,7 +170,8 @@ def test_held_refusals_wait_on_threads_of_their_own_and_probes_are_answered(kit,
 
 def test_a_held_refusal_gives_its_scoring_place_back(kit, tiny_model_path):
     request = kit.raw_request(PIXELS, scales=[64])
-    settings = dict(refusals_per_second=0.2, max_refusal_hold_ms=5000, grpc_workers=3, reserved_workers=1,
+    settings = dict(refusals_per_second=0.2, refusals_per_answer=0,
+                    max_refusal_hold_ms=5000, grpc_workers=3, reserved_workers=1,
                     max_calls_per_peer=0)  # two places for scoring calls
     with kit.serving([tiny_model_path], **settings) as (server, _port, stub):
         server.servicer.ready.clear()  # every Score refused UNAVAILABLE (warming up), with a hint
@@ -169,7 +190,7 @@ def test_the_http_edge_answers_transient_refusals_at_the_same_pace(kit, tiny_mod
     import httpx
 
     bound = 0.6
-    with kit.serving([tiny_model_path], http_port=0, refusals_per_second=2,
+    with kit.serving([tiny_model_path], http_port=0, refusals_per_second=2, refusals_per_answer=0,
                      max_refusal_hold_ms=1000 * bound) as (server, _port, _stub):
         server.servicer.ready.clear()  # warming up again: every score is refused 503, with a Retry-After
         url = f"http://127.0.0.1:{server.http.port}/v1/models/{server.pipeline.models()[0].name}/score"
@@ -183,3 +204,30 @@ def test_the_http_edge_answers_transient_refusals_at_the_same_pace(kit, tiny_mod
         assert max(latencies) < bound + SLACK
         assert sum(latency >= bound / 2 for latency in latencies) >= 4  # past the burst, each waited its turn
         assert server.pacer.held == 0
+
+
+def test_calls_answered_on_either_edge_raise_the_pace_so_an_open_loop_is_refused_at_once(kit, tiny_model_path):
+    """Three calls answered (one over HTTP, two over gRPC) at 8 refusals per answer allow 24 refusals a second:
+    ten refusals right after them are answered at once, where the floor alone (0.5 a second) holds all but
+    the first."""
+    import io
+
+    import httpx
+    from PIL import Image
+
+    bound = 2.0
+    png = io.BytesIO()
+    Image.fromarray(PIXELS).save(png, format="PNG")
+    request = kit.raw_request(PIXELS, scales=[64])
+    with kit.serving([tiny_model_path], http_port=0, refusals_per_second=0.5, refusals_per_answer=8,
+                     max_refusal_hold_ms=1000 * bound) as (server, _port, stub):
+        url = f"http://127.0.0.1:{server.http.port}/v1/models/{server.pipeline.models()[0].name}/score"
+        with httpx.Client(timeout=30) as client:
+            assert client.post(url, files={"image": ("x.png", png.getvalue(), "image/png")}).status_code == 200
+        stub.Score(request, timeout=30)
+        stub.Score(request, timeout=30)
+        assert server.pacer.pace(time.monotonic()) == 8 * 3  # each edge counted its answers
+        server.servicer.ready.clear()  # warming up again: every score is refused, with a retry hint
+        answers = [refused(stub, request) for _ in range(10)]
+        assert all(error.code() == grpc.StatusCode.UNAVAILABLE for _, error in answers)
+        assert max(latency for latency, _ in answers) < bound / 2
