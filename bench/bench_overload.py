@@ -363,15 +363,18 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
                                            **servers[True])
                 resent = [resend_at_once(job=job, clients=clients, paced=paced, seconds=resend_seconds, **servers[paced])
                           for clients in RESEND_CLIENTS for paced in (True, False, False, True)]  # ABBA: drift cancels
+                last = capacity(stub, job, seconds=capacity_seconds)  # the resend levels' capacity: after and this
         finally:
             for process in (server, unpaced):
                 process.terminate()
                 process.wait(30)
     capacity_rps = (before.throughput_rps + after.throughput_rps) / 2
+    resend_capacity_rps = (after.throughput_rps + last.throughput_rps) / 2
     cpu_per_answer_s = reference.server_cpu_s / max(reference.ok_ms.size, 1)
     # What a refusal costs, from the unpaced levels: there refusals are most of the server's work, so the
     # estimate is not lost in the answers' own cost, as it is with tens of refusals a second.
-    refusal_cpu_ms = statistics.mean(level.cpu_per_refusal_ms(cpu_per_answer_s) for level in resent if not level.paced)
+    refusal_cpu_ms = statistics.mean([level.cpu_per_refusal_ms(cpu_per_answer_s) for level in resent
+                                      if not level.paced and level.refused_ms.size] or [float("nan")])
     return "\n".join([
         "## Overload (bench_overload)",
         "",
@@ -410,8 +413,10 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
         f"the defaults, --refusals-per-answer {defaults.refusals_per_answer:g}, --refusals-per-second "
         f"{defaults.refusals_per_second:g}, --max-refusal-hold-ms {defaults.max_refusal_hold_ms:g}, "
         f"--max-held-refusals {defaults.max_held_refusals}, --grpc-workers {defaults.grpc_workers}; unpaced: "
-        f"the same with {' '.join(UNPACED)}, every refusal answered at once. Capacity: {capacity_rps:.2f} "
-        f"requests/s, as above. Reference: {REFERENCE_CLIENTS} such clients on the "
+        f"the same with {' '.join(UNPACED)}, every refusal answered at once. Capacity: {resend_capacity_rps:.2f} "
+        f"requests/s, the mean of the capacity measured just before these levels ({after.throughput_rps:.2f}, "
+        f"above) and just after them ({last.throughput_rps:.2f}, p50 {last.p50_ms:.0f} ms, errors: "
+        f"{by_status(last.errors)}). Reference: {REFERENCE_CLIENTS} such clients on the "
         f"paced server, {reference.goodput:.2f} requests/s, {reference.refused_ms.size} refused, the server's CPU "
         f"{1000 * cpu_per_answer_s:.0f} ms per answer.",
         "",
@@ -419,9 +424,9 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
         "| retry hint | dropped after decode | server CPU s/s | server CPU per refusal ms | load generator CPU s/s "
         "| other errors |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        *(resent_row(level, capacity_rps, cpu_per_answer_s) for level in resent),
+        *(resent_row(level, resend_capacity_rps, cpu_per_answer_s) for level in resent),
         "",
-        *(resent_verdict(level, capacity_rps, refusal_cpu_ms) for level in resent),
+        *(resent_verdict(level, resend_capacity_rps, refusal_cpu_ms) for level in resent),
         "",
         "Server CPU: the server process's user + system time over the window (/proc/PID/stat). Per refusal: that, "
         "less the OK answers' cost at the reference level (its CPU per answer, no refusals there), divided by the "

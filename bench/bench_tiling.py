@@ -109,8 +109,8 @@ def child_bare(tiff: str, model: str) -> dict:
 
     card = read_card(model)
     image = ImageInput.of(card)
-    # The server's session options (its CPU arena off, for predictable memory), so the comparison is of what
-    # tiling and the pipeline add, not of onnxruntime's allocator settings.
+    # The server's session options, so the comparison is of what tiling and the pipeline add, not of
+    # onnxruntime's settings.
     session = onnxruntime.InferenceSession(model, sess_options=Engine(Settings()).options(),
                                            providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name

@@ -86,7 +86,7 @@ class ServiceEdge:
         "below --grpc-workers less --reserved-workers, or the server refuses to start",
         parse=number_in(int, 0), metavar="N")
     refusals_per_answer: float = setting(
-        8.0, "transient refusals (overloaded, retry later) answered at once per call answered over the last "
+        6.0, "transient refusals (overloaded, retry later) answered at once per call answered over the last "
         "second, a second's worth at a time: an open loop up to 1 + N times capacity is refused at once; beyond "
         "this pace each refusal is held for its turn before it is answered, with its retry hint, so clients "
         "that resend at once cannot spend on refusals the CPU scoring needs (issue 22, item 4; 0 with "

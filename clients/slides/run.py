@@ -31,7 +31,10 @@ from clients.slides.tiles import Scorer, TileOptions, plan_for, score_map
 from protos import model_card_pb2, scoring_pb2
 from server import dense, tiling
 
-CHUNK_CLASSES = 64  # classes per chunk: a tile's write reads and rewrites whole chunks, so they stay small
+# Classes per chunk. A tile's owned cells rarely fall on the chunk grid (the first tile owns more), so its
+# write reads and rewrites the chunks it touches: per chunk, not per byte, is what that costs (a 1000-class
+# tile of 31x31 cells: 68 ms with 64 classes a chunk, 39 ms with 256, 16 ms aligned).
+CHUNK_CLASSES = 256
 SINGLE_TILE_CHUNK = 256  # map cells per chunk side along an axis one tile covers
 PREVIEW_BAND = 64  # map rows the preview reads at a time (with CHUNK_CLASSES classes: bounded memory)
 PREVIEW_SIDE = 2048  # the preview's longer side at most, in pixels
