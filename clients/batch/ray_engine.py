@@ -55,7 +55,10 @@ LOCAL_CLUSTER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_gcs_server_p
 # here, since Ray Data holds those arguments for the whole run. A value set in the environment is kept.
 QUIET_ENV = {"RAY_BACKEND_LOG_LEVEL": "fatal"}
 RAY_LOG_LEVEL = logging.ERROR
+LOG = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
+STARTS = 2  # tries of a local cluster's start (start_local_cluster)
+STARTUP_TIMEOUT = "timed out during startup"  # Ray's words when its node does not register in its 30 s
 ABORTED = "aborted"  # the record field an actor sets when the service, not the file, failed
 # An input naming a pyarrow filesystem (scheme://...) rather than a local path.
 URI_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -170,8 +173,24 @@ def connect(address: str | None) -> bool:
     if address:
         ray.init(address=address, log_to_driver=False, logging_level=RAY_LOG_LEVEL)
     else:
-        ray.init(include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=False, logging_level=RAY_LOG_LEVEL)
+        start_local_cluster(logging_level=RAY_LOG_LEVEL)
     return True
+
+
+def start_local_cluster(**options) -> None:
+    """`ray.init` of a cluster on loopback, tried twice: Ray waits a fixed 30 s for its node to register,
+    which a loaded machine can outlast (a fresh-clone CI run did), and a second start finds it warm."""
+    import ray
+
+    for attempt in range(STARTS):
+        try:
+            ray.init(include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=False, **options)
+            return
+        except Exception as error:  # Ray raises a bare Exception for this
+            if attempt == STARTS - 1 or STARTUP_TIMEOUT not in str(error):
+                raise
+            LOG.warning("Ray's node did not register in time (%s); starting it again", error)
+            ray.shutdown()
 
 
 class FileScorer:

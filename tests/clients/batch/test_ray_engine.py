@@ -24,7 +24,8 @@ from tests.tiny_models import patch_net
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported: Ray stays on loopback
 os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")  # as clients.batch.ray_engine: a loaded machine
 ray = pytest.importorskip("ray", reason="--engine ray needs the `ray` extra: pip install -e '.[ray]'")
-from clients.batch.ray_engine import FILES_PER_BATCH, find_inputs, run_ray_batch  # noqa: E402
+from clients.batch.ray_engine import (FILES_PER_BATCH, find_inputs, run_ray_batch,  # noqa: E402
+                                      start_local_cluster)
 
 SAMPLES = Path(__file__).resolve().parents[3] / "samples"
 PHOTOS = 240
@@ -68,7 +69,7 @@ def map_workers() -> list[int]:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    start_local_cluster(num_cpus=2)
     yield
     ray.shutdown()
 
@@ -195,3 +196,28 @@ def test_ray_keeps_its_own_logging_to_itself(tmp_path):
                  if not line.startswith("scoremap-score:") and "Set ray log level from environment" not in line]
     assert ray_lines == [], "\n".join(ray_lines)
     assert (tmp_path / "out" / RESULTS_NAME).read_text().count("\n") == 2
+
+
+def test_a_local_cluster_whose_node_does_not_register_in_time_is_started_once_more(monkeypatch):
+    """Ray waits a fixed 30 s for its node: a loaded machine can outlast that once (a CI run did); any other
+    failure, or a second timeout, is raised as it is."""
+    tries, shutdowns, timeouts = [], [], [1]  # which tries (1-based) time out
+
+    def init(**options):
+        tries.append(options)
+        if len(tries) in timeouts:
+            raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(len(tries)))
+    start_local_cluster(num_cpus=2)
+    assert len(tries) == 2 and shutdowns == [1]
+    assert tries[1]["num_cpus"] == 2 and tries[1]["_node_ip_address"] == "127.0.0.1"
+    timeouts[:] = [3, 4]  # both tries of the next start time out: the second timeout is raised
+    with pytest.raises(Exception, match="timed out during startup"):
+        start_local_cluster()
+    assert len(tries) == 4
+    monkeypatch.setattr(ray, "init", lambda **options: (_ for _ in ()).throw(RuntimeError("no such address")))
+    with pytest.raises(RuntimeError, match="no such address"):
+        start_local_cluster()
+    assert shutdowns == [1, 3]  # never after another failure

@@ -20,12 +20,13 @@ from tests.processes import pids_named
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported: Ray stays on loopback
 os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")  # as clients.batch.ray_engine: a loaded machine
 ray = pytest.importorskip("ray", reason="--engine ray needs the `ray` extra: pip install -e '.[ray]'")
+from clients.batch.ray_engine import start_local_cluster  # noqa: E402
 from clients.slides.ray_scorer import RayTileScorer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    start_local_cluster(num_cpus=2)
     yield
     ray.shutdown()
 
