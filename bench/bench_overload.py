@@ -318,7 +318,7 @@ def verdicts(level: Level, capacity_rps: float, max_queue_ms: float) -> str:
 def resent_row(level: Resent, capacity_rps: float, cpu_per_answer_s: float) -> str:
     refused = level.refused_ms
     cells = [f"{level.clients}", "paced (the defaults)" if level.paced else "unpaced",
-             f"{level.goodput:.2f}", f"{100 * level.goodput / capacity_rps:.0f}%",
+             f"{level.goodput:.2f}", f"{capacity_rps:.2f}", f"{100 * level.goodput / capacity_rps:.0f}%",
              f"{percentile(level.ok_ms, 50):.0f} / {percentile(level.ok_ms, 99):.0f}",
              f"{refused.size / level.seconds:.0f}", f"{percentile(refused, 50):.1f} / {percentile(refused, 99):.1f}",
              f"{level.hinted}/{refused.size}", f"{level.dropped}", f"{level.server_cpu_s / level.seconds:.2f}",
@@ -361,15 +361,17 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
                                        server_pid=unpaced.pid, metrics_url=unpaced_metrics)}
                 reference = resend_at_once(job=job, clients=REFERENCE_CLIENTS, paced=True, seconds=resend_seconds,
                                            **servers[True])
-                resent = [resend_at_once(job=job, clients=clients, paced=paced, seconds=resend_seconds, **servers[paced])
-                          for clients in RESEND_CLIENTS for paced in (True, False, False, True)]  # ABBA: drift cancels
-                last = capacity(stub, job, seconds=capacity_seconds)  # the resend levels' capacity: after and this
+                resent, local = [], []  # each level, and the capacity measured on its server just before it
+                for clients in RESEND_CLIENTS:
+                    for paced in (True, False, False, True):  # ABBA: drift cancels
+                        local.append(capacity(servers[paced]["stub"], job, seconds=capacity_seconds / 2).throughput_rps)
+                        resent.append(resend_at_once(job=job, clients=clients, paced=paced, seconds=resend_seconds,
+                                                     **servers[paced]))
         finally:
             for process in (server, unpaced):
                 process.terminate()
                 process.wait(30)
     capacity_rps = (before.throughput_rps + after.throughput_rps) / 2
-    resend_capacity_rps = (after.throughput_rps + last.throughput_rps) / 2
     cpu_per_answer_s = reference.server_cpu_s / max(reference.ok_ms.size, 1)
     # What a refusal costs, from the unpaced levels: there refusals are most of the server's work, so the
     # estimate is not lost in the answers' own cost, as it is with tens of refusals a second.
@@ -413,20 +415,20 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
         f"the defaults, --refusals-per-answer {defaults.refusals_per_answer:g}, --refusals-per-second "
         f"{defaults.refusals_per_second:g}, --max-refusal-hold-ms {defaults.max_refusal_hold_ms:g}, "
         f"--max-held-refusals {defaults.max_held_refusals}, --grpc-workers {defaults.grpc_workers}; unpaced: "
-        f"the same with {' '.join(UNPACED)}, every refusal answered at once. Capacity: {resend_capacity_rps:.2f} "
-        f"requests/s, the mean of the capacity measured just before these levels ({after.throughput_rps:.2f}, "
-        f"above) and just after them ({last.throughput_rps:.2f}, p50 {last.p50_ms:.0f} ms, errors: "
-        f"{by_status(last.errors)}). Reference: {REFERENCE_CLIENTS} such clients on the "
+        f"the same with {' '.join(UNPACED)}, every refusal answered at once. Capacity: each level's own, "
+        f"{REFERENCE_CLIENTS} clients' closed loop on its server for {capacity_seconds / 2:g} s just before it (the "
+        f"machine's pace drifts by 10% within minutes: {', '.join(f'{c:.1f}' for c in local)} requests/s). "
+        "Reference: {REFERENCE_CLIENTS} such clients on the "
         f"paced server, {reference.goodput:.2f} requests/s, {reference.refused_ms.size} refused, the server's CPU "
         f"{1000 * cpu_per_answer_s:.0f} ms per answer.",
         "",
-        "| clients | server | goodput req/s | of capacity | OK p50 / p99 ms | refusals/s | refusal p50 / p99 ms "
+        "| clients | server | goodput req/s | capacity just before | of capacity | OK p50 / p99 ms | refusals/s | refusal p50 / p99 ms "
         "| retry hint | dropped after decode | server CPU s/s | server CPU per refusal ms | load generator CPU s/s "
         "| other errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        *(resent_row(level, resend_capacity_rps, cpu_per_answer_s) for level in resent),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *(resent_row(level, rps, cpu_per_answer_s) for level, rps in zip(resent, local)),
         "",
-        *(resent_verdict(level, resend_capacity_rps, refusal_cpu_ms) for level in resent),
+        *(resent_verdict(level, rps, refusal_cpu_ms) for level, rps in zip(resent, local)),
         "",
         "Server CPU: the server process's user + system time over the window (/proc/PID/stat). Per refusal: that, "
         "less the OK answers' cost at the reference level (its CPU per answer, no refusals there), divided by the "
