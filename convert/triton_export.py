@@ -28,10 +28,10 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
-from convert.arguments import number_in
+from convert.arguments import memory_size, number_in
 from convert.card import CardError, ImageInput, Layout, Precision, batch_shape, read_card, spatial_axes
 from convert.memory_model import Device
-from convert.profile import ProfileError, largest_batch, parse_bytes
+from convert.profile import ProfileError, largest_batch
 
 DEFAULT_GPU_MEMORY = "16GiB"  # the smallest data-centre card in common use (T4, V100-16G)
 DEFAULT_QUEUE_DELAY_US = 5000  # as scoremap-serve's --max-queue-delay-ms default
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     triton.add_argument("model", help="a graph made by scoremap-convert")
     triton.add_argument("out", help="the model repository folder (created; the model goes in OUT/NAME)")
     triton.add_argument("--name", default="", help="the model's name in Triton (default: the card's)")
-    triton.add_argument("--gpu-memory", default=DEFAULT_GPU_MEMORY,
+    triton.add_argument("--gpu-memory", type=memory_size, default=DEFAULT_GPU_MEMORY,
                         help="memory of the GPU it will run on, e.g. 24GiB: sizes max_batch_size")
     triton.add_argument("--instances", type=number_in(int, 1), default=1, help="model instances per GPU (they share its memory)")
     triton.add_argument("--scales", type=number_in(int, 1), nargs="*", default=[],
@@ -193,13 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        gpu_memory_bytes = parse_bytes(args.gpu_memory)
-    except (ProfileError, ValueError) as error:
-        parser.error(f"--gpu-memory: {error}")
-    if gpu_memory_bytes <= 0:
-        parser.error(f"--gpu-memory: got {args.gpu_memory!r}; expected a memory size above zero, such as 24GiB")
-    try:
-        folder = export(args.model, args.out, name=args.name, gpu_memory_bytes=gpu_memory_bytes,
+        folder = export(args.model, args.out, name=args.name, gpu_memory_bytes=args.gpu_memory,
                         instances=args.instances, scales=args.scales, queue_delay_us=args.max_queue_delay_us,
                         tensorrt=args.tensorrt)
     except (ExportError, ProfileError, OSError) as error:

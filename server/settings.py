@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from convert.arguments import PORT, number_in, size_pair
+from convert.arguments import PORT, memory_size, number_in, size_pair
 from server.host_memory import largest_resized_pixels
 
 MiB = 2**20
@@ -36,16 +36,6 @@ SECONDS = number_in(float, 0.001, 2_000_000)  # gRPC takes milliseconds in a C i
 MILLISECONDS = number_in(float, 0)
 # gRPC reads its message limits as C ints, and the receive limit is twice --max-message-bytes (server/main.py).
 MESSAGE_BYTES = number_in(int, 1024, 2**30 - 1)
-
-
-def size(text: str) -> int:
-    """'2GiB' -> 2147483648 (convert.profile's units), as an argparse type."""
-    from convert.profile import ProfileError, parse_bytes  # imports onnx: only when a size is given
-
-    try:
-        return parse_bytes(text)
-    except (ProfileError, ValueError) as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def canvas_sizes(text: str) -> tuple[tuple[int, int], ...]:
@@ -179,10 +169,10 @@ class RequestLimits:
     max_request_host_bytes: int = setting(
         DEFAULT_MAX_REQUEST_HOST_BYTES, "host memory one request may hold (image, resized copies, model inputs, "
         "maps), estimated from the image header before decoding: above it RESOURCE_EXHAUSTED with every term; "
-        "with the limits above, the worst request fits it (server/host_memory.py)", parse=size, metavar="SIZE", shown="4 GiB")
+        "with the limits above, the worst request fits it (server/host_memory.py)", parse=memory_size, metavar="SIZE", shown="4 GiB")
     host_memory_budget_bytes: int | None = setting(
         None, "host memory the requests in flight may hold together (their estimates), e.g. 8GiB; beyond it "
-        "RESOURCE_EXHAUSTED with a retry hint", parse=size, metavar="SIZE", flag="host-memory-budget",
+        "RESOURCE_EXHAUSTED with a retry hint", parse=memory_size, metavar="SIZE", flag="host-memory-budget",
         shown="--host-memory-fraction of MemAvailable, at least one largest request")
     host_memory_fraction: float = setting(0.25, "share of MemAvailable for the requests in flight when no "
                                           "--host-memory-budget is given", parse=FRACTION, metavar="FRACTION")
@@ -259,7 +249,7 @@ class EngineOptions:
     memory_budget_bytes: int | None = setting(
         None, "predicted peak memory every model's plans may hold together, e.g. 2GiB (each model's batches get "
         "an even share); what cannot fit alone gets RESOURCE_EXHAUSTED with the largest scale that would",
-        parse=size, metavar="SIZE", flag="memory-budget",
+        parse=memory_size, metavar="SIZE", flag="memory-budget",
         shown="the GPU's free memory, else --cpu-memory-fraction of MemAvailable")
     cpu_memory_fraction: float = setting(0.5, "share of MemAvailable used as the budget on the CPU when no "
                                          "--memory-budget is given", parse=FRACTION, metavar="FRACTION")

@@ -55,6 +55,14 @@ def test_flags_become_settings():
     assert settings_from(parse_args(["m.onnx", "--grpc-workers", "8", "--max-calls-per-peer", "0"])).grpc_workers == 8
 
 
+@pytest.mark.parametrize("flag", ["--memory-budget", "--max-request-host-bytes", "--host-memory-budget"])
+def test_a_memory_size_of_zero_exits_2_naming_the_flag_before_any_model_loads(flag, capsys):
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["m.onnx", flag, "0"])
+    assert exited.value.code == 2 and f"argument {flag}: got '0'; expected a memory size above zero" in \
+        capsys.readouterr().err
+
+
 def test_models_are_paths_or_all_named(tmp_path, capsys):
     assert model_sources(["a.onnx", "b.onnx"]) == ["a.onnx", "b.onnx"]
     assert model_sources(["s32=a.onnx", "s16=dir/a=b.onnx"]) == {"s32": "a.onnx", "s16": "dir/a=b.onnx"}
