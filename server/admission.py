@@ -220,13 +220,20 @@ class RefusalPacer:
         """A call was answered OK: the pace follows these."""
         if self.per_answer:
             with self._lock:
-                self._answers.append(time.monotonic())
+                now = time.monotonic()
+                self._answers.append(now)
+                self._forget_answers(now)
 
     def pace(self, now: float) -> float:
         """Refusals a second answered at once now (0: never held); call under the lock."""
+        self._forget_answers(now)
+        return max(self.floor, self.per_answer * len(self._answers) / ANSWER_WINDOW_SECONDS)
+
+    def _forget_answers(self, now: float) -> None:
+        """Drop the answers older than the window (under the lock), so a server that never refuses keeps
+        one window's worth."""
         while self._answers and self._answers[0] <= now - ANSWER_WINDOW_SECONDS:
             self._answers.popleft()
-        return max(self.floor, self.per_answer * len(self._answers) / ANSWER_WINDOW_SECONDS)
 
     @property
     def held(self) -> int:
