@@ -604,20 +604,23 @@ def scale_job(model: Model, original: tuple[int, int], scale: int, passes: dense
             f"model {model.name}'s training size {model.card.training_height}x{model.card.training_width}; "
             "use a larger scale"
         )
+
+    def on(canvas: tuple[int, int], tiles: tiling.TilePlan | None = None) -> ScaleJob:
+        return ScaleJob(scale, size, canvas, cells, batch_limit(model, canvas, scale, passes, original), tiling=tiles,
+                        tiles=() if tiles is None else tile_jobs(model, tiles, scale, passes))
+
     canvas = model.buckets.canvas_for(*size, slack=passes.slack)
     if canvas is not None:
-        return ScaleJob(scale, size, canvas, cells, batch_limit(model, canvas, scale, passes, original))
+        return on(canvas)
     tiles = tile_plan(model, size, passes, flip=flip)
     if isinstance(tiles, tiling.TilePlan):
-        return ScaleJob(scale, size, tiles.canvas, cells, batch_limit(model, tiles.canvas, scale, passes, original),
-                        tiling=tiles, tiles=tile_jobs(model, tiles, scale, passes))
+        return on(tiles.canvas, tiles)
     canvas = model.canvas_for(size, passes)  # planned on demand, up to the tile canvas
     if canvas is not None:
-        return ScaleJob(scale, size, canvas, cells, batch_limit(model, canvas, scale, passes, original))
+        return on(canvas)
     tiles = tile_plan(model, size, passes, flip=flip, canvases=(model.tiling_canvas(size, passes),))
     if isinstance(tiles, tiling.TilePlan):
-        return ScaleJob(scale, size, tiles.canvas, cells, batch_limit(model, tiles.canvas, scale, passes, original),
-                        tiling=tiles, tiles=tile_jobs(model, tiles, scale, passes))
+        return on(tiles.canvas, tiles)
     raise invalid(
         f"scale {scale} gives a {size[0]}x{size[1]} image (+{passes.slack} px for shifted passes) that no "
         f"canvas bucket holds ({model.buckets.describe()}), nor can it be tiled onto one or onto --tile-canvas "

@@ -15,14 +15,15 @@ from clients.api.errors import ScoremapError
 from clients.api.options import ScoreOptions
 from clients.batch.files import find_images
 from clients.batch.local import LocalScorer
+from clients.batch.ray_engine import LOCAL_CLUSTER_ENV
 from clients.batch.run import RESULTS_NAME, run_batch
 from clients.batch.score_cli import main
 from server.settings import Settings
 from tests.processes import pids_named
 from tests.tiny_models import patch_net
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported: Ray stays on loopback
-os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")  # as clients.batch.ray_engine: a loaded machine
+for name, value in LOCAL_CLUSTER_ENV.items():  # before ray is imported, as the product sets them
+    os.environ.setdefault(name, value)
 ray = pytest.importorskip("ray", reason="--engine ray needs the `ray` extra: pip install -e '.[ray]'")
 from clients.batch.ray_engine import (FILES_PER_BATCH, find_inputs, run_ray_batch,  # noqa: E402
                                       start_local_cluster)

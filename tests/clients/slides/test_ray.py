@@ -11,14 +11,15 @@ import pytest
 import zarr
 
 from clients.batch.local import LocalScorer
+from clients.batch.ray_engine import LOCAL_CLUSTER_ENV
 from clients.batch.score_cli import main
 from clients.slides.run import SlideOptions, score_file
 from tests.clients.slides.nets import ON_DEMAND
 from tests.clients.slides.test_run import mosaic, write_tiff
 from tests.processes import pids_named
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported: Ray stays on loopback
-os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")  # as clients.batch.ray_engine: a loaded machine
+for name, value in LOCAL_CLUSTER_ENV.items():  # before ray is imported, as the product sets them
+    os.environ.setdefault(name, value)
 ray = pytest.importorskip("ray", reason="--engine ray needs the `ray` extra: pip install -e '.[ray]'")
 from clients.batch.ray_engine import start_local_cluster  # noqa: E402
 from clients.slides.ray_scorer import RayTileScorer  # noqa: E402
