@@ -10,11 +10,13 @@ within `--max-queue-ms` at p99, their latency p99 within `--max-queue-ms` plus t
 load (their median latency outside the queue: contention slows the work itself, which no queue limit
 bounds), and at most 1% of them dropped after their decode (admitted, then found to have waited past
 the limit: work wasted on a refusal).
+Each open-loop arrival is new work (its own request_id), as independent users' photos are.
 Then clients that resend at once on any answer, refusals included (a naive retry loop, an HTTP load
-balancer: a closed loop that ignores the retry hint), 16 and 64 of them, against the same server (whose
-default refusal pace follows the calls it answers) and against one that answers every refusal at once
-(`--refusals-per-second 0 --refusals-per-answer 0`): goodput must stay >= 90% of capacity (issue 22,
-item 4), with the refusals answered per second and the server CPU each costs.
+balancer: a closed loop that ignores the retry hint), 16 and 64 of them, sending the same request again,
+against the same server (by default its refusals are paced by the calls it answers, and a resent request
+waits at the door for room) and against one that does neither (`UNPACED`: every refusal answered at once):
+goodput must stay >= 90% of capacity (issue 22, item 4), with the refusals answered per second and the
+server CPU each costs.
 The server runs without a per-peer call limit: one loopback address stands here for many clients.
 """
 
@@ -38,7 +40,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.models import converted
-from clients.api.options import ScoreOptions, build_request
+from clients.api.options import ScoreOptions, as_new_work, build_request
 from clients.api.settings import ClientSettings
 from clients.loadtest.latency import LevelReport, Sample, summarise
 from clients.loadtest.run import LevelPlan, LoadLimits, closed_loop
@@ -65,8 +67,10 @@ DROPPED_TARGET = 0.01  # of admitted requests
 RESEND_CLIENTS = (16, 64)  # closed loops that resend at once on a refusal
 RESEND_SECONDS = 20.0  # window per closed-loop level, after SETTLE_SECONDS
 REFERENCE_CLIENTS = CAPACITY_CLIENTS  # the closed loop with no refusals: the server CPU an answer costs
-UNPACED = ("--refusals-per-second", "0", "--refusals-per-answer", "0")  # every refusal answered at once
+UNPACED = ("--refusals-per-second", "0", "--refusals-per-answer", "0",  # every refusal answered at once,
+           "--resend-memory-seconds", "0")  # and no door
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+ESTIMATE_MIN_RATE = 100  # refusals/s below which a level's own CPU per refusal is lost in the answers' noise
 
 
 @dataclass(frozen=True)
@@ -254,7 +258,7 @@ def open_loop(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreReq
         if dropped_before is None and scheduled >= started + SETTLE_SECONDS:
             dropped_before = dropped_images(metrics_url)
         time.sleep(max(0.0, scheduled - time.perf_counter()))
-        call = stub.Score.future(job, timeout=TIMEOUT_S)
+        call = stub.Score.future(as_new_work(job, n), timeout=TIMEOUT_S)  # independent users' requests
         call.add_done_callback(functools.partial(done, scheduled))
     sent_until = time.perf_counter()
     if dropped_before is None:  # a level no longer than its settling time: an empty window
@@ -317,12 +321,13 @@ def verdicts(level: Level, capacity_rps: float, max_queue_ms: float) -> str:
 
 def resent_row(level: Resent, capacity_rps: float, cpu_per_answer_s: float) -> str:
     refused = level.refused_ms
-    cells = [f"{level.clients}", "paced (the defaults)" if level.paced else "unpaced",
+    cells = [f"{level.clients}", "the defaults" if level.paced else "unpaced, no door",
              f"{level.goodput:.2f}", f"{capacity_rps:.2f}", f"{100 * level.goodput / capacity_rps:.0f}%",
              f"{percentile(level.ok_ms, 50):.0f} / {percentile(level.ok_ms, 99):.0f}",
              f"{refused.size / level.seconds:.0f}", f"{percentile(refused, 50):.1f} / {percentile(refused, 99):.1f}",
              f"{level.hinted}/{refused.size}", f"{level.dropped}", f"{level.server_cpu_s / level.seconds:.2f}",
-             f"{level.cpu_per_refusal_ms(cpu_per_answer_s):.2f}", f"{level.client_cpu_s / level.seconds:.2f}",
+             f"{level.cpu_per_refusal_ms(cpu_per_answer_s):.2f}" if refused.size / level.seconds >= ESTIMATE_MIN_RATE
+             else "too few to tell", f"{level.client_cpu_s / level.seconds:.2f}",
              by_status(level.others)]
     return "| " + " | ".join(cells) + " |"
 
@@ -330,7 +335,8 @@ def resent_row(level: Resent, capacity_rps: float, cpu_per_answer_s: float) -> s
 def resent_verdict(level: Resent, capacity_rps: float, refusal_cpu_ms: float) -> str:
     goodput = level.goodput / capacity_rps
     said = "met" if goodput >= GOODPUT_TARGET else "missed"
-    server = "refusals paced (the defaults)" if level.paced else "every refusal answered at once"
+    server = "the defaults (paced refusals, resends at the door)" if level.paced else \
+        "every refusal answered at once, no door"
     rate = level.refused_ms.size / level.seconds
     return (f"- {level.clients} clients resending at once, {server}: goodput {100 * goodput:.0f}% of capacity "
             f"(target >= {100 * GOODPUT_TARGET:.0f}%: {said}); {rate:.0f} refusals/s, at {refusal_cpu_ms:.2f} ms "
@@ -361,12 +367,15 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
                                        server_pid=unpaced.pid, metrics_url=unpaced_metrics)}
                 reference = resend_at_once(job=job, clients=REFERENCE_CLIENTS, paced=True, seconds=resend_seconds,
                                            **servers[True])
-                resent, local = [], []  # each level, and the capacity measured on its server just before it
+                resent, local = [], []  # each level, and the capacity measured on its server before and after it
                 for clients in RESEND_CLIENTS:
                     for paced in (True, False, False, True):  # ABBA: drift cancels
-                        local.append(capacity(servers[paced]["stub"], job, seconds=capacity_seconds / 2).throughput_rps)
+                        level_stub = servers[paced]["stub"]
+                        before_level = capacity(level_stub, job, seconds=capacity_seconds / 2).throughput_rps
                         resent.append(resend_at_once(job=job, clients=clients, paced=paced, seconds=resend_seconds,
                                                      **servers[paced]))
+                        after_level = capacity(level_stub, job, seconds=capacity_seconds / 2).throughput_rps
+                        local.append((before_level, after_level))
         finally:
             for process in (server, unpaced):
                 process.terminate()
@@ -411,30 +420,33 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
         "",
         f"Closed loops whose callers send again as soon as they are answered, refusals included (the retry hint "
         f"ignored), each call's deadline {TIMEOUT_S:g} s, from one process on the same machine; {resend_seconds:g} s "
-        f"windows after {SETTLE_SECONDS:g} s, two per setting, in the order paced, unpaced, unpaced, paced. Paced: "
-        f"the defaults, --refusals-per-answer {defaults.refusals_per_answer:g}, --refusals-per-second "
-        f"{defaults.refusals_per_second:g}, --max-refusal-hold-ms {defaults.max_refusal_hold_ms:g}, "
-        f"--max-held-refusals {defaults.max_held_refusals}, --grpc-workers {defaults.grpc_workers}; unpaced: "
-        f"the same with {' '.join(UNPACED)}, every refusal answered at once. Capacity: each level's own, "
-        f"{REFERENCE_CLIENTS} clients' closed loop on its server for {capacity_seconds / 2:g} s just before it (the "
-        f"machine's pace drifts by 10% within minutes: {', '.join(f'{c:.1f}' for c in local)} requests/s). "
-        "Reference: {REFERENCE_CLIENTS} such clients on the "
+        f"windows after {SETTLE_SECONDS:g} s, two per setting, in the order defaults, unpaced, unpaced, defaults. "
+        f"The defaults: --refusals-per-answer {defaults.refusals_per_answer:g}, --refusals-per-second "
+        f"{defaults.refusals_per_second:g}, --resend-memory-seconds {defaults.resend_memory_seconds:g}, "
+        f"--max-refusal-hold-ms {defaults.max_refusal_hold_ms:g}, --max-held-refusals {defaults.max_held_refusals}, "
+        f"--grpc-workers {defaults.grpc_workers}; unpaced: the same with {' '.join(UNPACED)}, every refusal "
+        "answered at once and no door. Capacity: each level's own, the mean of "
+        f"{REFERENCE_CLIENTS} clients' closed loop on its server for {capacity_seconds / 2:g} s just before it and "
+        f"just after it (the machine's pace drifts by 10% within minutes; before / after: "
+        f"{', '.join(f'{b:.1f} / {a:.1f}' for b, a in local)} requests/s). "
+        f"Reference: {REFERENCE_CLIENTS} such clients on the "
         f"paced server, {reference.goodput:.2f} requests/s, {reference.refused_ms.size} refused, the server's CPU "
         f"{1000 * cpu_per_answer_s:.0f} ms per answer.",
         "",
-        "| clients | server | goodput req/s | capacity just before | of capacity | OK p50 / p99 ms | refusals/s | refusal p50 / p99 ms "
+        "| clients | server | goodput req/s | capacity around it | of capacity | OK p50 / p99 ms | refusals/s | refusal p50 / p99 ms "
         "| retry hint | dropped after decode | server CPU s/s | server CPU per refusal ms | load generator CPU s/s "
         "| other errors |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        *(resent_row(level, rps, cpu_per_answer_s) for level, rps in zip(resent, local)),
+        *(resent_row(level, statistics.mean(rps), cpu_per_answer_s) for level, rps in zip(resent, local)),
         "",
-        *(resent_verdict(level, rps, refusal_cpu_ms) for level, rps in zip(resent, local)),
+        *(resent_verdict(level, statistics.mean(rps), refusal_cpu_ms) for level, rps in zip(resent, local)),
         "",
         "Server CPU: the server process's user + system time over the window (/proc/PID/stat). Per refusal: that, "
         "less the OK answers' cost at the reference level (its CPU per answer, no refusals there), divided by the "
         "refusals: an estimate, as contention changes what an answer costs; with tens of refusals a second it is "
         f"within that noise, so the lines above use the unpaced levels' mean, {refusal_cpu_ms:.2f} ms. Refusal "
-        "latency includes the hold, and for a request dropped after its decode its time in the queue too. "
+        "latency includes the hold, and for a request dropped after its decode its time in the queue too; OK "
+        "latency includes the wait at the door. "
         f"Load generator CPU: this process's, sharing the server's {os.cpu_count()} cores.",
     ])
 

@@ -43,6 +43,7 @@ import collections
 import contextlib
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -79,6 +80,7 @@ TRIM_AFTER_BYTES = 256 * 2**20  # host memory held by requests since the last tr
 BURST_SECONDS = 1.0  # a second's worth of refusals at the pace is answered at once: an honest burst is never held
 ANSWER_WINDOW_SECONDS = 1.0  # the refusal pace follows the calls answered over this window
 ANSWER_MARGIN_SECONDS = 0.05  # a held refusal is answered this long before its call's deadline, to arrive in time
+REMEMBERED_REFUSALS = 4096  # refused requests' keys the refusal pacer remembers at most, the oldest forgotten first
 
 
 def available_memory_bytes() -> int | None:
@@ -182,69 +184,112 @@ class HostBudget:
 
 
 class RefusalPacer:
-    """When transient refusals are answered: one per server, shared by its edges (issue 22, item 4).
+    """How the server slows callers it refuses: one per server, shared by its edges (issue 22, item 4).
 
     A client that resends at once on a refusal (a naive retry loop, an HTTP load balancer) ignores the
-    retry hint, and each refusal still costs a call's server CPU under the one GIL: 64 such clients were
-    refused 1,230 times a second, and goodput fell to 13%. An open loop refused as fast does not resend,
-    and its refusals must stay fast (issue 10: median < 5 ms at 5x capacity), so the pace follows what
-    the server answers: refusals are answered at once up to `per_answer` times the calls answered over
-    the last second, and never below `floor` a second (bursts of a second's worth: a generic cell rate
-    algorithm). An open loop up to (1 + `per_answer`) times capacity is refused at once; beyond that
-    pace each refusal is held for its turn, so a resending client is slowed to its turn. A hold lasts at
-    most `max_hold` seconds and ends before the call's deadline; at most `max_held` refusals are held at
-    once (each holds the edge's thread or task), beyond that a refusal is answered at once. Transport-free;
-    an edge calls `answered()` for each call answered OK, and for a refusal does
+    retry hint, and each refusal still costs a call's server CPU under the one GIL, which inference
+    needs: 64 such clients were refused 1,230 times a second, and goodput fell to 13%. Two measures:
 
-        with pacer.hold(deadline=deadline) as seconds:  # 0.0: answer now
+    - Refusals are paced. An open loop refused as fast does not resend, and its refusals must stay fast
+      (issue 10: median < 5 ms at 5x capacity), so the pace follows what the server answers: refusals
+      are answered at once up to `per_answer` times the calls answered over the last second, and never
+      below `floor` a second (bursts of a second's worth: a generic cell rate algorithm). Beyond that
+      pace each refusal is held for its turn, at most `max_hold` seconds and never past its deadline.
+    - Resends wait at the door. A request the server refused in the last `resend_memory` seconds that
+      comes again, byte for byte (its `key`), while the server is refusing, waits until an answer frees a
+      place (the oldest such waiter first; a place freed since the last refusal with no one waiting is
+      taken at once), at most `max_hold` seconds, and only then goes on to be admitted or refused. Paced
+      refusals alone still answered 6 a call to clients that came straight back (a fifth of a 2-core
+      machine's capacity lost); at the door such clients wait for room instead, as in a queue.
+
+    At most `max_held` calls are held at once, at the door or for a turn (each holds the edge's thread or
+    task); beyond that a call goes on, or is refused, at once. Transport-free; an edge calls `answered()`
+    for each call answered OK, and does
+
+        with pacer.door(key, wake=event.set, deadline=deadline) as seconds:  # 0.0: go on now
+            wait up to `seconds` for the event, set by `wake` or when the call is cancelled
+        ... and for a transient refusal:
+        with pacer.hold(key, deadline=deadline) as seconds:  # 0.0: answer now
             wait up to `seconds`, waking early when the call is cancelled
         answer the refusal, with its retry hint
     """
 
-    def __init__(self, *, per_answer: float, floor: float, max_hold: float, max_held: int) -> None:
+    def __init__(self, *, per_answer: float, floor: float, max_hold: float, max_held: int,
+                 resend_memory: float = 0.0) -> None:
         self.per_answer = per_answer
         self.floor = floor  # per_answer and floor both 0: never held
         self.max_hold = max_hold
         self.max_held = max_held
+        self.resend_memory = resend_memory  # 0: no door
         self._next = 0.0  # when the next refusal at the pace is due (the algorithm's theoretical arrival time)
         self._held = 0
         self._answers: collections.deque[float] = collections.deque()  # when calls were answered, the last second
+        self._refused: dict[Hashable, float] = {}  # the keys of requests refused, when, oldest first
+        self._last_refusal = -math.inf
+        self._door: collections.deque[Callable[[], None]] = collections.deque()  # waiting resends, oldest first
+        self._room = 0  # places answers freed since the last refusal that no waiting resend took
         self._lock = threading.Lock()
 
     @classmethod
     def for_settings(cls, settings: Settings) -> RefusalPacer:
         return cls(per_answer=settings.refusals_per_answer, floor=settings.refusals_per_second,
-                   max_hold=settings.max_refusal_hold_ms / 1000, max_held=settings.max_held_refusals)
+                   max_hold=settings.max_refusal_hold_ms / 1000, max_held=settings.max_held_refusals,
+                   resend_memory=settings.resend_memory_seconds)
 
     def answered(self) -> None:
-        """A call was answered OK: the pace follows these."""
-        if self.per_answer:
-            with self._lock:
-                now = time.monotonic()
-                self._answers.append(now)
-                self._forget_answers(now)
+        """A call was answered OK: the pace follows these, and a place is free for the oldest resend waiting."""
+        with self._lock:
+            now = time.monotonic()
+            self._answers.append(now)
+            self._forget(now)
+            if self._door:
+                self._door.popleft()()
+            else:
+                self._room += 1
 
     def pace(self, now: float) -> float:
         """Refusals a second answered at once now (0: never held); call under the lock."""
-        self._forget_answers(now)
         return max(self.floor, self.per_answer * len(self._answers) / ANSWER_WINDOW_SECONDS)
 
-    def _forget_answers(self, now: float) -> None:
-        """Drop the answers older than the window (under the lock), so a server that never refuses keeps
-        one window's worth."""
+    def _forget(self, now: float) -> None:
+        """Drop the answers older than their window, and the refused keys older than `resend_memory` or
+        beyond REMEMBERED_REFUSALS (under the lock): a server that never refuses keeps a window's answers."""
         while self._answers and self._answers[0] <= now - ANSWER_WINDOW_SECONDS:
             self._answers.popleft()
+        while self._refused:
+            key, when = next(iter(self._refused.items()))
+            if when > now - self.resend_memory and len(self._refused) <= REMEMBERED_REFUSALS:
+                break
+            del self._refused[key]
 
     @property
     def held(self) -> int:
-        """Refusals being held now."""
+        """Calls being held now, at the door or for their turn."""
         with self._lock:
             return self._held
 
-    def _take(self, deadline: float | None) -> float:
-        """This refusal's hold in seconds, counted among the held when above 0."""
+    @property
+    def refusing(self) -> bool:
+        """A request was refused in the last second: only then may a call wait at the door (so an edge
+        need not work out a call's key before)."""
+        return self._last_refusal > time.monotonic() - ANSWER_WINDOW_SECONDS
+
+    def _bounded(self, seconds: float, now: float, deadline: float | None) -> float:
+        seconds = min(seconds, self.max_hold)
+        if deadline is not None:
+            seconds = min(seconds, max(deadline - now - ANSWER_MARGIN_SECONDS, 0.0))
+        return seconds
+
+    def _take(self, key: Hashable | None, deadline: float | None) -> float:
+        """This refusal's hold in seconds, counted among the held when above 0; `key` remembered."""
         with self._lock:
             now = time.monotonic()
+            self._last_refusal = now
+            self._room = 0  # there was none for this call
+            if key is not None and self.resend_memory:
+                self._refused.pop(key, None)
+                self._refused[key] = now
+            self._forget(now)
             pace = self.pace(now)
             if not pace:
                 return 0.0
@@ -253,24 +298,56 @@ class RefusalPacer:
                 return 0.0  # no thread to hold it on: answered at once, outside the pace
             if wait <= self.max_hold:  # its turn is within the bound: it takes that turn
                 self._next = max(self._next, now) + 1 / pace
-            seconds = min(wait, self.max_hold)
-            if deadline is not None:
-                seconds = min(seconds, max(deadline - now - ANSWER_MARGIN_SECONDS, 0.0))
+            seconds = self._bounded(wait, now, deadline)
             if seconds:
                 self._held += 1
             return seconds
 
     @contextlib.contextmanager
-    def hold(self, *, deadline: float | None = None) -> Iterator[float]:
-        """The seconds to hold this refusal before answering it (0.0: at once); `deadline` a time.monotonic()
-        instant. The hold counts among the held until the block ends."""
-        seconds = self._take(deadline)
+    def hold(self, key: Hashable | None = None, *, deadline: float | None = None) -> Iterator[float]:
+        """The seconds to hold this refusal of the request `key` (None: not one to recognise again) before
+        answering it (0.0: at once); `deadline` a time.monotonic() instant. The hold counts among the held
+        until the block ends."""
+        seconds = self._take(key, deadline)
         try:
             yield seconds
         finally:
             if seconds:
                 with self._lock:
                     self._held -= 1
+
+    def _enter(self, key: Hashable, wake: Callable[[], None], deadline: float | None) -> float:
+        """The seconds a call of request `key` waits at the door (0.0: none), `wake` queued when above 0."""
+        with self._lock:
+            now = time.monotonic()
+            self._forget(now)
+            when = self._refused.get(key)
+            if (when is None or not self._answers or self._last_refusal <= now - ANSWER_WINDOW_SECONDS
+                    or self._held >= self.max_held):
+                return 0.0  # not a resend, no answer to wait for, no refusals now, or no thread to hold it on
+            if self._room:
+                self._room -= 1
+                return 0.0  # an answer freed a place since the last refusal: it goes to take it
+            seconds = self._bounded(self.max_hold, now, deadline)
+            if seconds:
+                self._held += 1
+                self._door.append(wake)
+            return seconds
+
+    @contextlib.contextmanager
+    def door(self, key: Hashable, *, wake: Callable[[], None], deadline: float | None = None) -> Iterator[float]:
+        """The seconds a call of request `key` waits for room before it goes on (0.0: at once), during which
+        `wake` is called (under the pacer's lock: it must only signal) when an answer frees a place for it.
+        The wait counts among the held until the block ends."""
+        seconds = self._enter(key, wake, deadline)
+        try:
+            yield seconds
+        finally:
+            if seconds:
+                with self._lock:
+                    self._held -= 1
+                    with contextlib.suppress(ValueError):
+                        self._door.remove(wake)  # its wait ended before an answer woke it
 
 
 class Admission:

@@ -16,11 +16,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -55,9 +56,9 @@ class Call:
     """One RPC as plain values: its deadline (time.monotonic), a flag set when it ends or is cancelled,
     and the loaded model it concerns once known (a stream: its first request's), for the metrics."""
 
-    def __init__(self, context: grpc.ServicerContext) -> None:
+    def __init__(self, context: grpc.ServicerContext, cancelled: threading.Event | None = None) -> None:
         self.model = NO_MODEL
-        self.cancelled = threading.Event()
+        self.cancelled = threading.Event() if cancelled is None else cancelled
         context.add_callback(self.cancelled.set)
         remaining = context.time_remaining()
         self.deadline = time.monotonic() + remaining if remaining is not None else None
@@ -120,6 +121,7 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
             if code == grpc.StatusCode.OK and not context.is_active():
                 code = ended(context)  # the call ended before its answer: the request iterator just stopped
             if code == grpc.StatusCode.OK:
+                self.limits.leave(context)  # its place is free before the answer lets a resend in to take it
                 self.limits.pacer.answered()
             self.metrics.in_flight.dec()
             self.metrics.count_request(method, code.name, call.model)
@@ -302,7 +304,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
 
 @contextlib.contextmanager
-def denied(context: grpc.ServicerContext) -> Iterator[None]:
+def denied(context: grpc.ServicerContext, _request: Message | None) -> Iterator[None]:
     context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token: send metadata "
                   "`authorization: Bearer <token>`")
     yield  # never reached: abort raises
@@ -317,10 +319,10 @@ class CallLimits(grpc.ServerInterceptor):
     `total` leaves free always answer probes (`PROBES`, exempt here) and refusals. The client's
     address is known only inside the call (`context.peer()`), hence the check there, not here.
 
-    Transient refusals, these and the servicer's, are answered at `pacer`'s pace (issue 22, item 4):
-    a refusal to hold gives its worker place back first and waits on a thread of the pool's own
-    (`--max-held-refusals` of them beyond `--grpc-workers`), so held refusals never take the places of
-    calls being scored, nor the reserved workers.
+    Calls are slowed by `pacer` (issue 22, item 4): a resent request waits at its door before it takes a
+    place, and transient refusals, these and the servicer's, are answered at its pace. Either wait is on
+    a thread of the pool's own (`--max-held-refusals` of them beyond `--grpc-workers`), out of any worker
+    place, so held calls never take the places of calls being scored, nor the reserved workers.
     """
 
     def __init__(self, *, total: int, per_peer: int, metrics: Metrics, pacer: RefusalPacer) -> None:
@@ -329,6 +331,7 @@ class CallLimits(grpc.ServerInterceptor):
         self.pacer = pacer
         self._lock = threading.Lock()
         self._places: dict[grpc.ServicerContext, Callable[[], None]] = {}  # each call's slot, to give back
+        self._keys: dict[grpc.ServicerContext, Callable[[], Hashable | None]] = {}  # each call's resend key
 
     def intercept_service(
         self,
@@ -342,13 +345,19 @@ class CallLimits(grpc.ServerInterceptor):
         return guarded(handler, functools.partial(self._slot, method=method))
 
     @contextlib.contextmanager
-    def _slot(self, context: grpc.ServicerContext, *, method: str) -> Iterator[None]:
+    def _slot(self, context: grpc.ServicerContext, request: Message | None, *, method: str) -> Iterator[None]:
+        key = functools.partial(resend_key, method, request)
+        if request is not None and self.pacer.refusing:
+            woken = threading.Event()
+            with self.pacer.door(key(), wake=woken.set, deadline=Call(context, woken).deadline) as seconds:
+                woken.wait(seconds)
+        with self._lock:
+            self._keys[context] = key
         try:
             give_back = self._slots.take(client_address(context.peer()))
         except ScoringError as error:
             self._metrics.count_request(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-            remaining = context.time_remaining()
-            self.hold(context, deadline=time.monotonic() + remaining if remaining is not None else None)
+            self.hold(context, deadline=Call(context).deadline)
             refuse(context, error)
         with self._lock:
             self._places[context] = give_back
@@ -357,23 +366,31 @@ class CallLimits(grpc.ServerInterceptor):
         finally:
             self.leave(context)
 
-    def leave(self, context: grpc.ServicerContext) -> None:
-        """Give back the call's place, once (a held refusal gives it back before its hold)."""
+    def leave(self, context: grpc.ServicerContext) -> Callable[[], Hashable | None]:
+        """Give back the call's place, once (a held refusal gives it back before its hold); its resend key."""
         with self._lock:
             give_back = self._places.pop(context, None)
+            key = self._keys.pop(context, None)
         if give_back is not None:
             give_back()
+        return key or (lambda: None)
+
     def hold(self, context: grpc.ServicerContext, *, deadline: float | None,
              cancelled: threading.Event | None = None) -> None:
         """Hold a transient refusal for its turn at the refusal pace, out of its worker place; a call that is
         cancelled or ends meanwhile stops waiting (`cancelled`: the event its end sets, if it has one)."""
-        self.leave(context)
-        with self.pacer.hold(deadline=deadline) as seconds:
+        key = self.leave(context)()
+        with self.pacer.hold(key, deadline=deadline) as seconds:
             if seconds:
                 if cancelled is None:
                     cancelled = threading.Event()
                     context.add_callback(cancelled.set)
                 cancelled.wait(seconds)
+
+
+def resend_key(method: str, request: Message | None) -> Hashable | None:
+    """What a request sent again is recognised by: its method and bytes (None: a stream's, never recognised)."""
+    return None if request is None else hash((method, request.SerializeToString(deterministic=True)))
 
 
 def client_address(peer: str) -> str:
@@ -387,9 +404,11 @@ def client_address(peer: str) -> str:
 
 
 def guarded(
-    handler: grpc.RpcMethodHandler, guard: Callable[[grpc.ServicerContext], contextlib.AbstractContextManager]
+    handler: grpc.RpcMethodHandler,
+    guard: Callable[[grpc.ServicerContext, Message | None], contextlib.AbstractContextManager],
 ) -> grpc.RpcMethodHandler:
-    """`handler` with its behaviour run inside `guard(context)`, which may abort the call on entry."""
+    """`handler` with its behaviour run inside `guard(context, request)`, which may abort the call on entry
+    (`request`: the call's one request, None for a stream of them)."""
     serializers = {
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
@@ -398,7 +417,7 @@ def guarded(
         behaviour = handler.unary_unary or handler.stream_unary
 
         def unary(request, context):
-            with guard(context):
+            with guard(context, None if handler.request_streaming else request):
                 return behaviour(request, context)
 
         if handler.request_streaming:
@@ -407,7 +426,7 @@ def guarded(
     behaviour = handler.unary_stream or handler.stream_stream
 
     def streaming(request, context):
-        with guard(context):
+        with guard(context, None if handler.request_streaming else request):
             yield from behaviour(request, context)
 
     if handler.request_streaming:

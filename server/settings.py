@@ -91,6 +91,11 @@ class ServiceEdge:
         64, "refusals held at once, each waiting on a thread of its own beyond --grpc-workers and counted "
         "beyond --max-concurrent-rpcs (so probes and new calls still get in); beyond it a refusal is answered "
         "at once", parse=number_in(int, 0), metavar="N")
+    resend_memory_seconds: float = setting(
+        10.0, "a request refused this recently that comes again, byte for byte, while the server is refusing, "
+        "waits until an answer frees a place (at most --max-refusal-hold-ms, counted in --max-held-refusals) "
+        "instead of being refused again at once: clients that resend at once wait as in a queue (issue 22, "
+        "item 4; 0: every call goes straight on)", parse=number_in(float, 0), metavar="SECONDS")
     stream_window: int = setting(4, "requests of one ScoreStream scored at once (answers stay in order)",
                                  parse=COUNT, metavar="N")
     stream_idle_seconds: float = setting(

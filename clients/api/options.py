@@ -67,3 +67,15 @@ def build_request(image: ImageLike, options: ScoreOptions, *, request_id: str = 
         request_id=request_id,
         **image_fields(image),
     )
+
+
+def as_new_work(request: scoring_pb2.ScoreRequest, number: int) -> scoring_pb2.ScoreRequest:
+    """`request` sent as new work, the `number`th: a request_id of its own (its own, then `#number`).
+
+    A server recognises a request sent again byte for byte as a resend, and may hold it until there is
+    room (scoremap-serve --resend-memory-seconds); a load generator's arrivals are new work each.
+    """
+    arrival = scoring_pb2.ScoreRequest()
+    arrival.CopyFrom(request)
+    arrival.request_id = f"{request.request_id}#{number}"
+    return arrival

@@ -38,7 +38,7 @@ import numpy as np
 from clients.api.client import ScoremapClient, is_loopback, open_channel
 from clients.api.errors import ScoremapError
 from clients.api.images import open_photo
-from clients.api.options import SHIFTS, ScoreOptions, build_request
+from clients.api.options import SHIFTS, ScoreOptions, as_new_work, build_request
 from clients.api.settings import MIN_TIMEOUT_S, ClientSettings, env_token
 from clients.batch.files import find_images
 from clients.loadtest.latency import LevelReport, Sample, format_table, stable, summarise, to_csv, to_json
@@ -176,7 +176,7 @@ class _Traffic:
             return len(self.sent_at) - 1
 
     def _send(self, n: int, scheduled: float, on_done=None) -> grpc.Future:
-        call = self.stub.Score.future(self.requests[n % len(self.requests)], timeout=self.timeout_s,
+        call = self.stub.Score.future(as_new_work(self.requests[n % len(self.requests)], n), timeout=self.timeout_s,
                                       metadata=self.metadata)
         with self.lock:
             self.calls.add(call)

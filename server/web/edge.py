@@ -12,6 +12,7 @@ once inflated, for a compressed one) and how long it may stop arriving (408).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hmac
@@ -20,7 +21,7 @@ import math
 import threading
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 
 import anyio
@@ -28,6 +29,7 @@ from fastapi import Request
 from fastapi.exceptions import HTTPException
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import FormData
+from starlette.requests import ClientDisconnect
 from starlette.types import Message
 
 from protos import scoring_pb2
@@ -104,6 +106,7 @@ class Edge:
         self._slots = CallSlots(total=self.settings.scoring_workers, per_peer=self.settings.max_calls_per_peer)
         # Scoring waits on its batch in a thread; the limits above keep it within this many.
         self._threads = anyio.CapacityLimiter(self.settings.scoring_workers)
+        self._keying = anyio.CapacityLimiter(self.settings.max_held_refusals)  # bodies read outside a place
 
     @property
     def ready(self) -> bool:
@@ -133,6 +136,8 @@ class Edge:
                 return JSONResponse({"error": "missing or wrong bearer token: send the header "
                                      "`Authorization: Bearer <token>`", "code": UNAUTHENTICATED},
                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            if not probe and self.scoring.limits.pacer.refusing:
+                await self._door(method, request)
             with contextlib.nullcontext() if probe else self._slots.held(peer):
                 if self.scoring.draining.is_set() and not probe:
                     raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down; retry on another replica")
@@ -140,7 +145,11 @@ class Edge:
         except ScoringError as error:
             code = error.refusal.name
             if error.retry_after_seconds is not None:  # transient: answered at the server's refusal pace, as gRPC's
-                with self.scoring.limits.pacer.hold(deadline=call.deadline) as seconds:
+                key = None
+                if not probe:
+                    with contextlib.suppress(ScoringError, ClientDisconnect):  # its body's trouble: still refused
+                        key = await self._resend_key(method, request)
+                with self.scoring.limits.pacer.hold(key, deadline=call.deadline) as seconds:
                     if seconds:
                         await anyio.sleep(seconds)
             return error_response(error)
@@ -154,6 +163,28 @@ class Edge:
                 self.scoring.limits.pacer.answered()
             self.metrics.in_flight.dec()
             self.metrics.count_request(METHOD_PREFIX + method, code, call.model)
+
+    async def _resend_key(self, method: str, request: Request) -> Hashable | None:
+        """What a request sent again is recognised by, as gRPC's: its method, path, query and body (None when
+        --max-held-refusals bodies are being read for this already: the bodies read outside a scoring place
+        are bounded, and such a call goes on unrecognised)."""
+        if not self._keying.available_tokens:
+            return None
+        async with self._keying:
+            body = await self._limited(request).body()  # its trouble (too large, too slow) is the call's answer
+        return hash((method, request.url.path, request.url.query, body))
+
+    async def _door(self, method: str, request: Request) -> None:
+        """A resent request waits for room while the server is refusing (server.admission.RefusalPacer.door)."""
+        key = await self._resend_key(method, request)
+        if key is None:
+            return
+        woken, loop = asyncio.Event(), asyncio.get_running_loop()
+        wake = functools.partial(loop.call_soon_threadsafe, woken.set)
+        with self.scoring.limits.pacer.door(key, wake=wake) as seconds:
+            if seconds:
+                with anyio.move_on_after(seconds):
+                    await woken.wait()
 
     async def score(self, call: HttpCall, request: scoring_pb2.ScoreRequest) -> scoring_pb2.ScoreResponse:
         """The pipeline's answer, computed in a worker thread; cancelled when the client goes away."""
@@ -190,7 +221,10 @@ class Edge:
 
     def _limited(self, request: Request) -> Request:
         """`request` whose body is refused past `--max-message-bytes`: at once when its Content-Length says
-        so, else as soon as the bytes received pass it, so an oversized upload is never held whole."""
+        so, else as soon as the bytes received pass it, so an oversized upload is never held whole. One per
+        call (kept in its state), so the body read at the door is the one the route reads."""
+        if hasattr(request.state, "limited"):
+            return request.state.limited
         limit = self.settings.max_message_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -212,7 +246,8 @@ class Edge:
                 raise self._too_large(f"more than {limit}")
             return message
 
-        return Request(request.scope, receive)
+        request.state.limited = Request(request.scope, receive)
+        return request.state.limited
 
     async def body(self, request: Request) -> bytes:
         """The whole body within `--max-message-bytes`; one sent compressed (Content-Encoding gzip or deflate,
@@ -236,9 +271,12 @@ class Edge:
         return inflated
 
     async def form(self, request: Request) -> FormData:
-        """The multipart form, within `--max-message-bytes` (files spool to disk past 1 MiB, as Starlette does)."""
+        """The multipart form, within `--max-message-bytes`, parsed from the body read whole (and kept: a
+        refusal recognises the same form sent again by it)."""
+        limited = self._limited(request)
+        await limited.body()
         try:
-            return await self._limited(request).form(max_files=1, max_fields=MAX_FORM_FIELDS)
+            return await limited.form(max_files=1, max_fields=MAX_FORM_FIELDS)
         except HTTPException as error:  # python-multipart's complaint about the form
             raise ScoringError(Refusal.INVALID_ARGUMENT, f"the multipart form is malformed: {error.detail}") from None
 
