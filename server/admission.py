@@ -197,8 +197,8 @@ class RefusalPacer:
       pace each refusal is held for its turn, at most `max_hold` seconds and never past its deadline.
     - Resends wait at the door. A request the server refused in the last `resend_memory` seconds that
       comes again, byte for byte (its `key`), while the server is refusing, waits until an answer frees a
-      place (the oldest such waiter first; a place freed since the last refusal with no one waiting is
-      taken at once), at most `max_hold` seconds, and only then goes on to be admitted or refused. Paced
+      place (the oldest such waiter first; a place freed after the last refusal was found, with no one
+      waiting, is taken at once), at most `max_hold` seconds, and only then goes on to be admitted or refused. Paced
       refusals alone still answered 6 a call to clients that came straight back (a fifth of a 2-core
       machine's capacity lost); at the door such clients wait for room instead, as in a queue.
 
@@ -227,7 +227,7 @@ class RefusalPacer:
         self._refused: dict[Hashable, float] = {}  # the keys of requests refused, when, oldest first
         self._last_refusal = -math.inf
         self._door: collections.deque[Callable[[], None]] = collections.deque()  # waiting resends, oldest first
-        self._room = 0  # places answers freed since the last refusal that no waiting resend took
+        self._freed: collections.deque[float] = collections.deque()  # when answers freed places no resend took
         self._lock = threading.Lock()
 
     @classmethod
@@ -245,7 +245,7 @@ class RefusalPacer:
             if self._door:
                 self._door.popleft()()
             else:
-                self._room += 1
+                self._freed.append(now)
 
     def pace(self, now: float) -> float:
         """Refusals a second answered at once now (0: never held); call under the lock."""
@@ -256,6 +256,8 @@ class RefusalPacer:
         beyond REMEMBERED_REFUSALS (under the lock): a server that never refuses keeps a window's answers."""
         while self._answers and self._answers[0] <= now - ANSWER_WINDOW_SECONDS:
             self._answers.popleft()
+        while self._freed and self._freed[0] <= now - ANSWER_WINDOW_SECONDS:
+            self._freed.popleft()
         while self._refused:
             key, when = next(iter(self._refused.items()))
             if when > now - self.resend_memory and len(self._refused) <= REMEMBERED_REFUSALS:
@@ -280,12 +282,13 @@ class RefusalPacer:
             seconds = min(seconds, max(deadline - now - ANSWER_MARGIN_SECONDS, 0.0))
         return seconds
 
-    def _take(self, key: Hashable | None, deadline: float | None) -> float:
+    def _take(self, key: Hashable | None, deadline: float | None, decided: float | None) -> float:
         """This refusal's hold in seconds, counted among the held when above 0; `key` remembered."""
         with self._lock:
             now = time.monotonic()
             self._last_refusal = now
-            self._room = 0  # there was none for this call
+            while self._freed and self._freed[0] <= (now if decided is None else decided):
+                self._freed.popleft()  # there was no room when it was refused: those places were taken
             if key is not None and self.resend_memory:
                 self._refused.pop(key, None)
                 self._refused[key] = now
@@ -304,11 +307,12 @@ class RefusalPacer:
             return seconds
 
     @contextlib.contextmanager
-    def hold(self, key: Hashable | None = None, *, deadline: float | None = None) -> Iterator[float]:
+    def hold(self, key: Hashable | None = None, *, deadline: float | None = None,
+             decided: float | None = None) -> Iterator[float]:
         """The seconds to hold this refusal of the request `key` (None: not one to recognise again) before
-        answering it (0.0: at once); `deadline` a time.monotonic() instant. The hold counts among the held
-        until the block ends."""
-        seconds = self._take(key, deadline)
+        answering it (0.0: at once); `deadline` a time.monotonic() instant, `decided` when it was found (by
+        default now). The hold counts among the held until the block ends."""
+        seconds = self._take(key, deadline, decided)
         try:
             yield seconds
         finally:
@@ -325,9 +329,9 @@ class RefusalPacer:
             if (when is None or not self._answers or self._last_refusal <= now - ANSWER_WINDOW_SECONDS
                     or self._held >= self.max_held):
                 return 0.0  # not a resend, no answer to wait for, no refusals now, or no thread to hold it on
-            if self._room:
-                self._room -= 1
-                return 0.0  # an answer freed a place since the last refusal: it goes to take it
+            if self._freed:
+                self._freed.popleft()
+                return 0.0  # an answer freed a place after the last refusal was found: it goes to take it
             seconds = self._bounded(self.max_hold, now, deadline)
             if seconds:
                 self._held += 1

@@ -10,6 +10,7 @@ status code: gRPC's (`ScoringError.code`, used by service.py and kserve.py) and 
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -87,18 +88,23 @@ class ScoringError(Exception):
 
     `retry_after_seconds` is set only on transient refusals (a full queue, a wait longer than the
     deadline, a server warming up): the servicer sends it as `RETRY_AFTER_KEY` trailing metadata.
+    `decided` is when it was found (time.monotonic()): a refusal says there was no room then, not when
+    its edge gets to answer it.
     """
 
-    def __init__(self, refusal: Refusal, message: str, *, retry_after_seconds: float | None = None) -> None:
+    def __init__(self, refusal: Refusal, message: str, *, retry_after_seconds: float | None = None,
+                 decided: float | None = None) -> None:
         super().__init__(message)
         self.refusal = refusal
         self.message = message
         self.retry_after_seconds = retry_after_seconds
+        self.decided = time.monotonic() if decided is None else decided
 
     def detached(self) -> ScoringError:
         """The same refusal with no traceback or cause: safe to keep or raise again, where a raised one's
         frames would keep the request's arrays alive (a reference cycle, freed only by the collector)."""
-        return ScoringError(self.refusal, self.message, retry_after_seconds=self.retry_after_seconds)
+        return ScoringError(self.refusal, self.message, retry_after_seconds=self.retry_after_seconds,
+                            decided=self.decided)
 
     @property
     def code(self) -> grpc.StatusCode:

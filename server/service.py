@@ -106,7 +106,7 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
         except ScoringError as error:
             code = error.code
             if error.retry_after_seconds is not None:
-                self.limits.hold(context, deadline=call.deadline, cancelled=call.cancelled)
+                self.limits.hold(context, error, deadline=call.deadline, cancelled=call.cancelled)
             refuse(context, error)
         except (grpc.RpcError, GeneratorExit):
             # A stream's call ended under it (the client cancelled or the deadline passed): reading its
@@ -357,7 +357,7 @@ class CallLimits(grpc.ServerInterceptor):
             give_back = self._slots.take(client_address(context.peer()))
         except ScoringError as error:
             self._metrics.count_request(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-            self.hold(context, deadline=Call(context).deadline)
+            self.hold(context, error, deadline=Call(context).deadline)
             refuse(context, error)
         with self._lock:
             self._places[context] = give_back
@@ -375,12 +375,12 @@ class CallLimits(grpc.ServerInterceptor):
             give_back()
         return key or (lambda: None)
 
-    def hold(self, context: grpc.ServicerContext, *, deadline: float | None,
+    def hold(self, context: grpc.ServicerContext, refusal: ScoringError, *, deadline: float | None,
              cancelled: threading.Event | None = None) -> None:
         """Hold a transient refusal for its turn at the refusal pace, out of its worker place; a call that is
         cancelled or ends meanwhile stops waiting (`cancelled`: the event its end sets, if it has one)."""
         key = self.leave(context)()
-        with self.pacer.hold(key, deadline=deadline) as seconds:
+        with self.pacer.hold(key, deadline=deadline, decided=refusal.decided) as seconds:
             if seconds:
                 if cancelled is None:
                     cancelled = threading.Event()

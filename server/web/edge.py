@@ -149,7 +149,7 @@ class Edge:
                 if not probe:
                     with contextlib.suppress(ScoringError, ClientDisconnect):  # its body's trouble: still refused
                         key = await self._resend_key(method, request)
-                with self.scoring.limits.pacer.hold(key, deadline=call.deadline) as seconds:
+                with self.scoring.limits.pacer.hold(key, deadline=call.deadline, decided=error.decided) as seconds:
                     if seconds:
                         await anyio.sleep(seconds)
             return error_response(error)
