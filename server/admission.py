@@ -306,19 +306,12 @@ class RefusalPacer:
                 self._held += 1
             return seconds
 
-    @contextlib.contextmanager
     def hold(self, key: Hashable | None = None, *, deadline: float | None = None,
-             decided: float | None = None) -> Iterator[float]:
+             decided: float | None = None) -> contextlib.AbstractContextManager[float]:
         """The seconds to hold this refusal of the request `key` (None: not one to recognise again) before
         answering it (0.0: at once); `deadline` a time.monotonic() instant, `decided` when it was found (by
         default now). The hold counts among the held until the block ends."""
-        seconds = self._take(key, deadline, decided)
-        try:
-            yield seconds
-        finally:
-            if seconds:
-                with self._lock:
-                    self._held -= 1
+        return self._counted(self._take(key, deadline, decided))
 
     def _enter(self, key: Hashable, wake: Callable[[], None], deadline: float | None) -> float:
         """The seconds a call of request `key` waits at the door (0.0: none), `wake` queued when above 0."""
@@ -338,20 +331,26 @@ class RefusalPacer:
                 self._door.append(wake)
             return seconds
 
-    @contextlib.contextmanager
-    def door(self, key: Hashable, *, wake: Callable[[], None], deadline: float | None = None) -> Iterator[float]:
+    def door(self, key: Hashable, *, wake: Callable[[], None],
+             deadline: float | None = None) -> contextlib.AbstractContextManager[float]:
         """The seconds a call of request `key` waits for room before it goes on (0.0: at once), during which
         `wake` is called (under the pacer's lock: it must only signal) when an answer frees a place for it.
         The wait counts among the held until the block ends."""
-        seconds = self._enter(key, wake, deadline)
+        return self._counted(self._enter(key, wake, deadline), wake)
+
+    @contextlib.contextmanager
+    def _counted(self, seconds: float, wake: Callable[[], None] | None = None) -> Iterator[float]:
+        """`seconds` of holding, counted among the held (when above 0) until the block ends; then `wake`
+        leaves the door, if no answer took it first."""
         try:
             yield seconds
         finally:
             if seconds:
                 with self._lock:
                     self._held -= 1
-                    with contextlib.suppress(ValueError):
-                        self._door.remove(wake)  # its wait ended before an answer woke it
+                    if wake is not None:
+                        with contextlib.suppress(ValueError):
+                            self._door.remove(wake)
 
 
 class Admission:
