@@ -88,9 +88,10 @@ class ServiceEdge:
         1000.0, "longest a refusal is held before it is answered (never past its call's deadline)",
         parse=MILLISECONDS, metavar="MS")
     max_held_refusals: int = setting(
-        64, "refusals held at once, each waiting on a thread of its own beyond --grpc-workers and counted "
-        "beyond --max-concurrent-rpcs (so probes and new calls still get in); beyond it a refusal is answered "
-        "at once", parse=number_in(int, 0), metavar="N")
+        64, "calls held at once, refusals waiting for their turn and resends waiting at the door, each on a "
+        "thread of its own beyond --grpc-workers and counted beyond --max-concurrent-rpcs (so probes and new "
+        "calls still get in); beyond it a refusal is answered, or a resend goes on, at once",
+        parse=number_in(int, 0), metavar="N")
     resend_memory_seconds: float = setting(
         10.0, "a request refused this recently that comes again, byte for byte, while the server is refusing, "
         "waits until an answer frees a place (at most --max-refusal-hold-ms, counted in --max-held-refusals) "
