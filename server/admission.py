@@ -196,15 +196,17 @@ class RefusalPacer:
       below `floor` a second (bursts of a second's worth: a generic cell rate algorithm). Beyond that
       pace each refusal is held for its turn, at most `max_hold` seconds and never past its deadline.
     - Resends wait at the door. A request the server refused in the last `resend_memory` seconds that
-      comes again, byte for byte (its `key`), while the server is refusing, waits until an answer frees a
-      place (the oldest such waiter first; a place freed after the last refusal was found, with no one
-      waiting, is taken at once), at most `max_hold` seconds, and only then goes on to be admitted or refused. Paced
+      comes again, byte for byte (its `key`), while the server is refusing, waits until a call gives back
+      its place other than by a transient refusal (the oldest such waiter first; a place freed after the
+      last refusal was found, with no one waiting, is taken at once), at most `max_hold` seconds, and only
+      then goes on to be admitted or refused. Paced
       refusals alone still answered 6 a call to clients that came straight back (a fifth of a 2-core
       machine's capacity lost); at the door such clients wait for room instead, as in a queue.
 
     At most `max_held` calls are held at once, at the door or for a turn (each holds the edge's thread or
     task); beyond that a call goes on, or is refused, at once. Transport-free; an edge calls `answered()`
-    for each call answered OK, and does
+    for each call answered OK, `freed()` for each place given back other than by a transient refusal, and
+    does
 
         with pacer.door(key, wake=event.set, deadline=deadline) as seconds:  # 0.0: go on now
             wait up to `seconds` for the event, set by `wake` or when the call is cancelled
@@ -237,18 +239,27 @@ class RefusalPacer:
                    resend_memory=settings.resend_memory_seconds)
 
     def answered(self) -> None:
-        """A call was answered OK: the pace follows these, and a place is free for the oldest resend waiting."""
+        """A call was answered OK: the pace follows these."""
         with self._lock:
             now = time.monotonic()
             self._answers.append(now)
             self._forget(now)
+
+    def freed(self) -> None:
+        """A call gave back its place other than by a transient refusal (answered, failed, cancelled): the
+        oldest resend waiting at the door goes on to take it, or the next to come does."""
+        with self._lock:
+            now = time.monotonic()
+            self._forget(now)
             if self._door:
-                self._door.popleft()()
+                with contextlib.suppress(RuntimeError):  # an HTTP waiter whose event loop has closed
+                    self._door.popleft()()
             else:
                 self._freed.append(now)
 
     def pace(self, now: float) -> float:
-        """Refusals a second answered at once now (0: never held); call under the lock."""
+        """Refusals a second answered at once at `now` (0: never held); call under the lock."""
+        self._forget(now)
         return max(self.floor, self.per_answer * len(self._answers) / ANSWER_WINDOW_SECONDS)
 
     def _forget(self, now: float) -> None:
@@ -272,9 +283,9 @@ class RefusalPacer:
 
     @property
     def refusing(self) -> bool:
-        """A request was refused in the last second: only then may a call wait at the door (so an edge
-        need not work out a call's key before)."""
-        return self._last_refusal > time.monotonic() - ANSWER_WINDOW_SECONDS
+        """The door is on and a request was refused in the last second: only then may a call wait at the
+        door (so an edge need not work out a call's key before)."""
+        return bool(self.resend_memory) and self._last_refusal > time.monotonic() - ANSWER_WINDOW_SECONDS
 
     def _bounded(self, seconds: float, now: float, deadline: float | None) -> float:
         seconds = min(seconds, self.max_hold)
@@ -334,7 +345,7 @@ class RefusalPacer:
     def door(self, key: Hashable, *, wake: Callable[[], None],
              deadline: float | None = None) -> contextlib.AbstractContextManager[float]:
         """The seconds a call of request `key` waits for room before it goes on (0.0: at once), during which
-        `wake` is called (under the pacer's lock: it must only signal) when an answer frees a place for it.
+        `wake` is called (under the pacer's lock: it must only signal) when a place is freed for it.
         The wait counts among the held until the block ends."""
         return self._counted(self._enter(key, wake, deadline), wake)
 

@@ -121,7 +121,7 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
             if code == grpc.StatusCode.OK and not context.is_active():
                 code = ended(context)  # the call ended before its answer: the request iterator just stopped
             if code == grpc.StatusCode.OK:
-                self.limits.leave(context)  # its place is free before the answer lets a resend in to take it
+                self.limits.leave(context)  # its place is free for a resend before the answer is sent
                 self.limits.pacer.answered()
             self.metrics.in_flight.dec()
             self.metrics.count_request(method, code.name, call.model)
@@ -354,32 +354,35 @@ class CallLimits(grpc.ServerInterceptor):
         with self._lock:
             self._keys[context] = key
         try:
-            give_back = self._slots.take(client_address(context.peer()))
-        except ScoringError as error:
-            self._metrics.count_request(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-            self.hold(context, error, deadline=Call(context).deadline)
-            refuse(context, error)
-        with self._lock:
-            self._places[context] = give_back
-        try:
+            try:
+                give_back = self._slots.take(client_address(context.peer()))
+            except ScoringError as error:
+                self._metrics.count_request(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+                self.hold(context, error, deadline=Call(context).deadline)
+                refuse(context, error)
+            with self._lock:
+                self._places[context] = give_back
             yield
         finally:
             self.leave(context)
 
-    def leave(self, context: grpc.ServicerContext) -> Callable[[], Hashable | None]:
-        """Give back the call's place, once (a held refusal gives it back before its hold); its resend key."""
+    def leave(self, context: grpc.ServicerContext, *, refused: bool = False) -> Callable[[], Hashable | None]:
+        """Give back the call's place, once (a held refusal gives it back before its hold), for a resend at the
+        door to take unless the call was `refused` for want of room; its resend key."""
         with self._lock:
             give_back = self._places.pop(context, None)
             key = self._keys.pop(context, None)
         if give_back is not None:
             give_back()
+            if not refused:
+                self.pacer.freed()
         return key or (lambda: None)
 
     def hold(self, context: grpc.ServicerContext, refusal: ScoringError, *, deadline: float | None,
              cancelled: threading.Event | None = None) -> None:
         """Hold a transient refusal for its turn at the refusal pace, out of its worker place; a call that is
         cancelled or ends meanwhile stops waiting (`cancelled`: the event its end sets, if it has one)."""
-        key = self.leave(context)()
+        key = self.leave(context, refused=True)()
         with self.pacer.hold(key, deadline=deadline, decided=refusal.decided) as seconds:
             if seconds:
                 if cancelled is None:

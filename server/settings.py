@@ -94,7 +94,7 @@ class ServiceEdge:
         parse=number_in(int, 0), metavar="N")
     resend_memory_seconds: float = setting(
         10.0, "a request refused this recently that comes again, byte for byte, while the server is refusing, "
-        "waits until an answer frees a place (at most --max-refusal-hold-ms, counted in --max-held-refusals) "
+        "waits until a call gives back its place (at most --max-refusal-hold-ms, counted in --max-held-refusals) "
         "instead of being refused again at once: clients that resend at once wait as in a queue (issue 22, "
         "item 4; 0: every call goes straight on)", parse=number_in(float, 0), metavar="SECONDS")
     stream_window: int = setting(4, "requests of one ScoreStream scored at once (answers stay in order)",

@@ -128,7 +128,8 @@ class Edge:
         label = NO_MODEL if model is None else self.scoring.model_label(scoring_pb2.ScoreRequest(model=model))
         call = HttpCall(request, model=label)
         peer = request.client.host if request.client else ""
-        code = "OK"
+        code = Refusal.CANCELLED.name  # until it is answered: a task cancelled (the client gone) stays so
+        placed = refused = False  # took a place; refused for want of room
         self.metrics.in_flight.inc()
         try:
             if not probe and not self._authorised(request):
@@ -139,43 +140,62 @@ class Edge:
             if not probe and self.scoring.limits.pacer.refusing:
                 await self._door(method, request)
             with contextlib.nullcontext() if probe else self._slots.held(peer):
+                placed = not probe
                 if self.scoring.draining.is_set() and not probe:
                     raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down; retry on another replica")
-                return await work(call)
+                response = await work(call)
+            code = "OK"
+            return response
         except ScoringError as error:
             code = error.refusal.name
             if error.retry_after_seconds is not None:  # transient: answered at the server's refusal pace, as gRPC's
-                key = None
-                if not probe:
-                    with contextlib.suppress(ScoringError, ClientDisconnect):  # its body's trouble: still refused
-                        key = await self._resend_key(method, request)
-                with self.scoring.limits.pacer.hold(key, deadline=call.deadline, decided=error.decided) as seconds:
+                refused = True
+                with self.scoring.limits.pacer.hold(self._known_key(method, request), deadline=call.deadline,
+                                                    decided=error.decided) as seconds:
                     if seconds:
                         await anyio.sleep(seconds)
             return error_response(error)
+        except ClientDisconnect:
+            return Response(status_code=STATUS[Refusal.CANCELLED])  # the client went away at the door: no one reads it
         except Exception:
             code = UNKNOWN  # a bug: the log keeps the traceback, the client gets 500 without it
             LOG.exception("HTTP %s failed", method)
             return JSONResponse({"error": f"{method} failed inside the server; its log says why", "code": UNKNOWN},
                                 status_code=500)
         finally:
+            if placed and not refused:
+                self.scoring.limits.pacer.freed()  # its place, now given back, for a resend at the door
             if code == "OK" and not probe:
                 self.scoring.limits.pacer.answered()
             self.metrics.in_flight.dec()
             self.metrics.count_request(METHOD_PREFIX + method, code, call.model)
 
     async def _resend_key(self, method: str, request: Request) -> Hashable | None:
-        """What a request sent again is recognised by, as gRPC's: its method, path, query and body (None when
-        --max-held-refusals bodies are being read for this already: the bodies read outside a scoring place
-        are bounded, and such a call goes on unrecognised)."""
+        """What a request sent again is recognised by, as gRPC's: its method, path, query and body, read here
+        (None when --max-held-refusals bodies are being read for this already: the bodies read outside a
+        scoring place are bounded, and such a call goes on unrecognised)."""
         if not self._keying.available_tokens:
             return None
         async with self._keying:
-            body = await self._limited(request).body()  # its trouble (too large, too slow) is the call's answer
-        return hash((method, request.url.path, request.url.query, body))
+            await self._whole(request)  # its trouble (too large, too slow) is the call's answer
+        return self._known_key(method, request)
+
+    def _known_key(self, method: str, request: Request) -> Hashable | None:
+        """The request's resend key when its body has been read (None: not yet; a refusal does not wait for
+        an upload to remember it, so refusals stay fast)."""
+        body = getattr(request.state, "body", None)
+        return None if body is None else hash((method, request.url.path, request.url.query, body))
+
+    async def _whole(self, request: Request) -> bytes:
+        """The body as sent, read once within the limits and kept in the call's state (the door's read is the
+        route's)."""
+        if not hasattr(request.state, "body"):
+            request.state.body = await self._limited(request).body()
+        return request.state.body
 
     async def _door(self, method: str, request: Request) -> None:
-        """A resent request waits for room while the server is refusing (server.admission.RefusalPacer.door)."""
+        """A resent request waits for room while the server is refusing (server.admission.RefusalPacer.door),
+        at most --max-refusal-hold-ms: its own timeout is read by the route, after."""
         key = await self._resend_key(method, request)
         if key is None:
             return
@@ -222,7 +242,7 @@ class Edge:
     def _limited(self, request: Request) -> Request:
         """`request` whose body is refused past `--max-message-bytes`: at once when its Content-Length says
         so, else as soon as the bytes received pass it, so an oversized upload is never held whole. One per
-        call (kept in its state), so the body read at the door is the one the route reads."""
+        call (kept in its state), so a form is parsed from the body read whole before."""
         if hasattr(request.state, "limited"):
             return request.state.limited
         limit = self.settings.max_message_bytes
@@ -253,7 +273,7 @@ class Edge:
         """The whole body within `--max-message-bytes`; one sent compressed (Content-Encoding gzip or deflate,
         as tritonclient.http sends with `request_compression_algorithm`) is inflated within it too, so a
         compression bomb is refused (413) after at most the limit's bytes."""
-        data = await self._limited(request).body()
+        data = await self._whole(request)
         encoding = request.headers.get("content-encoding", "identity").strip().lower()
         if encoding == "identity":
             return data
@@ -273,10 +293,9 @@ class Edge:
     async def form(self, request: Request) -> FormData:
         """The multipart form, within `--max-message-bytes`, parsed from the body read whole (and kept: a
         refusal recognises the same form sent again by it)."""
-        limited = self._limited(request)
-        await limited.body()
+        await self._whole(request)
         try:
-            return await limited.form(max_files=1, max_fields=MAX_FORM_FIELDS)
+            return await self._limited(request).form(max_files=1, max_fields=MAX_FORM_FIELDS)
         except HTTPException as error:  # python-multipart's complaint about the form
             raise ScoringError(Refusal.INVALID_ARGUMENT, f"the multipart form is malformed: {error.detail}") from None
 

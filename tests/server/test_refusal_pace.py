@@ -242,25 +242,27 @@ def test_calls_answered_on_either_edge_raise_the_pace_so_an_open_loop_is_refused
         assert max(latency for latency, _ in answers) < bound / 2
 
 
-def test_a_resend_waits_at_the_door_until_an_answer_frees_a_place_the_oldest_first():
+def test_a_resend_waits_at_the_door_until_a_call_frees_a_place_the_oldest_first():
     pacer = RefusalPacer(per_answer=0, floor=100, max_hold=2, max_held=10, resend_memory=10)
-    pacer.answered()  # the server is answering
+    answer(pacer)  # the server is answering
     for key in ("a", "b"):
         assert holds_keyed(pacer, key) == 0.0  # refused at once, within the pace, and remembered
     woken = []
     with (pacer.door("a", wake=lambda: woken.append("a")) as a, pacer.door("b", wake=lambda: woken.append("b")) as b,
           pacer.door("new", wake=lambda: woken.append("new")) as new):
         assert (a, b, new) == (2, 2, 0.0) and pacer.held == 2  # a request not refused before goes straight on
-        pacer.answered()
+        answer(pacer)
         assert woken == ["a"]
-        pacer.answered()
-        pacer.answered()  # no one left waiting: a place free for the next resend
+        pacer.answered()  # an answer alone (a probe, a call that took no place) frees no place
+        assert woken == ["a"]
+        pacer.freed()  # a call that failed gives its place back too
+        answer(pacer)  # no one left waiting: a place free for the next resend
         assert woken == ["a", "b"]
     assert pacer.held == 0
     with pacer.door("a", wake=lambda: None) as seconds:
         assert seconds == 0.0  # it takes the place freed while no one waited (else no answer might wake it)
     found = time.monotonic()
-    pacer.answered()  # a place freed after a refusal was found, before the refusal gets to the pacer
+    answer(pacer)  # a place freed after a refusal was found, before the refusal gets to the pacer
     with pacer.hold("b", decided=found):
         pass
     with pacer.door("a", wake=lambda: None) as seconds:
@@ -270,7 +272,7 @@ def test_a_resend_waits_at_the_door_until_an_answer_frees_a_place_the_oldest_fir
     with pacer.door("a", wake=lambda: None, deadline=deadline) as seconds:
         assert 0 < seconds <= 0.3 - ANSWER_MARGIN_SECONDS  # never past the call's deadline
     full = RefusalPacer(per_answer=0, floor=100, max_hold=2, max_held=1, resend_memory=10)
-    full.answered()
+    answer(full)
     holds_keyed(full, "a")
     with full.door("a", wake=lambda: None) as first, full.door("a", wake=lambda: None) as second:
         assert (first, second) == (2, 0.0)  # beyond max_held no thread to hold it on: it goes on
@@ -284,18 +286,18 @@ def test_the_door_is_open_unless_the_server_is_refusing_and_answering_and_it_for
     silent = RefusalPacer(per_answer=0, floor=100, max_hold=2, max_held=10, resend_memory=10)
     holds_keyed(silent, "a")
     assert door(silent) == 0.0  # no answer in the last second: nothing would wake it
-    silent.answered()
+    answer(silent)
     holds_keyed(silent, "a")  # refused again: no place free
     assert door(silent) == 2
     time.sleep(1.05)  # the refusal is over a second old: the server is not refusing now
-    silent.answered()
+    answer(silent)
     assert not silent.refusing and door(silent) == 0.0
     off = RefusalPacer(per_answer=0, floor=100, max_hold=2, max_held=10, resend_memory=0)
-    off.answered()
+    answer(off)
     holds_keyed(off, "a")
     assert door(off) == 0.0  # --resend-memory-seconds 0: no door
     brief = RefusalPacer(per_answer=0, floor=1000, max_hold=2, max_held=10, resend_memory=0.2)
-    brief.answered()
+    answer(brief)
     holds_keyed(brief, "a")
     time.sleep(0.25)
     holds_keyed(brief, "b")
@@ -303,6 +305,12 @@ def test_the_door_is_open_unless_the_server_is_refusing_and_answering_and_it_for
     for n in range(REMEMBERED_REFUSALS + 1):
         holds_keyed(brief, n)
     assert door(brief, 0) == 0.0 and door(brief, REMEMBERED_REFUSALS) == 2  # the oldest key forgotten first
+
+
+def answer(pacer: RefusalPacer) -> None:
+    """A call answered OK, its place given back."""
+    pacer.answered()
+    pacer.freed()
 
 
 def holds_keyed(pacer: RefusalPacer, key) -> float:
