@@ -85,7 +85,8 @@ class ServiceEdge:
         100.0, "the refusal pace's floor: this many refusals a second are always answered at once, however "
         "few calls are answered (a warming or draining server)", parse=number_in(float, 0), metavar="N")
     max_refusal_hold_ms: float = setting(
-        1000.0, "longest a refusal is held before it is answered (never past its call's deadline)",
+        1000.0, "longest a refusal is held before it is answered, or a resend waits at the door (never past "
+        "a gRPC call's deadline)",
         parse=MILLISECONDS, metavar="MS")
     max_held_refusals: int = setting(
         64, "calls held at once, refusals waiting for their turn and resends waiting at the door, each on a "
