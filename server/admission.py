@@ -199,9 +199,9 @@ class RefusalPacer:
       comes again, byte for byte (its `key`), while the server is refusing, waits until a call gives back
       its place other than by a transient refusal (the oldest such waiter first; a place freed after the
       last refusal was found, with no one waiting, is taken at once), at most `max_hold` seconds, and only
-      then goes on to be admitted or refused. Paced
-      refusals alone still answered 6 a call to clients that came straight back (a fifth of a 2-core
-      machine's capacity lost); at the door such clients wait for room instead, as in a queue.
+      then goes on to be admitted or refused. Paced refusals alone still answered 6 a call to clients
+      that came straight back (a fifth of a 2-core machine's capacity lost); at the door such clients
+      wait for room instead, as in a queue.
 
     At most `max_held` calls are held at once, at the door or for a turn (each holds the edge's thread or
     task); beyond that a call goes on, or is refused, at once. Transport-free; an edge calls `answered()`
@@ -229,7 +229,7 @@ class RefusalPacer:
         self._refused: dict[Hashable, float] = {}  # the keys of requests refused, when, oldest first
         self._last_refusal = -math.inf
         self._door: collections.deque[Callable[[], None]] = collections.deque()  # waiting resends, oldest first
-        self._freed: collections.deque[float] = collections.deque()  # when answers freed places no resend took
+        self._freed: collections.deque[float] = collections.deque()  # when calls freed places no resend took
         self._lock = threading.Lock()
 
     @classmethod
@@ -285,7 +285,10 @@ class RefusalPacer:
     def refusing(self) -> bool:
         """The door is on and a request was refused in the last second: only then may a call wait at the
         door (so an edge need not work out a call's key before)."""
-        return bool(self.resend_memory) and self._last_refusal > time.monotonic() - ANSWER_WINDOW_SECONDS
+        return bool(self.resend_memory) and self._refused_lately(time.monotonic())
+
+    def _refused_lately(self, now: float) -> bool:
+        return self._last_refusal > now - ANSWER_WINDOW_SECONDS
 
     def _bounded(self, seconds: float, now: float, deadline: float | None) -> float:
         seconds = min(seconds, self.max_hold)
@@ -303,8 +306,7 @@ class RefusalPacer:
             if key is not None and self.resend_memory:
                 self._refused.pop(key, None)
                 self._refused[key] = now
-            self._forget(now)
-            pace = self.pace(now)
+            pace = self.pace(now)  # which forgets what is too old
             if not pace:
                 return 0.0
             wait = max(self._next - BURST_SECONDS - now, 0.0)
@@ -330,8 +332,7 @@ class RefusalPacer:
             now = time.monotonic()
             self._forget(now)
             when = self._refused.get(key)
-            if (when is None or not self._answers or self._last_refusal <= now - ANSWER_WINDOW_SECONDS
-                    or self._held >= self.max_held):
+            if when is None or not self._answers or not self._refused_lately(now) or self._held >= self.max_held:
                 return 0.0  # not a resend, no answer to wait for, no refusals now, or no thread to hold it on
             if self._freed:
                 self._freed.popleft()

@@ -60,8 +60,13 @@ class Call:
         self.model = NO_MODEL
         self.cancelled = threading.Event() if cancelled is None else cancelled
         context.add_callback(self.cancelled.set)
-        remaining = context.time_remaining()
-        self.deadline = time.monotonic() + remaining if remaining is not None else None
+        self.deadline = deadline_of(context)
+
+
+def deadline_of(context: grpc.ServicerContext) -> float | None:
+    """The call's deadline as a time.monotonic() instant (None: it has none)."""
+    remaining = context.time_remaining()
+    return time.monotonic() + remaining if remaining is not None else None
 
 
 class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
@@ -358,7 +363,7 @@ class CallLimits(grpc.ServerInterceptor):
                 give_back = self._slots.take(client_address(context.peer()))
             except ScoringError as error:
                 self._metrics.count_request(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
-                self.hold(context, error, deadline=Call(context).deadline)
+                self.hold(context, error, deadline=deadline_of(context))
                 refuse(context, error)
             with self._lock:
                 self._places[context] = give_back
