@@ -1,7 +1,7 @@
 """CPU plans: their speed against onnxruntime's defaults, and their memory in the server's own process (issue 22).
 
-* Speed: the default model's plan graph (server/device_graph.py) at several plan shapes, run by a
-  session made as the server makes it (server/engine.py: `predictable_session_options`, its first
+* Speed: the default model's plan graph (server/engine/device_graph.py) at several plan shapes, run by a
+  session made as the server makes it (server/engine/providers.py: `predictable_session_options`, its first
   run, no spinning) and by a session with onnxruntime's default options (no spinning either), the
   two alternated run by run in one process; medians and their ratio. Target: <= 1.05.
 * Memory: a real `scoremap-serve` process per model (the default model, a VGG-width net, the same
@@ -45,7 +45,7 @@ SERVER_START_SECONDS = 300
 
 def _plan_graph(net: onnx.ModelProto, batch: int, height: int, width: int, passes: int) -> bytes:
     from convert.card import read_card
-    from server.device_graph import build_plan_graph
+    from server.engine.device_graph import build_plan_graph
 
     card = read_card(net)
     half = card.output_stride // 2
@@ -57,9 +57,9 @@ def _plan_graph(net: onnx.ModelProto, batch: int, height: int, width: int, passe
 
 def speed_rows(model_path: str) -> list[tuple[str, float, float]]:
     """(plan shape, server's session ms, onnxruntime defaults ms), medians of alternated runs."""
-    from server.runtime_memory import configure_allocator
-    from server.device_graph import PIXELS, VALID
-    from server.engine import Engine
+    from server.memory.runtime import configure_allocator
+    from server.engine.device_graph import PIXELS, VALID
+    from server.engine.providers import Engine
     from server.settings import Settings
 
     configure_allocator()  # as the server does at start; process-wide, so both sessions run under it
@@ -97,7 +97,7 @@ class PlanMemory:
 
     plan: str
     predicted: int          # admission's prediction for the plan (convert.profile with convert.memory_model)
-    measured_by_server: int  # the footprint the server measured itself (server.runtime_memory.measure_footprint)
+    measured_by_server: int  # the footprint the server measured itself (server.memory.runtime.measure_footprint)
     creation_growth: int    # VmRSS after the first request(s) at the shape minus before
     creation_peak: int      # VmHWM during them minus VmRSS before
     steady_peak: int        # VmHWM during the same requests again minus VmRSS before the plan existed
@@ -249,7 +249,7 @@ def run() -> str:
         "The CPU configuration: onnxruntime's default session options (its CPU arena and memory pattern on), idle "
         "threads not spinning, glibc's allocator as the server sets it (a fixed 128 KiB mmap threshold), and each "
         "plan's first run shrinking the arena so that from its second run the arena holds only the memory "
-        "pattern's block (server/engine.py, server.runtime_memory.first_cpu_run).",
+        "pattern's block (server/engine/providers.py, server.memory.runtime.first_cpu_run).",
         "",
         f"### Speed: a plan's run against onnxruntime's defaults (target <= {SPEED_TARGET:g}, {speed_verdict})",
         "",

@@ -6,7 +6,7 @@ providers read back); elsewhere it says why and exits 0 without touching bench/R
 benchmark is known to work on a machine without a GPU; it prints the section and writes nothing.
 
 Measured (default model, samples/cat.jpg, scale 384):
-- device-bound images/s per plan: the server's Plan (server/plans.py: uint8 canvases copied in,
+- device-bound images/s per plan: the server's Plan (server/scoring/plans.py: uint8 canvases copied in,
   probabilities copied back, IO binding) in a tight loop, against a bare onnxruntime loop on the
   same graph whose inputs and outputs stay on the device; target >= 80%.
 - requests/s, p50, p99 and the longest request at 1/4/16/64 clients, 4-pass grid and à trous,
@@ -43,14 +43,14 @@ from clients.loadtest.run import LevelPlan, LoadLimits, closed_loop
 from convert.card import ImageInput, read_card
 from convert.preprocessing import to_input
 from protos import scoring_pb2, scoring_pb2_grpc
-from server import buckets, dense
-from server.dense import resized_size
-from server.device_graph import LATTICE, PIXELS, PROBABILITIES, VALID, build_plan_graph, lattice_cells
-from server.engine import Engine, cuda_device_present
+from server.geometry import buckets, dense
+from server.geometry.dense import resized_size
+from server.engine.device_graph import LATTICE, PIXELS, PROBABILITIES, VALID, build_plan_graph, lattice_cells
+from server.engine.providers import Engine, cuda_device_present
 from server.errors import ScoringError
 from server.main import create_server
-from server.pipeline import Pipeline
-from server.plans import Plan, PlanKey
+from server.scoring.pipeline import Pipeline
+from server.scoring.plans import Plan, PlanKey
 from server.settings import Settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

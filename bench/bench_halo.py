@@ -20,8 +20,8 @@ from PIL import Image
 from bench.models import converted, vgg_model
 from clients.slides.tiles import TileOptions, plan_for, score_map, score_tiled
 from convert.card import read_card
-from server import dense, tiling
-from server.pipeline import Pipeline
+from server.geometry import dense, tiling
+from server.scoring.pipeline import Pipeline
 from server.settings import Settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -7,6 +7,10 @@ nothing (bench/models.py: a converted stride-32 average-pool head), compared wit
 decoding and resizing the same image, alternated call by call so the shared machine's load hits
 both alike, each side's fastest call taken as its undisturbed cost (medians shown too); target
 (issue 9, item 5): host path <= 1.5x decode + resize.
+
+Served (issue 29): `scoremap-serve` with the null model in its own process, closed loops over gRPC; the
+server's CPU time per answered request (every server process counted, /proc), at 16 clients, stride 32
+top-5 at 384 (target <= 3 ms), and batching on against off at 1 and 4 clients (target >= 0.95x).
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import time
 
 from PIL import Image, ImageOps
 
+from bench.bench_overload import process_cpu_seconds, start_server
 from bench.models import null_model
+from clients.loadtest.run import LevelPlan, LoadLimits, closed_loop
 from protos import scoring_pb2
-from server.dense import resized_size
-from server.pipeline import Pipeline
+from server.geometry.dense import resized_size
+from server.scoring.pipeline import Pipeline
 from server.settings import Settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -46,6 +52,12 @@ def decode_and_resize(data: bytes) -> Image.Image:
     return image.resize((width, height), Image.Resampling.BILINEAR)
 
 
+SERVED_SECONDS = 8.0  # each closed-loop level's window
+SERVED_CLIENTS = 16
+CPU_TARGET_MS = 3.0
+BATCHING_CLIENTS = (1, 4)
+BATCHING_TARGET = 0.95
+BATCHING = {"on": ("--max-batch", "8"), "off": ("--max-batch", "1")}
 STAGES = ("preprocess_ms", "queue_ms", "inference_ms", "postprocess_ms")
 
 
@@ -100,6 +112,65 @@ def run() -> str:
         *rows,
         "",
         f"Target: host path <= {TARGET}x decode + resize (stride 32, top-5): {first:.2f}x, {verdict}.",
+        "",
+        served(),
+    ])
+
+
+def served_level(model: str, flags: tuple[str, ...], clients: int, *, seconds: float,
+                 folder: pathlib.Path) -> tuple[float, float]:
+    """(req/s, server CPU ms per answered request) of a closed loop of `clients` over gRPC on its own server."""
+    import grpc
+
+    from protos import scoring_pb2_grpc
+
+    server, address, _metrics = start_server(model, folder / "server.log", flags)
+    try:
+        request = scoring_pb2.ScoreRequest(encoded=SAMPLE.read_bytes(), scales=[SCALE])
+        limits = LoadLimits()
+        plan = LevelPlan(duration_s=seconds, max_requests=limits.max_requests, timeout_s=30.0, warmup=clients)
+        with grpc.insecure_channel(address) as channel:
+            stub = scoring_pb2_grpc.DenseScoringStub(channel)
+            before = process_cpu_seconds(server.pid)
+            report = closed_loop(stub, [request], concurrency=clients, plan=plan, limits=limits)
+            cpu = process_cpu_seconds(server.pid) - before
+    finally:
+        server.terminate()
+        server.wait(30)
+    # The CPU window holds the warm-up too: count every request sent, answered or not.
+    return report.throughput_rps, 1000 * cpu / max(report.sent, 1)
+
+
+def served(*, seconds: float = SERVED_SECONDS) -> str:
+    with tempfile.TemporaryDirectory() as folder:
+        model = null_model(folder)
+        rate, cpu_ms = served_level(model, BATCHING["off"], SERVED_CLIENTS, seconds=seconds,
+                                    folder=pathlib.Path(folder))
+        rows = [f"| CPU per request, {SERVED_CLIENTS} clients, batching off | {rate:.1f} req/s | {cpu_ms:.2f} ms |"]
+        ratios = {}
+        for clients in BATCHING_CLIENTS:
+            rates = {mode: served_level(model, flags, clients, seconds=seconds, folder=pathlib.Path(folder))
+                     for mode, flags in BATCHING.items()}
+            ratios[clients] = rates["on"][0] / rates["off"][0]
+            rows.append(f"| batching on / off, {clients} client{'s' * (clients > 1)} | {rates['on'][0]:.1f} / "
+                        f"{rates['off'][0]:.1f} req/s = {ratios[clients]:.2f}x | {rates['on'][1]:.2f} / "
+                        f"{rates['off'][1]:.2f} ms |")
+    cpu_verdict = "met" if cpu_ms <= CPU_TARGET_MS else "missed"
+    batching_verdict = "met" if min(ratios.values()) >= BATCHING_TARGET else "missed"
+    return "\n".join([
+        "### Served over gRPC (issue 29)",
+        "",
+        f"`scoremap-serve` with the null model in its own process (CPU provider), samples/cat.jpg at scale {SCALE}, "
+        f"stride 32, top-5; closed loops of {seconds:.0f} s from this process; server CPU from /proc (every "
+        "server process) over every request sent in the level.",
+        "",
+        "| level | throughput | server CPU per request |",
+        "|---|---|---|",
+        *rows,
+        "",
+        f"Targets: server CPU per request <= {CPU_TARGET_MS} ms at {SERVED_CLIENTS} clients: {cpu_ms:.2f} ms, "
+        f"{cpu_verdict}; batching on >= {BATCHING_TARGET}x off at {' and '.join(map(str, BATCHING_CLIENTS))} "
+        f"clients: {', '.join(f'{r:.2f}x' for r in ratios.values())}, {batching_verdict}.",
     ])
 
 

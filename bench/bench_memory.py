@@ -30,7 +30,7 @@ from convert import convert_classifier
 from convert.memory_model import Device
 from convert.precision import fp16_graph
 from convert.profile import profile_model
-from server.runtime_memory import cuda_used_bytes, measure_peak
+from server.memory.runtime import cuda_used_bytes, measure_peak
 
 # The issue's acceptance bound on predicted / measured.
 BOUND = 0.25
@@ -235,7 +235,7 @@ def gpu_section() -> str:
     saying why not where CUDA does not load (for `make bench-gpu`, bench/bench_gpu.py)."""
     if cuda_used_bytes() is None or "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         return ("### Memory on the CUDA provider\n\nNot measured: the CUDA provider or the CUDA runtime does not "
-                "load on this machine (server.runtime_memory.cuda_used_bytes).")
+                "load on this machine (server.memory.runtime.cuda_used_bytes).")
     rows, ratios = [], []
     with tempfile.TemporaryDirectory() as folder:
         paths = {"default": str(pathlib.Path(folder) / "default.onnx"), "vgg16": str(pathlib.Path(folder) / "vgg16.onnx")}
@@ -260,7 +260,7 @@ def gpu_section() -> str:
         "### Memory on the CUDA provider (convert.memory_model)",
         "",
         f"Predicted / measured device memory (cudaMemGetInfo over the process's baseline, "
-        f"server.runtime_memory.measure_peak); worst deviation {worst:.1%} "
+        f"server.memory.runtime.measure_peak); worst deviation {worst:.1%} "
         f"({'met' if worst <= BOUND else 'NOT met'}, target {BOUND:.0%}). Session = weights + per-session state "
         "(measured after creating the session); runs = weight copies + workspace + activation factor x live peak "
         "(measured after the runs, minus the session). MiB, predicted / measured (ratio).",

@@ -124,9 +124,22 @@ class Resent:
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process `pid` (/proc/PID/stat, fields 14 and 15), all its threads."""
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    """User + system CPU time of process `pid` and its live descendants (a server's worker processes), all their
+    threads (/proc/PID/stat: ppid field 4, utime and stime fields 14 and 15)."""
+    stats = {}
+    for path in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = path.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        stats[int(path.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+    children: dict[int, list[int]] = {}
+    for child, (parent, _cpu) in stats.items():
+        children.setdefault(parent, []).append(child)
+    tree = [pid]
+    for member in tree:  # grows as it goes: breadth first
+        tree.extend(children.get(member, ()))
+    return sum(stats[member][1] for member in tree if member in stats)
 
 
 def resend_at_once(*, stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreRequest, clients: int,

@@ -25,8 +25,8 @@ from bench.models import converted
 from convert.card import ImageInput, is_logits, read_card
 from convert.preprocessing import to_input
 from protos import scoring_pb2
-from server.dense import resized_size
-from server.pipeline import Pipeline
+from server.geometry.dense import resized_size
+from server.scoring.pipeline import Pipeline
 from server.settings import Settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

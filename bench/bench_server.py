@@ -34,8 +34,8 @@ from convert.card import read_card
 from convert.preprocessing import to_input
 from protos import scoring_pb2, scoring_pb2_grpc
 from server.main import ScoringServer, create_server
-from server.dense import resized_size
-from server.pipeline import Pipeline
+from server.geometry.dense import resized_size
+from server.scoring.pipeline import Pipeline
 from server.settings import Settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -104,7 +104,7 @@ def child_bare(tiff: str, model: str) -> dict:
     from clients.slides.tiles import TileOptions, plan_for
     from convert.card import ImageInput, read_card
     from convert.preprocessing import to_input
-    from server.engine import Engine
+    from server.engine.providers import Engine
     from server.settings import Settings
 
     card = read_card(model)

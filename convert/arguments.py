@@ -87,3 +87,12 @@ def host_port(text: str) -> str:
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"got {text!r}; expected HOST:PORT with a port from 0 to 65535") from None
     return text
+
+
+def format_bytes(count: float) -> str:
+    """A byte count as people read it (the inverse of `memory_size`'s units): 512 B, 17.7 MiB, 4.0 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024 or unit == "GiB":
+            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1024
+    return f"{count:.1f} GiB"

@@ -1,7 +1,7 @@
 """Whether a CUDA device is visible here, and its free memory: the CUDA runtime probed through ctypes.
 
 One probe for `scoremap-inspect --device cuda` (which says when its figures are for a GPU it cannot
-see) and for the server's engine and memory measurements (server/runtime_memory.py).
+see) and for the server's engine and memory measurements (server/memory/runtime.py).
 """
 
 from __future__ import annotations

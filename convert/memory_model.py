@@ -6,9 +6,9 @@
 the execution provider, each fitted on measurements of that provider and kept here with the
 numbers it was fitted on (issue 14):
 
-* CPU (onnxruntime 1.31, CPU provider, `server.runtime_memory.predictable_session_options`:
+* CPU (onnxruntime 1.31, CPU provider, `server.memory.runtime.predictable_session_options`:
   onnxruntime's own defaults, its arena and memory pattern; the allocator as `configure_allocator`
-  sets it; the first run through `first_cpu_run`, as server/engine.py makes every plan): a plan
+  sets it; the first run through `first_cpu_run`, as server/engine/providers.py makes every plan): a plan
   keeps, from its second run on, weights + 1.1 x live peak + ~2 MiB, and no run after it takes
   more (issue 22, CPU_MEASUREMENTS, measured in the server's own process). The 1.1 is the memory
   pattern's block (onnxruntime's planner places buffers by first fit, so the block exceeds the
@@ -31,7 +31,7 @@ numbers it was fitted on (issue 14):
   `cudnn_conv_use_max_workspace=0` changed nothing.
 
 A server with several plans per model (one session per shape) pays session state, workspace and
-copies once per plan; see server/admission.py, which measures plans instead once they exist.
+copies once per plan; see server/scoring/admission.py, which measures plans instead once they exist.
 """
 
 from __future__ import annotations

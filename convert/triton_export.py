@@ -34,7 +34,7 @@ from convert.memory_model import Device
 from convert.profile import ProfileError, largest_batch
 
 DEFAULT_GPU_MEMORY = "16GiB"  # the smallest data-centre card in common use (T4, V100-16G)
-DEFAULT_QUEUE_DELAY_US = 5000  # as scoremap-serve's --max-queue-delay-ms default
+DEFAULT_QUEUE_DELAY_US = 0  # as scoremap-serve's --max-queue-delay-ms default: work-conserving
 MAX_TRITON_BATCH = 64  # beyond this a dense map's batch only adds latency
 TENSORRT_WORKSPACE_BYTES = 2**30  # TensorRT's scratch space per engine (the onnxruntime backend's example)
 LANDSCAPE = (3, 4)  # warm-up and sizing canvases: the common photo aspect, shorter side = the scale

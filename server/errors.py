@@ -4,7 +4,7 @@ a drop before compute).
 
 The core (pipeline, batcher, admission) says *why* with a `Refusal`; only the edges turn it into a
 status code: gRPC's (`ScoringError.code`, used by service.py and kserve.py) and HTTP's
-(server/web/edge.py `http_status`), so no core module imports grpc or knows HTTP.
+(server/edges/http/edge.py `http_status`), so no core module imports grpc or knows HTTP.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class Dropped(enum.Enum):
 
 @dataclass(frozen=True)
 class NoRoom:
-    """Why a queue holds no places for a request (server/batcher.py `reserve`), with the numbers behind it;
+    """Why a queue holds no places for a request (server/scoring/batcher.py `reserve`), with the numbers behind it;
     `why` None when the batcher is closed."""
 
     why: Transient | None
@@ -113,3 +113,8 @@ class ScoringError(Exception):
 
     def __str__(self) -> str:
         return f"{self.refusal.name}: {self.message}"
+
+
+def invalid(message: str) -> ScoringError:
+    """The request itself is wrong (INVALID_ARGUMENT): the same request never succeeds."""
+    return ScoringError(Refusal.INVALID_ARGUMENT, message)

@@ -1,8 +1,8 @@
 """`scoremap-serve [NAME=]MODEL.onnx ...`: the dense scoring server's command line.
 
 The flags are made from the settings' declarations (server/settings.py); the exposure rules (TLS,
-token, bind address, ports) are server/exposure.py's, checked before any model loads; the server
-itself is `server.service.create_server` (port 0 picks a free port). SIGTERM drains: health goes
+token, bind address, ports) are server/edges/exposure.py's, checked before any model loads; the server
+itself is `server.serving.create_server` (port 0 picks a free port). SIGTERM drains: health goes
 NOT_SERVING, new calls get UNAVAILABLE, in-flight calls get `--grace-seconds` to finish, then the
 process exits 0. Nothing heavy (grpc, onnxruntime, numpy) is imported before the command line is
 parsed, so `--help` and usage errors answer at once.
@@ -23,7 +23,7 @@ from typing import Any
 from convert.arguments import PORT
 from protos import TOKEN_ENV, is_loopback, version
 from server import settings as declared
-from server.exposure import StartRefused, check_exposure, check_port_free, read_tls, read_token
+from server.edges.exposure import StartRefused, check_exposure, check_port_free, read_tls, read_token
 from server.settings import Settings
 
 __all__ = ["StartRefused", "create_server", "main", "model_sources", "parse_args", "read_token", "settings_from"]
@@ -45,9 +45,9 @@ could never report SERVING."""
 def __getattr__(name: str) -> Any:
     """`server.main.create_server` and `ScoringServer`, imported only when asked for (they import grpc)."""
     if name in ("create_server", "ScoringServer"):
-        from server import service
+        from server import serving
 
-        return getattr(service, name)
+        return getattr(serving, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     from server.errors import ScoringError
-    from server.service import create_server
+    from server.serving import create_server
 
     try:
         server, port = create_server(args.models, address=f"{args.host}:{args.port}", settings=settings, token=token,
@@ -173,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.stop(0).wait()
             return 3
     LOG.info("draining: new calls get UNAVAILABLE, %d in-flight calls have %.1f s",
-             server.servicer.active, settings.grace_seconds)
+             server.front.active, settings.grace_seconds)
     server.stop(settings.grace_seconds).wait()
     LOG.info("stopped")
     return 0

@@ -50,7 +50,7 @@ class Metrics:
             buckets=MEMORY_BUCKETS, registry=self.registry,
         )
         self.plan_memory = Gauge(
-            "scoremap_plan_bytes", "Memory of each plan: measured after warm-up, and predicted (server/admission.py)",
+            "scoremap_plan_bytes", "Memory of each plan: measured after warm-up, and predicted (server/scoring/admission.py)",
             ["model", "plan", "kind"], registry=self.registry,
         )
         self.plans_made = Counter(

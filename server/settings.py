@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from convert.arguments import PORT, memory_size, number_in, size_pair
-from server.host_memory import largest_resized_pixels
+from server.memory.host import largest_resized_pixels
 
 MiB = 2**20
 DEFAULT_MAX_REQUEST_HOST_BYTES = 4 * 1024 * MiB
@@ -170,13 +170,13 @@ class RequestLimits:
         "image larger than every canvas bucket is tiled onto one (--halo). By default the most the host memory "
         "limit allows: the largest size at which the worst request (--max-scales scales of it, 1000 classes, "
         "stride 16, flip, the largest image) fits the default --max-request-host-bytes "
-        "(server.host_memory.largest_resized_pixels); each request is then held to its own estimate, tiles "
+        "(server.memory.host.largest_resized_pixels); each request is then held to its own estimate, tiles "
         "included, and its response to --max-message-bytes", parse=COUNT, metavar="N",
         shown=f"{DEFAULT_MAX_RESIZED_PIXELS:,} (from 4 GiB)")
     max_request_host_bytes: int = setting(
         DEFAULT_MAX_REQUEST_HOST_BYTES, "host memory one request may hold (image, resized copies, model inputs, "
         "maps), estimated from the image header before decoding: above it RESOURCE_EXHAUSTED with every term; "
-        "with the limits above, the worst request fits it (server/host_memory.py)", parse=memory_size, metavar="SIZE", shown="4 GiB")
+        "with the limits above, the worst request fits it (server/memory/host.py)", parse=memory_size, metavar="SIZE", shown="4 GiB")
     host_memory_budget_bytes: int | None = setting(
         None, "host memory the requests in flight may hold together (their estimates), e.g. 8GiB; beyond it "
         "RESOURCE_EXHAUSTED with a retry hint", parse=memory_size, metavar="SIZE", flag="host-memory-budget",
@@ -194,8 +194,10 @@ class BatchPolicy:
         None, "images (a scale or its mirror, each running its passes) of one canvas run together, up to this "
         "many; 1 turns batching off (on the CPU onnxruntime already spreads one image over every core, and "
         "batching lowered throughput: bench/RESULTS.md)", parse=COUNT, metavar="N", shown="8 on a GPU, 1 on the CPU")
-    max_queue_delay_ms: float = setting(5.0, "how long the first image of a batch waits for others of its canvas",
-                                        parse=MILLISECONDS, metavar="MS")
+    max_queue_delay_ms: float = setting(
+        0.0, "how long the first image of a batch may wait for others of its canvas; at 0 batching is work-conserving: "
+        "a batch starts the moment the model's runner is free, carrying whatever queued while it ran (Triton's "
+        "default; a wait held a lone image 5 ms while the device idled: issue 29)", parse=MILLISECONDS, metavar="MS")
     queue_depth: int = setting(128, "images (a scale or its mirror) waiting or decoding per model; beyond it "
                                "RESOURCE_EXHAUSTED \"queue full\", retry with backoff", parse=COUNT, metavar="N")
     max_queue_ms: float = setting(
@@ -204,7 +206,7 @@ class BatchPolicy:
         "before decoding; one that waited longer is dropped before compute; both RESOURCE_EXHAUSTED with a "
         "retry hint", parse=number_in(float), metavar="MS")
 
-    def batch_limit(self, *, on_gpu: bool) -> int:
+    def max_batch_for(self, *, on_gpu: bool) -> int:
         """The batch size in force: `max_batch`, or the default for the device the model runs on."""
         if self.max_batch is not None:
             return self.max_batch

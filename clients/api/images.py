@@ -28,17 +28,17 @@ def _invalid(message: str) -> ScoremapError:
 
 
 def _server_imaging():
-    """server/imaging.py, the one definition of which bytes are an image and how any image mode becomes the
+    """server/scoring/imaging.py, the one definition of which bytes are an image and how any image mode becomes the
     RGB the model sees; imported when an image is checked or converted, so `--help` of the command lines
     imports nothing of the server."""
-    from server import imaging
+    from server.scoring import imaging
 
     return imaging
 
 
 def looks_like_image(head: bytes) -> bool:
     """Whether the first bytes of a file carry the signature of a format the server opens (content, not
-    extension), by the server's own test (server/imaging.py `signature`: PIL's plugins, BigTIFF included)."""
+    extension), by the server's own test (server/scoring/imaging.py `signature`: PIL's plugins, BigTIFF included)."""
     return _server_imaging().signature(head) is not None
 
 
@@ -71,7 +71,7 @@ def _array_pixels(array: np.ndarray) -> np.ndarray:
     """uint8 [H, W(, C)] pixels of an array, as the server would decode the array saved as a file.
 
     A one-channel array is the image PIL's `Image.fromarray` makes of it (bool: mode 1, uint16: I;16,
-    other ints: I, floats: F), converted by the server's own rule (server/imaging.py `to_rgb`: 16 bits
+    other ints: I, floats: F), converted by the server's own rule (server/scoring/imaging.py `to_rgb`: 16 bits
     scaled, floats clipped). uint16 colour is what PIL reads from a 16-bit RGB(A) PNG: the high byte.
     Other colour dtypes are accepted only when every value is a whole number in 0..255 (issue 24: a
     16-bit image sent as-is scored as noise)."""
@@ -105,7 +105,7 @@ def _array_pixels(array: np.ndarray) -> np.ndarray:
 
 def _image_pixels(image: Image.Image) -> np.ndarray:
     """uint8 pixels of a PIL image, as the server decodes its file: EXIF orientation applied, then any mode
-    but L, RGB and RGBA converted by the server's own rule (server/imaging.py `to_rgb`)."""
+    but L, RGB and RGBA converted by the server's own rule (server/scoring/imaging.py `to_rgb`)."""
     image = ImageOps.exif_transpose(image)
     if image.mode not in ("L", "RGB", "RGBA"):
         try:

@@ -16,14 +16,14 @@ from clients.api.retry import Backoff, Retrying, call_with_retries
 from clients.api.settings import ClientSettings
 from protos import model_card_pb2, scoring_pb2
 from server.errors import ScoringError
-from server.pipeline import Pipeline
+from server.scoring.pipeline import Pipeline
 from server.settings import Settings
 
 __all__ = ["LocalScorer"]
 
 
 class LocalScorer:
-    """Scores requests with server.pipeline.Pipeline over `model_paths`, in this process."""
+    """Scores requests with server.scoring.pipeline.Pipeline over `model_paths`, in this process."""
 
     def __init__(self, model_paths: Sequence[str], *, settings: Settings | None = None,
                  client_settings: ClientSettings | None = None) -> None:

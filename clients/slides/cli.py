@@ -59,7 +59,7 @@ def main(args: argparse.Namespace, open_scorer: Callable[[argparse.Namespace], o
     from clients.slides.readers import SlideError
     from clients.slides.run import RunError, SlideOptions, score_file
     from clients.slides.tiles import TileOptions
-    from server.tiling import TilingError
+    from server.geometry.tiling import TilingError
 
     tile = TileOptions(model=args.model, output_stride=args.stride, shift=SHIFTS[args.shift], flip=args.flip,
                        classes=args.classes)

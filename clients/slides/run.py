@@ -29,7 +29,7 @@ from clients.slides import DEFAULT_CANVAS
 from clients.slides.readers import Reader, SlideError
 from clients.slides.tiles import Scorer, TileOptions, plan_for, score_map
 from protos import model_card_pb2, scoring_pb2
-from server import dense, tiling
+from server.geometry import dense, tiling
 
 # Classes per chunk. A tile's owned cells rarely fall on the chunk grid (the first tile owns more), so its
 # write reads and rewrites the chunks it touches: per chunk, not per byte, is what that costs (a 1000-class

@@ -1,7 +1,7 @@
 """Scoring an image tile by tile through any scorer that answers ScoreRequests (server or in-process).
 
 Each tile goes as raw pixels at its own shorter side, so the server does not resize it, and comes
-back as its [K, h, w] map; server.tiling says which of its cells it owns. The one pass this
+back as its [K, h, w] map; server.geometry.tiling says which of its cells it owns. The one pass this
 equals is the same request over the whole image.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 
 from clients.api.results import decode_tensor
 from protos import model_card_pb2, scoring_pb2
-from server import dense, tiling
+from server.geometry import dense, tiling
 
 Scorer = Callable[[scoring_pb2.ScoreRequest], scoring_pb2.ScoreResponse]
 

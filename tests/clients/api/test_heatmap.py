@@ -97,7 +97,7 @@ def test_a_16_bit_photo_is_drawn_as_its_8_bit_rendering(tmp_path):
 
     grey = np.asarray(Image.open(SAMPLES / "astronaut.jpg").convert("L").resize((192, 160)), dtype=np.float64)
     sixteen = np.round(grey * 257.0 * 0.8 + 3000.0).astype(np.uint16)
-    eight = np.round(sixteen / 65535.0 * 255.0).astype(np.uint8)  # the server's own conversion (server/imaging.py)
+    eight = np.round(sixteen / 65535.0 * 255.0).astype(np.uint8)  # the server's own conversion (server/scoring/imaging.py)
     Image.fromarray(sixteen).save(tmp_path / "a16.png")
     scores = np.random.default_rng(0).random((2, 3, 4)).astype(np.float32)
     scored = result(160, 192, scores, Geometry(48, 48, 24, 24, 64, 64, 1.0, 160, 192))

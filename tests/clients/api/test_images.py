@@ -72,8 +72,8 @@ def _big_tiff() -> bytes:
 
 def test_the_client_recognises_images_as_the_server_does(tmp_path):
     """Issue 24 follow-up: BigTIFF (`II+\\x00`), which the server opens, was refused by every client; the
-    client now asks the server's own test (server/imaging.py `check_encoded`, PIL's plugins)."""
-    from server import imaging
+    client now asks the server's own test (server/scoring/imaging.py `check_encoded`, PIL's plugins)."""
+    from server.scoring import imaging
 
     data = _big_tiff()
     assert data[:4] == b"II+\x00" and imaging.signature(data) == "TIFF"
@@ -86,7 +86,7 @@ def test_the_client_recognises_images_as_the_server_does(tmp_path):
 @pytest.mark.parametrize("data", [b"", b"hello world"])
 def test_a_refused_file_reads_as_the_server_says_it(tmp_path, data):
     """One wording: the client's refusal of a file is the server's refusal of its bytes, named by path."""
-    from server import imaging
+    from server.scoring import imaging
 
     with pytest.raises(imaging.ImageError) as server_says:
         imaging.check_encoded(data)

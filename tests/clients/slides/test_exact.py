@@ -15,7 +15,7 @@ import pytest
 from clients.slides.tiles import TileOptions, plan_for, score_map, score_tiled
 from convert.card import read_card
 from protos.scoring_pb2 import SHIFT_ATROUS, SHIFT_DIAGONAL, SHIFT_GRID, SHIFT_NONE
-from server.pipeline import Pipeline
+from server.scoring.pipeline import Pipeline
 from tests.clients.slides.nets import ON_DEMAND
 
 TOLERANCE = 1e-5  # float32 on the CPU; |difference| per cell, logits

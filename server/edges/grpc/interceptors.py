@@ -1,0 +1,182 @@
+"""The gRPC interceptors: the bearer token, and the call limits with the refusal pace and resend door."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hmac
+import threading
+from collections.abc import Callable, Hashable, Iterator
+
+import grpc
+from google.protobuf.message import Message
+
+from server.edges.call_slots import CallSlots
+from server.edges.grpc.calls import Call, deadline_of, refuse
+from server.edges.refusal_pace import RefusalPacer
+from server.errors import ScoringError
+from server.metrics import Metrics
+
+__all__ = ["CallLimits", "PROBES", "TokenInterceptor", "client_address"]
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes need no token
+# Probes answered however busy the server is (exempt from the call limits): gRPC health, and KServe v2's.
+PROBES = (HEALTH_PREFIX, *(f"/inference.GRPCInferenceService/{name}"
+                           for name in ("ServerLive", "ServerReady", "ModelReady")))
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """UNAUTHENTICATED unless metadata carries `authorization: Bearer <token>` (health probes exempt)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        received = metadata.get("authorization", "")
+        if isinstance(received, str):
+            received = received.encode()
+        if hmac.compare_digest(received, self._expected):
+            return handler
+        return guarded(handler, denied)
+
+
+@contextlib.contextmanager
+def denied(context: grpc.ServicerContext, _request: Message | None) -> Iterator[None]:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token: send metadata "
+                  "`authorization: Bearer <token>`")
+    yield  # never reached: abort raises
+
+
+class CallLimits(grpc.ServerInterceptor):
+    """At most `total` calls running at once, and `per_peer` from one client address (0: no such limit).
+
+    gRPC runs every call on one thread pool: idle streams from one client, or from many, could hold
+    every worker, and health probes would wait behind them (issue 10, item 4). Calls beyond a limit
+    are refused as soon as they reach a worker, RESOURCE_EXHAUSTED with a retry hint, so the workers
+    `total` leaves free always answer probes (`PROBES`, exempt here) and refusals. The client's
+    address is known only inside the call (`context.peer()`), hence the check there, not here.
+
+    Calls are slowed by `pacer` (issue 22, item 4): a resent request waits at its door before it takes a
+    place, and transient refusals, these and the servicer's, are answered at its pace. Either wait is on
+    a thread of the pool's own (`--max-held-refusals` of them beyond `--grpc-workers`), out of any worker
+    place, so held calls never take the places of calls being scored, nor the reserved workers.
+    """
+
+    def __init__(self, *, total: int, per_peer: int, metrics: Metrics, pacer: RefusalPacer) -> None:
+        self._slots = CallSlots(total=total, per_peer=per_peer)
+        self._metrics = metrics
+        self.pacer = pacer
+        self._lock = threading.Lock()
+        self._places: dict[grpc.ServicerContext, Callable[[], None]] = {}  # each call's slot, to give back
+        self._keys: dict[grpc.ServicerContext, Callable[[], Hashable | None]] = {}  # each call's resend key
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(PROBES):
+            return handler
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        return guarded(handler, functools.partial(self._slot, method=method))
+
+    @contextlib.contextmanager
+    def _slot(self, context: grpc.ServicerContext, request: Message | None, *, method: str) -> Iterator[None]:
+        key = functools.partial(resend_key, method, request)
+        if request is not None and self.pacer.refusing:
+            woken = threading.Event()
+            with self.pacer.door(key(), wake=woken.set, deadline=Call(context, woken).deadline) as seconds:
+                woken.wait(seconds)
+        with self._lock:
+            self._keys[context] = key
+        try:
+            try:
+                give_back = self._slots.take(client_address(context.peer()))
+            except ScoringError as error:
+                self._metrics.count_request(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+                self.hold(context, error, deadline=deadline_of(context))
+                refuse(context, error)
+            with self._lock:
+                self._places[context] = give_back
+            yield
+        finally:
+            self.leave(context)
+
+    def leave(self, context: grpc.ServicerContext, *, refused: bool = False) -> Callable[[], Hashable | None]:
+        """Give back the call's place, once (a held refusal gives it back before its hold), for a resend at the
+        door to take unless the call was `refused` for want of room; its resend key."""
+        with self._lock:
+            give_back = self._places.pop(context, None)
+            key = self._keys.pop(context, None)
+        if give_back is not None:
+            give_back()
+            if not refused:
+                self.pacer.freed()
+        return key or (lambda: None)
+
+    def hold(self, context: grpc.ServicerContext, refusal: ScoringError, *, deadline: float | None,
+             cancelled: threading.Event | None = None) -> None:
+        """Hold a transient refusal for its turn at the refusal pace, out of its worker place; a call that is
+        cancelled or ends meanwhile stops waiting (`cancelled`: the event its end sets, if it has one)."""
+        key = self.leave(context, refused=True)()
+        with self.pacer.hold(key, deadline=deadline, decided=refusal.decided) as seconds:
+            if seconds:
+                if cancelled is None:
+                    cancelled = threading.Event()
+                    context.add_callback(cancelled.set)
+                cancelled.wait(seconds)
+
+
+def resend_key(method: str, request: Message | None) -> Hashable | None:
+    """What a request sent again is recognised by: its method and bytes (None: a stream's, never recognised)."""
+    return None if request is None else hash((method, request.SerializeToString(deterministic=True)))
+
+
+def client_address(peer: str) -> str:
+    """The client's address without its port: "ipv4:10.0.0.7:53211" -> "10.0.0.7", "ipv6:[::1]:5" -> "::1"."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6" and rest.startswith("["):
+        return rest[1:rest.index("]")]
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    return peer  # unix sockets and the like: the whole string
+
+
+def guarded(
+    handler: grpc.RpcMethodHandler,
+    guard: Callable[[grpc.ServicerContext, Message | None], contextlib.AbstractContextManager],
+) -> grpc.RpcMethodHandler:
+    """`handler` with its behaviour run inside `guard(context, request)`, which may abort the call on entry
+    (`request`: the call's one request, None for a stream of them)."""
+    serializers = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if not handler.response_streaming:
+        behaviour = handler.unary_unary or handler.stream_unary
+
+        def unary(request, context):
+            with guard(context, None if handler.request_streaming else request):
+                return behaviour(request, context)
+
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(unary, **serializers)
+        return grpc.unary_unary_rpc_method_handler(unary, **serializers)
+    behaviour = handler.unary_stream or handler.stream_stream
+
+    def streaming(request, context):
+        with guard(context, None if handler.request_streaming else request):
+            yield from behaviour(request, context)
+
+    if handler.request_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming, **serializers)
+    return grpc.unary_stream_rpc_method_handler(streaming, **serializers)

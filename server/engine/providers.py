@@ -1,0 +1,136 @@
+"""The execution provider: which one really runs, probed once per server, and sessions made on it.
+
+CUDA is asked for only when it can load (provider compiled in AND a CUDA device present), since
+asking for it without CUDA logs a loud error before falling back; after creation each session's
+own `get_providers()` is the truth reported to callers.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime
+
+from convert.cuda import cuda_free_bytes
+from server.memory.runtime import PREDICTABLE_CUDA_OPTIONS, first_cpu_run, predictable_session_options, warm_up_runtime
+from server.settings import Settings
+
+LOG = logging.getLogger(__name__)
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+
+
+class EngineError(RuntimeError):
+    """The provider asked for cannot run; the message says why."""
+
+
+@dataclass(frozen=True)
+class ProviderChoice:
+    """The providers to request and, when CUDA is not among them, why."""
+
+    providers: tuple[str, ...]
+    reason: str
+
+
+def choose_providers(
+    available: tuple[str, ...] | list[str], *, cuda_device: bool, provider: str = "auto", require_gpu: bool = False
+) -> ProviderChoice:
+    """Pure provider selection; raises EngineError when a GPU is required but absent."""
+    if provider not in ("auto", "cuda", "cpu"):
+        raise EngineError(f"provider must be auto, cuda or cpu; received {provider!r}")
+    if provider == "cpu" and require_gpu:
+        raise EngineError("--require-gpu contradicts --provider cpu")
+    if provider == "cpu":
+        return ProviderChoice((CPU,), "the CPU provider was requested")
+    if CUDA not in available:
+        missing = f"this onnxruntime build has no {CUDA} (available: {', '.join(available)})"
+    elif not cuda_device:
+        missing = "no CUDA device or CUDA runtime library was found"
+    else:
+        return ProviderChoice((CUDA, CPU), "CUDA is available")
+    if require_gpu or provider == "cuda":
+        raise EngineError(f"a GPU is required but {missing}")
+    return ProviderChoice((CPU,), f"running on the CPU: {missing}")
+
+
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(uint8)": np.uint8, "tensor(float16)": np.float16,
+                "tensor(int64)": np.int64}
+
+
+def _first_run(session: onnxruntime.InferenceSession) -> None:
+    """A fixed-shape CPU session's first run, on zeros (server.memory.runtime.first_cpu_run says why);
+    a session whose inputs are not all fixed is left alone."""
+    feeds = {}
+    for value in session.get_inputs():
+        if value.type not in _NUMPY_TYPES or not all(isinstance(dim, int) for dim in value.shape):
+            return
+        feeds[value.name] = np.zeros(value.shape, _NUMPY_TYPES[value.type])
+    first_cpu_run(session, feeds)
+
+
+def cuda_device_present() -> bool:
+    """A CUDA runtime loads and sees a device: the one probe (server.memory.runtime) memory measurement uses too."""
+    return cuda_free_bytes() is not None
+
+
+class Engine:
+    """The provider every plan of every model runs on, and the options its sessions get."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        choice = choose_providers(
+            onnxruntime.get_available_providers(), cuda_device=cuda_device_present(),
+            provider=settings.provider, require_gpu=settings.require_gpu,
+        )
+        self._providers: list = list(choice.providers)
+        if CUDA in self._providers:
+            self._providers[0] = (CUDA, {
+                "cudnn_conv_algo_search": settings.cudnn_conv_algo_search, **PREDICTABLE_CUDA_OPTIONS,
+            })
+        else:
+            LOG.info("%s", choice.reason)
+        self.provider = CUDA if CUDA in choice.providers else CPU
+        if not self.on_gpu:  # so the first plan's measured footprint is the plan's, not the runtime's first use
+            warm_up_runtime([CPU])
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.provider == CUDA
+
+    def options(self) -> onnxruntime.SessionOptions:
+        """The options under which admission's prediction (convert.profile) was validated; on the GPU one
+        intra-op thread that does not spin, since the host only launches kernels."""
+        options = predictable_session_options(on_gpu=self.on_gpu)
+        options.log_severity_level = 3
+        # No spinning: a server holds many plans, each with its own thread pool, and spinning pools of
+        # idle plans would take the cores from the one that runs.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.intra_op_num_threads = 1 if self.on_gpu else self.settings.intra_op_threads
+        options.inter_op_num_threads = self.settings.inter_op_threads
+        return options
+
+    def session(self, graph: bytes) -> onnxruntime.InferenceSession:
+        """A session of `graph` on the chosen provider; EngineError when CUDA was chosen but did not load.
+
+        Made from a file, not the bytes: onnxruntime's Python session keeps bytes it was given for as
+        long as it lives (a second copy of the weights per plan, 18 MiB on the default model)."""
+        with tempfile.NamedTemporaryFile(suffix=".onnx") as file:
+            file.write(graph)
+            file.flush()
+            session = onnxruntime.InferenceSession(file.name, self.options(), providers=self._providers)
+        actual = session.get_providers()[0]
+        if actual != self.provider:
+            if self.settings.require_gpu:
+                raise EngineError(f"{CUDA} failed to load (the session runs on {actual})")
+            LOG.warning("CUDA was requested but the session runs on %s; running on the CPU", actual)
+            self.provider = actual
+        if not self.on_gpu:
+            _first_run(session)
+        return session
+
+    def free_gpu_bytes(self) -> int | None:
+        """Free device memory from the CUDA runtime (cudaMemGetInfo), when running on the GPU."""
+        return cuda_free_bytes() if self.on_gpu else None

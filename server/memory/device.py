@@ -1,0 +1,288 @@
+"""A model's plans' device memory: predicted before a plan is made, measured after, budgeted server-wide.
+
+Predictions are `convert.profile`'s for the device the model runs on (the terms `scoremap-inspect --device`
+prints), so what users are shown is what the server enforces. Two ways to use it:
+
+* Per batch: `PlanMemory.require_batch(height, width, scale=, largest_scale=)` returns the largest batch of
+  that input size within the model's `budget_bytes`, or refuses with RESOURCE_EXHAUSTED and the numbers;
+  `fitting_batch` and `predicted_bytes(height, width, batch)` answer the questions behind it.
+* Per plan (one session per fixed shape, server/scoring/plans.py): every model's plans draw on one
+  `MemoryBudget` per server. The plan cache asks, before making a plan,
+
+      evict = plan_memory.make_room(key, height=, width=, batch=, scale=, largest_scale=)
+
+  which reserves the plan's bytes (its measured footprint when this key was made before, else the
+  prediction) and returns this model's plans to drop, least recently used first; plans of other
+  models chosen for eviction are handed to their PlanMemory's `on_evict(key)` (called outside any
+  lock). It raises ScoringError(RESOURCE_EXHAUSTED) with the bytes, the budget and the largest
+  scale that fits when the plan cannot fit even with every other plan evicted. Then, once the plan
+  is made and warmed up (`server.memory.runtime.measure_footprint`):
+
+      plan_memory.plan_created(key, measured_bytes)   # replaces the reservation, exports the gauge,
+                                                      # logs when the prediction is off by > 25%
+      plan_memory.plan_used(key)                      # on every run: recency for LRU
+      plan_memory.plan_evicted(key)                   # when it is dropped (or its making failed)
+
+  `key` is the plan cache's own hashable key; `height`, `width` are the net's input size and
+  `batch` the images one run of the net sees (batch x passes when passes are made on the device).
+  A plan is accounted at its measurement plus, on the CPU, the run memory it takes back while it
+  runs (activations are freed after each run there; CUDA's arena keeps them, so they are measured).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import onnx
+
+from convert.arguments import format_bytes
+from convert.memory_model import Device, MemoryTerms
+from convert.profile import ProfileError, Skeleton, largest_batch, load_skeleton, profile_model
+from server.errors import Refusal, ScoringError
+from server.metrics import Metrics
+
+__all__ = ["MemoryBudget", "PlanMemory", "PlanRecord"]
+
+LOG = logging.getLogger(__name__)
+PROFILE_CACHE_SIZE = 1024  # input sizes (and batch sizes) whose predictions each model remembers
+PREDICTION_TOLERANCE = 0.25  # a plan measured further than this from its prediction is logged ...
+MEASUREMENT_RESOLUTION_BYTES = 4 * 2**20  # ... and by more than this: RSS moves by a few MiB on its own
+
+
+@dataclass
+class PlanRecord:
+    """One plan in the budget: its prediction, its measurement once made, and when it was last used."""
+
+    owner: PlanMemory
+    key: Hashable
+    predicted: MemoryTerms
+    measured_bytes: int | None
+    last_used: int
+
+    @property
+    def accounted_bytes(self) -> int:
+        """What the plan holds (measured, else predicted) plus what its runs take back on the CPU."""
+        if self.measured_bytes is None:
+            return self.predicted.total
+        return self.measured_bytes + self.predicted.transient
+
+
+class MemoryBudget:
+    """Every loaded model's plans, one per server: the one order of their use, server-wide, that evictions
+    and each model's --max-plans follow, and the one account of the bytes they may hold together on one
+    device. Each model's `PlanMemory` predicts and refuses; this only accounts."""
+
+    def __init__(self, total_bytes: int | None, *, device: Device) -> None:
+        self.total_bytes = total_bytes
+        self.device = device
+        self._plans: dict[tuple[int, Hashable], PlanRecord] = {}
+        self._lock = threading.Lock()
+        self._clock = itertools.count()
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(record.accounted_bytes for record in self._plans.values())
+
+    def plans(self) -> list[PlanRecord]:
+        """Every plan accounted, least recently used first."""
+        with self._lock:
+            return sorted(self._plans.values(), key=lambda record: record.last_used)
+
+    def oldest(self, owner: PlanMemory) -> Hashable | None:
+        """`owner`'s least recently used plan, or None when it has none."""
+        mine = [record for record in self.plans() if record.owner is owner]
+        return mine[0].key if mine else None
+
+    def reserve(self, owner: PlanMemory, key: Hashable, predicted: MemoryTerms,
+                measured_bytes: int | None) -> tuple[PlanRecord, list[PlanRecord] | None]:
+        """Account a plan about to be made as the most recently used, evicting least recently used plans to
+        fit: its record, and the evicted, or None when it cannot fit even alone (nothing changed then)."""
+        slot = (id(owner), key)
+        with self._lock:
+            record = PlanRecord(owner, key, predicted, measured_bytes, next(self._clock))
+            others = sorted((r for s, r in self._plans.items() if s != slot), key=lambda r: r.last_used)
+            if self.total_bytes is not None and record.accounted_bytes > self.total_bytes:
+                return record, None
+            used = sum(r.accounted_bytes for r in others) + record.accounted_bytes
+            victims = []
+            for victim in others:
+                if self.total_bytes is None or used <= self.total_bytes:
+                    break
+                victims.append(victim)
+                used -= victim.accounted_bytes
+            for victim in victims:
+                del self._plans[(id(victim.owner), victim.key)]
+            self._plans[slot] = record
+            return record, victims
+
+    def record(self, owner: PlanMemory, key: Hashable) -> PlanRecord | None:
+        """`owner`'s plan `key` as accounted now, or None when it is not."""
+        with self._lock:
+            return self._plans.get((id(owner), key))
+
+    def measured(self, owner: PlanMemory, key: Hashable, measured_bytes: int) -> PlanRecord | None:
+        with self._lock:
+            record = self._plans.get((id(owner), key))
+            if record is not None:
+                record.measured_bytes = measured_bytes
+                record.last_used = next(self._clock)
+            return record
+
+    def touch(self, owner: PlanMemory, key: Hashable) -> None:
+        with self._lock:
+            record = self._plans.get((id(owner), key))
+            if record is not None:
+                record.last_used = next(self._clock)
+
+    def drop(self, owner: PlanMemory, key: Hashable) -> None:
+        with self._lock:
+            self._plans.pop((id(owner), key), None)
+
+
+
+class PlanMemory:
+    """The memory check for one model, on the device it runs on, cached per input shape.
+
+    It profiles the graph it was given at load time, never the file again: a model file replaced
+    or removed while serving must not change (or break) what the server enforces. It keeps only
+    the graph's skeleton, not a second copy of the weights the session already holds.
+    """
+
+    def __init__(self, model: onnx.ModelProto | Skeleton, *, budget_bytes: int | None = None,
+                 device: Device = Device.CPU, name: str = "", shared: MemoryBudget | None = None,
+                 metrics: Metrics | None = None) -> None:
+        self.model = load_skeleton(model)
+        self.device = device
+        self.name = name
+        self.shared = shared
+        self.budget_bytes = budget_bytes if budget_bytes is not None else (shared.total_bytes if shared else None)
+        self.metrics = metrics
+        self.on_evict: Callable[[Hashable], None] | None = None
+        self._lock = threading.Lock()
+        self._measured: dict[Hashable, int] = {}  # kept after eviction: a plan made again costs the same
+        # Per instance, not functools.lru_cache on the methods: that cache is shared by every
+        # PlanMemory and keeps each one (and its graph) alive.
+        self.terms = functools.lru_cache(maxsize=PROFILE_CACHE_SIZE)(self._terms)
+        self.fitting_batch = functools.lru_cache(maxsize=PROFILE_CACHE_SIZE)(self._fitting_batch)
+
+    # --- per batch ----------------------------------------------------------------------------
+    def _terms(self, height: int, width: int, batch: int = 1) -> MemoryTerms:
+        return profile_model(self.model, height=height, width=width, batch=batch, device=self.device).terms
+
+    def predicted_bytes(self, height: int, width: int, batch: int = 1) -> int:
+        """Predicted peak bytes of one session running `batch` inputs of [height, width] on this device."""
+        return self.terms(height, width, batch).total
+
+    def _fitting_batch(self, height: int, width: int) -> int:
+        """The largest batch of this input size within the budget (0: not even one); no budget: unbounded."""
+        if self.budget_bytes is None:
+            return 1 << 30
+        with self._lock:
+            return largest_batch(self.model, height=height, width=width, budget_bytes=self.budget_bytes,
+                                 device=self.device)
+
+    def require_batch(self, height: int, width: int, *, scale: int, largest_scale: Callable[[], int]) -> int:
+        """The batch limit for this size; RESOURCE_EXHAUSTED with the numbers when one pass cannot fit."""
+        try:
+            limit = self.fitting_batch(height, width)
+        except ProfileError as error:
+            raise ScoringError(
+                Refusal.INVALID_ARGUMENT,
+                f"scale {scale} gives an input of {height}x{width} the model cannot take: {error}",
+            ) from error
+        if limit > 0:
+            return limit
+        raise self._too_large(f"scale {scale} ({height}x{width} input)", self.predicted_bytes(height, width),
+                              "predicted", self.budget_bytes, largest_scale)
+
+    def _too_large(self, what: str, needed: int, how: str, budget: int, largest_scale: Callable[[], int] | None) -> ScoringError:
+        fits = largest_scale() if largest_scale is not None else None
+        hint = ("" if fits is None else
+                f"; the largest scale that fits is {fits}" if fits else "; no scale of this image fits")
+        return ScoringError(
+            Refusal.RESOURCE_EXHAUSTED,
+            f"{what} needs a {how} {needed} bytes ({format_bytes(needed)}) on {self.device.value} "
+            f"but the memory budget is {budget} bytes ({format_bytes(budget)}){hint}",
+        )
+
+    # --- per plan -----------------------------------------------------------------------------
+    def make_room(self, key: Hashable, *, height: int, width: int, batch: int, scale: int | None = None,
+                  largest_scale: Callable[[], int] | None = None) -> list[Hashable]:
+        """Reserve a new plan's bytes in the shared budget; this model's plans to evict (LRU first)."""
+        if self.shared is None:
+            raise RuntimeError("plan accounting needs a MemoryBudget: PlanMemory(..., shared=budget)")
+        try:
+            predicted = self.terms(height, width, batch)
+        except ProfileError as error:
+            raise ScoringError(Refusal.INVALID_ARGUMENT,
+                               f"plan {key} ({batch}x{height}x{width}) cannot be profiled: {error}") from error
+        measured = self._measured.get(key)
+        record, victims = self.shared.reserve(self, key, predicted, measured)
+        if victims is None:
+            what = f"plan {key}" + (f" for scale {scale}" if scale is not None else "")
+            how = "measured" if measured is not None else "predicted"
+            raise self._too_large(what, record.accounted_bytes, how, self.shared.total_bytes, largest_scale)
+        mine = []
+        for victim in victims:
+            LOG.info("%s: plan %s evicted (least recently used) to make room for %s plan %s",
+                     victim.owner.name, victim.key, self.name, key)
+            victim.owner._forget_gauge(victim.key)
+            if victim.owner is self:
+                mine.append(victim.key)
+            elif victim.owner.on_evict is not None:
+                victim.owner.on_evict(victim.key)
+        return mine
+
+    def plan_created(self, key: Hashable, measured_bytes: int) -> None:
+        """Record a made and warmed-up plan's measured footprint (device bytes on CUDA, RSS on the CPU). A
+        reading below the weights every session holds means memory was freed elsewhere meanwhile (bench_server
+        read 0 B for a 115 MiB plan): admission keeps the prediction."""
+        reserved = self.shared.record(self, key) if self.shared is not None else None
+        if reserved is not None and measured_bytes < reserved.predicted.weights:
+            LOG.debug("%s: plan %s measured %d bytes, below its %d bytes of weights: not used", self.name, key,
+                      measured_bytes, reserved.predicted.weights)
+            return
+        self._measured[key] = measured_bytes
+        record = self.shared.measured(self, key, measured_bytes) if self.shared is not None else None
+        if record is None:
+            return
+        expected = record.predicted.resident
+        ratio = measured_bytes / expected if expected else float("inf")
+        if abs(ratio - 1) > PREDICTION_TOLERANCE and abs(measured_bytes - expected) > MEASUREMENT_RESOLUTION_BYTES:
+            LOG.warning("%s: plan %s measured %s on %s, predicted %s (%.2fx): the memory model is off for this "
+                        "model; admission uses the measurement", self.name, key, format_bytes(measured_bytes),
+                        self.device.value, format_bytes(expected), ratio)
+        if self.metrics is not None:
+            gauge = self.metrics.plan_memory
+            gauge.labels(self.name, str(key), "measured").set(measured_bytes)
+            gauge.labels(self.name, str(key), "predicted").set(expected)
+
+    def plan_used(self, key: Hashable) -> None:
+        """The plan ran: most recently used now."""
+        if self.shared is not None:
+            self.shared.touch(self, key)
+
+    def oldest_plan(self) -> Hashable | None:
+        """This model's least recently used plan in the shared budget's order (None: none, or no budget)."""
+        return self.shared.oldest(self) if self.shared is not None else None
+
+    def plan_evicted(self, key: Hashable) -> None:
+        """The plan was dropped (or could not be made): its bytes go back to the budget."""
+        if self.shared is not None:
+            self.shared.drop(self, key)
+        self._forget_gauge(key)
+
+    def _forget_gauge(self, key: Hashable) -> None:
+        if self.metrics is None:
+            return
+        for kind in ("measured", "predicted"):
+            try:
+                self.metrics.plan_memory.remove(self.name, str(key), kind)
+            except KeyError:
+                pass
+

@@ -1,0 +1,376 @@
+"""What onnxruntime really uses, measured, and the process configuration the prediction holds under.
+
+* `configure_allocator()`: glibc's malloc as the server runs it (a fixed 128 KiB mmap threshold,
+  heap top trimmed at once), so buffers of a run are returned to the system when freed. Under
+  glibc's defaults the mmap threshold grows to 32 MiB after the first large free, activations then
+  come from the heap, fragment it and stay: the default model peaked at 110 MB for 512x512 (the
+  prediction, 63 MB, was 0.57x of it) and a server's idle RSS ratcheted from 1.0 to 6.3 GB (issue
+  14). `release_free_memory()` (malloc_trim) gives back the holes left inside the heaps after a
+  large request.
+* `measure_footprint()`: what creating and warming up a plan (a session) really costs, in the
+  running process: device memory (cudaMemGetInfo) on CUDA, resident set (current, not peak) on both.
+* `measure_peak()`: the peak of a bare net's runs, in a clean child configured like the server, the
+  check on convert.profile's CUDA terms (`make bench-gpu`); the CPU terms are checked on plans, in
+  the server's own process (bench/bench_cpu_plans.py). Nothing the parent allocated or cached is counted:
+
+* CPU: peak resident set (VmHWM in /proc/self/status) during the runs minus the resident set
+  before the session was created. The high-water mark is reset after session creation (writing
+  5 to /proc/self/clear_refs), so the transient copy of the weights made while loading does not
+  count, and the figure is what a served request costs: weights + activations + runtime.
+* CUDA (when the provider loads): device memory in use (cudaMemGetInfo through the CUDA runtime
+  library) after the runs minus before the session; the CUDA arena keeps what it grew to, and
+  grows by what is requested (`arena_extend_strategy=kSameAsRequested`), so that is the peak.
+
+A tiny graph is run before the baseline is read, so that code pages and thread pools the
+runtime touches on its first run are part of the baseline, not of the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import numpy as np
+import onnxruntime
+from onnx import TensorProto, helper, numpy_helper
+
+from convert.cuda import runtime
+
+__all__ = [
+    "MeasurementError",
+    "Measurement",
+    "select_device",
+    "predictable_session_options",
+    "first_cpu_run",
+    "warm_up_runtime",
+    "PREDICTABLE_CUDA_OPTIONS",
+    "measure_peak",
+    "Footprint",
+    "HostActivity",
+    "HOST_ACTIVITY",
+    "measure_footprint",
+    "resident_bytes",
+    "cuda_used_bytes",
+    "configure_allocator",
+    "release_free_memory",
+    "MMAP_THRESHOLD_BYTES",
+    "RUNS",
+    "TIMEOUT_SECONDS",
+]
+
+T = TypeVar("T")
+
+# Runs per measurement: the first plans the memory pattern, the second reuses it.
+RUNS = 2
+# A measurement child that takes longer than this is stopped.
+TIMEOUT_SECONDS = 600
+# Allocations from this size up get their own mapping, unmapped when freed (glibc's initial
+# threshold; setting it also stops glibc raising it after large frees): the regions of a plan's
+# onnxruntime arena go back to the system when the plan is dropped or its first run shrinks the
+# arena, and the buffers of requests (decoded images, maps) when the request ends. Runs do not pay
+# for it: the arena keeps the memory pattern's block from run to run (issue 22).
+MMAP_THRESHOLD_BYTES = 128 * 1024
+# Free memory above the heap's top beyond this is returned at once.
+TRIM_THRESHOLD_BYTES = 0
+# mallopt(3) parameter numbers (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+class MeasurementError(RuntimeError):
+    """The child process could not measure (model failed to load or run, no /proc, timeout)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    device: str
+    height: int
+    width: int
+    batch: int
+    peak_bytes: int          # weights + activations + runtime during the runs, over the baseline
+    session_bytes: int       # retained after session creation, over the baseline
+    load_peak_bytes: int     # transient peak while creating the session (CPU only, else 0)
+
+
+# CUDA provider options for the same reason: the default arena grows by powers of two.
+PREDICTABLE_CUDA_OPTIONS = {"arena_extend_strategy": "kSameAsRequested"}
+
+
+def predictable_session_options(*, on_gpu: bool = False) -> onnxruntime.SessionOptions:
+    """Session options under which convert.profile's prediction holds.
+
+    On the CPU, onnxruntime's own defaults: its arena and its memory pattern. A plan's session only
+    ever sees one shape (server/scoring/plans.py), so the pattern is one block of the planned activations,
+    taken from the arena at the first run and reused by every run after it: runs at onnxruntime's
+    default speed (bench_cpu_plans), and the arena holds the same bytes from the first run on, which
+    convert.memory_model counts (the arena's fragmentation, 1.7-1.9x the live activations on a
+    VGG-style graph, came from one session seeing many shapes). Without the arena each run mapped
+    and faulted its activations afresh: 1.1-3.2x slower (issue 22). On CUDA both stay off: the CUDA
+    terms of convert.memory_model were fitted on H100 runs made without them.
+    """
+    options = onnxruntime.SessionOptions()
+    options.enable_cpu_mem_arena = not on_gpu
+    options.enable_mem_pattern = not on_gpu
+    return options
+
+
+# onnxruntime's run option that hands a CPU arena's free chunks back when the run returns.
+_SHRINK_CPU_ARENA = onnxruntime.RunOptions()
+_SHRINK_CPU_ARENA.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+
+
+def first_cpu_run(session: onnxruntime.InferenceSession, feeds: dict[str, np.ndarray]) -> None:
+    """A CPU session's first run, after which its arena gives back what the run freed.
+
+    onnxruntime records the memory pattern during a session's first run, which allocates buffer by
+    buffer; the second run takes the pattern's one block from the arena, and every run after it
+    reuses that block. Without handing the first run's chunks back, the arena would keep both: a
+    further 1.4x the live activations on top of the pattern (issue 22, convert.memory_model)."""
+    session.run(None, feeds, _SHRINK_CPU_ARENA)
+
+
+def select_device(available_providers: list[str], *, cuda_loadable: bool) -> str:
+    """'cuda' when the CUDA provider is built in and its libraries load, else 'cpu'."""
+    return "cuda" if "CUDAExecutionProvider" in available_providers and cuda_loadable else "cpu"
+
+
+def _cuda_used_bytes(cudart: ctypes.CDLL) -> int:
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    status = cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total))
+    if status != 0:
+        raise MeasurementError(f"cudaMemGetInfo failed with CUDA error {status}")
+    return total.value - free.value
+
+
+def cuda_used_bytes() -> int | None:
+    """Device memory in use on the current CUDA device (every process's), or None without CUDA."""
+    cudart = runtime()
+    return _cuda_used_bytes(cudart) if cudart is not None else None
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (/proc/self/statm), not its peak."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _libc() -> ctypes.CDLL | None:
+    """glibc, when this process runs on it (mallopt and malloc_trim are glibc's)."""
+    name = ctypes.util.find_library("c")
+    try:
+        library = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return library if library is not None and hasattr(library, "malloc_trim") else None
+
+
+def configure_allocator() -> bool:
+    """Set glibc's malloc as the memory prediction was validated under; call once at process start.
+
+    False (and nothing changed) where the C library is not glibc."""
+    libc = _libc()
+    if libc is None:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def release_free_memory() -> None:
+    """Return the free memory glibc still holds inside its heaps to the system (malloc_trim(0));
+    worth it after a large request, a few milliseconds on a large heap."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+class HostActivity:
+    """Work in this process that grows and shrinks its resident set beside plan building (decoding images,
+    assembling responses): a host footprint read while any ran is not the plan's alone (issue 24, item 5:
+    concurrent decoding measured a plan at 2.59x its prediction)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._begun = 0
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        with self._lock:
+            self._running += 1
+            self._begun += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def mark(self) -> tuple[int, int]:
+        """(running now, begun so far): equal marks with none running mean none ran in between."""
+        with self._lock:
+            return self._running, self._begun
+
+
+HOST_ACTIVITY = HostActivity()  # process-wide, as the resident set it guards is
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    """What building something (a plan: session + warm-up run) left in use, in bytes."""
+
+    host_bytes: int            # resident set after minus before
+    device_bytes: int | None   # CUDA memory in use after minus before; None without CUDA
+    host_shared: bool = False  # other work (HOST_ACTIVITY) ran meanwhile: host_bytes is not the build's alone
+
+    @property
+    def bytes(self) -> int:
+        """The figure to account against the budget of the device the plan runs on."""
+        return self.device_bytes if self.device_bytes is not None else self.host_bytes
+
+
+def measure_footprint(build: Callable[[], T], *, on_gpu: bool) -> tuple[T, Footprint]:
+    """Run `build` (create a plan and warm it up) and measure what it left in use.
+
+    Both readings are process- (RSS) or device-wide (cudaMemGetInfo): whatever other threads
+    allocate meanwhile is counted too, so build plans before serving or one at a time; `host_shared`
+    says when work declared in HOST_ACTIVITY ran meanwhile. On the
+    CPU, with `predictable_session_options`, the arena keeps the runs' activations (the memory
+    pattern's block), so the footprint is what the plan holds from then on."""
+    cudart = runtime() if on_gpu else None
+    if on_gpu and cudart is None:
+        raise MeasurementError("a GPU footprint was asked but the CUDA runtime library does not load")
+    release_free_memory()
+    activity_before = HOST_ACTIVITY.mark()
+    host_before = resident_bytes()
+    device_before = _cuda_used_bytes(cudart) if cudart is not None else None
+    built = build()
+    device_after = _cuda_used_bytes(cudart) if cudart is not None else None
+    release_free_memory()
+    host = max(0, resident_bytes() - host_before)
+    activity_after = HOST_ACTIVITY.mark()
+    shared = activity_before[0] > 0 or activity_after != activity_before
+    device = None if cudart is None else max(0, device_after - device_before)
+    return built, Footprint(host_bytes=host, device_bytes=device, host_shared=shared)
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise MeasurementError(f"/proc/self/status has no {field} line; peak RSS needs Linux")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def warm_up_runtime(providers: list) -> None:
+    """Run a tiny conv+gemm graph so the runtime's first-run costs (code pages, thread pools, kernel
+    registries) land in the baseline, not in the first measured session."""
+    weight = numpy_helper.from_array(np.ones((8, 3, 3, 3), np.float32), "w")
+    matrix = numpy_helper.from_array(np.ones((8 * 8 * 8, 4), np.float32), "m")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["c"], ["r"]),
+         helper.make_node("Flatten", ["r"], ["f"]),
+         helper.make_node("Gemm", ["f", "m"], ["y"])],
+        "warm_up", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [weight, matrix])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=providers)
+    session.run(None, {"x": np.ones((1, 3, 8, 8), np.float32)})
+
+
+def _measure_here(model_path: str, height: int, width: int, batch: int, device: str, channels_last: bool) -> Measurement:
+    cudart = runtime() if device == "cuda" else None
+    if device == "cuda" and cudart is None:
+        raise MeasurementError("device 'cuda' requested but the CUDA runtime library does not load")
+    providers: list = (["CPUExecutionProvider"] if device == "cpu" else
+                       [("CUDAExecutionProvider", dict(PREDICTABLE_CUDA_OPTIONS))])
+    configure_allocator()  # as the server does at start
+    warm_up_runtime(providers)
+
+    def used() -> int:
+        return _cuda_used_bytes(cudart) if cudart is not None else _status_bytes("VmRSS")
+
+    if cudart is None:
+        _reset_peak()  # so VmHWM below is the session-creation peak
+    baseline = used()
+    session = onnxruntime.InferenceSession(model_path, predictable_session_options(on_gpu=cudart is not None),
+                                           providers=providers)
+    load_peak = _status_bytes("VmHWM") - baseline if cudart is None else 0
+    session_bytes = used() - baseline
+    image = session.get_inputs()[0]
+    dtype = {"tensor(float16)": np.float16, "tensor(uint8)": np.uint8}.get(image.type, np.float32)
+    on_cpu = cudart is None
+    if on_cpu:
+        _reset_peak()
+    channels = image.shape[3 if channels_last else 1]
+    shape = (batch, height, width, channels) if channels_last else (batch, channels, height, width)
+    pixels = np.random.default_rng(0).uniform(0, 255, shape).astype(dtype)
+    feed = {image.name: pixels}
+    if on_cpu:
+        first_cpu_run(session, feed)  # as server/engine/providers.py makes a plan
+    for _ in range(RUNS - on_cpu):
+        session.run(None, feed)
+    peak = (_status_bytes("VmHWM") if on_cpu else used()) - baseline
+    return Measurement(device, height, width, batch, peak, session_bytes, load_peak)
+
+
+def measure_peak(model_path: str, *, height: int, width: int, batch: int = 1, device: str = "auto") -> Measurement:
+    """Peak memory of `RUNS` runs of the model at batch x C x height x width, in a clean child."""
+    if device == "auto":
+        device = select_device(onnxruntime.get_available_providers(), cuda_loadable=runtime() is not None)
+    if device not in ("cpu", "cuda"):
+        raise MeasurementError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if not os.path.isfile(model_path):
+        raise MeasurementError(f"no model file at {model_path!r}")
+    from convert.card import Layout
+    from convert.profile import ProfileError, load_skeleton
+
+    try:
+        channels_last = load_skeleton(model_path).layout == Layout.LAYOUT_NHWC
+    except ProfileError as error:
+        raise MeasurementError(f"measuring {model_path} failed: {error}") from error
+    arguments = [model_path, "--height", str(height), "--width", str(width), "--batch", str(batch), "--device", device,
+                 *(["--channels-last"] if channels_last else [])]
+    # Run this file, not `-m server.memory.runtime`: importing the packages (convert pulls in torch) costs
+    # seconds of start-up that measure nothing.
+    command = [sys.executable, "-c", "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
+               __file__, *arguments]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS, check=False)
+    except subprocess.TimeoutExpired as error:
+        raise MeasurementError(f"measuring {model_path} took over {TIMEOUT_SECONDS} s") from error
+    if done.returncode != 0:
+        raise MeasurementError(f"measuring {model_path} at {batch}x{height}x{width} failed: "
+                               f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+    return Measurement(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Measure one model's peak memory under onnxruntime (child side).")
+    parser.add_argument("model")
+    parser.add_argument("--height", type=int, required=True)
+    parser.add_argument("--width", type=int, required=True)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--channels-last", action="store_true", help="the image input is NHWC")
+    args = parser.parse_args(argv)
+    measurement = _measure_here(args.model, args.height, args.width, args.batch, args.device, args.channels_last)
+    sys.stdout.write(json.dumps(dataclasses.asdict(measurement)) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""Admission, the one module that refuses a request before compute.
+
+`admit(request, model, deadline=) -> Ticket` runs `CHECKS`, one ordered list of small checks each
+returning its refusal (or None): the request's fields (the image's first bytes included), then the
+queue's room and expected wait, then the image's header, then what the header tells (every scale's
+canvas, or its tiles on one, and batch limit in memory: server/scoring/fitting.py; the tiles' queue
+places, the response's size, the host memory: server/memory/host.py). The ticket holds the queue
+places and the host bytes together and gives both back in `release`, the one way out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from protos import scoring_pb2
+from server.errors import NoRoom, Refusal, ScoringError, Transient, invalid, retry_after
+from server.geometry import dense
+from server.memory.host import DEVICE_PASSES, HostEstimate, TiledScale, estimate_request
+from server.memory.host_budget import admit_host
+from server.scoring import imaging
+from server.scoring.fitting import scale_job
+from server.scoring.request import ScaleJob, top_k
+
+if TYPE_CHECKING:
+    from server.scoring.batcher import Batcher, Reservation
+    from server.scoring.model import Model
+
+__all__ = ["CHECKS", "Ticket", "admit", "response_bytes"]
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A request being admitted, then admitted: what it will run, and what it holds until `release`
+    (its places in the model's queue, until its items are queued; its host bytes, until it ends)."""
+
+    request: scoring_pb2.ScoreRequest
+    model: Model
+    deadline: float | None
+    scales: list[int] = field(default_factory=list)
+    passes: dense.Passes | None = None
+    flips: tuple[bool, ...] = (False,)
+    places: Reservation | None = None
+    opened: imaging.OpenedImage | None = None
+    jobs: list[ScaleJob] = field(default_factory=list)
+    host: HostEstimate | None = None
+    held_bytes: int = 0
+
+    @property
+    def original(self) -> tuple[int, int]:
+        return self.opened.height, self.opened.width
+
+    def release(self) -> None:
+        """Give back the queue places (nothing once queued) and the host bytes; once, the one way out."""
+        if self.places is not None:
+            self.model.batcher.release(self.places)
+        held, self.held_bytes = self.held_bytes, 0
+        if held:
+            self.model.host_budget.give_back(held)
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def check_scales(ticket: Ticket) -> ScoringError | None:
+    model, limits = ticket.model, ticket.model.limits
+    scales = ticket.scales = list(ticket.request.scales) or [model.default_scale]
+    if len(scales) > limits.max_scales:
+        return invalid(f"{len(scales)} scales requested; at most {limits.max_scales} are allowed (--max-scales)")
+    for scale in scales:
+        if not model.min_scale <= scale <= limits.max_scale:
+            return invalid(
+                f"scale {scale} is outside [{model.min_scale}, {limits.max_scale}] (the target shorter side in "
+                f"pixels; model {model.name} needs at least its training size {model.training_size})"
+            )
+    if len(set(scales)) != len(scales):
+        return invalid(f"scales {scales} repeat a value; give each scale once")
+    return None
+
+
+def check_fields(ticket: Ticket) -> ScoringError | None:
+    request, model = ticket.request, ticket.model
+    if request.top_k < 0 or request.cell_top_k < 0:
+        return invalid(f"top_k and cell_top_k must be >= 0; received {request.top_k} and {request.cell_top_k}")
+    bad = [c for c in request.classes if not 0 <= c < model.classes]
+    if bad:
+        return invalid(f"classes {bad} are out of range: model {model.name} has classes 0..{model.classes - 1}")
+    if request.map_dtype not in scoring_pb2.MapDtype.values():
+        return invalid(f"map_dtype {request.map_dtype} is not a MapDtype; use one of "
+                       f"{', '.join(scoring_pb2.MapDtype.keys())}")
+    if request.output_stride < 0:
+        return invalid(f"output_stride must be 0 (native) or positive; received {request.output_stride}")
+    return None
+
+
+def choose_passes(ticket: Ticket) -> ScoringError | None:
+    request, model = ticket.request, ticket.model
+    try:
+        ticket.passes = dense.passes_for(native_stride=model.card.output_stride, output_stride=request.output_stride,
+                                         shift=request.shift)
+    except dense.PassesError as error:
+        return invalid(f"model {model.name}: {error}")
+    ticket.flips = (False, True) if request.flip else (False,)
+    return None
+
+
+def check_image_field(ticket: Ticket) -> ScoringError | None:
+    """The image is there, and its first bytes are an image's: a permanent refusal stays one under load."""
+    kind = ticket.request.WhichOneof("image")
+    if kind is None:
+        return invalid("the request has no image: set `encoded` (JPEG, PNG, WebP, BMP, TIFF bytes) or `raw` pixels")
+    if kind == "encoded":
+        try:
+            imaging.check_encoded(ticket.request.encoded)
+        except imaging.ImageError as error:
+            return invalid(str(error))
+    return None
+
+
+def hold_places(ticket: Ticket) -> ScoringError | None:
+    """Places in the model's queue, before the header is read: under overload most requests are refused,
+    and each refusal then costs no header parsing or planning (26% of its server CPU, measured). A broken
+    header is found once there is room, so under overload it is first refused as transient."""
+    try:
+        ticket.places = queue_places(ticket.model.batcher, len(ticket.scales) * len(ticket.flips),
+                                     deadline=ticket.deadline)
+    except ScoringError as error:
+        return error
+    return None
+
+
+def queue_places(batcher: Batcher, items: int, *, deadline: float | None) -> Reservation:
+    """`items` places in `batcher`'s queue, or the refusal saying why there is no room."""
+    held = batcher.reserve(items, deadline=deadline)
+    if isinstance(held, NoRoom):
+        raise no_room(held, deadline=deadline)
+    return held
+
+
+def no_room(busy: NoRoom, *, deadline: float | None) -> ScoringError:
+    """The refusal of a queue with no room for a request, with a retry hint from the queue's pace."""
+    if busy.why is None:
+        return ScoringError(Refusal.UNAVAILABLE, "the server is shutting down")
+    if busy.why is Transient.QUEUE_FULL:
+        return ScoringError(
+            Refusal.RESOURCE_EXHAUSTED,
+            f"queue full: {busy.waiting} items waiting or decoding, this request adds {busy.adding}, the limit is "
+            f"{busy.depth} (--queue-depth); retry with backoff",
+            retry_after_seconds=retry_after(busy.why, busy.seconds_per_item * busy.adding),
+        )
+    if busy.why is Transient.QUEUE_WAIT:
+        kept = f" less {1000 * busy.margin:.0f} ms kept as a margin for the estimate" if busy.margin else ""
+        return ScoringError(
+            Refusal.RESOURCE_EXHAUSTED,
+            f"overloaded: the expected wait in the queue is {1000 * busy.wait:.0f} ms, beyond --max-queue-ms "
+            f"({1000 * busy.max_queue:.0f} ms){kept}; retry with backoff",
+            retry_after_seconds=retry_after(busy.why, busy.wait + busy.margin - busy.max_queue),
+        )
+    left = max(deadline - time.monotonic(), 0) if deadline is not None else 0
+    return ScoringError(
+        Refusal.RESOURCE_EXHAUSTED,
+        f"overloaded: the request would be done in about {1000 * busy.done:.0f} ms, after the call's "
+        f"deadline ({1000 * left:.0f} ms from now); retry later or with a longer deadline",
+        retry_after_seconds=retry_after(busy.why, busy.wait),
+    )
+
+
+def read_header(ticket: Ticket) -> ScoringError | None:
+    """The image's header: its size, and nothing decoded yet."""
+    request, limit = ticket.request, ticket.model.limits.max_image_pixels
+    try:
+        if request.WhichOneof("image") == "encoded":
+            ticket.opened = imaging.open_image(request.encoded, max_pixels=limit)
+        else:
+            ticket.opened = imaging.from_raw(request.raw, max_pixels=limit)
+    except imaging.ImageError as error:
+        return invalid(str(error))
+    return None
+
+
+
+def fit_scales(ticket: Ticket) -> ScoringError | None:
+    """Each scale's resized size, canvas bucket (or the tiles on one), kept cells and batch limit; refused when
+    the image cannot take it."""
+    try:
+        ticket.jobs = [scale_job(ticket.model, ticket.original, scale, ticket.passes, flip=len(ticket.flips) > 1)
+                       for scale in ticket.scales]
+    except ScoringError as error:
+        return error
+    return None
+
+
+def hold_tile_places(ticket: Ticket) -> ScoringError | None:
+    """A tiled scale is one item per tile and orientation: the places held before the header was read
+    (one per scale and orientation) become the request's whole count."""
+    items = sum(job.parts for job in ticket.jobs) * len(ticket.flips)
+    if ticket.places is None or items == ticket.places.items:
+        return None
+    batcher = ticket.model.batcher
+    batcher.release(ticket.places)
+    ticket.places = None
+    held = batcher.reserve(items, deadline=ticket.deadline)
+    if not isinstance(held, NoRoom):
+        ticket.places = held
+        return None
+    if held.why is Transient.QUEUE_FULL and items > held.depth:  # no retry makes room for it
+        return ScoringError(
+            Refusal.RESOURCE_EXHAUSTED,
+            f"this request is {items} items (scales x orientations x tiles), more than the queue holds "
+            f"({held.depth}, --queue-depth): it never fits; ask fewer or smaller scales, or restart the server with "
+            "a larger --queue-depth or larger --shape-buckets (fewer tiles)",
+        )
+    return no_room(held, deadline=ticket.deadline)
+
+
+
+def check_response_size(ticket: Ticket) -> ScoringError | None:
+    request, model, limit = ticket.request, ticket.model, ticket.model.limits.max_message_bytes
+    expected = response_bytes(request, ticket.jobs, classes=model.classes, top_k=top_k(request, model.limits),
+                              label_bytes=model.label_bytes)
+    if expected > limit:
+        return ScoringError(
+            Refusal.RESOURCE_EXHAUSTED,
+            f"the response would be about {expected} bytes, above the server's --max-message-bytes {limit}; ask "
+            "for fewer `classes`, a smaller `cell_top_k`, `map_dtype` FLOAT16, fewer or smaller scales, or no maps",
+        )
+    return None
+
+
+def check_host_memory(ticket: Ticket) -> ScoringError | None:
+    """What the request will hold on the host, estimated from the header: within one request's limit, then
+    held from the budget the requests in flight share."""
+    request, model, passes = ticket.request, ticket.model, ticket.passes
+    ticket.host = estimate_request(
+        encoded_bytes=ticket.opened.encoded_bytes, image_size=ticket.original,
+        resized_sizes=[job.canvas for job in ticket.jobs if job.tiling is None], passes=len(passes.offsets),
+        flip=request.flip, classes=model.classes, native_stride=model.card.output_stride, output_stride=passes.stride,
+        path=DEVICE_PASSES,
+        tiled=[TiledScale(job.resized, job.canvas, len(job.tiles), max(t.cells[0] * t.cells[1] for t in job.tiles))
+               for job in ticket.jobs if job.tiling is not None],
+    )
+    try:
+        admit_host(ticket.host, limit_bytes=model.limits.max_request_host_bytes)
+        model.host_budget.take(ticket.host)
+    except ScoringError as error:
+        return error
+    ticket.held_bytes = ticket.host.total
+    return None
+
+
+# The measured order: the cheap checks of the fields first, then the queue's room and expected wait,
+# then the header, then what the header tells (the canvas of every scale, the response's size, memory).
+CHECKS: tuple[Callable[[Ticket], ScoringError | None], ...] = (
+    check_scales, check_fields, choose_passes, check_image_field, hold_places, read_header, fit_scales,
+    hold_tile_places, check_response_size, check_host_memory,
+)
+
+
+def admit(request: scoring_pb2.ScoreRequest, model: Model, *, deadline: float | None) -> Ticket:
+    """The request checked whole before any pixel is decoded, or the first check's refusal; the ticket
+    holds its queue places and host bytes until released (`with admit(...) as ticket:`)."""
+    ticket = Ticket(request, model, deadline)
+    try:
+        for check in CHECKS:
+            refused = check(ticket)
+            if refused is not None:
+                raise refused
+    except BaseException:
+        ticket.release()
+        raise
+    return ticket
+
+
+FLOAT16_BYTES, FLOAT32_BYTES, INT32_BYTES = 2, 4, 4
+OVERHEAD_BYTES = 4096  # geometry, timings, model name, warnings and framing of a response, generously
+ENTRY_FRAMING_BYTES = 8  # an image-level top-k entry's tags and lengths
+
+
+def response_bytes(request: scoring_pb2.ScoreRequest, jobs: list[ScaleJob], *, classes: int, top_k: int,
+                   label_bytes: int) -> int:
+    """An upper estimate of the response's size, known before any compute: the maps, the cells' top-k,
+    the image's `top_k` entries, each with a label of up to `label_bytes`, and the echoed request id."""
+    total = OVERHEAD_BYTES + len(request.request_id.encode()) + min(top_k, classes) * (
+        INT32_BYTES + FLOAT32_BYTES + label_bytes + ENTRY_FRAMING_BYTES)
+    for job in jobs:
+        cells = job.cells[0] * job.cells[1]
+        if request.return_maps:
+            width = FLOAT16_BYTES if request.map_dtype == scoring_pb2.FLOAT16 else FLOAT32_BYTES
+            total += cells * (len(request.classes) or classes) * width
+        total += cells * min(request.cell_top_k, classes) * (INT32_BYTES + FLOAT32_BYTES)
+    return total

@@ -1,0 +1,176 @@
+"""Fitting: how each scale of a request runs (issue 20: no plan grows with the image).
+
+A scale is resized, then put on the smallest canvas bucket that holds it, or tiled onto one with the
+server's halo, or planned on demand; `scale_job` says which, with the cells it keeps and how many of its
+items one batch may hold in the model's device memory (`items_per_batch`); `largest_scale` is what the
+refusals suggest instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from convert.profile import ProfileError
+from server.engine.device_graph import DeviceGraphError
+from server.errors import Refusal, ScoringError, invalid
+from server.geometry import dense, tiling
+from server.scoring.request import ScaleJob, TileJob
+
+if TYPE_CHECKING:
+    from server.scoring.model import Model
+
+__all__ = ["items_per_batch", "largest_scale", "scale_job", "tile_jobs", "tile_plan"]
+
+
+def scale_job(model: Model, original: tuple[int, int], scale: int, passes: dense.Passes, *,
+              flip: bool) -> ScaleJob:
+    """How one scale runs: on the smallest canvas bucket that holds it; else tiled onto a bucket that holds
+    the halo; else, when it fits --tile-canvas, on a canvas planned on demand (the tile canvas under
+    --strict-shapes); else tiled onto the tile canvas (issue 20: no plan grows with the image)."""
+    limit = model.limits.max_resized_pixels
+    size = dense.resized_size(*original, scale=scale, multiple=model.card.size_multiple)
+    if size[0] * size[1] > limit:
+        raise invalid(
+            f"scale {scale} resizes the {original[0]}x{original[1]} image to {size[0]}x{size[1]} = "
+            f"{size[0] * size[1]} pixels, above the limit of {limit} (--max-resized-pixels, which follows from "
+            "--max-request-host-bytes); use a smaller scale"
+        )
+    cells = job_cells(model, size, scale, passes)
+    if 0 in cells:
+        raise invalid(
+            f"scale {scale} resizes the {original[0]}x{original[1]} image to {size[0]}x{size[1]}, smaller than "
+            f"model {model.name}'s training size {model.card.training_height}x{model.card.training_width}; "
+            "use a larger scale"
+        )
+
+    def on(canvas: tuple[int, int], tiles: tiling.TilePlan | None = None) -> ScaleJob:
+        return ScaleJob(scale, size, canvas, cells, items_per_batch(model, canvas, scale, passes, original), tiling=tiles,
+                        tiles=() if tiles is None else tile_jobs(model, tiles, scale, passes))
+
+    canvas = model.buckets.canvas_for(*size, slack=passes.slack)
+    if canvas is not None:
+        return on(canvas)
+    tiles = tile_plan(model, size, passes, flip=flip)
+    if isinstance(tiles, tiling.TilePlan):
+        return on(tiles.canvas, tiles)
+    canvas = model.canvas_for(size, passes)  # planned on demand, up to the tile canvas
+    if canvas is not None:
+        return on(canvas)
+    tiles = tile_plan(model, size, passes, flip=flip, canvases=(model.tiling_canvas(size, passes),))
+    if isinstance(tiles, tiling.TilePlan):
+        return on(tiles.canvas, tiles)
+    raise invalid(
+        f"scale {scale} gives a {size[0]}x{size[1]} image (+{passes.slack} px for shifted passes) that no "
+        f"canvas bucket holds ({model.buckets.describe()}), nor can it be tiled onto one or onto --tile-canvas "
+        f"{model.tile_canvas[0]}x{model.tile_canvas[1]}: {tiles}; use a smaller scale, or restart the server with a "
+        "larger --shape-buckets or --tile-canvas, or a smaller --halo"
+    )
+
+
+def job_cells(model: Model, size: tuple[int, int], scale: int, passes: dense.Passes) -> tuple[int, int]:
+    """The lattice cells one pass over an image of `size` keeps (the passes' factor times the net's cells)."""
+    try:
+        return tuple(passes.factor * side for side in model.net_cells(*size))
+    except DeviceGraphError as error:
+        raise invalid(f"scale {scale} gives a {size[0]}x{size[1]} input model {model.name} cannot take: "
+                      f"{error}") from error
+
+
+def tile_plan(model: Model, size: tuple[int, int], passes: dense.Passes, *, flip: bool,
+              canvases: Sequence[tuple[int, int]] | None = None) -> tiling.TilePlan | tiling.TilingError:
+    """The tiles of a resized image on the canvas (of `canvases`, default the buckets) that computes the fewest
+    pixels for it, with the server's --halo (None: exact); the largest canvas's TilingError when none holds the halo."""
+    field = model.card.receptive_field
+    plans, refusal = [], None
+    for canvas in sorted(model.buckets.canvases if canvases is None else canvases, key=lambda c: c[0] * c[1]):
+        try:
+            plans.append(tiling.plan(
+                size, canvas, field_size=field.size, field_center=(field.center_y, field.center_x),
+                training=(model.card.training_height, model.card.training_width), passes=passes,
+                halo=model.halo, multiple=model.multiple, flip=flip))
+        except tiling.TilingError as error:
+            refusal = error
+    if not plans:
+        return refusal
+    return min(plans, key=lambda plan: (len(plan) * plan.canvas[0] * plan.canvas[1], plan.canvas))
+
+
+def tile_jobs(model: Model, plan: tiling.TilePlan, scale: int, passes: dense.Passes) -> tuple[TileJob, ...]:
+    """Each tile's own map cells and the cells of its lattice the image-level mean counts, as the one pass's:
+    every map cell once (the cells it owns), and every cell of the mirrored lattice once (those whose
+    unmirrored cell it owns; an edge tile also those landing beyond the image's edge)."""
+    first_x = model.card.receptive_field.center_x - passes.slack
+    last = len(plan.columns) - 1
+    jobs = []
+    for tile in plan:
+        cells = job_cells(model, (tile.y.length, tile.x.length), scale, passes)
+        rows, columns = tile.owned(cells)
+        # Mirrored column m lands on unmirrored column anchor - m (dense.mirror_back).
+        anchor = int(round((tile.x.length - 1 - 2 * first_x) / passes.stride))
+        lowest = anchor - columns.stop + 1 if tile.column < last else 0
+        highest = anchor - columns.start + 1 if tile.column > 0 else cells[1]
+        mirrored = slice(max(lowest, 0), min(highest, cells[1]))
+        jobs.append(TileJob(tile, cells, (rows, columns), (rows, mirrored)))
+    return tuple(jobs)
+
+
+def hold_tile_places(ticket: Ticket) -> ScoringError | None:
+    """A tiled scale is one item per tile and orientation: the places held before the header was read
+    (one per scale and orientation) become the request's whole count."""
+    items = sum(job.parts for job in ticket.jobs) * len(ticket.flips)
+    if ticket.places is None or items == ticket.places.items:
+        return None
+    batcher = ticket.model.batcher
+    batcher.release(ticket.places)
+    ticket.places = None
+    held = batcher.reserve(items, deadline=ticket.deadline)
+    if not isinstance(held, NoRoom):
+        ticket.places = held
+        return None
+    if held.why is Transient.QUEUE_FULL and items > held.depth:  # no retry makes room for it
+        return ScoringError(
+            Refusal.RESOURCE_EXHAUSTED,
+            f"this request is {items} items (scales x orientations x tiles), more than the queue holds "
+            f"({held.depth}, --queue-depth): it never fits; ask fewer or smaller scales, or restart the server with "
+            "a larger --queue-depth or larger --shape-buckets (fewer tiles)",
+        )
+    return no_room(held, deadline=ticket.deadline)
+
+
+def items_per_batch(model: Model, canvas: tuple[int, int], scale: int, passes: dense.Passes,
+                original: tuple[int, int]) -> int:
+    """How many items of this canvas one batch may hold in memory (each runs all its passes), as a batch
+    bucket: a batch is padded up to its bucket, so the limit is rounded down to one."""
+    limit = model.plan_memory.require_batch(*canvas, scale=scale, largest_scale=lambda: largest_scale(model, original, passes))
+    items = limit // len(passes.offsets)
+    if items == 0:
+        raise ScoringError(
+            Refusal.RESOURCE_EXHAUSTED,
+            f"scale {scale} needs {len(passes.offsets)} passes of {canvas[0]}x{canvas[1]} at once but "
+            f"only {limit} fit the memory budget; the largest scale that fits is "
+            f"{largest_scale(model, original, passes)}",
+        )
+    if items >= model.buckets.batches[-1]:
+        return items
+    return max(bucket for bucket in model.buckets.batches if bucket <= items)
+
+
+def largest_scale(model: Model, original: tuple[int, int], passes: dense.Passes) -> int:
+    """The largest scale of this image whose passes fit the memory budget (0: none)."""
+    step = model.multiple
+    low, high = max(model.min_scale // step - 1, 0), model.limits.max_scale // step + 1  # low fits or is 0
+    while high - low > 1:
+        middle = (low + high) // 2
+        # A scale beyond the tile canvas runs on it, tile by tile.
+        canvas = model.canvas_for(dense.resized_size(*original, scale=middle * step, multiple=step),
+                                  passes) or model.tile_canvas
+        try:
+            fits = model.plan_memory.fitting_batch(*canvas) >= len(passes.offsets)
+        except ProfileError:  # a size the net cannot take
+            fits = False
+        if fits:
+            low = middle
+        else:
+            high = middle
+    return low * step

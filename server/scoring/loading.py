@@ -1,0 +1,193 @@
+"""Loading a converted model and warming it up: its card, plans, batcher, buckets and memory check.
+
+`load` builds a `Model` (server/scoring/model.py) (the batcher's
+runner is its `plans.run`), `warm_up` makes and runs every configured plan, then scores a request at
+each offered stride, so health never says SERVING over a broken model.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import pathlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+
+from convert.arguments import format_bytes
+from convert.card import CardError, ImageInput, batch_shape, read_card
+from convert.profile import ProfileError
+from protos import scoring_pb2
+from server.engine.device_graph import LATTICE, DeviceGraphError, scores_shape
+from server.engine.providers import Engine
+from server.errors import Refusal, ScoringError, invalid
+from server.geometry import buckets, dense
+from server.memory.device import MemoryBudget, PlanMemory
+from server.memory.host_budget import HostBudget
+from server.metrics import Metrics
+from server.scoring import imaging
+from server.scoring.batcher import Batcher, Work
+from server.scoring.model import FALLBACK_SCALE, Model
+from server.scoring.plans import PlanCache, PlanKey
+from server.scoring.request import GroupKey
+from server.settings import Settings
+
+LOG = logging.getLogger(__name__)
+CONVERT_FIRST = "convert a classifier with `scoremap-convert`, then serve the .onnx file it writes"
+WARM_UP_FAILURES_SHOWN = 3  # failed plans named in the warm-up error (the log line stays readable)
+
+
+def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: MemoryBudget, host_budget: HostBudget,
+         metrics: Metrics | None, share: int) -> Model:
+    """Card, plans, batcher and memory check for one model; it gets 1/`share` of the memory budget,
+    since every model's batcher runs its batches concurrently with the others'."""
+    try:
+        net = onnx.load(path)
+    except DecodeError as error:  # protobuf's own words ("Wire format was corrupt") say nothing to a user
+        raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path} is not an ONNX file (it does not parse as an ONNX "
+                           f"model): {CONVERT_FIRST}") from error
+    except OSError as error:
+        raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
+    if not net.graph.node:  # an empty file parses as an empty ModelProto
+        raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path} is not an ONNX file (it holds no graph): "
+                           f"{CONVERT_FIRST}")
+    try:
+        card = read_card(net)
+        image = ImageInput.of(card)
+        imaging.resample_filter(image.resize_filter)
+    except (CardError, imaging.ImageError) as error:
+        raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
+    name = name or card.name or pathlib.Path(path).stem  # never the folders, which ListModels would show
+    plan_memory = PlanMemory(net, budget_bytes=budget.total_bytes // share if budget.total_bytes else None,
+                             device=budget.device, name=name, shared=budget, metrics=metrics)
+    max_batch = settings.max_batch_for(on_gpu=engine.on_gpu)
+    passes = [dense.passes_for(native_stride=card.output_stride, output_stride=s, shift=0)
+              for s in dense.offered_strides(card.output_stride)]
+    if settings.shape_buckets:
+        shape_buckets = buckets.Buckets(settings.shape_buckets, buckets.batch_buckets(max_batch))
+    else:
+        shape_buckets = buckets.default_buckets(
+            scales=settings.warm_up_scales or (card.default_scale or FALLBACK_SCALE,),
+            slacks=sorted({p.slack for p in passes}), multiple=card.size_multiple or card.output_stride,
+            max_batch=max_batch, every_step=not engine.on_gpu,
+        )
+    training = batch_shape(image.layout, batch=1, channels=3, height=card.training_height, width=card.training_width)
+    try:
+        (_batch, classes, _h, _w), _type = scores_shape(net, input_name=image.name, scores_name=card.scores_name,
+                                                        input_shape=training)
+    except DeviceGraphError as error:
+        raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
+    multiple = card.size_multiple or card.output_stride
+    if any(side % multiple for side in settings.tile_canvas):
+        height, width = (-(-side // multiple) * multiple for side in settings.tile_canvas)
+        raise ScoringError(Refusal.INVALID_ARGUMENT,
+                           f"--tile-canvas {settings.tile_canvas[0]}x{settings.tile_canvas[1]} is not a multiple of "
+                           f"model {name}'s size multiple {multiple}; give e.g. {height}x{width}")
+    fill = dense.mean_colour(card)
+    model = Model(
+        name=name, path=path, card=card, image=image, classes=classes,
+        plans=PlanCache(net, card, engine, plan_memory, max_plans=settings.max_plans, buckets=shape_buckets,
+                        fill=fill, metrics=metrics, name=name),
+        plan_memory=plan_memory, buckets=shape_buckets, fill=fill, limits=settings, host_budget=host_budget,
+        strict_shapes=settings.strict_shapes, halo=settings.halo, tile_canvas=settings.tile_canvas,
+    )
+    model.batcher = Batcher(
+        model.plans.run, max_batch=max_batch, max_delay_seconds=settings.max_queue_delay_ms / 1000,
+        max_queue_seconds=settings.max_queue_ms / 1000, queue_depth=settings.queue_depth,
+        on_batch=None if metrics is None else functools.partial(record_batch, model, metrics),
+        on_drop=None if metrics is None else functools.partial(metrics.count_dropped, name), name=name,
+    )
+    if metrics is not None:
+        metrics.track_queue(name, model.batcher.depth)
+    LOG.info("loaded %s from %s on %s (memory budget %s bytes, shared; canvases %s; batches %s)", name, path,
+             engine.provider, budget.total_bytes, shape_buckets.describe(), shape_buckets.batches)
+    return model
+
+
+def record_batch(model: Model, metrics: Metrics, works: list[Work]) -> None:
+    """The batch's size and predicted peak in the metrics (traffic only, not the warm-up)."""
+    if any(work.payload.traffic for work in works):
+        group: GroupKey = works[0].key
+        passes = model.buckets.batch_for(len(works)) * len(group.passes.offsets)  # the padded batch runs
+        metrics.record_batch(model.name, len(works), model.plan_memory.predicted_bytes(group.height, group.width, passes))
+
+
+def configured_plans(model: Model, scales: tuple[int, ...]) -> list[PlanKey]:
+    """The plans traffic at the warm-up scales will use: each common aspect x stride x batch bucket."""
+    keys = []
+    for stride in model.strides:
+        passes = dense.passes_for(native_stride=model.card.output_stride, output_stride=stride, shift=0)
+        for scale in scales or (model.default_scale,):
+            for tall, wide in buckets.COMMON_ASPECTS:
+                size = dense.resized_size(tall, wide, scale=scale, multiple=model.multiple)
+                canvas = model.buckets.canvas_for(*size, slack=passes.slack)
+                if canvas is not None:
+                    keys.extend(PlanKey(*canvas, batch, passes) for batch in model.buckets.batches)
+    return list(dict.fromkeys(keys))
+
+
+def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
+    """ScoringError(INVALID_ARGUMENT) naming --warm-up-scales and the fix, before any plan is made, for a warm-up
+    scale the model cannot serve: below its smallest scale, above --max-scale, or with a plan predicted beyond
+    the memory budget (issue 24: these loaded, warmed up and failed as a generic warm-up error)."""
+    for model in models:
+        for scale in scales or (model.default_scale,):
+            named = (f"--warm-up-scales {scale}" if scales else
+                     f"{model.name}'s default scale {scale} (the warm-up scale without --warm-up-scales)")
+            if scale < model.training_size:
+                raise invalid(f"{named} is below {model.name}'s training size {model.training_size}, the smallest "
+                              f"input it can take: give --warm-up-scales of at least {model.training_size}")
+            if not model.min_scale <= scale <= model.limits.max_scale:
+                raise invalid(f"{named} is outside the scales requests may ask for, [{model.min_scale}, "
+                              f"{model.limits.max_scale}] (--min-scale, --max-scale): give --warm-up-scales "
+                              "within them")
+            total = model.plan_memory.shared.total_bytes if model.plan_memory.shared is not None else None
+            for key in configured_plans(model, (scale,)):
+                try:
+                    needed = model.plan_memory.predicted_bytes(key.height, key.width,
+                                                             key.batch * len(key.passes.offsets))
+                except ProfileError:
+                    continue  # a shape the net cannot take: warm-up names it
+                if total is not None and needed > total:
+                    raise invalid(f"{named}: {model.name}'s plan {key} is predicted to need {format_bytes(needed)}, "
+                                  f"beyond the memory budget of {format_bytes(total)}: give a smaller "
+                                  "--warm-up-scales, or a larger --memory-budget")
+
+
+def warm_up(models: list[Model], scales: tuple[int, ...],
+            score: Callable[[scoring_pb2.ScoreRequest], scoring_pb2.ScoreResponse]) -> None:
+    """Make and run every configured plan of every model, then `score` a gray request at each offered stride;
+    ScoringError(UNAVAILABLE) naming every failure."""
+    failures = []
+    for model in models:
+        for key in configured_plans(model, scales):
+            try:
+                model.plans.run_plan(key, [], lattice=LATTICE)
+            except Exception as error:  # any failure keeps the server NOT_SERVING, and says why
+                failures.append(f"{model.name} plan {key}: {one_line(error)}")
+        if failures:
+            continue
+        scale = (scales or (model.default_scale,))[0]
+        gray = np.full((scale, scale, 3), 128, dtype=np.uint8)
+        for stride in model.strides:
+            request = scoring_pb2.ScoreRequest(
+                model=model.name, scales=[scale], output_stride=stride, return_maps=True,
+                raw=scoring_pb2.RawImage(data=gray.tobytes(), height=scale, width=scale, channels=3),
+            )
+            try:
+                score(request)
+            except ScoringError as error:
+                failures.append(f"{model.name} at scale {scale} stride {stride}: {error.message}")
+    if failures:
+        shown = failures[:WARM_UP_FAILURES_SHOWN]
+        more = f"; and {len(failures) - len(shown)} more" if len(failures) > len(shown) else ""
+        raise ScoringError(Refusal.UNAVAILABLE, "warm-up failed: " + "; ".join(shown) + more)
+
+
+def one_line(error: Exception, limit: int = 300) -> str:
+    """An error's message on one line, cut to `limit` characters (onnxruntime's span several)."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"

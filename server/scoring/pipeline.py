@@ -1,0 +1,198 @@
+"""The in-process scoring pipeline: request in, response out, no gRPC needed.
+
+The servicer is a thin adapter over it and `scoremap-score --local` runs it directly. `score` only
+sequences the stages, each a module a request enters once:
+
+    admit (admission)  ->  decode (imaging)  ->  run (batcher, plans.run)  ->  assemble (assemble)
+
+Admission checks the request whole before any pixel is decoded and gives a ticket holding its queue
+places and host bytes. The image is decoded and resized in a thread pool, each scale (and its mirror)
+put on its uint8 canvas (a scale no canvas bucket holds: each of its tiles, on a bucket's canvas) and
+queued; the batcher runs items of one canvas and passes together through the model's plans, whose
+device graph makes the shifted passes, normalises, runs the net and averages probabilities, so the
+host only stacks uint8 arrays and copies back what the response holds.
+Models are loaded and warmed up by server/scoring/loading.py; the request's types are server/scoring/request.py's.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import CancelledError, ThreadPoolExecutor
+
+import numpy as np
+
+from convert.card import Precision, label
+from convert.memory_model import Device
+from server.memory.runtime import HOST_ACTIVITY, configure_allocator
+from protos import model_card_pb2, scoring_pb2
+from server.memory.device import MemoryBudget
+from server.memory.host_budget import HostBudget, available_memory_bytes
+from server.scoring import admission, assemble, imaging, loading
+from server.scoring.admission import Ticket
+from server.scoring.model import Model
+from server.scoring.batcher import Work
+from server.engine.device_graph import LATTICE, LATTICE_FP16
+from server.engine.providers import Engine, EngineError
+from server.errors import Refusal, ScoringError
+from server.metrics import Metrics
+from server.scoring.request import GroupKey, Item
+from server.settings import Settings
+
+
+class Pipeline:
+    """Loads converted models and scores requests against them."""
+
+    def __init__(
+        self, models: Sequence[str] | Mapping[str, str], *, settings: Settings | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        """`models`: converted .onnx paths (each named by its card) or {name: path}."""
+        pairs = list(models.items()) if isinstance(models, Mapping) else [("", str(path)) for path in models]
+        if not pairs:
+            raise ScoringError(Refusal.INVALID_ARGUMENT, "no model given: pass at least one converted .onnx file")
+        self.settings = settings or Settings()
+        self.metrics = metrics
+        self._models: dict[str, Model] = {}
+        self._decoder = ThreadPoolExecutor(self.settings.decode_threads or os.cpu_count() or 1,
+                                           thread_name_prefix="decode")
+        try:
+            self.engine = Engine(self.settings)
+        except EngineError as error:
+            raise ScoringError(Refusal.FAILED_PRECONDITION, str(error)) from error
+        configure_allocator()
+        self.budget = MemoryBudget(self._budget_bytes(), device=Device.CUDA if self.engine.on_gpu else Device.CPU)
+        self.host_budget = HostBudget.sized(self.settings.host_memory_budget_bytes,
+                                              fraction=self.settings.host_memory_fraction,
+                                              at_least=self.settings.max_request_host_bytes)
+        try:
+            for name, path in pairs:
+                model = loading.load(name, str(path), settings=self.settings, engine=self.engine, budget=self.budget,
+                                    host_budget=self.host_budget, metrics=self.metrics, share=len(pairs))
+                if model.name in self._models:
+                    model.batcher.close()
+                    raise ScoringError(
+                        Refusal.INVALID_ARGUMENT,
+                        f"two models are named {model.name!r} ({self._models[model.name].path} and {path}); "
+                        "name them apart with NAME=PATH",
+                    )
+                self._models[model.name] = model
+            if self.settings.warm_up:
+                self.check_warm_up()
+                self.warm_up()
+        except BaseException:
+            self.close()
+            raise
+
+    def _budget_bytes(self) -> int | None:
+        """--memory-budget, else the GPU's free memory, else a share of the available RAM."""
+        if self.settings.memory_budget_bytes is not None:
+            return self.settings.memory_budget_bytes
+        free = self.engine.free_gpu_bytes()
+        if free is not None:
+            return free
+        available = available_memory_bytes()
+        return int(available * self.settings.cpu_memory_fraction) if available else None
+
+    def check_warm_up(self) -> None:
+        """ScoringError(INVALID_ARGUMENT) naming --warm-up-scales for a scale no model could warm up, before any
+        plan is made: a bad command line, not a failed warm-up."""
+        loading.check_warm_up_scales(list(self._models.values()), self.settings.warm_up_scales)
+
+    def warm_up(self) -> None:
+        """Every configured plan of every model made and run, then a request scored at each offered stride;
+        ScoringError(UNAVAILABLE) naming every failure, so health never says SERVING over a broken model."""
+        loading.warm_up(list(self._models.values()), self.settings.warm_up_scales,
+                       lambda request: self.score(request, record=False))
+
+    # --- queries ------------------------------------------------------------------------------
+    def models(self) -> list[scoring_pb2.ModelSummary]:
+        return [
+            scoring_pb2.ModelSummary(
+                name=m.name, classes=m.classes, output_stride=m.card.output_stride,
+                precision=label(Precision, m.card.precision), path=m.path if self.settings.expose_paths else "",
+                output_strides=m.strides, min_scale=m.min_scale, max_scale=self.settings.max_scale,
+                default_scale=m.default_scale,
+            )
+            for m in self._models.values()
+        ]
+
+    def card(self, name: str) -> model_card_pb2.ModelCard:
+        return self._model(name).card
+
+    def provider(self, name: str = "") -> str:
+        self._model(name)
+        return self.engine.provider
+
+    def _model(self, name: str) -> Model:
+        if not name:
+            if len(self._models) == 1:
+                return next(iter(self._models.values()))
+            raise ScoringError(Refusal.INVALID_ARGUMENT,
+                               f"several models are loaded ({', '.join(self._models)}): name one in the request's "
+                               "`model`")
+        try:
+            return self._models[name]
+        except KeyError:
+            raise ScoringError(
+                Refusal.NOT_FOUND, f"no model named {name!r}; loaded: {', '.join(self._models)}"
+            ) from None
+
+    # --- scoring ------------------------------------------------------------------------------
+    def score(
+        self,
+        request: scoring_pb2.ScoreRequest,
+        *,
+        deadline: float | None = None,
+        cancelled: threading.Event | None = None,
+        record: bool = True,
+    ) -> scoring_pb2.ScoreResponse:
+        """Score one request; `deadline` is a time.monotonic() instant, `cancelled` set when the caller left,
+        `record` False for the server's own warm-up (not traffic, not in the metrics)."""
+        started = time.monotonic()
+        model = self._model(request.model)
+        with admission.admit(request, model, deadline=deadline) as ticket:  # released however it ends
+            works = self._decode(ticket, traffic=record)
+            decoded = time.monotonic()
+            if cancelled is not None and cancelled.is_set():  # the caller left while its image decoded
+                raise ScoringError(Refusal.CANCELLED, "the call was cancelled")
+            scored = model.batcher.process(works, ticket.places, cancelled=cancelled)
+            computed = time.monotonic()
+            with HOST_ACTIVITY.busy():
+                response = assemble.response(ticket, scored, provider=self.engine.provider)
+            seconds = assemble.timings(response, works, scored, started=started, decoded=decoded, computed=computed)
+        if record and self.metrics is not None:
+            self.metrics.record_stages(model.name, seconds)
+        return response
+
+    def _decode(self, ticket: Ticket, *, traffic: bool) -> list[Work]:
+        """The request's items, each a canvas made on a decoding thread, with its batch group and limits."""
+        try:
+            canvases = self._decoder.submit(self._canvases, ticket).result()
+        except imaging.ImageError as error:
+            raise ScoringError(Refusal.INVALID_ARGUMENT, str(error)) from error
+        except (RuntimeError, CancelledError) as error:  # the pool was shut down: the server is stopping
+            raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down") from error
+        request, passes = ticket.request, ticket.passes
+        lattice = None
+        if request.return_maps or request.cell_top_k:
+            half = request.map_dtype == scoring_pb2.FLOAT16 and not request.cell_top_k  # ranks from float32
+            lattice = LATTICE_FP16 if half else LATTICE
+        parts = [(job, cells, kept) for job in ticket.jobs for flip in ticket.flips for cells, kept in job.pieces(flip)]
+        return [Work(GroupKey(*job.canvas, passes), Item(canvas, cells, lattice, traffic, kept), job.items_per_batch,
+                     ticket.deadline) for (job, cells, kept), canvas in zip(parts, canvases)]
+
+    def _canvases(self, ticket: Ticket) -> list[np.ndarray]:
+        model = ticket.model
+        with HOST_ACTIVITY.busy():  # a plan measured meanwhile would count these pixels as its own
+            return imaging.canvases(ticket.opened, ticket.jobs, ticket.flips, fill=model.fill,
+                                    resize_filter=model.image.resize_filter)
+
+    def close(self) -> None:
+        """Stop the batchers (queued work fails with UNAVAILABLE) and the decoding threads."""
+        for model in self._models.values():
+            model.batcher.close()
+        self._models.clear()
+        self._decoder.shutdown(wait=False, cancel_futures=True)

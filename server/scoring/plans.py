@@ -1,0 +1,237 @@
+"""Plans: one onnxruntime session pinned to one input shape, made once, kept while memory allows.
+
+A plan runs the device graph (server/engine/device_graph.py) of one model for one (canvas height x
+width, batch size, passes): uint8 canvases in, lattices and image-level probabilities out. Its
+buffers are bound once (IO binding on the GPU), so a run is: copy the canvases in, run, copy back
+what the responses hold. A model's plans are made on first use or at warm-up, measured, and dropped
+least recently used when a new one would not fit the memory budget (issues 9 and 14).
+
+The run stage is `PlanCache.run`, the batcher's runner: a batch of items padded up to its batch
+bucket, with the valid mask saying which cells each item keeps (a tile: the cells it owns).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx
+import onnxruntime
+
+from server.memory.runtime import HOST_ACTIVITY, measure_footprint
+from protos.model_card_pb2 import ModelCard
+from server.geometry.buckets import Buckets
+from server.geometry.dense import Passes
+from server.engine.device_graph import (LATTICE, LATTICE_FP16, PIXELS, PROBABILITIES, VALID, DeviceGraphError,
+                                 build_plan_graph)
+from server.engine.providers import Engine, EngineError
+from server.errors import Refusal, ScoringError
+from server.metrics import Metrics
+from server.scoring.request import GroupKey, Item, Scored
+
+if TYPE_CHECKING:
+    from server.memory.device import PlanMemory
+    from server.scoring.batcher import Work
+
+LOG = logging.getLogger(__name__)
+MAKING = threading.Lock()  # held while a plan is made and measured: the readings are process-wide
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """The one shape a plan runs: canvas, batch size and passes."""
+
+    height: int
+    width: int
+    batch: int
+    passes: Passes
+
+    def __str__(self) -> str:
+        return f"{self.batch}x{self.height}x{self.width}x{len(self.passes.offsets)} passes"
+
+
+class Plan:
+    """One session of one fixed shape, with its input and output buffers bound once."""
+
+    def __init__(self, key: PlanKey, session: onnxruntime.InferenceSession, *, on_gpu: bool) -> None:
+        self.key = key
+        self.session = session
+        self._lock = threading.Lock()  # one run at a time: the bound buffers are shared (warm-up runs beside traffic)
+        shapes = {output.name: tuple(output.shape) for output in session.get_outputs()}
+        self.lattice_shape, self.probabilities_shape = shapes[LATTICE], shapes[PROBABILITIES]
+        self._binding = None
+        if on_gpu:
+            self._binding = session.io_binding()
+            self._inputs = {
+                PIXELS: self._device((key.batch, key.height, key.width, 3), np.uint8),
+                VALID: self._device((key.batch, *self.lattice_shape[2:]), np.float32),
+            }
+            self._outputs = {
+                LATTICE: self._device(self.lattice_shape, np.float32),
+                LATTICE_FP16: self._device(self.lattice_shape, np.float16),
+                PROBABILITIES: self._device(self.probabilities_shape, np.float32),
+            }
+            for name, value in self._inputs.items():
+                self._binding.bind_ortvalue_input(name, value)
+            for name, value in self._outputs.items():
+                self._binding.bind_ortvalue_output(name, value)
+
+    @staticmethod
+    def _device(shape: tuple[int, ...], dtype: type) -> onnxruntime.OrtValue:
+        return onnxruntime.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", 0)
+
+    def run(self, pixels: np.ndarray, valid: np.ndarray, *, lattice: str | None) -> tuple[np.ndarray | None, np.ndarray]:
+        """(lattice [B, K, HL, WL], probabilities [B, K]) of one full batch; `lattice` names the lattice output
+        to copy back (LATTICE, or LATTICE_FP16: half the bytes) or None when no response needs one."""
+        with self._lock:
+            return self._run(pixels, valid, lattice=lattice)
+
+    def _run(self, pixels: np.ndarray, valid: np.ndarray, *, lattice: str | None) -> tuple[np.ndarray | None, np.ndarray]:
+        if self._binding is None:
+            names = [lattice, PROBABILITIES] if lattice else [PROBABILITIES]
+            outputs = self.session.run(names, {PIXELS: pixels, VALID: valid})
+            return (outputs[0] if lattice else None), outputs[-1]
+        self._inputs[PIXELS].update_inplace(pixels)
+        self._inputs[VALID].update_inplace(valid)
+        self.session.run_with_iobinding(self._binding)
+        maps = self._outputs[lattice].numpy() if lattice else None
+        return maps, self._outputs[PROBABILITIES].numpy()
+
+
+class PlanCache:
+    """A model's plans by key, made on demand, dropped least recently used (in the memory budget's one
+    server-wide order) when the budget needs room or the model has `max_plans`.
+
+    PlanMemory (server/memory/device.py) accounts every plan of every model in one budget: it reserves a
+    new plan's predicted bytes (evicting what it must, here or in other models' caches through
+    `drop`), then gets the plan's measured footprint. Plans are made one at a time, server-wide.
+    """
+
+    def __init__(self, net: onnx.ModelProto, card: ModelCard, engine: Engine, plan_memory: PlanMemory, *,
+                 max_plans: int, buckets: Buckets, fill: np.ndarray, metrics: Metrics | None = None,
+                 name: str = "") -> None:
+        self._buckets = buckets
+        self._fill = fill
+        self._metrics = metrics
+        self._name = name or card.name
+        self._net = net
+        self._card = card
+        self._engine = engine
+        self._memory = plan_memory
+        self._max_plans = max(1, max_plans)
+        self._plans: dict[PlanKey, Plan] = {}  # in no order: the memory budget keeps the one LRU order
+        self._lock = threading.Lock()
+        self.made = 0
+        plan_memory.on_evict = self.drop
+
+    def run(self, works: list[Work]) -> list[Scored]:
+        """Score one batch of the batcher's (items of one group), on the batcher's thread."""
+        group: GroupKey = works[0].key
+        key = PlanKey(group.height, group.width, self._buckets.batch_for(len(works)), group.passes)
+        items: list[Item] = [work.payload for work in works]
+        wanted = {item.lattice for item in items}
+        lattice = LATTICE if LATTICE in wanted else LATTICE_FP16 if LATTICE_FP16 in wanted else None
+        return self.run_plan(key, items, lattice=lattice)
+
+    def run_plan(self, key: PlanKey, items: list[Item], *, lattice: str | None) -> list[Scored]:
+        """Run `items` (at most key.batch; the rest of the batch is padding) through the plan of `key`;
+        no items: a warm-up run."""
+        try:
+            plan, planning = self.get(key)
+        except (DeviceGraphError, EngineError) as error:
+            raise ScoringError(Refusal.FAILED_PRECONDITION, f"model {self._name} cannot run {key}: {error}") from error
+        if planning and items and self._metrics is not None:
+            self._metrics.plans_made.labels(self._name).inc()  # a shape outside the warm-up's plans
+        if planning:
+            LOG.info("%s: planned %s in %.0f ms", self._name, key, 1000 * planning)
+        with HOST_ACTIVITY.busy():  # a plan made meanwhile on another batcher's thread would count this batch
+            return self._run_batch(plan, key, items, planning, lattice=lattice)
+
+    def _run_batch(self, plan: Plan, key: PlanKey, items: list[Item], planning: float, *,
+                   lattice: str | None) -> list[Scored]:
+        pixels = np.empty((key.batch, key.height, key.width, 3), dtype=np.uint8)
+        pixels[len(items):] = self._fill  # the batch bucket's padding: the canvases hold their own fill
+        valid = np.zeros((key.batch, *plan.lattice_shape[2:]), dtype=np.float32)
+        for index, item in enumerate(items):
+            pixels[index] = item.canvas
+            valid[(index, *item.valid())] = 1.0
+        if not items:
+            valid[:, :1, :1] = 1.0  # a warm-up run: one cell each, so the averages are defined
+        lattices, probabilities = plan.run(pixels, valid, lattice=lattice)
+        return [
+            Scored(
+                lattices[index, :, :item.cells[0], :item.cells[1]].copy() if item.lattice else None,
+                probabilities[index].copy(), planning if index == 0 else 0.0,
+            )
+            for index, item in enumerate(items)
+        ]
+
+    def drop(self, key: PlanKey) -> None:
+        """Forget a plan (its session goes once no batch runs it)."""
+        with self._lock:
+            self._plans.pop(key, None)
+
+    def get(self, key: PlanKey) -> tuple[Plan, float]:
+        """The plan of `key` and the seconds spent making it (0 when it existed); ScoringError
+        (RESOURCE_EXHAUSTED, with the numbers) when it cannot fit the memory budget."""
+        plan = self._cached(key)
+        if plan is not None:
+            return plan, 0.0
+        with MAKING:  # one plan made at a time, server-wide: its footprint is a process-wide reading
+            plan = self._cached(key)  # made by another thread meanwhile
+            return (plan, 0.0) if plan is not None else self._make_measured(key)
+
+    def _cached(self, key: PlanKey) -> Plan | None:
+        with self._lock:
+            plan = self._plans.get(key)
+        if plan is not None:
+            self._memory.plan_used(key)
+        return plan
+
+    def _make_measured(self, key: PlanKey) -> tuple[Plan, float]:
+        with self._lock:
+            full = len(self._plans) >= self._max_plans
+        oldest = self._memory.oldest_plan() if full else None
+        if oldest is not None:  # --max-plans: sessions (and their threads) per model stay bounded
+            LOG.info("%s: plan %s dropped (least recently used; --max-plans %d)", self._card.name, oldest,
+                     self._max_plans)
+            self.drop(oldest)
+            self._memory.plan_evicted(oldest)
+        started = time.monotonic()
+        for evicted in self._memory.make_room(key, height=key.height, width=key.width,
+                                                 batch=key.batch * len(key.passes.offsets)):
+            LOG.info("%s: plan %s evicted (least recently used)", self._card.name, evicted)
+            self.drop(evicted)
+        try:
+            plan, footprint = measure_footprint(lambda: self._make(key), on_gpu=self._engine.on_gpu)
+        except BaseException:
+            self._memory.plan_evicted(key)
+            raise
+        if self._engine.on_gpu:
+            self._memory.plan_created(key, footprint.device_bytes)
+        elif footprint.host_shared:  # decoding beside it grew the resident set too: admission keeps the prediction
+            LOG.debug("%s: plan %s measured %d bytes while other work ran in the process: not used",
+                      self._card.name, key, footprint.host_bytes)
+        else:
+            self._memory.plan_created(key, footprint.host_bytes)
+        with self._lock:
+            self._plans[key] = plan
+        self.made += 1
+        return plan, time.monotonic() - started
+
+    def _make(self, key: PlanKey) -> Plan:
+        """A plan's session, run once (so its footprint includes what the first run allocates)."""
+        graph = build_plan_graph(
+            self._net, self._card, batch=key.batch, height=key.height, width=key.width,
+            offsets=key.passes.offsets, factor=key.passes.factor, stride=key.passes.stride,
+        )
+        plan = Plan(key, self._engine.session(graph.SerializeToString()), on_gpu=self._engine.on_gpu)
+        valid = np.zeros((key.batch, *plan.lattice_shape[2:]), dtype=np.float32)
+        valid[:, 0, 0] = 1.0
+        plan.run(np.zeros((key.batch, key.height, key.width, 3), dtype=np.uint8), valid, lattice=LATTICE)
+        return plan

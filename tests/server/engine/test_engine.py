@@ -1,0 +1,64 @@
+import grpc
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+
+from server.engine.providers import CPU, CUDA, Engine, EngineError, choose_providers
+from server.settings import GPU_DEFAULT_MAX_BATCH, Settings
+from tests.tiny_models import tolerance
+
+
+def test_cuda_is_chosen_when_it_can_load():
+    choice = choose_providers((CUDA, CPU), cuda_device=True)
+    assert choice.providers == (CUDA, CPU)
+
+
+@pytest.mark.parametrize("available, device, words", [
+    ((CUDA, CPU), False, "no CUDA device"),
+    ((CPU,), True, "has no CUDAExecutionProvider"),
+])
+def test_cpu_fallback_says_why(available, device, words):
+    choice = choose_providers(available, cuda_device=device)
+    assert choice.providers == (CPU,) and words in choice.reason
+
+
+def test_require_gpu_refuses_without_cuda():
+    with pytest.raises(EngineError, match="a GPU is required but no CUDA device"):
+        choose_providers((CUDA, CPU), cuda_device=False, require_gpu=True)
+    with pytest.raises(EngineError, match="GPU is required"):
+        choose_providers((CPU,), cuda_device=True, provider="cuda")
+
+
+def test_cpu_can_be_forced():
+    assert choose_providers((CUDA, CPU), cuda_device=True, provider="cpu").providers == (CPU,)
+
+
+def test_engine_reports_what_its_sessions_really_run_on(tiny_model_path):
+    engine = Engine(Settings(intra_op_threads=1))
+    session = engine.session(onnx.load(tiny_model_path).SerializeToString())
+    assert engine.provider == session.get_providers()[0]
+    batch = np.random.default_rng(0).normal(size=(2, 3, 64, 96)).astype(np.float32)
+    direct = onnxruntime.InferenceSession(tiny_model_path, providers=[CPU]).run(None, {"image": batch})[0]
+    np.testing.assert_allclose(session.run(None, {"image": batch})[0], direct, **tolerance(engine.provider))
+
+
+def test_require_gpu_refuses_to_start_on_this_machine_without_cuda(tiny_model_path):
+    from server.engine.providers import cuda_device_present
+    from server.errors import ScoringError
+    from server.scoring.pipeline import Pipeline
+
+    if cuda_device_present():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(EngineError, match="a GPU is required"):
+        Engine(Settings(require_gpu=True))
+    with pytest.raises(ScoringError, match="a GPU is required") as caught:
+        Pipeline([tiny_model_path], settings=Settings(require_gpu=True, warm_up=False))
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_max_batch_defaults_to_batching_on_gpu_only_and_obeys_an_explicit_setting():
+    assert Settings().max_batch_for(on_gpu=True) == GPU_DEFAULT_MAX_BATCH > 1
+    assert Settings().max_batch_for(on_gpu=False) == 1
+    assert Settings(max_batch=3).max_batch_for(on_gpu=False) == 3
+    assert Settings(max_batch=1).max_batch_for(on_gpu=True) == 1

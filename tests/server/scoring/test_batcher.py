@@ -1,0 +1,314 @@
+"""The batcher's queue rules, with a runner held by an event: nothing here depends on how fast a model is."""
+
+import contextlib
+import dataclasses
+import gc
+import threading
+import time
+import weakref
+
+import grpc
+import numpy as np
+import pytest
+
+from server.scoring import batcher as batcher_module
+from server.scoring.admission import queue_places
+from server.scoring.batcher import Batcher, Dropped, Work
+from server.errors import Refusal, ScoringError
+from server.metrics import Metrics
+from server.scoring.pipeline import Pipeline
+from server.settings import Settings
+
+
+class GatedRunner:
+    """Runs each batch when `gate` is open; records the batches it saw."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.batches: list[list[Work]] = []
+
+    def __call__(self, works: list[Work]) -> list:
+        self.batches.append(works)
+        assert self.gate.wait(10), "the test never opened the gate"
+        return [work.payload * 2 for work in works]
+
+
+@pytest.fixture
+def gated():
+    runner = GatedRunner()
+    batcher = Batcher(runner, max_batch=4, max_delay_seconds=0.001, queue_depth=8, max_queue_seconds=60)
+    yield runner, batcher
+    runner.gate.set()
+    batcher.close()
+
+
+def works(count: int, key="a", *, limit: int = 4, deadline: float | None = None) -> list[Work]:
+    return [Work(key, index, limit, deadline) for index in range(count)]
+
+
+def wait_until_running(work: Work) -> None:
+    while not work.started:
+        time.sleep(0.001)
+
+
+def test_same_keys_share_a_batch_and_other_keys_wait_their_turn(gated):
+    runner, batcher = gated
+    first = works(4)
+    batcher.submit(first)
+    wait_until_running(first[0])
+    mixed = works(2, "b") + works(1, "c") + works(1, "b")
+    batcher.submit(mixed)
+    runner.gate.set()
+    assert batcher.wait(first + mixed) == [0, 2, 4, 6, 0, 2, 0, 0]
+    assert [len(batch) for batch in runner.batches] == [4, 3, 1]
+    assert [w.key for w in runner.batches[1]] == ["b", "b", "b"]
+
+
+def test_a_batch_takes_no_more_than_the_memory_limit_of_its_first_item(gated):
+    runner, batcher = gated
+    runner.gate.set()
+    limited = works(3, limit=2)
+    batcher.submit(limited)
+    batcher.wait(limited)
+    assert [len(batch) for batch in runner.batches] == [2, 1]
+
+
+def test_a_full_queue_refuses_with_a_retry_hint_and_cancelled_calls_free_their_place(gated):
+    runner, batcher = gated
+    running = works(4)
+    batcher.submit(running)
+    wait_until_running(running[0])
+    queued = works(8)
+    batcher.submit(queued)
+    for refuse in (lambda: batcher.submit(works(1)), lambda: queue_places(batcher, 1, deadline=None)):
+        with pytest.raises(ScoringError, match="queue full") as caught:
+            refuse()
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
+    cancelled = threading.Event()
+    cancelled.set()
+    with pytest.raises(ScoringError) as caught:
+        batcher.wait(queued, cancelled=cancelled)
+    assert caught.value.code == grpc.StatusCode.CANCELLED
+    assert batcher.depth() == 0
+    with batcher.reserve(8, deadline=None):  # room again
+        pass
+    runner.gate.set()
+    assert batcher.wait(running) == [0, 2, 4, 6]
+
+
+def paced_batcher(seconds_per_item: float, *, max_queue_seconds: float, queue_depth: int = 100) -> Batcher:
+    """A batcher whose recent pace is `seconds_per_item` and whose worker takes nothing (it waits a minute
+    for a batch to fill): what is queued stays queued."""
+    batcher = Batcher(GatedRunner(), max_batch=100, max_delay_seconds=60, queue_depth=queue_depth,
+                      max_queue_seconds=max_queue_seconds)
+    batcher._seconds_per_item = seconds_per_item
+    return batcher
+
+
+def test_expected_wait_beyond_the_deadline_or_the_queue_limit_is_refused_before_queueing():
+    batcher = paced_batcher(0.1, max_queue_seconds=0.5)
+    try:
+        with batcher.reserve(10, deadline=None):  # nothing ahead: its own run time is no queueing
+            pass
+        batcher._queue.extend(works(5, "waiting"))  # 0.5 s ahead: within one item's time of the 0.5 s limit
+        with pytest.raises(ScoringError, match="--max-queue-ms") as caught:
+            queue_places(batcher, 1, deadline=None)
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
+        del batcher._queue[:2]  # 0.3 s ahead: admitted
+        with batcher.reserve(1, deadline=None):
+            pass
+        batcher._queue.clear()
+        with pytest.raises(ScoringError, match="deadline"):
+            queue_places(batcher, 2, deadline=time.monotonic() + 0.1)  # 0.2 s of its own work
+    finally:
+        batcher.close()
+    with pytest.raises(ScoringError, match="shutting down") as caught:
+        queue_places(batcher, 1, deadline=None)
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_margin_is_kept_only_when_items_wait_ahead():
+    batcher = paced_batcher(0.6, max_queue_seconds=1.0)  # a slow model: 0.6 s an item
+    try:
+        batcher._busy_until = time.monotonic() + 0.55  # only the running batch ahead, 0.55 s from its end
+        with batcher.reserve(1, deadline=None):  # admitted: it starts within the limit, nothing to misjudge
+            pass
+        batcher._queue.extend(works(1, "waiting"))  # 1.15 s ahead
+        with pytest.raises(ScoringError, match="--max-queue-ms"):
+            queue_places(batcher, 1, deadline=None)
+    finally:
+        batcher.close()
+
+
+def test_places_of_requests_still_decoding_count_until_they_are_queued_or_given_back():
+    batcher = paced_batcher(0.1, max_queue_seconds=0.5, queue_depth=6)
+    try:
+        decoding = batcher.reserve(3, deadline=None)  # admitted, its image not yet decoded
+        assert batcher._expected_wait() == pytest.approx(0.3)
+        with pytest.raises(ScoringError, match="queue full"):
+            queue_places(batcher, 4, deadline=None)  # 3 held + 4 > 6 places
+        with batcher.reserve(2, deadline=None):  # 0.3 s ahead: admitted, and now 0.5 s are held
+            with pytest.raises(ScoringError, match="--max-queue-ms"):
+                queue_places(batcher, 1, deadline=None)
+        batcher.submit(works(3, "held"), decoding)  # its items take the places it held: counted once
+        assert batcher.depth() == 3 and batcher._expected_wait() == pytest.approx(0.3)
+        batcher._queue.clear()
+        with batcher.reserve(2, deadline=None) as failing:  # a request whose decode fails gives its places back
+            assert batcher._expected_wait() == pytest.approx(0.2)
+        assert failing.items == 0 and batcher._expected_wait() == 0
+    finally:
+        batcher.close()
+
+
+def test_items_waiting_longer_than_the_queue_limit_are_dropped_before_compute_but_not_a_started_requests():
+    runner, drops = GatedRunner(), []
+    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.0, queue_depth=8, max_queue_seconds=0.05,
+                      on_drop=drops.append)
+    try:
+        running, late = works(3), works(1, "b")
+        batcher.submit(running)
+        wait_until_running(running[0])
+        batcher.submit(late)
+        time.sleep(0.1)  # every queued item has now waited beyond the 50 ms limit
+        runner.gate.set()
+        assert batcher.wait(running) == [0, 2, 4]  # its first item ran in time: the others are its own work
+        with pytest.raises(ScoringError, match="max-queue-ms") as caught:
+            batcher.wait(late)  # another request's item that never started is dropped
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert [len(batch) for batch in runner.batches] == [1, 1, 1]  # the late item never ran
+        assert drops == [Dropped.QUEUE_TIME]
+    finally:
+        runner.gate.set()
+        batcher.close()
+
+
+def test_every_drop_is_reported_and_a_failing_drop_hook_never_stops_the_worker():
+    runner, drops = GatedRunner(), []
+
+    def broken_hook(reason: Dropped) -> None:
+        drops.append(reason)
+        raise RuntimeError("a broken metrics hook")
+
+    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.0, queue_depth=8, max_queue_seconds=0.05,
+                      on_drop=broken_hook)
+    try:
+        running = works(1)
+        batcher.submit(running)
+        wait_until_running(running[0])
+        expiring = works(2, "b", deadline=time.monotonic() + 0.02)
+        batcher.submit(expiring)
+        with pytest.raises(ScoringError, match="deadline"):  # its caller sees the deadline pass in the queue
+            batcher.wait(expiring)
+        late = works(1, "c")
+        batcher.submit(late)
+        time.sleep(0.1)  # past the 50 ms queue limit, behind the held run
+        runner.gate.set()
+        with pytest.raises(ScoringError, match="max-queue-ms"):  # the worker drops it
+            batcher.wait(late)
+        assert drops == [Dropped.DEADLINE, Dropped.DEADLINE, Dropped.QUEUE_TIME]
+        again = works(1)
+        batcher.submit(again)
+        assert batcher.wait(again) == [0]  # the worker lives on
+    finally:
+        runner.gate.set()
+        batcher.close()
+
+
+class OutcomeRunner:
+    """Runs a batch as `outcome` says; a batch keyed "blocker" waits for `gate`."""
+
+    def __init__(self, outcome: str) -> None:
+        self.outcome = outcome
+        self.gate = threading.Event()
+
+    def __call__(self, works: list[Work]) -> list:
+        if works[0].key == "blocker":
+            self.gate.wait(10)
+        elif self.outcome == "refused":
+            raise ScoringError(Refusal.FAILED_PRECONDITION, "no plan for this shape")
+        elif self.outcome == "crashed":
+            raise RuntimeError("a kernel failed")
+        return [0.0 for _ in works]
+
+
+def finished_request(batcher: Batcher) -> weakref.ref:
+    """Score one request whose payload only the request holds; a weak reference to that payload."""
+    payload = np.ones(1024)
+    works = [Work("a", payload, 1, None), Work("a", payload, 1, None)]
+    batcher.submit(works)
+    with contextlib.suppress(ScoringError):
+        batcher.wait(works)
+    return weakref.ref(payload)
+
+
+@pytest.mark.parametrize("outcome", ["scored", "refused", "crashed", "dropped"])
+def test_a_requests_arrays_are_freed_when_it_ends_without_the_garbage_collector(outcome, monkeypatch):
+    monkeypatch.setattr(batcher_module.LOG, "propagate", False)  # pytest's log capture keeps tracebacks
+    runner = OutcomeRunner(outcome)
+    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.0, queue_depth=8,
+                      max_queue_seconds=0.05 if outcome == "dropped" else 60)
+    gc.disable()  # a reference cycle would keep the payload until the collector ran
+    try:
+        if outcome == "dropped":
+            blocker = works(1, "blocker")
+            batcher.submit(blocker)
+            wait_until_running(blocker[0])
+            threading.Timer(0.1, runner.gate.set).start()  # the request waits past the limit meanwhile
+        alive = finished_request(batcher)
+        patience = time.monotonic() + 5  # the worker may still be leaving the batch
+        while alive() is not None and time.monotonic() < patience:
+            time.sleep(0.01)
+        assert alive() is None, f"{outcome}: the request's payload outlived it"
+    finally:
+        gc.enable()
+        runner.gate.set()
+        batcher.close()
+
+
+def test_expired_work_is_dropped_before_compute(tiny_model_path, kit):
+    settings = dataclasses.replace(Settings(), warm_up=False, intra_op_threads=1)
+    metrics = Metrics()
+    pipeline = Pipeline([tiny_model_path], settings=settings, metrics=metrics)
+    try:
+        model = pipeline._model("")
+        request = kit.raw_request(np.zeros((64, 64, 3), dtype=np.uint8), scales=[64], return_maps=True)
+        with pytest.raises(ScoringError, match="deadline") as caught:
+            pipeline.score(request, deadline=time.monotonic() - 0.001)
+        assert caught.value.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert model.batcher.depth() == 0
+        assert metrics.registry.get_sample_value("scoremap_batch_size_count", {"model": "tiny"}) is None  # never ran
+        assert pipeline.score(request, deadline=time.monotonic() + 30).maps
+    finally:
+        pipeline.close()
+
+
+def test_a_failing_batch_hook_never_stops_the_worker():
+    def broken_hook(batch):
+        raise RuntimeError("metrics broke")
+
+    batcher = Batcher(lambda batch: [w.payload for w in batch], max_batch=2, max_delay_seconds=0.001, queue_depth=8,
+                      max_queue_seconds=60, on_batch=broken_hook)
+    try:
+        for _ in range(2):
+            (work,) = works(1)
+            batcher.submit([work])
+            assert work.done.wait(5), "the worker stopped"
+            assert work.result == 0
+    finally:
+        batcher.close()
+
+
+def test_close_waits_for_the_running_batch_at_most_close_seconds(monkeypatch):
+    from server.scoring import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "CLOSE_SECONDS", 0.2)
+    runner = GatedRunner()
+    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.001, queue_depth=8, max_queue_seconds=60)
+    (work,) = works(1)
+    batcher.submit([work])
+    wait_until_running(work)
+    started = time.monotonic()
+    batcher.close()
+    assert time.monotonic() - started < 2
+    runner.gate.set()
+    assert work.done.wait(5)

@@ -1,0 +1,155 @@
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from protos.scoring_pb2 import RawImage
+from server.scoring import imaging
+
+LIMIT = 10_000_000
+
+
+def encode(image: Image.Image, fmt: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **options)
+    return buffer.getvalue()
+
+
+def gradient(width: int = 40, height: int = 30) -> Image.Image:
+    rows, cols = np.mgrid[0:height, 0:width]
+    return Image.fromarray(np.stack([cols * 6, rows * 8, (cols + rows) * 3], -1).astype(np.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "BMP", "TIFF", "WEBP", "JPEG"])
+def test_every_format_decodes_to_the_same_rgb(fmt):
+    source = gradient()
+    options = {"lossless": True} if fmt == "WEBP" else {"quality": 95} if fmt == "JPEG" else {}
+    decoded = imaging.decode(encode(source, fmt, **options), max_pixels=LIMIT)
+    assert decoded.mode == "RGB" and decoded.size == source.size
+    tolerance = 12 if fmt == "JPEG" else 0
+    assert np.abs(np.asarray(decoded, int) - np.asarray(source, int)).max() <= tolerance
+
+
+def test_exif_orientation_is_applied():
+    source = gradient(40, 30)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    decoded = imaging.decode(encode(source, "JPEG", exif=exif, quality=95), max_pixels=LIMIT)
+    assert decoded.size == (30, 40)
+
+
+@pytest.mark.parametrize("mode", ["L", "LA", "P", "RGBA", "CMYK", "I;16"])
+def test_any_mode_becomes_rgb(mode):
+    if mode == "I;16":
+        source = Image.fromarray(np.full((8, 8), 65535, dtype=np.uint16))
+        assert source.mode.startswith("I;16")
+    else:
+        source = gradient().convert(mode)
+    fmt = "TIFF" if mode in ("CMYK", "I;16") else "PNG"
+    decoded = imaging.decode(encode(source, fmt), max_pixels=LIMIT)
+    assert decoded.mode == "RGB"
+    if mode == "I;16":  # scaled to 8 bits, not clipped to 255 from the low byte
+        assert (np.asarray(decoded) == 255).all()
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"", "empty"),
+    (b"this is not an image at all", "not a JPEG, PNG"),
+])
+def test_bad_bytes_say_what_was_received(data, words):
+    with pytest.raises(imaging.ImageError, match=words):
+        imaging.decode(data, max_pixels=LIMIT)
+
+
+def test_truncated_image_is_refused():
+    data = encode(gradient(200, 200), "PNG")
+    with pytest.raises(imaging.ImageError, match="cannot decode the PNG image"):
+        imaging.decode(data[: len(data) // 2], max_pixels=LIMIT)
+
+
+def test_decompression_bomb_is_refused_before_decoding():
+    bomb = encode(Image.new("L", (4000, 4000)), "PNG")  # a few KB that decode to 16 Mpx
+    assert len(bomb) < 100_000
+    with pytest.raises(imaging.ImageError, match="16000000 pixels exceeds the limit of 1000000"):
+        imaging.decode(bomb, max_pixels=1_000_000)
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG's signature, size and an empty data chunk, its end: any size, in 57 bytes."""
+
+    def chunk(kind: bytes, fields: bytes) -> bytes:
+        return struct.pack(">I", len(fields)) + kind + fields + struct.pack(">I", zlib.crc32(kind + fields))
+
+    size = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", size) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("side", [10_000, 20_000])  # 100 and 400 Mpx: beyond PIL's own warning and error limits
+def test_the_pixel_limit_is_the_flag_alone(side):
+    opened = imaging.open_image(png_header(side, side), max_pixels=side * side)
+    assert (opened.height, opened.width) == (side, side)
+    with pytest.raises(imaging.ImageError, match=f"{side * side} pixels exceeds the limit .*--max-image-pixels"):
+        imaging.open_image(png_header(side, side), max_pixels=side * side - 1)
+
+
+def test_raw_pixels_are_checked_against_their_shape():
+    pixels = np.arange(2 * 3 * 4, dtype=np.uint8)
+    opened = imaging.from_raw(RawImage(data=pixels.tobytes(), height=2, width=3, channels=4), max_pixels=LIMIT)
+    np.testing.assert_array_equal(np.asarray(opened.image), pixels.reshape(2, 3, 4)[:, :, :3])
+    with pytest.raises(imaging.ImageError, match="has 24 bytes; shape \\[2, 3, 3\\] of uint8 needs 18"):
+        imaging.from_raw(RawImage(data=pixels.tobytes(), height=2, width=3, channels=3), max_pixels=LIMIT)
+    with pytest.raises(imaging.ImageError, match="channels must be 1, 3 or 4; received 2"):
+        imaging.from_raw(RawImage(data=pixels.tobytes(), height=2, width=6, channels=2), max_pixels=LIMIT)
+    with pytest.raises(imaging.ImageError, match="positive"):
+        imaging.from_raw(RawImage(data=b"", height=0, width=3, channels=3), max_pixels=LIMIT)
+
+
+@pytest.mark.parametrize("kind", ["JPEG", "PNG"])
+def test_opening_reads_the_upright_size_without_decoding(kind):
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 40 wide, shown 30 wide
+    opened = imaging.open_image(encode(gradient(40, 30), kind, exif=exif), max_pixels=LIMIT)
+    assert (opened.height, opened.width) == (40, 30)
+    assert opened.image._im is None  # header only: no pixel decoded yet
+    assert imaging.load(opened, largest=(40, 30)).size == (30, 40)
+    plain = imaging.open_image(encode(gradient(40, 30), kind), max_pixels=LIMIT)  # no EXIF at all
+    assert (plain.height, plain.width) == (30, 40) and plain.image._im is None
+
+
+def test_a_large_jpeg_is_draft_decoded_no_smaller_than_needed():
+    opened = imaging.open_image(encode(gradient(1600, 1200), "JPEG", quality=90), max_pixels=LIMIT)
+    image = imaging.load(opened, largest=(300, 400))
+    assert image.size == (400, 300)  # decoded at 1/4: the DCT scaling PIL offers, still >= what is needed
+    full = imaging.load(imaging.open_image(encode(gradient(1600, 1200), "JPEG", quality=90), max_pixels=LIMIT),
+                        largest=(1200, 1600))
+    assert full.size == (1600, 1200)
+
+
+def test_a_broken_image_of_a_known_format_says_cannot_decode():
+    tiff = encode(gradient(64, 64), "TIFF")
+    with pytest.raises(imaging.ImageError, match="cannot decode the TIFF image"):
+        imaging.decode(tiff[:12] + b"\x00" * 40, max_pixels=LIMIT)
+
+
+def test_resize_uses_the_named_filter():
+    image = gradient(64, 64)
+    nearest = imaging.resize(image, (32, 32), filter_name="nearest")
+    np.testing.assert_array_equal(nearest, np.asarray(image.resize((32, 32), Image.Resampling.NEAREST)))
+    with pytest.raises(imaging.ImageError, match="resize_filter 'sinc'"):
+        imaging.resize(image, (32, 32), filter_name="sinc")
+
+
+@pytest.mark.parametrize("orientation, turn", [(6, Image.Transpose.ROTATE_90), (8, Image.Transpose.ROTATE_270)])
+def test_a_rotated_tiff_opens_at_the_size_it_decodes_to(orientation, turn):
+    """Pillow's TIFF reader reports the upright size itself (issue 24): the header size must not be swapped again."""
+    upright = gradient(40, 30)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    opened = imaging.open_image(encode(upright.transpose(turn), "TIFF", exif=exif), max_pixels=LIMIT)
+    assert (opened.height, opened.width) == (30, 40)
+    decoded = imaging.load(opened, largest=(30, 40))
+    assert decoded.size == (40, 30)
+    np.testing.assert_array_equal(np.asarray(decoded), np.asarray(upright))
