@@ -137,14 +137,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if settings.http_port == args.port != 0:  # else the HTTP face dies on a port gRPC already holds
             raise StartRefused(f"--http-port {args.port} is the same as --port: give HTTP a port of its own "
                                "(0 picks a free one)")
-        check_port_free(args.host, args.port, "--port")
-        if settings.metrics_port is not None:
-            check_port_free(settings.metrics_address, settings.metrics_port, "--metrics-port")
-        if settings.http_port is not None:
-            check_port_free(args.host, settings.http_port, "--http-port")
+        if not settings.reuse_port:  # one of --workers' processes: its supervisor checked, and holds, the ports
+            check_port_free(args.host, args.port, "--port")
+            if settings.metrics_port is not None:
+                check_port_free(settings.metrics_address, settings.metrics_port, "--metrics-port")
+            if settings.http_port is not None:
+                check_port_free(args.host, settings.http_port, "--http-port")
     except StartRefused as refused:
         sys.stderr.write(f"scoremap-serve: {refused}\n")
         return 2
+    if settings.workers > 1:
+        from server.workers import supervise
+
+        return supervise(sys.argv[1:] if argv is None else argv, host=args.host, port=args.port, settings=settings)
 
     from server.errors import ScoringError
     from server.serving import create_server

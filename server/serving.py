@@ -102,7 +102,8 @@ def server_options(settings: Settings) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", RECEIVE_LIMIT_FACTOR * settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
-        ("grpc.so_reuseport", 0),  # a port already in use is an error, not silently shared
+        # A port already in use is an error, not silently shared, unless this is one of --workers' processes.
+        ("grpc.so_reuseport", int(settings.reuse_port)),
         ("grpc.max_connection_idle_ms", ms(settings.connection_idle_seconds)),
         ("grpc.max_connection_age_ms", ms(settings.connection_age_seconds)),
         ("grpc.max_connection_age_grace_ms", ms(settings.connection_age_grace_seconds)),
@@ -179,6 +180,7 @@ def create_server(
             from server.edges.http import serve as serve_http  # FastAPI is imported only when HTTP is on
 
             http = serve_http(front, host=address.rpartition(":")[0], port=settings.http_port, tls=tls, token=token,
+                              reuse_port=settings.reuse_port,
                              version=version())
     except BaseException:
         if grpc_server is not None:

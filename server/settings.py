@@ -132,6 +132,16 @@ class ServiceEdge:
     metrics_address: str = setting("127.0.0.1", "address the metrics endpoint binds (no TLS, no token: beyond "
                                    "loopback it warns)", metavar="ADDRESS")
     expose_paths: bool = setting(False, "ListModels tells callers each model's file path")
+    workers: int = setting(
+        1, "server processes sharing --port and --http-port (SO_REUSEPORT; the kernel spreads connections), each "
+        "with its own interpreter, batcher and plans and 1/N of the memory budgets, so per-request Python work "
+        "scales past one GIL (issue 29); metrics: one port per process from --metrics-port on",
+        parse=number_in(int, 1, 64), metavar="N")
+    reuse_port: bool = setting(False, "bind --port and --http-port with SO_REUSEPORT, so other processes may serve "
+                               "the same port (set by --workers for each of its processes)")
+    budget_share: int = setting(
+        1, "this process takes 1/N of --memory-budget and --host-memory-budget (or of their defaults); set by "
+        "--workers for each of its processes", parse=number_in(int, 1, 64), metavar="N")
 
     @property
     def scoring_workers(self) -> int:

@@ -58,13 +58,13 @@ class HostBudget:
         self._lock = threading.Lock()
 
     @classmethod
-    def sized(cls, total_bytes: int | None, *, fraction: float, at_least: int) -> HostBudget:
-        """`total_bytes` (--host-memory-budget), else `fraction` of MemAvailable but at least `at_least` (one
-        largest request); unbounded where MemAvailable cannot be read."""
-        if total_bytes is None:
-            available = available_memory_bytes()
-            total_bytes = max(int(available * fraction), at_least) if available else None
-        return cls(total_bytes)
+    def sized(cls, total_bytes: int | None, *, fraction: float, at_least: int, share: int = 1) -> HostBudget:
+        """1/`share` (one of --workers' processes) of `total_bytes` (--host-memory-budget), else of `fraction` of
+        MemAvailable, but at least `at_least` (one largest request); unbounded where MemAvailable cannot be read."""
+        if total_bytes is not None:
+            return cls(total_bytes // share)
+        available = available_memory_bytes()
+        return cls(max(int(available * fraction) // share, at_least) if available else None)
 
     def in_flight_bytes(self) -> int:
         with self._lock:

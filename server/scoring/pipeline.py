@@ -65,8 +65,9 @@ class Pipeline:
         configure_allocator()
         self.budget = MemoryBudget(self._budget_bytes(), device=Device.CUDA if self.engine.on_gpu else Device.CPU)
         self.host_budget = HostBudget.sized(self.settings.host_memory_budget_bytes,
-                                              fraction=self.settings.host_memory_fraction,
-                                              at_least=self.settings.max_request_host_bytes)
+                                            fraction=self.settings.host_memory_fraction,
+                                            at_least=self.settings.max_request_host_bytes,
+                                            share=self.settings.budget_share)
         try:
             for name, path in pairs:
                 model = loading.load(name, str(path), settings=self.settings, engine=self.engine, budget=self.budget,
@@ -87,14 +88,15 @@ class Pipeline:
             raise
 
     def _budget_bytes(self) -> int | None:
-        """--memory-budget, else the GPU's free memory, else a share of the available RAM."""
-        if self.settings.memory_budget_bytes is not None:
-            return self.settings.memory_budget_bytes
-        free = self.engine.free_gpu_bytes()
-        if free is not None:
-            return free
-        available = available_memory_bytes()
-        return int(available * self.settings.cpu_memory_fraction) if available else None
+        """This process's share (--budget-share) of --memory-budget, else of the GPU's free memory, else of a share
+        of the available RAM."""
+        total = self.settings.memory_budget_bytes
+        if total is None:
+            total = self.engine.free_gpu_bytes()
+        if total is None:
+            available = available_memory_bytes()
+            total = int(available * self.settings.cpu_memory_fraction) if available else None
+        return None if total is None else total // self.settings.budget_share
 
     def check_warm_up(self) -> None:
         """ScoringError(INVALID_ARGUMENT) naming --warm-up-scales for a scale no model could warm up, before any

@@ -18,6 +18,7 @@ __all__ = ["HttpServer", "serve"]
 
 
 def serve(front: Front, *, host: str, port: int, tls: tuple[bytes, bytes] | None,
-          token: str | None, version: str) -> HttpServer:
+          token: str | None, version: str, reuse_port: bool = False) -> HttpServer:
     """Serve the HTTP face of `front`'s pipeline on host:port (0: a free one), with its TLS and token."""
-    return HttpServer(create_app(Edge(front, token=token, version=version)), host=host, port=port, tls=tls)
+    return HttpServer(create_app(Edge(front, token=token, version=version)), host=host, port=port, tls=tls,
+                      reuse_port=reuse_port)

@@ -41,12 +41,13 @@ def tls_context(certificate: bytes, key: bytes) -> ssl.SSLContext:
     return context
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (port 0: a free one); UNAVAILABLE naming --http-port when it cannot."""
+def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A listening socket on host:port (port 0: a free one), shared with other processes when `reuse_port`;
+    UNAVAILABLE naming --http-port when it cannot."""
     host = host.strip("[]")
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family)
+        return socket.create_server((host, port), family=family, reuse_port=reuse_port)
     except OSError as error:
         raise ScoringError(Refusal.UNAVAILABLE, f"could not serve HTTP on {host}:{port} (--http-port): "
                            f"{error.strerror or error}") from error
@@ -55,8 +56,9 @@ def bind(host: str, port: int) -> socket.socket:
 class HttpServer:
     """The app served by uvicorn in a daemon thread; `stop` lets calls in flight finish within a grace period."""
 
-    def __init__(self, app: FastAPI, *, host: str, port: int, tls: tuple[bytes, bytes] | None) -> None:
-        sock = bind(host, port)
+    def __init__(self, app: FastAPI, *, host: str, port: int, tls: tuple[bytes, bytes] | None,
+                 reuse_port: bool = False) -> None:
+        sock = bind(host, port, reuse_port=reuse_port)
         self.port: int = sock.getsockname()[1]
         self.scheme = "https" if tls else "http"
         context = tls_context(*tls) if tls else None
