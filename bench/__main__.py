@@ -19,7 +19,7 @@ import re
 import onnxruntime
 
 HERE = pathlib.Path(__file__).resolve().parent
-GPU_ONLY = ("bench_gpu",)
+GPU_ONLY = ("bench_gpu", "bench_workers")
 
 
 def machine_line() -> str:

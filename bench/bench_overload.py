@@ -193,10 +193,11 @@ def request() -> scoring_pb2.ScoreRequest:
     return build_request(ROOT / "samples" / "cat.jpg", ScoreOptions(scales=(SCALE,), stride=STRIDE))
 
 
-def start_server(model: str, log: pathlib.Path, flags: Sequence[str] = ()) -> tuple[subprocess.Popen, str, str]:
-    """`scoremap-serve` on a free port, on the CPU, no per-peer limit, with `flags`; (process, address, metrics
+def start_server(model: str, log: pathlib.Path, flags: Sequence[str] = (), *,
+                 provider: str = "cpu") -> tuple[subprocess.Popen, str, str]:
+    """`scoremap-serve` on a free port, on `provider`, no per-peer limit, with `flags`; (process, address, metrics
     URL) once SERVING."""
-    command = [sys.executable, "-m", "server.main", model, "--port", "0", "--provider", "cpu", "--metrics-port", "0",
+    command = [sys.executable, "-m", "server.main", model, "--port", "0", "--provider", provider, "--metrics-port", "0",
                "--max-calls-per-peer", "0", "--warm-up-scales", str(SCALE), "--log-level", "WARNING", *flags]
     with log.open("w") as errors:
         server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
