@@ -190,7 +190,7 @@ def test_device_cuda_without_a_visible_gpu_says_so(small_model_path, capsys, mon
 
 
 def test_version():
-    from importlib import metadata
+    from protos import version
 
     shown = subprocess.run([sys.executable, "-m", "convert.inspect_cli", "--version"], capture_output=True, text=True)
-    assert shown.returncode == 0 and shown.stdout.strip() == f"scoremap-inspect {metadata.version('scoremap')}"
+    assert shown.returncode == 0 and shown.stdout.strip() == f"scoremap-inspect {version()}"
