@@ -6,7 +6,7 @@ import pytest
 
 from server.engine.providers import CPU, CUDA, Engine, EngineError, choose_providers
 from server.settings import GPU_DEFAULT_MAX_BATCH, Settings
-from tests.tiny_models import tolerance
+from tests.tiny_models import assert_same_top_k, tolerance
 
 
 def test_cuda_is_chosen_when_it_can_load():
@@ -41,6 +41,26 @@ def test_engine_reports_what_its_sessions_really_run_on(tiny_model_path):
     batch = np.random.default_rng(0).normal(size=(2, 3, 64, 96)).astype(np.float32)
     direct = onnxruntime.InferenceSession(tiny_model_path, providers=[CPU]).run(None, {"image": batch})[0]
     np.testing.assert_allclose(session.run(None, {"image": batch})[0], direct, **tolerance(engine.provider))
+
+
+def test_tolerances_follow_the_provider_that_ran():
+    """Issue 29: TF32 on an H200 put the heavy net's -14.719 at -14.682; the CPU's float32 stays held to 1e-5."""
+    expected = np.array([-14.719, 3.0, 0.5])
+    got = np.array([-14.682, 3.0, 0.5])
+    np.testing.assert_allclose(got, expected, **tolerance(CUDA, expected))
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(got, expected, **tolerance(CPU, expected))
+    assert tolerance(CPU, expected) == tolerance(CPU) == {"rtol": 1e-5, "atol": 1e-4}
+
+    class Label:
+        def __init__(self, index, probability):
+            self.index, self.probability = index, probability
+
+    single = [Label(2, 0.30), Label(1, 0.20), Label(3, 0.1500), Label(0, 0.1498), Label(4, 0.1)]
+    batched = [Label(2, 0.30), Label(1, 0.20), Label(0, 0.1499), Label(3, 0.1498), Label(4, 0.1)]
+    assert_same_top_k(batched, single, CUDA)  # a near tie ranked the other way
+    with pytest.raises(AssertionError, match="not a tie"):
+        assert_same_top_k([single[1], single[0], *single[2:]], single, CUDA)
 
 
 def test_require_gpu_refuses_to_start_on_this_machine_without_cuda(tiny_model_path):
