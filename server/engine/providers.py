@@ -15,6 +15,7 @@ import numpy as np
 import onnxruntime
 
 from convert.cuda import cuda_free_bytes
+from convert.memory_model import Device
 from server.memory.runtime import PREDICTABLE_CUDA_OPTIONS, first_cpu_run, predictable_session_options, warm_up_runtime
 from server.settings import Settings
 
@@ -99,6 +100,11 @@ class Engine:
     @property
     def on_gpu(self) -> bool:
         return self.provider == CUDA
+
+    @property
+    def device(self) -> Device:
+        """The device whose memory terms (convert.memory_model) predict this engine's plans."""
+        return Device.CUDA if self.on_gpu else Device.CPU
 
     def options(self) -> onnxruntime.SessionOptions:
         """The options under which admission's prediction (convert.profile) was validated; on the GPU one
