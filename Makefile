@@ -52,7 +52,7 @@ bench: setup
 	$(BIN)/python -m bench
 
 # Needs onnxruntime's CUDA provider really loading; elsewhere it says why and exits 0.
-# `$(BIN)/python -m bench.bench_gpu --dry-run` checks it on the CPU in seconds.
+# `$(BIN)/python -m bench.bench_gpu --dry-run` checks it on the CPU in seconds; `--quick` measures less, within 200 s.
 bench-gpu: setup
 	$(BIN)/python -m bench.bench_gpu
 
