@@ -4,8 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL := models/default.onnx
 CHROMIUM := /usr/bin/chromium
+# A machine with the NVIDIA driver (nvidia-smi, or the kernel module's /proc/driver/nvidia/version) also gets the
+# `gpu` extra: the CUDA 13 runtime and cuDNN 9 as wheels, which the engine preloads (README: "On a GPU machine").
+# `make setup GPU=0` leaves them out; `GPU=1` installs them without a driver (an image built for GPU machines).
+GPU ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 || test -r /proc/driver/nvidia/version; then echo 1; else echo 0; fi)
+comma := ,
+EXTRAS := dev,triton,ray$(if $(filter 1,$(GPU)),$(comma)gpu)
 
-.PHONY: setup protos test demo bench bench-gpu clean
+.PHONY: setup protos test demo bench bench-gpu clean FORCE
 
 setup: $(BIN)/scoremap-convert $(CHROMIUM)
 
@@ -14,10 +20,15 @@ setup: $(BIN)/scoremap-convert $(CHROMIUM)
 $(CHROMIUM):
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
-$(BIN)/scoremap-convert: pyproject.toml
+# The extras last installed: a change (GPU=1 after a driver was installed, or GPU=0) installs again.
+$(VENV)/extras: FORCE
+	@mkdir -p $(VENV)
+	@echo '$(EXTRAS)' | cmp -s - $@ || echo '$(EXTRAS)' > $@
+
+$(BIN)/scoremap-convert: pyproject.toml $(VENV)/extras
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,triton,ray]'
+	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
 	# nvidia-pytriton pins numpy<2 for its Python-backend stub only: the stub gets its own small
 	# environment of this interpreter with numpy<2 (tests/server/test_triton_binding.py, README).
 	$(BIN)/pip install --quiet --no-deps nvidia-pytriton==0.7.0
@@ -41,9 +52,11 @@ bench: setup
 	$(BIN)/python -m bench
 
 # Needs onnxruntime's CUDA provider really loading; elsewhere it says why and exits 0.
-# `$(BIN)/python -m bench.bench_gpu --dry-run` checks it on the CPU in seconds.
+# `$(BIN)/python -m bench.bench_gpu --dry-run` checks it on the CPU in seconds; `--quick` measures less, within 200 s.
 bench-gpu: setup
 	$(BIN)/python -m bench.bench_gpu
 
 clean:
 	rm -rf $(VENV) models out *.egg-info
+
+FORCE:

@@ -3,7 +3,14 @@
 Runs only where onnxruntime's CUDAExecutionProvider really loads (a session is made and its
 providers read back); elsewhere it says why and exits 0 without touching bench/RESULTS.md.
 `--dry-run` runs every measurement on the CPU with null models and short levels, so the
-benchmark is known to work on a machine without a GPU; it prints the section and writes nothing.
+benchmark is known to work on a machine without a GPU; it prints the section and updates no results file.
+
+Each table is printed the moment it is measured, and appended to OUT_DIR/bench_gpu.md (`--out-dir`,
+else $OUT when set), so a run stopped by a time limit or killed keeps every table it finished (issue 29).
+`--time-limit S` starts no table after S seconds and says which it left out. `--quick` measures fewer
+levels (1 and 16 clients), shorter windows and three memory cases, under a 200-s limit, so it fits one
+10-minute call on a lent GPU machine together with the test suite; it updates bench/RESULTS.md only when
+`--out` names a file. The full run updates `--out` (bench/RESULTS.md) with what it measured.
 
 Measured (default model, samples/cat.jpg, scale 384):
 - device-bound images/s per plan: the server's Plan (server/scoring/plans.py: uint8 canvases copied in,
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import pathlib
 import subprocess
 import sys
@@ -36,7 +44,7 @@ from onnx import TensorProto, helper
 from PIL import Image
 
 from bench.__main__ import record
-from bench.bench_memory import gpu_section
+from bench.bench_memory import GPU_CASES, gpu_section
 from bench.models import converted, null_model
 from clients.loadtest.latency import LevelReport, Sample, summarise
 from clients.loadtest.run import LevelPlan, LoadLimits, closed_loop
@@ -72,10 +80,20 @@ class Config:
     max_requests: int = 100_000
     shape_rounds: int = 6
     warm_up: bool = True  # False only to check the benchmark itself quickly: plans are then made on first use
+    # bench_memory's (side, batch) cases per model for the memory table; None: every one (GPU_CASES).
+    memory_cases: dict[str, tuple[tuple[int, int], ...]] | None = None
+    note: str = ""  # said under the section's title
 
 
 DRY_RUN = Config(clients=(1, 4), level_seconds=0.3, batches=(1, 2), device_seconds=0.2, max_requests=200,
                  shape_rounds=3)
+# `--quick`: two levels, 1-s windows, two batch sizes, three memory cases (about 3 minutes on an H200, estimated
+# from the 2026-11-27 run's parts; the time limit holds it under 4 whatever the machine does).
+QUICK = Config(clients=(1, 16), level_seconds=1.0, batches=(1, 8), device_seconds=0.5, shape_rounds=3,
+               memory_cases={"default": ((384, 1), (384, 8)), "vgg16": ((224, 1),)},
+               note="A --quick run: clients 1 and 16, 1-s levels, batches 1 and 8, three memory cases.")
+QUICK_TIME_LIMIT_S = 200.0
+REPORT_FILE = "bench_gpu.md"
 TARGETS = {"device_ratio": 0.8, "rps_16": 500.0, "rps_1": 100.0, "p50_1_ms": 10.0, "p99_16_ms": 50.0, "max_ms": 100.0}
 
 
@@ -86,6 +104,43 @@ class Scheme:
     name: str
     model: str
     shift: int
+
+
+class Report:
+    """The section's parts in order, each printed and appended to OUT_DIR/bench_gpu.md (flushed to the disk)
+    the moment it is measured: a run stopped by a time limit, or killed, keeps every table it finished."""
+
+    def __init__(self, out_dir: str | os.PathLike | None = None, *, echo: bool = True) -> None:
+        self.parts: list[str] = []
+        self.echo = echo
+        self.path = pathlib.Path(out_dir) / REPORT_FILE if out_dir else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    def add(self, part: str) -> None:
+        self.parts.append(part)
+        if self.echo:
+            print(part + "\n", flush=True)
+        if self.path is not None:
+            with self.path.open("a") as file:
+                file.write(part + "\n\n")
+                file.flush()
+                os.fsync(file.fileno())
+
+    def text(self) -> str:
+        return "\n\n".join(self.parts)
+
+
+class Clock:
+    """`--time-limit`: whether another table may start."""
+
+    def __init__(self, limit_s: float | None) -> None:
+        self.limit_s = limit_s
+        self.started = time.monotonic()
+
+    def out(self) -> bool:
+        return self.limit_s is not None and time.monotonic() - self.started >= self.limit_s
 
 
 def cuda_unavailable() -> str | None:
@@ -261,9 +316,10 @@ def verdicts(device: list[tuple[str, float, float]], results: dict[tuple[str, st
         return f"- {text}: {'met' if ok else 'missed'}"
 
     lines = []
-    worst = min(plan / bare for _, plan, bare in device)
-    lines.append(line(f"device-bound plan >= {TARGETS['device_ratio']:.0%} of the bare loop (worst {worst:.0%})",
-                      worst >= TARGETS["device_ratio"]))
+    if device:
+        worst = min(plan / bare for _, plan, bare in device)
+        lines.append(line(f"device-bound plan >= {TARGETS['device_ratio']:.0%} of the bare loop (worst {worst:.0%})",
+                          worst >= TARGETS["device_ratio"]))
     for scheme in sorted({s for s, _ in results}):
         on16, one = grpc_level(scheme, "on", 16), grpc_level(scheme, "on", 1)
         if on16:
@@ -286,7 +342,17 @@ def verdicts(device: list[tuple[str, float, float]], results: dict[tuple[str, st
     return lines
 
 
-def measure(folder: str, config: Config, *, dry_run: bool) -> str:
+def measure(folder: str, config: Config, *, dry_run: bool, report: Report, clock: Clock) -> None:
+    """Every table in turn, each handed to `report` as soon as it is measured; none started past `clock`."""
+    title = "## GPU engine (bench_gpu)" + (" — DRY RUN on the CPU with null models, not a measurement" if dry_run else "")
+    report.add("\n".join([
+        title,
+        "",
+        machine(),
+        "",
+        f"{'Null models' if dry_run else 'EfficientNet-Lite0 (stride 32 for the grid, --output-stride 16 for à trous)'}, "
+        f"samples/cat.jpg at scale {SCALE} ({RESIZED[0]}x{RESIZED[1]}), stride 16, top-5 only. {config.note}".strip(),
+    ]))
     if dry_run:
         schemes = [Scheme("grid", null_model(folder), scoring_pb2.SHIFT_GRID),
                    Scheme("à trous", null_model(folder, output_stride=16), scoring_pb2.SHIFT_ATROUS)]
@@ -299,73 +365,104 @@ def measure(folder: str, config: Config, *, dry_run: bool) -> str:
                     require_gpu=not dry_run, max_calls_per_peer=0, grpc_workers=most + Settings.reserved_workers,
                     max_concurrent_rpcs=2 * (most + Settings.reserved_workers))
     engine = Engine(base)
-    same_ms, changed_ms = shape_change_cost(schemes[0].model, engine=engine, rounds=config.shape_rounds)
-    device = [device_bound(s, batch=b, engine=engine, seconds=config.device_seconds)
-              for s in schemes for b in config.batches]
     modes = {"on": base, "off": dataclasses.replace(base, max_batch=1)}
-    results = {(s.name, mode): served(s, settings, config) for s in schemes for mode, settings in modes.items()}
-    title = "## GPU engine (bench_gpu)" + (" — DRY RUN on the CPU with null models, not a measurement" if dry_run else "")
-    lines = [
-        title,
-        "",
-        machine(),
-        "",
-        f"{'Null models' if dry_run else 'EfficientNet-Lite0 (stride 32 for the grid, --output-stride 16 for à trous)'}, "
-        f"samples/cat.jpg at scale {SCALE} ({RESIZED[0]}x{RESIZED[1]}), stride 16, top-5 only.",
-        "",
-        f"A change of input shape: the plain {schemes[0].name} net (symbolic dims) on one session, batch 1 and 2 "
-        f"alternated at {RESIZED[0]}x{RESIZED[1]}: {same_ms:.1f} ms per run at the shape it ran last, "
-        f"{changed_ms:.1f} ms after a change (median of {config.shape_rounds - 1} rounds) — what plans pinned to "
-        "one shape avoid.",
-        "",
-        "Device-bound images/s per plan (the server's Plan with uint8 in and probabilities back, vs a bare "
-        "onnxruntime loop on the same graph with inputs and outputs on the device):",
-        "",
-        "| plan | Plan img/s | bare img/s | Plan / bare |",
-        "|---|---|---|---|",
-        *[f"| {label} | {plan:.0f} | {bare:.0f} | {plan / bare:.0%} |" for label, plan, bare in device],
-        "",
-        f"Closed loop, {config.level_seconds:g} s per level, after the server reported SERVING (its warm-up done); "
-        "gRPC on localhost (clients.loadtest.run's closed loop, its own warm-up requests first) and in-process "
-        "(Pipeline.score from as many threads); max = the longest request:",
-        "",
-        "| scheme | batching | path | clients | req/s | p50 ms | p99 ms | max ms | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
-        *[row for (scheme, mode), reports in results.items() for row in report_rows(scheme, mode, reports)],
-        "",
-        "Issue 9 targets:",
-        "",
-        *verdicts(device, results),
-        "",
-        "(The memory table, bench_memory.gpu_section, runs with a GPU only.)" if dry_run else gpu_section(),
-    ]
-    return "\n".join(lines)
+    device: list[tuple[str, float, float]] = []
+    results: dict[tuple[str, str], list[LevelReport]] = {}
+
+    def shape_change() -> str:
+        same_ms, changed_ms = shape_change_cost(schemes[0].model, engine=engine, rounds=config.shape_rounds)
+        return (f"A change of input shape: the plain {schemes[0].name} net (symbolic dims) on one session, batch 1 "
+                f"and 2 alternated at {RESIZED[0]}x{RESIZED[1]}: {same_ms:.1f} ms per run at the shape it ran last, "
+                f"{changed_ms:.1f} ms after a change (median of {config.shape_rounds - 1} rounds) — what plans "
+                "pinned to one shape avoid.")
+
+    def device_table() -> str:
+        device.extend(device_bound(s, batch=b, engine=engine, seconds=config.device_seconds)
+                      for s in schemes for b in config.batches)
+        return "\n".join([
+            "Device-bound images/s per plan (the server's Plan with uint8 in and probabilities back, vs a bare "
+            "onnxruntime loop on the same graph with inputs and outputs on the device):",
+            "",
+            "| plan | Plan img/s | bare img/s | Plan / bare |",
+            "|---|---|---|---|",
+            *[f"| {label} | {plan:.0f} | {bare:.0f} | {plan / bare:.0%} |" for label, plan, bare in device],
+        ])
+
+    def closed_loop_table(scheme: Scheme, mode: str) -> Callable[[], str]:
+        def table() -> str:
+            results[(scheme.name, mode)] = served(scheme, modes[mode], config)
+            return "\n".join([
+                f"Closed loop, {scheme.name}, batching {mode}: {config.level_seconds:g} s per level, after the server "
+                "reported SERVING (its warm-up done); gRPC on localhost (clients.loadtest.run's closed loop, its own "
+                "warm-up requests first) and in-process (Pipeline.score from as many threads); max = the longest "
+                "request:",
+                "",
+                "| scheme | batching | path | clients | req/s | p50 ms | p99 ms | max ms | errors |",
+                "|---|---|---|---|---|---|---|---|---|",
+                *report_rows(scheme.name, mode, results[(scheme.name, mode)]),
+            ])
+        return table
+
+    def memory() -> str:
+        if dry_run:
+            return "(The memory table, bench_memory.gpu_section, runs with a GPU only.)"
+        return gpu_section(cases=config.memory_cases or GPU_CASES, default_model=schemes[0].model)
+
+    steps: list[tuple[str, Callable[[], str]]] = [("the cost of a change of shape", shape_change),
+                                                  ("device-bound images/s", device_table)]
+    steps += [(f"closed loop {s.name} batching {mode}", closed_loop_table(s, mode)) for mode in modes for s in schemes]
+    steps.append(("memory on the CUDA provider", memory))
+    for index, (_name, step) in enumerate(steps):
+        if clock.out():
+            left = ", ".join(name for name, _ in steps[index:])
+            report.add(f"Not measured, the time limit of {clock.limit_s:g} s having passed: {left}.")
+            break
+        report.add(step())
+    report.add("\n".join(["Issue 9 targets, on what was measured:", "", *verdicts(device, results)]))
 
 
-def run(*, dry_run: bool = False, config: Config | None = None) -> str:
-    """The section (GPU, or dry run on the CPU); raises RuntimeError when no GPU run is possible."""
+def run(*, dry_run: bool = False, config: Config | None = None, out_dir: str | os.PathLike | None = None,
+        time_limit_s: float | None = None, echo: bool = False) -> str:
+    """The section (GPU, or dry run on the CPU), each table printed (`echo`) and written to OUT_DIR/bench_gpu.md as
+    it is measured; raises RuntimeError when no GPU run is possible."""
     if not dry_run and (reason := cuda_unavailable()):
         raise RuntimeError(reason)
+    report = Report(out_dir, echo=echo)
     with tempfile.TemporaryDirectory() as folder:
-        return measure(folder, config or (DRY_RUN if dry_run else Config()), dry_run=dry_run)
+        measure(folder, config or (DRY_RUN if dry_run else Config()), dry_run=dry_run, report=report,
+                clock=Clock(time_limit_s))
+    return report.text()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true",
-                        help="run every step on the CPU with null models and short levels; print, write nothing")
-    parser.add_argument("--level-seconds", type=float, default=Config.level_seconds, help="seconds per load level")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "RESULTS.md"), help="results file to update")
+                        help="run every step on the CPU with null models and short levels; update no results file")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"fewer levels and shorter windows, at most {QUICK_TIME_LIMIT_S:g} s unless --time-limit "
+                             "says otherwise: fits one 10-minute call on a lent GPU machine with the test suite")
+    parser.add_argument("--level-seconds", type=float, default=None, help="seconds per load level")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help="start no table after this many seconds; what was measured is kept and recorded")
+    parser.add_argument("--out-dir", default=os.environ.get("OUT") or None,
+                        help=f"folder to write each table to ({REPORT_FILE}) as soon as it is measured "
+                             "(default: $OUT when set)")
+    parser.add_argument("--out", default=None,
+                        help="results file to update (default: bench/RESULTS.md for a full run; --quick and "
+                             "--dry-run update none unless given)")
     args = parser.parse_args(argv)
     if not args.dry_run and (reason := cuda_unavailable()):
         print(f"bench-gpu: not run: {reason}")
         return 0
-    config = DRY_RUN if args.dry_run else dataclasses.replace(Config(), level_seconds=args.level_seconds)
-    section = run(dry_run=args.dry_run, config=config)
-    print(section)
-    if not args.dry_run:
-        record({"bench_gpu": section}, pathlib.Path(args.out))
-        print(f"wrote {args.out}")
+    config = DRY_RUN if args.dry_run else QUICK if args.quick else Config()
+    if args.level_seconds is not None:
+        config = dataclasses.replace(config, level_seconds=args.level_seconds)
+    limit = args.time_limit if args.time_limit is not None else QUICK_TIME_LIMIT_S if args.quick else None
+    section = run(dry_run=args.dry_run, config=config, out_dir=args.out_dir, time_limit_s=limit, echo=True)
+    out = args.out or (None if args.quick or args.dry_run else str(ROOT / "bench" / "RESULTS.md"))
+    if out is not None and not args.dry_run:
+        record({"bench_gpu": section}, pathlib.Path(out))
+        print(f"wrote {out}")
     return 0
 
 

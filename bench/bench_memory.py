@@ -230,19 +230,23 @@ def soak_section(model_path: str, *, seconds: float = SOAK_SECONDS) -> str:
 
 # --- the CUDA provider ------------------------------------------------------------------------
 
-def gpu_section() -> str:
-    """Every term of the CUDA memory model, predicted and measured, for the issue-14 shapes; a line
-    saying why not where CUDA does not load (for `make bench-gpu`, bench/bench_gpu.py)."""
+def gpu_section(cases: dict[str, tuple[tuple[int, int], ...]] = GPU_CASES, *, default_model: str | None = None) -> str:
+    """Every term of the CUDA memory model, predicted and measured, for the issue-14 shapes (`cases`: (side,
+    batch) per model, `bench_gpu --quick` measures three); a line saying why not where CUDA does not load (for
+    `make bench-gpu`, bench/bench_gpu.py). `default_model`: the default model already converted, if at hand."""
     if cuda_used_bytes() is None or "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         return ("### Memory on the CUDA provider\n\nNot measured: the CUDA provider or the CUDA runtime does not "
                 "load on this machine (server.memory.runtime.cuda_used_bytes).")
     rows, ratios = [], []
     with tempfile.TemporaryDirectory() as folder:
-        paths = {"default": str(pathlib.Path(folder) / "default.onnx"), "vgg16": str(pathlib.Path(folder) / "vgg16.onnx")}
-        onnx.save(convert_classifier("default"), paths["default"])
-        onnx.save(vgg16_dense(), paths["vgg16"])
-        for name, cases in GPU_CASES.items():
-            for side, batch in cases:
+        paths = {"default": default_model or str(pathlib.Path(folder) / "default.onnx"),
+                 "vgg16": str(pathlib.Path(folder) / "vgg16.onnx")}
+        if "default" in cases and default_model is None:
+            onnx.save(convert_classifier("default"), paths["default"])
+        if "vgg16" in cases:
+            onnx.save(vgg16_dense(), paths["vgg16"])
+        for name, shapes in cases.items():
+            for side, batch in shapes:
                 terms = profile_model(paths[name], height=side, width=side, batch=batch, device=Device.CUDA).terms
                 measured = measure_peak(paths[name], height=side, width=side, batch=batch, device="cuda")
                 session_predicted = terms.weights + terms.session_state

@@ -80,12 +80,13 @@ def rates(sections: dict[str, str]) -> list[Rate]:
         found.append(Rate("CPU gRPC, EfficientNet-Lite0 at 384: stride 16 grid, float32 maps", best / cores(section),
                           "core",
                           "bench_server best level"))
-    if "bench_gpu" in sections:
+    if "bench_gpu" in sections:  # a closed-loop table per scheme and batching mode: the best gRPC level of each scheme
+        best: dict[str, float] = {}
         for table in tables(sections["bench_gpu"]):
-            for scheme in dict.fromkeys(row.get("scheme") for row in table if "req/s" in row):
-                best = max(float(row["req/s"]) for row in table
-                           if row.get("scheme") == scheme and row.get("path") == "gRPC")
-                found.append(Rate(f"GPU gRPC: {scheme}", best, "GPU", "bench_gpu best level"))
+            for row in table:
+                if "req/s" in row and row.get("path") == "gRPC":
+                    best[row["scheme"]] = max(best.get(row["scheme"], 0.0), float(row["req/s"]))
+        found += [Rate(f"GPU gRPC: {scheme}", rate, "GPU", "bench_gpu best level") for scheme, rate in best.items()]
     return found
 
 

@@ -16,13 +16,13 @@ import argparse
 import logging
 import os
 import sys
-from importlib import metadata
 from typing import TYPE_CHECKING
 
 from convert.arguments import DEFAULT_OUTPUT_STRIDE, SUPPORTED_OUTPUT_STRIDES, number_in, number_list, size_pair
 from convert.errors import ConversionError, UsageError
 from convert.labels import LABEL_SETS
 from convert.presets import PRESETS
+from protos import version
 
 if TYPE_CHECKING:
     import numpy as np
@@ -54,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scoremap-convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="'default', an .onnx file, a TorchScript file, or package.module:factory (imported from the current folder too)")
     p.add_argument("-o", "--output", required=True, help="where to write the converted .onnx")
-    p.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('scoremap')}")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("--preprocessing", choices=sorted(PRESETS), help=f"how pixels were normalised in training: {presets_help()}")
     p.add_argument("--mean", type=number_list(float, -PIXEL_BOUND, PIXEL_BOUND), help="mean subtracted after scaling, per channel or one for all (overrides the preset's)")
     p.add_argument("--std", type=number_list(float, SCALE_FLOOR, PIXEL_BOUND), help="std divided by after subtracting the mean, per channel or one for all")

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-from importlib import metadata
 
 import onnx
 from google.protobuf import json_format
@@ -26,6 +25,7 @@ from convert.card import CardError, ImageInput, Layout, OutputKind, Precision, l
 from convert.memory_model import PROVIDER_TERMS, Device
 from convert.profile import (Profile, ProfileError, largest_batch, largest_square_size, load_skeleton,
                              profile_model)
+from protos import version
 
 __all__ = ["main", "format_table"]
 
@@ -130,7 +130,7 @@ def _default_size(card) -> tuple[int, int] | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scoremap-inspect", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('scoremap')}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     parser.add_argument("model", help="a converted .onnx file")
     parser.add_argument("--size", type=size_pair,
                         help="input size HxW in pixels, e.g. 384x512 (default: the card's default scale)")

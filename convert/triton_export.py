@@ -19,7 +19,6 @@ import argparse
 import math
 import shutil
 import sys
-from importlib import metadata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from convert.arguments import memory_size, number_in
 from convert.card import CardError, ImageInput, Layout, Precision, batch_shape, read_card, spatial_axes
 from convert.memory_model import Device
 from convert.profile import ProfileError, largest_batch
+from protos import version
 
 DEFAULT_GPU_MEMORY = "16GiB"  # the smallest data-centre card in common use (T4, V100-16G)
 DEFAULT_QUEUE_DELAY_US = 0  # as scoremap-serve's --max-queue-delay-ms default: work-conserving
@@ -171,7 +171,7 @@ def export(model_path: str | Path, out: str | Path, settings: TritonPlan | None 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scoremap-export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('scoremap')}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     targets = parser.add_subparsers(dest="target", required=True)
     triton = targets.add_parser("triton", help="a Triton model repository (onnxruntime backend)")
     triton.add_argument("model", help="a graph made by scoremap-convert")

@@ -2,7 +2,9 @@
 
 CUDA is asked for only when it can load (provider compiled in AND a CUDA device present), since
 asking for it without CUDA logs a loud error before falling back; after creation each session's
-own `get_providers()` is the truth reported to callers.
+own `get_providers()` is the truth reported to callers. The probe first preloads the CUDA runtime
+and cuDNN that the `gpu` extra installs as wheels (convert.cuda.preload_libraries, once per process),
+so the engine's first CUDA session finds them without LD_LIBRARY_PATH (issue 29).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime
 
-from convert.cuda import cuda_free_bytes
+from convert.cuda import INSTALL_HINT, cuda_free_bytes, driver_present, preload_libraries, why_no_cuda
+from convert.memory_model import Device
 from server.memory.runtime import PREDICTABLE_CUDA_OPTIONS, first_cpu_run, predictable_session_options, warm_up_runtime
 from server.settings import Settings
 
@@ -29,16 +32,20 @@ class EngineError(RuntimeError):
 
 @dataclass(frozen=True)
 class ProviderChoice:
-    """The providers to request and, when CUDA is not among them, why."""
+    """The providers to request and, when CUDA is not among them, why; `surprising` when a GPU machine
+    (a driver present) runs on the CPU, which the log says as a warning rather than as news."""
 
     providers: tuple[str, ...]
     reason: str
+    surprising: bool = False
 
 
 def choose_providers(
-    available: tuple[str, ...] | list[str], *, cuda_device: bool, provider: str = "auto", require_gpu: bool = False
+    available: tuple[str, ...] | list[str], *, cuda_device: bool, provider: str = "auto", require_gpu: bool = False,
+    driver: bool = False, detail: str = "",
 ) -> ProviderChoice:
-    """Pure provider selection; raises EngineError when a GPU is required but absent."""
+    """Pure provider selection; raises EngineError when a GPU is required but absent. `driver`: the NVIDIA
+    driver is installed; `detail`: why the probe found no device (convert.cuda.why_no_cuda)."""
     if provider not in ("auto", "cuda", "cpu"):
         raise EngineError(f"provider must be auto, cuda or cpu; received {provider!r}")
     if provider == "cpu" and require_gpu:
@@ -48,12 +55,12 @@ def choose_providers(
     if CUDA not in available:
         missing = f"this onnxruntime build has no {CUDA} (available: {', '.join(available)})"
     elif not cuda_device:
-        missing = "no CUDA device or CUDA runtime library was found"
+        missing = "no CUDA device or CUDA runtime library was found" + (f": {detail}" if detail else "")
     else:
         return ProviderChoice((CUDA, CPU), "CUDA is available")
     if require_gpu or provider == "cuda":
         raise EngineError(f"a GPU is required but {missing}")
-    return ProviderChoice((CPU,), f"running on the CPU: {missing}")
+    return ProviderChoice((CPU,), f"running on the CPU: {missing}", surprising=driver)
 
 
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(uint8)": np.uint8, "tensor(float16)": np.float16,
@@ -72,7 +79,8 @@ def _first_run(session: onnxruntime.InferenceSession) -> None:
 
 
 def cuda_device_present() -> bool:
-    """A CUDA runtime loads and sees a device: the one probe (server.memory.runtime) memory measurement uses too."""
+    """A CUDA runtime loads and sees a device: the one probe (server.memory.runtime) memory measurement uses too;
+    it preloads the CUDA and cuDNN wheels first (convert.cuda.preload_libraries)."""
     return cuda_free_bytes() is not None
 
 
@@ -81,9 +89,13 @@ class Engine:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        available = onnxruntime.get_available_providers()
+        # The probe preloads the CUDA libraries (convert.cuda), before any CUDA session is made.
+        device = settings.provider != "cpu" and CUDA in available and cuda_device_present()
+        explain = settings.provider != "cpu" and CUDA in available and not device
         choice = choose_providers(
-            onnxruntime.get_available_providers(), cuda_device=cuda_device_present(),
-            provider=settings.provider, require_gpu=settings.require_gpu,
+            available, cuda_device=device, provider=settings.provider, require_gpu=settings.require_gpu,
+            driver=explain and driver_present(), detail=why_no_cuda() if explain else "",
         )
         self._providers: list = list(choice.providers)
         if CUDA in self._providers:
@@ -91,7 +103,7 @@ class Engine:
                 "cudnn_conv_algo_search": settings.cudnn_conv_algo_search, **PREDICTABLE_CUDA_OPTIONS,
             })
         else:
-            LOG.info("%s", choice.reason)
+            LOG.log(logging.WARNING if choice.surprising else logging.INFO, "%s", choice.reason)
         self.provider = CUDA if CUDA in choice.providers else CPU
         if not self.on_gpu:  # so the first plan's measured footprint is the plan's, not the runtime's first use
             warm_up_runtime([CPU])
@@ -99,6 +111,11 @@ class Engine:
     @property
     def on_gpu(self) -> bool:
         return self.provider == CUDA
+
+    @property
+    def device(self) -> Device:
+        """The device whose memory terms (convert.memory_model) predict this engine's plans."""
+        return Device.CUDA if self.on_gpu else Device.CPU
 
     def options(self) -> onnxruntime.SessionOptions:
         """The options under which admission's prediction (convert.profile) was validated; on the GPU one
@@ -123,9 +140,13 @@ class Engine:
             session = onnxruntime.InferenceSession(file.name, self.options(), providers=self._providers)
         actual = session.get_providers()[0]
         if actual != self.provider:
+            failed = preload_libraries()
+            why = (f"{CUDA} failed to load (the session runs on {actual}): a CUDA or cuDNN library is missing"
+                   f"{f' ({failed})' if failed else ''}; {INSTALL_HINT}, and "
+                   "`python -c 'import onnxruntime; onnxruntime.print_debug_info()'` lists what it finds")
             if self.settings.require_gpu:
-                raise EngineError(f"{CUDA} failed to load (the session runs on {actual})")
-            LOG.warning("CUDA was requested but the session runs on %s; running on the CPU", actual)
+                raise EngineError(why)
+            LOG.warning("%s; running on the CPU", why)
             self.provider = actual
         if not self.on_gpu:
             _first_run(session)

@@ -25,7 +25,6 @@ from concurrent.futures import CancelledError, ThreadPoolExecutor
 import numpy as np
 
 from convert.card import Precision, label
-from convert.memory_model import Device
 from server.memory.runtime import HOST_ACTIVITY, configure_allocator
 from protos import model_card_pb2, scoring_pb2
 from server.memory.device import MemoryBudget
@@ -63,7 +62,7 @@ class Pipeline:
         except EngineError as error:
             raise ScoringError(Refusal.FAILED_PRECONDITION, str(error)) from error
         configure_allocator()
-        self.budget = MemoryBudget(self._budget_bytes(), device=Device.CUDA if self.engine.on_gpu else Device.CPU)
+        self.budget = MemoryBudget(self._budget_bytes(), device=self.engine.device)
         self.host_budget = HostBudget.sized(self.settings.host_memory_budget_bytes,
                                             fraction=self.settings.host_memory_fraction,
                                             at_least=self.settings.max_request_host_bytes,

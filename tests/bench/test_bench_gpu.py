@@ -33,3 +33,45 @@ def test_without_cuda_make_bench_gpu_says_why_and_exits_0(capsys, tmp_path):
     with pytest.raises(RuntimeError):
         bench_gpu.run()
     assert onnxruntime.get_available_providers()  # the reason named them
+
+
+def test_each_table_is_written_as_soon_as_it_is_measured(tmp_path, monkeypatch):
+    """Issue 29: a run stopped part-way (a time limit, a kill, a failure) keeps every table it finished."""
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("the server died")
+
+    monkeypatch.setattr(bench_gpu, "served", broken)
+    with pytest.raises(RuntimeError, match="the server died"):
+        bench_gpu.run(dry_run=True, config=TINY, out_dir=tmp_path)
+    written = (tmp_path / bench_gpu.REPORT_FILE).read_text()
+    assert written.startswith("## GPU engine (bench_gpu)") and "ms after a change" in written
+    assert "| grid: batch 1 x " in written and "| à trous: batch 1 x " in written  # the device-bound table
+    assert "Closed loop" not in written
+
+
+def test_a_time_limit_keeps_what_was_measured_and_says_what_was_not(tmp_path, capsys):
+    section = bench_gpu.run(dry_run=True, config=TINY, out_dir=tmp_path, time_limit_s=0, echo=True)
+    assert "Not measured, the time limit of 0 s having passed: the cost of a change of shape, device-bound" in section
+    assert "closed loop grid batching on" in section and "memory on the CUDA provider" in section
+    assert "Issue 9 targets, on what was measured:" in section and "| grid |" not in section
+    assert (tmp_path / bench_gpu.REPORT_FILE).read_text() == section + "\n\n"
+    assert section in capsys.readouterr().out.replace("\n\n\n", "\n\n")
+
+
+def test_quick_measures_less_within_its_limit_and_updates_no_results_file(tmp_path, monkeypatch):
+    full, quick = bench_gpu.Config(), bench_gpu.QUICK
+    assert set(quick.clients) < set(full.clients) and quick.level_seconds < full.level_seconds
+    assert quick.device_seconds < full.device_seconds and len(quick.batches) < len(full.batches)
+    assert all(set(cases) <= set(bench_gpu.GPU_CASES[model]) for model, cases in quick.memory_cases.items())
+    calls = []
+    monkeypatch.setattr(bench_gpu, "cuda_unavailable", lambda: None)
+    monkeypatch.setattr(bench_gpu, "run", lambda **kwargs: calls.append(kwargs) or "## GPU engine (bench_gpu)")
+    monkeypatch.setattr(bench_gpu, "record", lambda *_: pytest.fail("--quick updated a results file"))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert bench_gpu.main(["--quick"]) == 0
+    assert calls == [dict(dry_run=False, config=quick, out_dir=str(tmp_path), time_limit_s=bench_gpu.QUICK_TIME_LIMIT_S,
+                          echo=True)]
+    recorded = []
+    monkeypatch.setattr(bench_gpu, "record", lambda sections, out: recorded.append((sections, out)))
+    assert bench_gpu.main(["--quick", "--time-limit", "50", "--out", str(tmp_path / "RESULTS.md")]) == 0
+    assert calls[-1]["time_limit_s"] == 50 and recorded[0][1] == tmp_path / "RESULTS.md"

@@ -45,6 +45,20 @@ def test_rates_are_the_best_measured_levels_per_unit(tmp_path):
     assert cpu.per_unit == pytest.approx(6.40 / 2)
 
 
+def test_the_gpu_rate_is_the_best_level_over_every_closed_loop_table(tmp_path):
+    """bench_gpu writes a closed-loop table per scheme and batching mode, each as soon as it is measured."""
+    split = RESULTS.replace("| grid | on | in-process | 16 |", "\n| scheme | batching | path | clients | req/s | "
+                            "p50 ms | p99 ms | max ms | errors |\n|---|---|---|---|---|---|---|---|---|\n"
+                            "| grid | off | gRPC | 16 | 650.0 | 20.0 | 40.0 | 60.0 | - |\n| grid | on | in-process | 16 |")
+    path = tmp_path / "RESULTS.md"
+    path.write_text(split)
+    from bench.__main__ import read_sections
+
+    found = [rate for rate in rates(read_sections(path)) if rate.unit == "GPU"]
+    assert sorted((rate.route, rate.per_unit) for rate in found) == [("GPU gRPC: atrous", 900.0),
+                                                                     ("GPU gRPC: grid", 650.0)]
+
+
 def test_units_round_up_to_meet_the_deadline():
     assert units_needed(10_000_000, 8, 610.5) == 1  # 17.6 M images in 8 h on one GPU
     assert units_needed(100_000_000, 8, 610.5) == 6  # 5.69 -> 6

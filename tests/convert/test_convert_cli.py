@@ -148,6 +148,23 @@ def test_version_and_a_help_that_imports_no_torch_nor_onnxruntime():
     assert result.stderr == "[]" and "--preprocessing" in result.stdout
 
 
+@pytest.mark.parametrize("module, prog", [("convert.convert_cli", "scoremap-convert"),
+                                          ("convert.inspect_cli", "scoremap-inspect"),
+                                          ("convert.triton_export", "scoremap-export")])
+def test_version_when_the_project_is_not_installed(module, prog):
+    """Issue 29: run from a checkout that pip never installed, `python -m convert.convert_cli` died with
+    PackageNotFoundError; every command reads the version through protos.version, as server.main does."""
+    probe = ("import runpy, sys\nfrom importlib import metadata\nfound = metadata.version\n"
+             "def version(name):\n"
+             "    if name == 'scoremap':\n        raise metadata.PackageNotFoundError(name)\n"
+             "    return found(name)\n"
+             f"metadata.version = version\nsys.argv = [{prog!r}, '--version']\n"
+             f"runpy.run_module({module!r}, run_name='__main__')")
+    shown = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == f"{prog} unknown (not installed)"
+
+
 def test_import_convert_and_the_server_do_not_import_torch():
     probe = "import sys, convert, server.main; sys.stdout.write(str('torch' in sys.modules))"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True)

@@ -120,7 +120,8 @@ def test_every_numeric_flag_is_range_checked_before_the_model_is_read(tmp_path, 
 
 def test_version():
     import sys
-    from importlib import metadata
+
+    from protos import version
 
     shown = subprocess.run([sys.executable, "-m", "convert.triton_export", "--version"], capture_output=True, text=True)
-    assert shown.returncode == 0 and shown.stdout.strip() == f"scoremap-export {metadata.version('scoremap')}"
+    assert shown.returncode == 0 and shown.stdout.strip() == f"scoremap-export {version()}"

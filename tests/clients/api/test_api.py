@@ -11,6 +11,7 @@ from PIL import Image
 
 from clients import ClientSettings, ScoremapClient, ScoremapError, ScoreOptions
 from clients.api.client import is_loopback
+from tests.tiny_models import assert_same_top_k
 
 
 def test_scores_paths_bytes_pil_and_arrays_alike(server, photos):
@@ -41,7 +42,9 @@ def test_models_card_health_and_stream(server, photos):
     assert [r.request_id for r in streamed] == [str(n) for n in range(len(images))]
     for one, other in zip(streamed, singles):
         assert (one.image_height, one.image_width) == (other.image_height, other.image_width)
-        assert [p.index for p in one.top_k] == [p.index for p in other.top_k]
+        # Streamed images may run batched, singles run alone: the same ranking, up to near ties under TF32.
+        assert one.execution_provider == other.execution_provider
+        assert_same_top_k(one.top_k, other.top_k, one.execution_provider)
 
 
 def test_server_errors_carry_status_and_message(server):

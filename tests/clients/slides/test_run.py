@@ -23,8 +23,11 @@ from clients.slides.tiles import TileOptions, score_map
 from convert.card import read_card
 from protos.scoring_pb2 import SHIFT_GRID
 from tests.clients.slides.nets import ON_DEMAND
+from tests.tiny_models import tolerance
 
 ROOT = Path(__file__).resolve().parents[3]
+KILLED_PACE_S = 0.1  # the least time each tile of the run to be killed takes
+KILLED_CONCURRENCY = 4
 
 
 def mosaic(height: int, width: int, seed: int = 0) -> np.ndarray:
@@ -86,34 +89,50 @@ def test_a_resumed_run_after_sigkill_records_every_tile_once(converted, tmp_path
     path = converted(True, False)
     image = write_tiff(tmp_path / "big.tif", mosaic(1600, 1600, seed=5))
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "clients.batch.score_cli", str(image), "--out", str(out), "--local", path, "--tiled",
-               "--canvas", "256", "--no-progress", "--zarr-dtype", "float32"]
+    arguments = [str(image), "--out", str(out), "--local", path, "--tiled", "--canvas", "256", "--no-progress",
+                 "--zarr-dtype", "float32", "--concurrency", str(KILLED_CONCURRENCY)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     ledger = out / "big.tiles.jsonl"
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # The killed run is paced (each tile takes at least KILLED_PACE_S): its 225 tiles last over 5 s on any
+    # machine, so it is still running when its third tile is recorded (issue 29: unpaced, on an H200, it was not).
+    paced = [sys.executable, "-m", "tests.clients.slides.paced_score", str(KILLED_PACE_S), *arguments]
+    process = subprocess.Popen(paced, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
         if ledger.exists() and ledger.read_text().count("\n") >= 3:
             break
         time.sleep(0.01)
-    assert process.poll() is None, "the run ended before it could be killed: use a larger image"
+    assert process.poll() is None, f"the run ended before it could be killed:\n{process.communicate()[1].decode()[-2000:]}"
     process.send_signal(signal.SIGKILL)
     process.wait()
     killed_at = ledger.read_text().count("\n")
+    command = [sys.executable, "-m", "clients.batch.score_cli", *arguments]  # the real command, unpaced
     finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr
     records = [json.loads(line) for line in ledger.read_text().splitlines()]
     keys = [(r["row"], r["column"]) for r in records]
     attributes = zarr.open_group(out / "big.zarr", mode="r").attrs["scoremap"]
     rows, columns = attributes["tiles"]
-    assert len(keys) == len(set(keys)) == rows * columns > killed_at
+    assert len(keys) == len(set(keys)) == rows * columns > killed_at >= 3
     assert "already stored" in finished.stdout and "exact" in finished.stdout
-    # And the map is the uninterrupted one.
+    # And the map is the uninterrupted one: bit for bit on the CPU; on CUDA within TF32's tolerance, as tiles
+    # run in batches of other sizes there (batching is on by default) and TF32 sums depend on the batch.
+    providers = set()
     with LocalScorer([path], settings=ON_DEMAND) as scorer, open_image(image) as reader:
-        fresh = score_slide(reader, scorer.score_request, scorer.model(), tmp_path / "fresh",
+        def score(request, **kwargs):
+            response = scorer.score_request(request, **kwargs)
+            providers.add(response.execution_provider)
+            return response
+
+        fresh = score_slide(reader, score, scorer.model(), tmp_path / "fresh",
                             options=SlideOptions(canvas=256, dtype="float32"))
-    np.testing.assert_array_equal(np.asarray(zarr.open_group(out / "big.zarr", mode="r")["scores"]),
-                                  np.asarray(zarr.open_group(fresh.map_path, mode="r")["scores"]))
+    resumed = np.asarray(zarr.open_group(out / "big.zarr", mode="r")["scores"])
+    uninterrupted = np.asarray(zarr.open_group(fresh.map_path, mode="r")["scores"])
+    (provider,) = providers
+    if provider == "CPUExecutionProvider":
+        np.testing.assert_array_equal(resumed, uninterrupted)
+    else:
+        np.testing.assert_allclose(resumed, uninterrupted, **tolerance(provider, uninterrupted))
 
 
 def test_a_missing_level_names_the_levels_there_are(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 
 from server.engine.providers import CPU, CUDA, Engine, EngineError, choose_providers
 from server.settings import GPU_DEFAULT_MAX_BATCH, Settings
-from tests.tiny_models import tolerance
+from tests.tiny_models import assert_same_top_k, tolerance
 
 
 def test_cuda_is_chosen_when_it_can_load():
@@ -21,6 +21,55 @@ def test_cuda_is_chosen_when_it_can_load():
 def test_cpu_fallback_says_why(available, device, words):
     choice = choose_providers(available, cuda_device=device)
     assert choice.providers == (CPU,) and words in choice.reason
+
+
+def test_a_gpu_machine_on_the_cpu_says_why_and_how_to_install_cuda():
+    """Issue 29: with the driver present but the CUDA 13 runtime and cuDNN 9 missing, the server said only
+    'no CUDA device or CUDA runtime library was found', in an INFO line."""
+    from convert.cuda import INSTALL_HINT
+
+    detail = f"the NVIDIA driver is present but the CUDA runtime does not load: {INSTALL_HINT}"
+    choice = choose_providers((CUDA, CPU), cuda_device=False, driver=True, detail=detail)
+    assert choice.providers == (CPU,) and choice.surprising
+    assert choice.reason == f"running on the CPU: no CUDA device or CUDA runtime library was found: {detail}"
+    assert not choose_providers((CUDA, CPU), cuda_device=False).surprising  # no driver: the CPU is no surprise
+    with pytest.raises(EngineError, match="pip install -e '.\\[gpu\\]'"):
+        choose_providers((CUDA, CPU), cuda_device=False, require_gpu=True, driver=True, detail=detail)
+
+
+def test_the_engine_warns_when_a_driver_is_present_but_cuda_does_not_load(monkeypatch, caplog):
+    import server.engine.providers as providers
+
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: [CUDA, CPU])
+    monkeypatch.setattr(providers, "cuda_device_present", lambda: False)
+    monkeypatch.setattr(providers, "driver_present", lambda: True)
+    monkeypatch.setattr(providers, "why_no_cuda", lambda: "the CUDA runtime does not load (Failed to load libcudart.so.13)")
+    with caplog.at_level("INFO", logger="server.engine.providers"):
+        engine = Engine(Settings(intra_op_threads=1))
+    assert engine.provider == CPU
+    (record,) = [r for r in caplog.records if "running on the CPU" in r.message]
+    assert record.levelname == "WARNING" and "Failed to load libcudart.so.13" in record.message
+
+
+def test_a_session_that_falls_back_to_the_cpu_says_which_library_to_install(tiny_model_path, monkeypatch, caplog):
+    """CUDA chosen, yet the session runs on the CPU (a CUDA or cuDNN library failed to load)."""
+    import server.engine.providers as providers
+
+    monkeypatch.setattr(providers, "preload_libraries", lambda: "Failed to load libcudnn.so.9")
+    graph = onnx.load(tiny_model_path).SerializeToString()
+    for require_gpu in (False, True):
+        engine = Engine(Settings(intra_op_threads=1, require_gpu=False))
+        engine.settings = Settings(intra_op_threads=1, require_gpu=require_gpu)
+        engine.provider = CUDA  # as if chosen: the CPU-only sessions here stand for a CUDA one that fell back
+        if require_gpu:
+            with pytest.raises(EngineError, match="Failed to load libcudnn.so.9"):
+                engine.session(graph)
+            continue
+        with caplog.at_level("WARNING", logger="server.engine.providers"):
+            engine.session(graph)
+        assert engine.provider == CPU
+        assert "a CUDA or cuDNN library is missing (Failed to load libcudnn.so.9)" in caplog.text
+        assert "print_debug_info" in caplog.text and "running on the CPU" in caplog.text
 
 
 def test_require_gpu_refuses_without_cuda():
@@ -41,6 +90,26 @@ def test_engine_reports_what_its_sessions_really_run_on(tiny_model_path):
     batch = np.random.default_rng(0).normal(size=(2, 3, 64, 96)).astype(np.float32)
     direct = onnxruntime.InferenceSession(tiny_model_path, providers=[CPU]).run(None, {"image": batch})[0]
     np.testing.assert_allclose(session.run(None, {"image": batch})[0], direct, **tolerance(engine.provider))
+
+
+def test_tolerances_follow_the_provider_that_ran():
+    """Issue 29: TF32 on an H200 put the heavy net's -14.719 at -14.682; the CPU's float32 stays held to 1e-5."""
+    expected = np.array([-14.719, 3.0, 0.5])
+    got = np.array([-14.682, 3.0, 0.5])
+    np.testing.assert_allclose(got, expected, **tolerance(CUDA, expected))
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(got, expected, **tolerance(CPU, expected))
+    assert tolerance(CPU, expected) == tolerance(CPU) == {"rtol": 1e-5, "atol": 1e-4}
+
+    class Label:
+        def __init__(self, index, probability):
+            self.index, self.probability = index, probability
+
+    single = [Label(2, 0.30), Label(1, 0.20), Label(3, 0.1500), Label(0, 0.1498), Label(4, 0.1)]
+    batched = [Label(2, 0.30), Label(1, 0.20), Label(0, 0.1499), Label(3, 0.1498), Label(4, 0.1)]
+    assert_same_top_k(batched, single, CUDA)  # a near tie ranked the other way
+    with pytest.raises(AssertionError, match="not a tie"):
+        assert_same_top_k([single[1], single[0], *single[2:]], single, CUDA)
 
 
 def test_require_gpu_refuses_to_start_on_this_machine_without_cuda(tiny_model_path):

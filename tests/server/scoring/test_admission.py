@@ -4,37 +4,50 @@ import grpc
 import numpy as np
 import pytest
 
+from convert.memory_model import Device
 from convert.profile import largest_batch, profile_model
 
 
-def predicted(path: str, side: int, batch: int = 1) -> int:
-    return profile_model(path, height=side, width=side, batch=batch).predicted_peak_bytes
+def predicted(path: str, side: int, batch: int = 1, device: Device = Device.CPU) -> int:
+    return profile_model(path, height=side, width=side, batch=batch, device=device).predicted_peak_bytes
 
 
-def test_oversized_request_is_refused_with_the_numbers(kit, tiny_model_path):
-    budget = (predicted(tiny_model_path, 96) + predicted(tiny_model_path, 128)) // 2
-    fits = max(side for side in range(32, 2049, 32) if predicted(tiny_model_path, side) <= budget)
+@pytest.fixture(scope="module")
+def device() -> Device:
+    """The device a server started here predicts its plans for: the one its engine picks (CUDA's terms add
+    ~140 MiB of session state and workspace to a tiny net, issue 29), so budgets are sized from it."""
+    from server.engine.providers import Engine
+    from server.settings import Settings
+
+    return Engine(Settings(warm_up=False, intra_op_threads=1)).device
+
+
+def test_oversized_request_is_refused_with_the_numbers(kit, tiny_model_path, device):
+    budget = (predicted(tiny_model_path, 96, device=device) + predicted(tiny_model_path, 128, device=device)) // 2
+    fits = max(side for side in range(32, 2049, 32) if predicted(tiny_model_path, side, device=device) <= budget)
     assert fits == 96
     pixels = np.zeros((64, 64, 3), dtype=np.uint8)
-    with kit.serving([tiny_model_path], memory_budget_bytes=budget) as (_server, _port, stub):
+    with kit.serving([tiny_model_path], memory_budget_bytes=budget) as (server, _port, stub):
+        assert server.pipeline.budget.device is device
         with pytest.raises(grpc.RpcError) as caught:
             stub.Score(kit.raw_request(pixels, scales=[64, 512]))
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         details = caught.value.details()
-        assert f"needs a predicted {predicted(tiny_model_path, 512)} bytes" in details
+        assert f"needs a predicted {predicted(tiny_model_path, 512, device=device)} bytes" in details
         assert f"the memory budget is {budget} bytes" in details
         assert "the largest scale that fits is 96" in details
         assert stub.Score(kit.raw_request(pixels, scales=[96])).maps  # what fits still runs
 
 
-def test_batches_are_cut_to_what_fits(kit, tiny_model_path):
+def test_batches_are_cut_to_what_fits(kit, tiny_model_path, device):
     """Scale 64 at stride 16 runs 4 shifted passes of a 96x96 canvas (64 + the passes' 16 px slack,
     rounded to the stride) per orientation: a budget of 4 such inputs runs one orientation at a time."""
-    budget = predicted(tiny_model_path, 96, batch=4)
-    assert largest_batch(tiny_model_path, height=96, width=96, budget_bytes=budget) == 4
+    budget = predicted(tiny_model_path, 96, batch=4, device=device)
+    assert largest_batch(tiny_model_path, height=96, width=96, budget_bytes=budget, device=device) == 4
     pixels = np.zeros((64, 64, 3), dtype=np.uint8)
     with kit.serving([tiny_model_path], memory_budget_bytes=budget, metrics_port=0, max_batch=8,
                      max_queue_delay_ms=50) as (server, _port, stub):
+        assert server.pipeline.budget.device is device
         stub.Score(kit.raw_request(pixels, scales=[64], output_stride=16, flip=True))  # 2 items of 4 passes
         registry = server.metrics.registry
         count = registry.get_sample_value("scoremap_batch_size_count", {"model": "tiny"})

@@ -111,7 +111,7 @@ def test_padding_to_a_canvas_keeps_the_unpadded_cells_and_reports_the_border(pip
     assert first.shape == second.shape == (3, 3, 4)  # the padding's own cells are cropped
     assert (b.maps[0].geometry.padded_border_rows, b.maps[0].geometry.padded_border_cols) == (1, 1)
     assert (a.maps[0].geometry.padded_border_rows, a.maps[0].geometry.padded_border_cols) == (0, 0)
-    np.testing.assert_allclose(second[:, :2, :3], first[:, :2, :3], **tolerance(padded))
+    np.testing.assert_allclose(second[:, :2, :3], first[:, :2, :3], **tolerance(padded, first))
     assert not np.allclose(second[:, 2, :], first[:, 2, :], atol=1e-6)  # the border row saw the canvas
 
 
