@@ -115,29 +115,6 @@ def tile_jobs(model: Model, plan: tiling.TilePlan, scale: int, passes: dense.Pas
     return tuple(jobs)
 
 
-def hold_tile_places(ticket: Ticket) -> ScoringError | None:
-    """A tiled scale is one item per tile and orientation: the places held before the header was read
-    (one per scale and orientation) become the request's whole count."""
-    items = sum(job.parts for job in ticket.jobs) * len(ticket.flips)
-    if ticket.places is None or items == ticket.places.items:
-        return None
-    batcher = ticket.model.batcher
-    batcher.release(ticket.places)
-    ticket.places = None
-    held = batcher.reserve(items, deadline=ticket.deadline)
-    if not isinstance(held, NoRoom):
-        ticket.places = held
-        return None
-    if held.why is Transient.QUEUE_FULL and items > held.depth:  # no retry makes room for it
-        return ScoringError(
-            Refusal.RESOURCE_EXHAUSTED,
-            f"this request is {items} items (scales x orientations x tiles), more than the queue holds "
-            f"({held.depth}, --queue-depth): it never fits; ask fewer or smaller scales, or restart the server with "
-            "a larger --queue-depth or larger --shape-buckets (fewer tiles)",
-        )
-    return no_room(held, deadline=ticket.deadline)
-
-
 def items_per_batch(model: Model, canvas: tuple[int, int], scale: int, passes: dense.Passes,
                 original: tuple[int, int]) -> int:
     """How many items of this canvas one batch may hold in memory (each runs all its passes), as a batch
