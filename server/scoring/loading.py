@@ -140,9 +140,11 @@ def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
             if scale < model.training_size:
                 raise invalid(f"{named} is below {model.name}'s training size {model.training_size}, the smallest "
                               f"input it can take: give --warm-up-scales of at least {model.training_size}")
-            if not model.min_scale <= scale <= model.limits.max_scale:
-                raise invalid(f"{named} is outside the scales requests may ask for, [{model.min_scale}, "
-                              f"{model.limits.max_scale}] (--min-scale, --max-scale): give --warm-up-scales "
+            most = model.limits.max_scale
+            if scale < model.min_scale or most is not None and scale > most:
+                bounds = (f"[{model.min_scale}, {most}] (--min-scale, --max-scale)" if most is not None
+                          else f"{model.min_scale} (--min-scale) and up")
+                raise invalid(f"{named} is outside the scales requests may ask for, {bounds}: give --warm-up-scales "
                               "within them")
             total = model.plan_memory.shared.total_bytes if model.plan_memory.shared is not None else None
             for key in configured_plans(model, (scale,)):
