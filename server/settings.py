@@ -255,7 +255,8 @@ class EngineOptions:
         shown="the GPU's free memory, else --cpu-memory-fraction of MemAvailable")
     cpu_memory_fraction: float = setting(0.5, "share of MemAvailable used as the budget on the CPU when no "
                                          "--memory-budget is given", parse=FRACTION, metavar="FRACTION")
-    warm_up: bool = setting(True, "run every warm-up scale and stride once before reporting SERVING")
+    warm_up: bool = setting(True, "run every warm-up scale and stride, and the tile canvas of images larger "
+                            "than every bucket, once before reporting SERVING")
     warm_up_scales: tuple[int, ...] = setting((), "scales to warm up before SERVING", parse=COUNT, metavar="SCALE",
                                               many=True, shown="each model's default scale")
 
