@@ -11,23 +11,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from convert.arguments import PORT, memory_size, number_in, size_pair
-from server.memory.host import largest_resized_pixels
 
 MiB = 2**20
 DEFAULT_MAX_REQUEST_HOST_BYTES = 4 * 1024 * MiB
 DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
 DEFAULT_MAX_SCALES = 4
-# Size limits follow from the host memory limit, not a fixed pixel cap (issue 20): images larger than the
-# canvas buckets are tiled, so no plan grows with them; what grows is the host memory of the request.
-DEFAULT_MAX_RESIZED_PIXELS = largest_resized_pixels(
-    max_request_host_bytes=DEFAULT_MAX_REQUEST_HOST_BYTES, max_image_pixels=DEFAULT_MAX_IMAGE_PIXELS,
-    max_scales=DEFAULT_MAX_SCALES)
-DEFAULT_MAX_SCALE = math.isqrt(DEFAULT_MAX_RESIZED_PIXELS)
 GPU_DEFAULT_MAX_BATCH = 8
 COUNT = number_in(int, 1)  # how many of something: at least one
 THREADS = number_in(int, 0)  # 0: let the library choose
@@ -172,21 +164,22 @@ class RequestLimits:
     min_scale: int | None = setting(None, "smallest target shorter side, in pixels (one below a model's "
                                     "training size, the least it can take, is raised to it)", parse=COUNT,
                                     metavar="N", shown="the model's training size")
-    max_scale: int = setting(
-        DEFAULT_MAX_SCALE, "largest target shorter side, in pixels: by default the side of the largest square "
-        "--max-resized-pixels allows", parse=COUNT, metavar="N")
-    max_resized_pixels: int = setting(
-        DEFAULT_MAX_RESIZED_PIXELS, "resized images above this many pixels are refused. Not a plan's size: an "
-        "image larger than every canvas bucket is tiled onto one (--halo). By default the most the host memory "
-        "limit allows: the largest size at which the worst request (--max-scales scales of it, 1000 classes, "
-        "stride 16, flip, the largest image) fits the default --max-request-host-bytes "
-        "(server.memory.host.largest_resized_pixels); each request is then held to its own estimate, tiles "
-        "included, and its response to --max-message-bytes", parse=COUNT, metavar="N",
-        shown=f"{DEFAULT_MAX_RESIZED_PIXELS:,} (from 4 GiB)")
+    max_scale: int | None = setting(
+        None, "largest target shorter side, in pixels: a cap, when you want one. Without it a request may ask "
+        "for any scale, up to its image's own size and beyond, that its own host memory estimate "
+        "(--max-request-host-bytes) and response (--max-message-bytes) allow (issue 31)", parse=COUNT, metavar="N",
+        shown="off")
+    max_resized_pixels: int | None = setting(
+        None, "resized images above this many pixels are refused (INVALID_ARGUMENT naming the largest scale "
+        "within it): a cap, when you want one. Not a plan's size: an image larger than every canvas bucket is "
+        "tiled onto one (--halo). Without it each request is held to its own host memory estimate, tiles "
+        "included, and its response to --max-message-bytes, both refused with RESOURCE_EXHAUSTED naming what "
+        "would fit (issue 31)", parse=COUNT, metavar="N", shown="off")
     max_request_host_bytes: int = setting(
         DEFAULT_MAX_REQUEST_HOST_BYTES, "host memory one request may hold (image, resized copies, model inputs, "
-        "maps), estimated from the image header before decoding: above it RESOURCE_EXHAUSTED with every term; "
-        "with the limits above, the worst request fits it (server/memory/host.py)", parse=memory_size, metavar="SIZE", shown="4 GiB")
+        "maps), estimated from the image header before decoding: above it RESOURCE_EXHAUSTED with every term and "
+        "the largest scale, the coarser stride or the lighter maps that would fit (server/memory/host.py); this, "
+        "not a size cap, decides how large a request may be", parse=memory_size, metavar="SIZE", shown="4 GiB")
     host_memory_budget_bytes: int | None = setting(
         None, "host memory the requests in flight may hold together (their estimates), e.g. 8GiB; beyond it "
         "RESOURCE_EXHAUSTED with a retry hint", parse=memory_size, metavar="SIZE", flag="host-memory-budget",
@@ -272,7 +265,8 @@ class EngineOptions:
         shown="the GPU's free memory, else --cpu-memory-fraction of MemAvailable")
     cpu_memory_fraction: float = setting(0.5, "share of MemAvailable used as the budget on the CPU when no "
                                          "--memory-budget is given", parse=FRACTION, metavar="FRACTION")
-    warm_up: bool = setting(True, "run every warm-up scale and stride once before reporting SERVING")
+    warm_up: bool = setting(True, "run every warm-up scale and stride, and the tile canvas of images larger "
+                            "than every bucket, once before reporting SERVING")
     warm_up_scales: tuple[int, ...] = setting((), "scales to warm up before SERVING", parse=COUNT, metavar="SCALE",
                                               many=True, shown="each model's default scale")
 
@@ -289,14 +283,16 @@ class Settings(ServiceEdge, RequestLimits, BatchPolicy, EngineOptions):
 
     def check_scales(self) -> None:
         """--min-scale above --max-scale, or a warm-up scale outside them, before any model loads (issue 24)."""
-        least = self.min_scale or 1
-        if least > self.max_scale:
-            raise ValueError(f"--min-scale {least} is above --max-scale {self.max_scale}: no scale could be asked for; "
+        least, most = self.min_scale or 1, self.max_scale
+        if most is not None and least > most:
+            raise ValueError(f"--min-scale {least} is above --max-scale {most}: no scale could be asked for; "
                              "give a --min-scale at most --max-scale")
-        outside = [scale for scale in self.warm_up_scales if not least <= scale <= self.max_scale]
+        outside = [scale for scale in self.warm_up_scales if scale < least or most is not None and scale > most]
         if outside:
-            raise ValueError(f"--warm-up-scales {' '.join(map(str, outside))} outside [{least}, {self.max_scale}] "
-                             "(--min-scale, --max-scale): warm up scales requests may ask for")
+            where = (f"outside [{least}, {most}] (--min-scale, --max-scale)" if most is not None
+                     else f"below --min-scale {least}")
+            raise ValueError(f"--warm-up-scales {' '.join(map(str, outside))} {where}: warm up scales requests may "
+                             "ask for")
 
 
 GROUPS = {"service edge": ServiceEdge, "request limits": RequestLimits, "batch policy": BatchPolicy,

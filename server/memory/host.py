@@ -5,15 +5,16 @@ flips) and turned into model inputs, each pass answered by a score map. At the o
 request could need ~10 GB of host memory (issue 14: a 2432x640 PNG at 8 scales, stride 16 and flip
 took ~1 GB each), while admission only budgeted the model's run. `estimate_request` counts every
 copy the pipeline holds at once; admission (server.memory.host_budget.admit_host) refuses, with the
-numbers, a request whose estimate exceeds `Settings.max_request_host_bytes`. The request limits'
-defaults (`max_image_pixels`, `max_scales`, `max_resized_pixels`) are set so that the worst single
-request fits: `worst_request`; `max_resized_pixels`'s is the largest that does (`largest_resized_pixels`),
-since an image no canvas bucket holds is tiled (issue 20) and only its host memory grows with it.
+numbers, a request whose estimate exceeds `Settings.max_request_host_bytes`, and the requests in flight
+share `HostBudget`. That estimate, not a size cap, decides how large a request may be (issue 31: a
+phone photo at its own size was refused by a pixel cap derived from the worst request the limits allowed,
+while it needed a few hundred MiB): an image no canvas bucket holds is tiled (issue 20), so only its host
+memory grows with it.
 
 How a pipeline holds a scale is a `HostPath`: `DEVICE_PASSES` is the server's (one uint8 canvas per
 scale and orientation; passes, lattice and probabilities made on the device, issue 9);
 `HOST_PASSES` the pipeline before it (float32 inputs and a score map per shifted pass on the host),
-which the default limits would let reach 5 GiB: what the device path saves.
+kept to show what the device path saves.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["HostPath", "HOST_PASSES", "DEVICE_PASSES", "HostEstimate", "TiledScale", "estimate_request",
-           "largest_resized_pixels", "worst_request"]
+__all__ = ["HostPath", "HOST_PASSES", "DEVICE_PASSES", "HostEstimate", "TiledScale", "estimate_request"]
 
 FLOAT32 = 4
 RGB = 3
@@ -89,21 +89,25 @@ def estimate_request(
     output_stride: int,
     path: HostPath = DEVICE_PASSES,
     tiled: Sequence[TiledScale] = (),
+    lattice_itemsize: int = FLOAT32,
 ) -> HostEstimate:
     """The host memory of one request, from what is known before decoding.
 
     `resized_sizes`: (height, width) per scale scored in one pass; `passes`: shifted passes per scale and
     orientation; `classes`: the model's output channels; strides in pixels per cell of one pass and of the
     lattice. `tiled`: the scales scored tile by tile, whose tiles are all in flight at once (each a canvas and
-    its lattice back), beside the whole map they are stitched into."""
+    its lattice back), beside the whole map they are stitched into. `lattice_itemsize`: bytes per value of the
+    lattices the device hands back, 2 for float16 maps, 0 when the request asks for no maps and no cell top-k
+    (only the image's probabilities come back)."""
     height, width = image_size
     orientations = 2 if flip else 1
     pixels = [h * w for h, w in resized_sizes]
     # Each input is held twice: as built (a window, a canvas) and stacked into its batch.
     per_scale_inputs = INPUT_COPIES * orientations * (passes if path.inputs_per_pass else 1)
     inputs = sum(p * RGB * path.input_itemsize * per_scale_inputs for p in pixels)
-    # A lattice per orientation, their average, and the response's bytes of it.
-    lattices = sum(classes * FLOAT32 * math.ceil(p / output_stride**2) for p in pixels) * (orientations + 2)
+    # A lattice per orientation as fetched, then their float32 average and the response's bytes of it.
+    per_cell = classes * (orientations * lattice_itemsize + 2 * FLOAT32) if lattice_itemsize else 0
+    lattices = sum(per_cell * math.ceil(p / output_stride**2) for p in pixels)
     pass_maps = (sum(classes * FLOAT32 * math.ceil(p / native_stride**2) for p in pixels) * passes * orientations
                  if path.maps_per_pass else 0)
     resized = sum(p * RGB for p in pixels) * orientations  # and its mirror image
@@ -111,8 +115,8 @@ def estimate_request(
         area = scale.resized[0] * scale.resized[1]
         resized += area * RGB
         inputs += scale.tiles * orientations * scale.canvas[0] * scale.canvas[1] * RGB * INPUT_COPIES
-        lattices += classes * FLOAT32 * (math.ceil(area / output_stride**2) * (orientations + 2)
-                                         + scale.tiles * orientations * scale.tile_cells)
+        lattices += (per_cell * math.ceil(area / output_stride**2)
+                     + classes * lattice_itemsize * scale.tiles * orientations * scale.tile_cells)
     return HostEstimate(
         encoded=encoded_bytes,
         decoded=height * width * (DECODED_BYTES_PER_PIXEL + RGB),
@@ -120,26 +124,3 @@ def estimate_request(
         inputs=inputs,
         maps=pass_maps + lattices,
     )
-
-
-def worst_request(*, max_image_pixels: int, max_scales: int, max_resized_pixels: int, classes: int = 1000,
-                  native_stride: int = 32, path: HostPath = DEVICE_PASSES) -> HostEstimate:
-    """The largest request the limits let through: the largest image, every scale at the largest
-    resized size, 4 shifted passes (stride 16 from a stride-32 net) and flip."""
-    side = int(math.isqrt(max_resized_pixels))
-    return estimate_request(
-        encoded_bytes=max_image_pixels * RGB,  # an uncompressed BMP or raw pixels
-        image_size=(1, max_image_pixels), resized_sizes=[(side, side)] * max_scales, passes=4, flip=True,
-        classes=classes, native_stride=native_stride, output_stride=native_stride // 2, path=path,
-    )
-
-
-def largest_resized_pixels(*, max_request_host_bytes: int, max_image_pixels: int, max_scales: int) -> int:
-    """The largest `max_resized_pixels` whose worst request fits `max_request_host_bytes`: the size limit that
-    follows from host memory (every request is also held to its own estimate, tiles included)."""
-    low, high = 0, max_request_host_bytes  # a resized pixel costs more than a byte: `high` never fits
-    while high - low > 1:
-        middle = (low + high) // 2
-        worst = worst_request(max_image_pixels=max_image_pixels, max_scales=max_scales, max_resized_pixels=middle)
-        low, high = (middle, high) if worst.total <= max_request_host_bytes else (low, middle)
-    return low

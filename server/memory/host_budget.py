@@ -31,14 +31,16 @@ def available_memory_bytes() -> int | None:
 
 
 
-def admit_host(estimate: HostEstimate, *, limit_bytes: int) -> None:
-    """RESOURCE_EXHAUSTED with every term when one request would hold more host memory than the limit."""
+def admit_host(estimate: HostEstimate, *, limit_bytes: int, instead: str = "") -> None:
+    """RESOURCE_EXHAUSTED with every term when one request would hold more host memory than the limit; `instead`
+    says what the request could ask for that would fit (admission finds it: server/scoring/footprint.py)."""
     if estimate.total > limit_bytes:
         raise ScoringError(
             Refusal.RESOURCE_EXHAUSTED,
             f"this request needs an estimated {estimate.total} bytes of host memory, {estimate.describe()}, "
             f"but one request may hold {limit_bytes} bytes ({format_bytes(limit_bytes)}, --max-request-host-bytes); "
-            "ask for fewer or smaller scales, no flip or a coarser stride",
+            f"{instead or 'ask for fewer or smaller scales, no flip or a coarser stride'}; or restart the server "
+            f"with a --max-request-host-bytes of at least {-(-estimate.total // 2**20)}MiB",
         )
 
 

@@ -4,8 +4,9 @@
 returning its refusal (or None): the request's fields (the image's first bytes included), then the
 queue's room and expected wait, then the image's header, then what the header tells (every scale's
 canvas, or its tiles on one, and batch limit in memory: server/scoring/fitting.py; the tiles' queue
-places, the response's size, the host memory: server/memory/host.py). The ticket holds the queue
-places and the host bytes together and gives both back in `release`, the one way out.
+places, the response's size and the host memory, and past either limit what would fit:
+server/scoring/footprint.py). The ticket holds the queue places and the host bytes together and gives
+both back in `release`, the one way out.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from convert.arguments import format_bytes
 from protos import scoring_pb2
 from server.errors import NoRoom, Refusal, ScoringError, Transient, invalid, retry_after
 from server.geometry import dense
-from server.memory.host import DEVICE_PASSES, HostEstimate, TiledScale, estimate_request
+from server.memory.host import HostEstimate
 from server.memory.host_budget import admit_host
-from server.scoring import imaging
+from server.scoring import footprint, imaging
 from server.scoring.fitting import scale_job
 from server.scoring.request import ScaleJob, top_k
 
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
     from server.scoring.batcher import Batcher, Reservation
     from server.scoring.model import Model
 
-__all__ = ["CHECKS", "Ticket", "admit", "response_bytes"]
+__all__ = ["CHECKS", "Ticket", "admit"]
 
 
 @dataclass(eq=False)
@@ -73,11 +75,14 @@ def check_scales(ticket: Ticket) -> ScoringError | None:
     if len(scales) > limits.max_scales:
         return invalid(f"{len(scales)} scales requested; at most {limits.max_scales} are allowed (--max-scales)")
     for scale in scales:
-        if not model.min_scale <= scale <= limits.max_scale:
-            return invalid(
-                f"scale {scale} is outside [{model.min_scale}, {limits.max_scale}] (the target shorter side in "
-                f"pixels; model {model.name} needs at least its training size {model.training_size})"
-            )
+        if scale < model.min_scale:
+            return invalid(f"scale {scale} is below {model.min_scale}, the smallest this server takes (the target "
+                           f"shorter side in pixels; model {model.name} needs at least its training size "
+                           f"{model.training_size}): ask for a larger scale")
+        if limits.max_scale is not None and scale > limits.max_scale:
+            return invalid(f"scale {scale} is above the server's --max-scale {limits.max_scale} (the target shorter "
+                           "side in pixels): ask for a smaller scale, or restart the server with a larger "
+                           "--max-scale or without it (then the request's own host memory estimate decides)")
     if len(set(scales)) != len(scales):
         return invalid(f"scales {scales} repeat a value; give each scale once")
     return None
@@ -186,7 +191,19 @@ def read_header(ticket: Ticket) -> ScoringError | None:
 
 def fit_scales(ticket: Ticket) -> ScoringError | None:
     """Each scale's resized size, canvas bucket (or the tiles on one), kept cells and batch limit; refused when
-    the image cannot take it."""
+    the image cannot take it. A scale whose resized image alone is beyond one request's host memory is refused
+    first, before its tiles are planned (no size cap by default: a scale of 10**6 px would have millions)."""
+    limit = ticket.model.limits.max_request_host_bytes
+    for scale in ticket.scales:
+        alone = footprint.resized_bytes(ticket.model, ticket.original, scale)
+        if alone > limit:
+            return ScoringError(
+                Refusal.RESOURCE_EXHAUSTED,
+                f"scale {scale} resizes the {ticket.original[0]}x{ticket.original[1]} image to {alone // 3} pixels, "
+                f"whose RGB copy alone ({format_bytes(alone)}) is beyond the host memory one request may hold, "
+                f"{format_bytes(limit)} (--max-request-host-bytes); {would_fit(ticket)}; or restart the server with a "
+                "larger --max-request-host-bytes",
+            )
     try:
         ticket.jobs = [scale_job(ticket.model, ticket.original, scale, ticket.passes, flip=len(ticket.flips) > 1)
                        for scale in ticket.scales]
@@ -212,7 +229,7 @@ def hold_tile_places(ticket: Ticket) -> ScoringError | None:
         return ScoringError(
             Refusal.RESOURCE_EXHAUSTED,
             f"this request is {items} items (scales x orientations x tiles), more than the queue holds "
-            f"({held.depth}, --queue-depth): it never fits; ask fewer or smaller scales, or restart the server with "
+            f"({held.depth}, --queue-depth): it never fits; {would_fit(ticket)}; or restart the server with "
             "a larger --queue-depth or larger --shape-buckets (fewer tiles)",
         )
     return no_room(held, deadline=ticket.deadline)
@@ -220,37 +237,42 @@ def hold_tile_places(ticket: Ticket) -> ScoringError | None:
 
 
 def check_response_size(ticket: Ticket) -> ScoringError | None:
+    """The response within --max-message-bytes; past it, what would fit (server/scoring/footprint.py)."""
     request, model, limit = ticket.request, ticket.model, ticket.model.limits.max_message_bytes
-    expected = response_bytes(request, ticket.jobs, classes=model.classes, top_k=top_k(request, model.limits),
-                              label_bytes=model.label_bytes)
+    expected = footprint.response_bytes(request, ticket.jobs, classes=model.classes,
+                                        top_k=top_k(request, model.limits), label_bytes=model.label_bytes)
     if expected > limit:
         return ScoringError(
             Refusal.RESOURCE_EXHAUSTED,
-            f"the response would be about {expected} bytes, above the server's --max-message-bytes {limit}; ask "
-            "for fewer `classes`, a smaller `cell_top_k`, `map_dtype` FLOAT16, fewer or smaller scales, or no maps",
+            f"the response would be about {expected} bytes ({format_bytes(expected)}), above the server's "
+            f"--max-message-bytes {limit} ({format_bytes(limit)}); {would_fit(ticket)}; or score it region by region "
+            "(`scoremap-score --tiled` asks for each region's map in a response of its own); or restart the server "
+            "with a larger --max-message-bytes",
         )
     return None
 
 
 def check_host_memory(ticket: Ticket) -> ScoringError | None:
-    """What the request will hold on the host, estimated from the header: within one request's limit, then
-    held from the budget the requests in flight share."""
-    request, model, passes = ticket.request, ticket.model, ticket.passes
-    ticket.host = estimate_request(
-        encoded_bytes=ticket.opened.encoded_bytes, image_size=ticket.original,
-        resized_sizes=[job.canvas for job in ticket.jobs if job.tiling is None], passes=len(passes.offsets),
-        flip=request.flip, classes=model.classes, native_stride=model.card.output_stride, output_stride=passes.stride,
-        path=DEVICE_PASSES,
-        tiled=[TiledScale(job.resized, job.canvas, len(job.tiles), max(t.cells[0] * t.cells[1] for t in job.tiles))
-               for job in ticket.jobs if job.tiling is not None],
-    )
+    """What the request will hold on the host, estimated from the header: within one request's limit (past it,
+    what would fit), then held from the budget the requests in flight share."""
+    model, limit = ticket.model, ticket.model.limits.max_request_host_bytes
+    ticket.host = footprint.host_estimate(ticket.request, model, ticket.opened, ticket.jobs, ticket.passes)
     try:
-        admit_host(ticket.host, limit_bytes=model.limits.max_request_host_bytes)
+        if ticket.host.total > limit:
+            admit_host(ticket.host, limit_bytes=limit, instead=would_fit(ticket))
         model.host_budget.take(ticket.host)
     except ScoringError as error:
         return error
     ticket.held_bytes = ticket.host.total
     return None
+
+
+def would_fit(ticket: Ticket) -> str:
+    """What the refused request could ask for instead, in its own words."""
+    found = footprint.what_fits(ticket.request, ticket.model, ticket.opened, ticket.jobs or None, ticket.passes)
+    if not found:
+        return "no smaller scale, coarser stride or lighter maps of this image fits"
+    return "it would fit with " + "; or ".join(found)
 
 
 # The measured order: the cheap checks of the fields first, then the queue's room and expected wait,
@@ -274,23 +296,3 @@ def admit(request: scoring_pb2.ScoreRequest, model: Model, *, deadline: float | 
         ticket.release()
         raise
     return ticket
-
-
-FLOAT16_BYTES, FLOAT32_BYTES, INT32_BYTES = 2, 4, 4
-OVERHEAD_BYTES = 4096  # geometry, timings, model name, warnings and framing of a response, generously
-ENTRY_FRAMING_BYTES = 8  # an image-level top-k entry's tags and lengths
-
-
-def response_bytes(request: scoring_pb2.ScoreRequest, jobs: list[ScaleJob], *, classes: int, top_k: int,
-                   label_bytes: int) -> int:
-    """An upper estimate of the response's size, known before any compute: the maps, the cells' top-k,
-    the image's `top_k` entries, each with a label of up to `label_bytes`, and the echoed request id."""
-    total = OVERHEAD_BYTES + len(request.request_id.encode()) + min(top_k, classes) * (
-        INT32_BYTES + FLOAT32_BYTES + label_bytes + ENTRY_FRAMING_BYTES)
-    for job in jobs:
-        cells = job.cells[0] * job.cells[1]
-        if request.return_maps:
-            width = FLOAT16_BYTES if request.map_dtype == scoring_pb2.FLOAT16 else FLOAT32_BYTES
-            total += cells * (len(request.classes) or classes) * width
-        total += cells * min(request.cell_top_k, classes) * (INT32_BYTES + FLOAT32_BYTES)
-    return total

@@ -19,7 +19,7 @@ from protos import scoring_pb2
 from server.geometry import dense, tiling
 from server.errors import Refusal, ScoringError
 from server.metrics import Stage
-from server.scoring.request import ScaleJob, Scored, top_k
+from server.scoring.request import ScaleJob, Scored, lattice_classes, top_k
 
 if TYPE_CHECKING:
     from server.scoring.admission import Ticket
@@ -57,7 +57,7 @@ def fill_scale_map(
     lattice = dense.average_flips(lattices)
     require_finite_map(lattice)
     if request.return_maps:
-        chosen = lattice[list(request.classes)] if request.classes else lattice
+        chosen = lattice[list(request.classes)] if request.classes and not lattice_classes(request) else lattice
         if request.map_dtype == scoring_pb2.FLOAT16 and chosen.dtype != np.float16:  # ranked in float32
             chosen = chosen.astype(np.float16)
             require_finite_map(chosen)

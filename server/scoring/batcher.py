@@ -107,6 +107,11 @@ class Batcher:
         self._thread = threading.Thread(target=self._loop, name=f"batcher-{name}", daemon=True)
         self._thread.start()
 
+    @property
+    def queue_depth(self) -> int:
+        """The most items that may wait or decode at once (--queue-depth)."""
+        return self._queue_depth
+
     def depth(self) -> int:
         """Items waiting to run or still decoding (their places held): what `queue_depth` bounds."""
         with self._condition:

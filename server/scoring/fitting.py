@@ -8,6 +8,7 @@ refusals suggest instead.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -28,14 +29,8 @@ def scale_job(model: Model, original: tuple[int, int], scale: int, passes: dense
     """How one scale runs: on the smallest canvas bucket that holds it; else tiled onto a bucket that holds
     the halo; else, when it fits --tile-canvas, on a canvas planned on demand (the tile canvas under
     --strict-shapes); else tiled onto the tile canvas (issue 20: no plan grows with the image)."""
-    limit = model.limits.max_resized_pixels
     size = dense.resized_size(*original, scale=scale, multiple=model.card.size_multiple)
-    if size[0] * size[1] > limit:
-        raise invalid(
-            f"scale {scale} resizes the {original[0]}x{original[1]} image to {size[0]}x{size[1]} = "
-            f"{size[0] * size[1]} pixels, above the limit of {limit} (--max-resized-pixels, which follows from "
-            "--max-request-host-bytes); use a smaller scale"
-        )
+    check_resized_cap(model, original, scale, size)
     cells = job_cells(model, size, scale, passes)
     if 0 in cells:
         raise invalid(
@@ -65,6 +60,28 @@ def scale_job(model: Model, original: tuple[int, int], scale: int, passes: dense
         f"canvas bucket holds ({model.buckets.describe()}), nor can it be tiled onto one or onto --tile-canvas "
         f"{model.tile_canvas[0]}x{model.tile_canvas[1]}: {tiles}; use a smaller scale, or restart the server with a "
         "larger --shape-buckets or --tile-canvas, or a smaller --halo"
+    )
+
+
+def check_resized_cap(model: Model, original: tuple[int, int], scale: int, size: tuple[int, int]) -> None:
+    """INVALID_ARGUMENT, naming the largest scale within it, past --max-resized-pixels: a cap the operator set
+    (none by default: the request's own host memory estimate decides, issue 31)."""
+    limit = model.limits.max_resized_pixels
+    if limit is None or size[0] * size[1] <= limit:
+        return
+    step = model.multiple
+    low, high = 0, -(-scale // step)  # scales of `low` steps fit the cap (or are none); `high` steps do not
+    while high - low > 1:
+        middle = (low + high) // 2
+        resized = dense.resized_size(*original, scale=middle * step, multiple=model.card.size_multiple)
+        low, high = (middle, high) if resized[0] * resized[1] <= limit else (low, middle)
+    within = (f"ask for a scale of at most {low * step}" if low * step >= model.min_scale
+              else "no scale of this image is within it")
+    raise invalid(
+        f"scale {scale} resizes the {original[0]}x{original[1]} image to {size[0]}x{size[1]} = "
+        f"{size[0] * size[1]} pixels, above the server's --max-resized-pixels {limit}: {within}, or restart the "
+        "server with a larger --max-resized-pixels or without it (then the request's own host memory estimate "
+        "decides)"
     )
 
 
@@ -115,29 +132,6 @@ def tile_jobs(model: Model, plan: tiling.TilePlan, scale: int, passes: dense.Pas
     return tuple(jobs)
 
 
-def hold_tile_places(ticket: Ticket) -> ScoringError | None:
-    """A tiled scale is one item per tile and orientation: the places held before the header was read
-    (one per scale and orientation) become the request's whole count."""
-    items = sum(job.parts for job in ticket.jobs) * len(ticket.flips)
-    if ticket.places is None or items == ticket.places.items:
-        return None
-    batcher = ticket.model.batcher
-    batcher.release(ticket.places)
-    ticket.places = None
-    held = batcher.reserve(items, deadline=ticket.deadline)
-    if not isinstance(held, NoRoom):
-        ticket.places = held
-        return None
-    if held.why is Transient.QUEUE_FULL and items > held.depth:  # no retry makes room for it
-        return ScoringError(
-            Refusal.RESOURCE_EXHAUSTED,
-            f"this request is {items} items (scales x orientations x tiles), more than the queue holds "
-            f"({held.depth}, --queue-depth): it never fits; ask fewer or smaller scales, or restart the server with "
-            "a larger --queue-depth or larger --shape-buckets (fewer tiles)",
-        )
-    return no_room(held, deadline=ticket.deadline)
-
-
 def items_per_batch(model: Model, canvas: tuple[int, int], scale: int, passes: dense.Passes,
                 original: tuple[int, int]) -> int:
     """How many items of this canvas one batch may hold in memory (each runs all its passes), as a batch
@@ -159,7 +153,7 @@ def items_per_batch(model: Model, canvas: tuple[int, int], scale: int, passes: d
 def largest_scale(model: Model, original: tuple[int, int], passes: dense.Passes) -> int:
     """The largest scale of this image whose passes fit the memory budget (0: none)."""
     step = model.multiple
-    low, high = max(model.min_scale // step - 1, 0), model.limits.max_scale // step + 1  # low fits or is 0
+    low, high = max(model.min_scale // step - 1, 0), unbounded_scale(model, original, passes) // step + 1  # low fits or is 0
     while high - low > 1:
         middle = (low + high) // 2
         # A scale beyond the tile canvas runs on it, tile by tile.
@@ -174,3 +168,14 @@ def largest_scale(model: Model, original: tuple[int, int], passes: dense.Passes)
         else:
             high = middle
     return low * step
+
+
+def unbounded_scale(model: Model, original: tuple[int, int], passes: dense.Passes) -> int:
+    """A scale no search for the largest needs to pass: --max-scale, or else the first whose image is tiled onto
+    the tile canvas (every scale beyond it runs on that canvas too, so fits the plans' memory as it does)."""
+    if model.limits.max_scale is not None:
+        return model.limits.max_scale
+    short, long = sorted(original)
+    tile_pixels = model.tile_canvas[0] * model.tile_canvas[1]
+    side = math.isqrt(tile_pixels * short // long) + 2 * (passes.slack + model.multiple)
+    return max(side, model.min_scale) + model.multiple

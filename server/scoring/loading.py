@@ -1,8 +1,9 @@
 """Loading a converted model and warming it up: its card, plans, batcher, buckets and memory check.
 
 `load` builds a `Model` (server/scoring/model.py) (the batcher's
-runner is its `plans.run`), `warm_up` makes and runs every configured plan, then scores a request at
-each offered stride, so health never says SERVING over a broken model.
+runner is its `plans.run`), `warm_up` makes and runs every configured plan and the tile canvas an image
+larger than every bucket runs on, then scores a request at each offered stride, so health never says
+SERVING over a broken model.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from server.memory.host_budget import HostBudget
 from server.metrics import Metrics
 from server.scoring import imaging
 from server.scoring.batcher import Batcher, Work
+from server.scoring.fitting import scale_job
 from server.scoring.model import FALLBACK_SCALE, Model
 from server.scoring.plans import PlanCache, PlanKey
 from server.scoring.request import GroupKey
@@ -129,6 +131,23 @@ def configured_plans(model: Model, scales: tuple[int, ...]) -> list[PlanKey]:
     return list(dict.fromkeys(keys))
 
 
+def tiled_plans(model: Model) -> list[PlanKey]:
+    """The plans an image larger than every bucket runs on at the model's own stride: its tiles' canvas (the tile
+    canvas by default), at each batch bucket a batch of its tiles may fill. Warmed up, so a phone photo scored at
+    its own size makes no plan (issue 31). None when such an image cannot be tiled within the budget (admission
+    refuses it, naming why)."""
+    passes = dense.passes_for(native_stride=model.card.output_stride, output_stride=0, shift=0)
+    side = 2 * max(model.tile_canvas)  # larger than the tile canvas both ways: tiled
+    try:
+        job = scale_job(model, (side, side), side, passes, flip=False)
+    except ScoringError as error:
+        LOG.info("%s: no tile canvas warmed up: %s", model.name, error.message)
+        return []
+    if job.tiling is None:
+        return []
+    return [PlanKey(*job.canvas, batch, passes) for batch in model.buckets.batches if batch <= job.items_per_batch]
+
+
 def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
     """ScoringError(INVALID_ARGUMENT) naming --warm-up-scales and the fix, before any plan is made, for a warm-up
     scale the model cannot serve: below its smallest scale, above --max-scale, or with a plan predicted beyond
@@ -140,9 +159,11 @@ def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
             if scale < model.training_size:
                 raise invalid(f"{named} is below {model.name}'s training size {model.training_size}, the smallest "
                               f"input it can take: give --warm-up-scales of at least {model.training_size}")
-            if not model.min_scale <= scale <= model.limits.max_scale:
-                raise invalid(f"{named} is outside the scales requests may ask for, [{model.min_scale}, "
-                              f"{model.limits.max_scale}] (--min-scale, --max-scale): give --warm-up-scales "
+            most = model.limits.max_scale
+            if scale < model.min_scale or most is not None and scale > most:
+                bounds = (f"[{model.min_scale}, {most}] (--min-scale, --max-scale)" if most is not None
+                          else f"{model.min_scale} (--min-scale) and up")
+                raise invalid(f"{named} is outside the scales requests may ask for, {bounds}: give --warm-up-scales "
                               "within them")
             total = model.plan_memory.shared.total_bytes if model.plan_memory.shared is not None else None
             for key in configured_plans(model, (scale,)):
@@ -159,11 +180,11 @@ def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
 
 def warm_up(models: list[Model], scales: tuple[int, ...],
             score: Callable[[scoring_pb2.ScoreRequest], scoring_pb2.ScoreResponse]) -> None:
-    """Make and run every configured plan of every model, then `score` a gray request at each offered stride;
-    ScoringError(UNAVAILABLE) naming every failure."""
+    """Make and run every configured plan of every model and its tile canvas plans, then `score` a gray request
+    at each offered stride; ScoringError(UNAVAILABLE) naming every failure."""
     failures = []
     for model in models:
-        for key in configured_plans(model, scales):
+        for key in dict.fromkeys(configured_plans(model, scales) + tiled_plans(model)):
             try:
                 model.plans.run_plan(key, [], lattice=LATTICE)
             except Exception as error:  # any failure keeps the server NOT_SERVING, and says why

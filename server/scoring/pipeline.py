@@ -33,11 +33,10 @@ from server.scoring import admission, assemble, imaging, loading
 from server.scoring.admission import Ticket
 from server.scoring.model import Model
 from server.scoring.batcher import Work
-from server.engine.device_graph import LATTICE, LATTICE_FP16
 from server.engine.providers import Engine, EngineError
 from server.errors import Refusal, ScoringError
 from server.metrics import Metrics
-from server.scoring.request import GroupKey, Item
+from server.scoring.request import GroupKey, Item, lattice_classes, lattice_output
 from server.settings import Settings
 
 
@@ -114,7 +113,7 @@ class Pipeline:
             scoring_pb2.ModelSummary(
                 name=m.name, classes=m.classes, output_stride=m.card.output_stride,
                 precision=label(Precision, m.card.precision), path=m.path if self.settings.expose_paths else "",
-                output_strides=m.strides, min_scale=m.min_scale, max_scale=self.settings.max_scale,
+                output_strides=m.strides, min_scale=m.min_scale, max_scale=self.settings.max_scale or 0,
                 default_scale=m.default_scale,
             )
             for m in self._models.values()
@@ -176,14 +175,10 @@ class Pipeline:
             raise ScoringError(Refusal.INVALID_ARGUMENT, str(error)) from error
         except (RuntimeError, CancelledError) as error:  # the pool was shut down: the server is stopping
             raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down") from error
-        request, passes = ticket.request, ticket.passes
-        lattice = None
-        if request.return_maps or request.cell_top_k:
-            half = request.map_dtype == scoring_pb2.FLOAT16 and not request.cell_top_k  # ranks from float32
-            lattice = LATTICE_FP16 if half else LATTICE
+        passes, lattice, classes = ticket.passes, lattice_output(ticket.request), lattice_classes(ticket.request)
         parts = [(job, cells, kept) for job in ticket.jobs for flip in ticket.flips for cells, kept in job.pieces(flip)]
-        return [Work(GroupKey(*job.canvas, passes), Item(canvas, cells, lattice, traffic, kept), job.items_per_batch,
-                     ticket.deadline) for (job, cells, kept), canvas in zip(parts, canvases)]
+        return [Work(GroupKey(*job.canvas, passes), Item(canvas, cells, lattice, traffic, kept, classes),
+                     job.items_per_batch, ticket.deadline) for (job, cells, kept), canvas in zip(parts, canvases)]
 
     def _canvases(self, ticket: Ticket) -> list[np.ndarray]:
         model = ticket.model

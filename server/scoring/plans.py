@@ -103,6 +103,15 @@ class Plan:
         return maps, self._outputs[PROBABILITIES].numpy()
 
 
+def kept_lattice(lattices: np.ndarray | None, index: int, item: Item) -> np.ndarray | None:
+    """A copy of item `index`'s cells of the batch's lattice, of only the classes it keeps (all when none are
+    named): the batch's array goes once every item has its own."""
+    if not item.lattice:
+        return None
+    cells = lattices[index, :, :item.cells[0], :item.cells[1]]
+    return cells[list(item.classes)] if item.classes else cells.copy()
+
+
 class PlanCache:
     """A model's plans by key, made on demand, dropped least recently used (in the memory budget's one
     server-wide order) when the budget needs room or the model has `max_plans`.
@@ -163,13 +172,8 @@ class PlanCache:
         if not items:
             valid[:, :1, :1] = 1.0  # a warm-up run: one cell each, so the averages are defined
         lattices, probabilities = plan.run(pixels, valid, lattice=lattice)
-        return [
-            Scored(
-                lattices[index, :, :item.cells[0], :item.cells[1]].copy() if item.lattice else None,
-                probabilities[index].copy(), planning if index == 0 else 0.0,
-            )
-            for index, item in enumerate(items)
-        ]
+        return [Scored(kept_lattice(lattices, index, item), probabilities[index].copy(), planning if index == 0 else 0.0)
+                for index, item in enumerate(items)]
 
     def drop(self, key: PlanKey) -> None:
         """Forget a plan (its session goes once no batch runs it)."""

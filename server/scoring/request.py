@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protos import scoring_pb2
+from server.engine.device_graph import LATTICE, LATTICE_FP16
 from server.geometry.dense import Passes
 from server.settings import RequestLimits
 from server.geometry.tiling import Tile, TilePlan
@@ -77,6 +78,7 @@ class Item:
     lattice: str | None  # the plan output its response needs (LATTICE, LATTICE_FP16), or None
     traffic: bool  # False for the server's own warm-up, which the metrics leave out
     kept: Cells | None = None  # the cells its image-level mean counts (a tile's own); None: all `cells`
+    classes: tuple[int, ...] = ()  # the lattice's classes the host keeps (`lattice_classes`); (): every class
 
     def valid(self) -> Cells:
         return self.kept or (slice(0, self.cells[0]), slice(0, self.cells[1]))
@@ -94,3 +96,20 @@ class Scored:
 def top_k(request: scoring_pb2.ScoreRequest, limits: RequestLimits) -> int:
     """How many of the image's classes the response lists."""
     return request.top_k or limits.default_top_k
+
+
+def lattice_output(request: scoring_pb2.ScoreRequest) -> str | None:
+    """The plan output a request's response needs: none without maps and cell top-k (the image's probabilities
+    come back alone), half the bytes for float16 maps (cell top-k ranks in float32)."""
+    if not (request.return_maps or request.cell_top_k):
+        return None
+    return LATTICE_FP16 if request.map_dtype == scoring_pb2.FLOAT16 and not request.cell_top_k else LATTICE
+
+
+def lattice_classes(request: scoring_pb2.ScoreRequest) -> tuple[int, ...]:
+    """The classes the host keeps of each lattice as it comes back: the maps' `classes` when nothing else needs
+    the others (cell top-k ranks every class), else () for all. Fewer classes then hold less host memory, not
+    only fewer response bytes, so `classes` lets a large image's maps fit both (issue 31)."""
+    if request.return_maps and request.classes and not request.cell_top_k:
+        return tuple(request.classes)
+    return ()

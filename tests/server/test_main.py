@@ -373,7 +373,7 @@ def test_a_no_flag_reads_as_turning_its_setting_off():
 
     row = next(line for line in declared.markdown_table().splitlines() if line.startswith("| `--no-warm-up`"))
     assert row == ("| `--no-warm-up` | warm-up on | turn warm-up off (on by default: run every warm-up scale and "
-                   "stride once before reporting SERVING) |")
+                   "stride, and the tile canvas of images larger than every bucket, once before reporting SERVING) |")
     from server.main import build_parser
 
     assert "turn warm-up off" in " ".join(build_parser().format_help().split())

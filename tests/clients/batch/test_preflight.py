@@ -22,6 +22,10 @@ def test_the_servers_defaults_are_made_explicit():
     assert (resolved.model, resolved.stride, tuple(resolved.scales)) == ("tiny", 32, (64,))
     assert check_run([model], ScoreOptions(stride=16, scales=(96, 128))).scales == (96, 128)
     assert check_run([summary()], ScoreOptions()).stride == 0  # a server that does not tell: nothing assumed
+    uncapped = summary(output_strides=[32], min_scale=32, default_scale=64)  # max_scale 0: no cap (issue 31)
+    assert check_run([uncapped], ScoreOptions(scales=(6048,))).scales == (6048,)
+    with pytest.raises(RunRefused, match="--scales 16: model 'tiny' takes scales from 32"):
+        check_run([uncapped], ScoreOptions(scales=(16, 64)))
 
 
 @pytest.mark.parametrize("options, code, words", [
@@ -68,7 +72,7 @@ def test_a_run_wide_mistake_stops_the_run_before_any_record(two_models, photos, 
     assert {r["model"] for r in read_records(out / "results.jsonl").values()} == {"tiny2"}
 
 
-@pytest.mark.parametrize("option, value, words", [("--stride", "8", "gives strides"), ("--scales", "99999", "takes scales")])
+@pytest.mark.parametrize("option, value, words", [("--stride", "8", "gives strides"), ("--scales", "16", "takes scales from 32")])
 def test_a_stride_or_scale_the_model_cannot_take_is_one_message(server, photos, tmp_path, caplog, option, value, words):
     out = tmp_path / "out"
     assert main([str(photos), "--out", str(out), "--server", server, option, value, "--no-progress"]) == EXIT_USAGE

@@ -215,16 +215,22 @@ def test_admission_predicts_for_the_device_the_model_runs_on(tiny_model_path):
 
 # --- host memory ------------------------------------------------------------------------------
 
-def test_the_default_limits_let_no_request_past_the_host_budget():
-    from server.memory.host import DEVICE_PASSES, HOST_PASSES, worst_request
+def test_by_default_no_size_cap_the_request_s_own_estimate_decides():
+    """Issue 31: --max-scale and --max-resized-pixels were derived from the worst request the limits allowed
+    (11.8 Mpx), refusing a 12 Mpx phone photo at its own size that needs a fraction of the 4 GiB limit."""
+    from server.memory.host import TiledScale, estimate_request
     from server.settings import Settings
 
     settings = Settings()
-    limits = dict(max_image_pixels=settings.max_image_pixels, max_scales=settings.max_scales,
-                  max_resized_pixels=settings.max_resized_pixels)
-    worst = worst_request(**limits, path=DEVICE_PASSES)  # the server's path: passes made on the device
-    assert worst.total <= settings.max_request_host_bytes, worst.describe()
-    assert worst_request(**limits, path=HOST_PASSES).total > settings.max_request_host_bytes  # cut on the host
+    assert settings.max_scale is None and settings.max_resized_pixels is None
+    photo = estimate_request(encoded_bytes=4 << 20, image_size=(3008, 4000), resized_sizes=[], passes=1, flip=False,
+                             classes=1000, native_stride=32, output_stride=32,
+                             tiled=[TiledScale((3008, 4000), (2048, 2048), 12, 58 * 58)])
+    assert photo.total < settings.max_request_host_bytes / 4, photo.describe()  # 0.8 GiB with 1000-class maps
+    no_maps = estimate_request(encoded_bytes=4 << 20, image_size=(3008, 4000), resized_sizes=[], passes=1, flip=False,
+                               classes=1000, native_stride=32, output_stride=32, lattice_itemsize=0,
+                               tiled=[TiledScale((3008, 4000), (2048, 2048), 12, 58 * 58)])
+    assert no_maps.maps == 0 and no_maps.total < photo.total  # top-k only: no lattice comes back
 
 
 def test_a_request_too_large_for_host_memory_is_refused_before_decoding():

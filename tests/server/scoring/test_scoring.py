@@ -14,7 +14,7 @@ from PIL import Image
 
 from clients.api.results import decode_tensor
 from protos import scoring_pb2
-from server.scoring import admission, plans
+from server.scoring import admission, footprint, plans
 from server.errors import ScoringError
 from server.metrics import Metrics
 from server.scoring.pipeline import Pipeline
@@ -320,8 +320,8 @@ def test_the_response_size_estimate_holds_every_response(pipeline_of, fields):
     model = pipeline._model("")
     request = raw(np.zeros((96, 128, 3), dtype=np.uint8), **fields)
     with admission.admit(request, model, deadline=None) as order:
-        estimate = admission.response_bytes(request, order.jobs, classes=model.classes,
-                                            top_k=top_k(request, model.limits), label_bytes=model.label_bytes)
+        estimate = footprint.response_bytes(request, order.jobs, classes=model.classes,
+                                             top_k=top_k(request, model.limits), label_bytes=model.label_bytes)
     assert pipeline.score(request).ByteSize() <= estimate
 
 

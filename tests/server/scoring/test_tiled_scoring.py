@@ -278,7 +278,7 @@ def test_mixed_traffic_from_224_to_8000_px_runs_only_the_configured_plan_shapes(
 
 
 def test_admission_counts_a_tiled_request_s_tiles_in_its_queue_places_host_bytes_and_response_size(tiny_paths):
-    from server.scoring import admission
+    from server.scoring import admission, footprint
 
     pixels, fields = image(617, 541), dict(SCHEMES["grid"], flip=True, cell_top_k=2)
     pipeline = Pipeline([tiny_paths[True]], settings=dataclasses.replace(SETTINGS, shape_buckets=SMALL))
@@ -290,7 +290,7 @@ def test_admission_counts_a_tiled_request_s_tiles_in_its_queue_places_host_bytes
             assert job.tiling is not None and ticket.places.items == items and model.batcher.depth() == items
             canvases = items * job.canvas[0] * job.canvas[1] * 3
             assert ticket.host.inputs >= canvases and ticket.host.resized >= 617 * 541 * 3
-            expected = admission.response_bytes(ticket.request, ticket.jobs, classes=model.classes, top_k=3,
+            expected = footprint.response_bytes(ticket.request, ticket.jobs, classes=model.classes, top_k=3,
                                                 label_bytes=model.label_bytes)
         assert model.batcher.depth() == 0 and model.host_budget.in_flight_bytes() == 0  # given back
         answer = pipeline.score(request_of(pixels, **fields))
