@@ -1,17 +1,21 @@
 """Served throughput against server processes (issue 29): `scoremap-serve --workers N`, batching on and off.
 
 The default model at its native stride (grid, 4 shifted passes for stride 16) and à trous, samples/cat.jpg at
-scale 384, stride 16, top-5, closed loops over gRPC from this process at 1, 16 and 64 clients, each server in
-its own process(es) on the provider `auto` picks. Each row is printed as soon as it is measured (a time limit
-keeps what was measured). Meant for a GPU (`make bench-gpu` names it); on the CPU it runs too, where a
-second process only shares the same cores.
+scale 384, stride 16, top-5, closed loops over gRPC at 1, 16 and 64 clients, each server in its own
+process(es) on the provider `auto` picks. The clients are `scoremap-loadtest` processes (LOAD_PROCESSES of
+them, the clients split among them, their windows run together): one Python process driving 64 client threads
+was itself the ceiling on an H200 (bench/RESULTS.md). Each row is printed as soon as it is measured (a time
+limit keeps what was measured). Meant for a GPU; on the CPU it runs too, where a second process only shares
+the same cores.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import pathlib
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,9 +25,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.bench_overload import process_cpu_seconds, start_server
 from bench.models import converted
-from clients.api.options import ScoreOptions, build_request
-from clients.loadtest.run import LevelPlan, LoadLimits, closed_loop
-from protos import scoring_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCALE = 384
@@ -34,6 +35,7 @@ CONFIGS = (  # (workers, max batch)
     (1, 1), (1, 8), (4, 8),
 )
 SERVING_PROBES = 20  # fresh connections that must all find a SERVING process (the kernel spreads them)
+LOAD_PROCESSES = 4  # load generator processes at 16 clients and more
 
 
 def all_serving(address: str, *, seconds: float = 300.0) -> None:
@@ -49,30 +51,44 @@ def all_serving(address: str, *, seconds: float = 300.0) -> None:
         time.sleep(0.05 if in_a_row else 0.5)
 
 
+def load(address: str, *, clients: int, shift: str, seconds: float) -> dict:
+    """A closed loop of `clients` over LOAD_PROCESSES `scoremap-loadtest` processes at once (one below
+    LOAD_PROCESSES clients): req/s summed, p50 the processes' median, p99 and max their largest, errors summed."""
+    processes = min(LOAD_PROCESSES, clients)
+    shares = [clients // processes + (n < clients % processes) for n in range(processes)]
+    command = [sys.executable, "-m", "clients.loadtest.run", "--server", address, "--images", str(ROOT / "samples"),
+               "--scales", str(SCALE), "--stride", str(STRIDE), "--shift", shift, "--duration", str(seconds),
+               "--json", "-", "--quiet"]
+    runs = [subprocess.Popen(command + ["--concurrency", str(share), "--warmup", str(2 * share)],
+                             stdout=subprocess.PIPE, text=True) for share in shares]
+    reports = [json.loads(run.communicate(timeout=seconds + 300)[0])[0] for run in runs]
+    errors: dict[str, int] = {}
+    for report in reports:
+        for code, count in report["errors"].items():
+            errors[code] = errors.get(code, 0) + count
+    return {"throughput_rps": sum(r["throughput_rps"] for r in reports),
+            "p50_ms": statistics.median(r["p50_ms"] for r in reports), "p99_ms": max(r["p99_ms"] for r in reports),
+            "max_ms": max(r["max_ms"] for r in reports), "sent": sum(r["sent"] for r in reports), "errors": errors}
+
+
 def measure(model: str, scheme: str, *, provider: str, seconds: float, folder: pathlib.Path, out) -> list[str]:
     shift = "atrous" if scheme == "à trous" else "grid"
-    request = build_request(ROOT / "samples" / "cat.jpg", ScoreOptions(scales=(SCALE,), stride=STRIDE, shift=shift))
     rows = []
     for workers, max_batch in CONFIGS:
         flags = ["--workers", str(workers), "--max-batch", str(max_batch), "--max-queue-ms", "10000"]
         server, address, _metrics = start_server(model, folder / "server.log", flags, provider=provider)
         try:
             all_serving(address)
-            with grpc.insecure_channel(address) as channel:
-                stub = scoring_pb2_grpc.DenseScoringStub(channel)
-                for clients in CLIENTS:
-                    limits = LoadLimits()
-                    plan = LevelPlan(duration_s=seconds, max_requests=limits.max_requests, timeout_s=30.0,
-                                     warmup=clients)
-                    cpu = process_cpu_seconds(server.pid)
-                    report = closed_loop(stub, [request], concurrency=clients, plan=plan, limits=limits)
-                    cpu = process_cpu_seconds(server.pid) - cpu
-                    errors = ", ".join(f"{code} {n}" for code, n in report.errors.items()) or "-"
-                    row = (f"| {scheme} | {workers} | {max_batch} | {clients} | {report.throughput_rps:.1f} | "
-                           f"{report.p50_ms:.1f} | {report.p99_ms:.1f} | {report.max_ms:.1f} | "
-                           f"{1000 * cpu / max(report.sent, 1):.2f} | {errors} |")
-                    rows.append(row)
-                    print(row, file=out, flush=True)
+            for clients in CLIENTS:
+                cpu = process_cpu_seconds(server.pid)
+                level = load(address, clients=clients, shift=shift, seconds=seconds)
+                cpu = process_cpu_seconds(server.pid) - cpu
+                errors = ", ".join(f"{code} {n}" for code, n in level["errors"].items()) or "-"
+                row = (f"| {scheme} | {workers} | {max_batch} | {clients} | {level['throughput_rps']:.1f} | "
+                       f"{level['p50_ms']:.1f} | {level['p99_ms']:.1f} | {level['max_ms']:.1f} | "
+                       f"{1000 * cpu / max(level['sent'], 1):.2f} | {errors} |")
+                rows.append(row)
+                print(row, file=out, flush=True)
         finally:
             server.terminate()
             server.wait(60)
@@ -82,8 +98,8 @@ def measure(model: str, scheme: str, *, provider: str, seconds: float, folder: p
 def run(*, seconds: float = SECONDS, provider: str = "auto", out=sys.stdout) -> str:
     header = ["## Served by server processes (bench_workers, issue 29)", "",
               f"The default model, samples/cat.jpg at scale {SCALE}, stride {STRIDE}, top-5; `scoremap-serve --workers N "
-              f"--max-batch B` on provider {provider}, closed loops of {seconds:.0f} s over gRPC from one client process; "
-              "server CPU per request over every server process.", "",
+              f"--max-batch B` on provider {provider}, closed loops of {seconds:.0f} s over gRPC from up to {LOAD_PROCESSES} "
+              "`scoremap-loadtest` processes; server CPU per request over every server process (warm-ups included).", "",
               "| scheme | workers | max batch | clients | req/s | p50 ms | p99 ms | max ms | server CPU ms/req | errors |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(header), file=out, flush=True)
