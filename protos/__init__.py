@@ -10,6 +10,7 @@ RETRY_AFTER_KEY = "scoremap-retry-after-ms"
 # The environment variable holding the bearer token, for the server and the command lines alike (kept
 # off the command line, where `ps` shows it).
 TOKEN_ENV = "SCOREMAP_TOKEN"
+LOOPBACK = "127.0.0.1"  # where servers bind and clients look unless told otherwise
 
 
 def version() -> str:

@@ -83,11 +83,19 @@ class NoRoom:
     seconds_per_item: float
 
 
+class Retry(enum.Enum):
+    """Whether the same request may succeed later (vLLM's allocator answers so): LATER for a transient refusal
+    (a full queue, a wait longer than the deadline, a server warming up), NEVER for the rest."""
+
+    LATER = "later"
+    NEVER = "never"
+
+
 class ScoringError(Exception):
     """A request the pipeline refuses or cannot finish; the servicer turns it into `context.abort`.
 
-    `retry_after_seconds` is set only on transient refusals (a full queue, a wait longer than the
-    deadline, a server warming up): the servicer sends it as `RETRY_AFTER_KEY` trailing metadata.
+    `retry_after_seconds` is set only on transient refusals (`retry` is then Retry.LATER): the edges send it
+    as `RETRY_AFTER_KEY` trailing metadata or a Retry-After header.
     `decided` is when it was found (time.monotonic()): a refusal says there was no room then, not when
     its edge gets to answer it.
     """
@@ -105,6 +113,10 @@ class ScoringError(Exception):
         frames would keep the request's arrays alive (a reference cycle, freed only by the collector)."""
         return ScoringError(self.refusal, self.message, retry_after_seconds=self.retry_after_seconds,
                             decided=self.decided)
+
+    @property
+    def retry(self) -> Retry:
+        return Retry.NEVER if self.retry_after_seconds is None else Retry.LATER
 
     @property
     def code(self) -> grpc.StatusCode:

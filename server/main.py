@@ -20,8 +20,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from convert.arguments import PORT
-from protos import TOKEN_ENV, is_loopback, version
+from protos import is_loopback, version
 from server import settings as declared
 from server.edges.exposure import StartRefused, check_exposure, check_port_free, read_tls, read_token
 from server.settings import Settings
@@ -29,7 +28,6 @@ from server.settings import Settings
 __all__ = ["StartRefused", "create_server", "main", "model_sources", "parse_args", "read_token", "settings_from"]
 
 LOG = logging.getLogger("scoremap.serve")
-DEFAULT_PORT = 50051
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 DESCRIPTION = """\
 Serve converted models (scoremap-convert) over gRPC: scoremap.v1.DenseScoring, the standard
@@ -67,20 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="converted .onnx files; NAME=PATH serves one under NAME instead of its card's name "
                              "(name every model or none)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-                        help="how much the log on stderr says")
-    exposure = parser.add_argument_group("address and security")
-    exposure.add_argument("--host", metavar="ADDRESS", default="127.0.0.1",
-                          help="address to bind; beyond loopback (e.g. 0.0.0.0) it needs TLS or a token, or --insecure")
-    exposure.add_argument("--port", metavar="PORT", type=PORT, default=DEFAULT_PORT,
-                          help="port; 0 picks a free one and prints it")
-    exposure.add_argument("--tls-cert", metavar="PATH", help="PEM certificate chain; with --tls-key serves TLS")
-    exposure.add_argument("--tls-key", metavar="PATH", help="PEM private key")
-    exposure.add_argument("--token-file", metavar="PATH",
-                          help=f"file holding the bearer token callers must send (or set ${TOKEN_ENV}); "
-                               "an empty or unreadable one refuses to start")
-    exposure.add_argument("--insecure", action="store_true",
-                          help="allow a --host beyond loopback with neither TLS nor a token (your own network only)")
     declared.add_flags(parser)
     return parser
 

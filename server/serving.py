@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos import scoring_pb2_grpc, version
+from protos import LOOPBACK, scoring_pb2_grpc, version
 from server.edges.exposure import token_problem
 from server.edges.front import Front
 from server.edges.grpc import kserve
@@ -116,7 +116,7 @@ def server_options(settings: Settings) -> list[tuple[str, int]]:
 def create_server(
     models: Sequence[str] | Mapping[str, str],
     *,
-    address: str = "127.0.0.1:0",
+    address: str = f"{LOOPBACK}:0",
     settings: Settings | None = None,
     token: str | None = None,
     tls: tuple[bytes, bytes] | None = None,

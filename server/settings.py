@@ -14,7 +14,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from convert.arguments import PORT, memory_size, number_in, size_pair
+from convert.arguments import PORT, format_bytes, memory_size, number_in, size_pair
+from protos import LOOPBACK, TOKEN_ENV
 
 MiB = 2**20
 DEFAULT_MAX_REQUEST_HOST_BYTES = 4 * 1024 * MiB
@@ -44,9 +45,45 @@ def canvas_sizes(text: str) -> tuple[tuple[int, int], ...]:
 def setting(default: Any, help: str, *, parse: Any = None, metavar: str | None = None, flag: str | None = None,
             choices: tuple[str, ...] | None = None, shown: str | None = None, many: bool = False) -> Any:
     """One setting's declaration. `flag` when it is not the field's name; `shown`: the default as people
-    read it, when the value itself says little (None, a byte count); `many`: one flag taking several values."""
+    read it, when the value itself says nothing (None: what happens then); `many`: one flag taking several values.
+    Byte counts and sizes are shown from their values (`shown_default`)."""
     return field(default=default, metadata=dict(help=help, parse=parse, metavar=metavar, flag=flag, choices=choices,
                                                 shown=shown, many=many))
+
+
+def shown_default(declared: dataclasses.Field) -> str | None:
+    """The default as people read it: the declared text, else a byte count in MiB/GiB, a size as HxW (None: the
+    value as it is)."""
+    meta, default = declared.metadata, declared.default
+    if meta["shown"]:
+        return meta["shown"]
+    if meta["parse"] in (memory_size, MESSAGE_BYTES) and isinstance(default, int):
+        return format_bytes(default).replace(".0 ", " ")
+    if meta["parse"] is size_pair and isinstance(default, tuple):
+        return "x".join(map(str, default))
+    return None
+
+
+DEFAULT_PORT = 50051
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """Where the server listens and who may call it (server/edges/exposure.py applies the rules)."""
+
+    host: str = setting(LOOPBACK, "address to bind; beyond loopback (e.g. 0.0.0.0) it needs TLS or a token, or "
+                        "--insecure", metavar="ADDRESS")
+    port: int = setting(DEFAULT_PORT, "port; 0 picks a free one and prints it", parse=PORT, metavar="PORT")
+    tls_cert: str | None = setting(None, "PEM certificate chain; with --tls-key serves TLS", metavar="PATH",
+                                   shown="off")
+    tls_key: str | None = setting(None, "PEM private key", metavar="PATH", shown="off")
+    token_file: str | None = setting(
+        None, f"file holding the bearer token callers must send (or set ${TOKEN_ENV}); an empty or unreadable one "
+        "refuses to start", metavar="PATH", shown="off")
+    insecure: bool = setting(False, "allow a --host beyond loopback with neither TLS nor a token (your own network "
+                             "only)")
+    log_level: str = setting("INFO", "how much the log on stderr says", choices=LOG_LEVELS)
 
 
 @dataclass(frozen=True)
@@ -121,7 +158,7 @@ class ServiceEdge:
         "back", parse=SECONDS, metavar="SECONDS")
     metrics_port: int | None = setting(None, "Prometheus /metrics port (0: a free one)", parse=PORT, metavar="PORT",
                                        shown="off")
-    metrics_address: str = setting("127.0.0.1", "address the metrics endpoint binds (no TLS, no token: beyond "
+    metrics_address: str = setting(LOOPBACK, "address the metrics endpoint binds (no TLS, no token: beyond "
                                    "loopback it warns)", metavar="ADDRESS")
     expose_paths: bool = setting(False, "ListModels tells callers each model's file path")
     workers: int = setting(
@@ -159,7 +196,7 @@ class RequestLimits:
                                     "before decoding (decompression bombs)", parse=COUNT, metavar="N")
     max_message_bytes: int = setting(
         64 * MiB, "largest request or response (gRPC's 4 MB default would refuse a 12-megapixel JPEG); larger "
-        "requests get RESOURCE_EXHAUSTED naming this flag", parse=MESSAGE_BYTES, metavar="BYTES", shown="64 MiB")
+        "requests get RESOURCE_EXHAUSTED naming this flag", parse=MESSAGE_BYTES, metavar="BYTES")
     max_scales: int = setting(DEFAULT_MAX_SCALES, "scales one request may ask for", parse=COUNT, metavar="N")
     min_scale: int | None = setting(None, "smallest target shorter side, in pixels (one below a model's "
                                     "training size, the least it can take, is raised to it)", parse=COUNT,
@@ -179,7 +216,7 @@ class RequestLimits:
         DEFAULT_MAX_REQUEST_HOST_BYTES, "host memory one request may hold (image, resized copies, model inputs, "
         "maps), estimated from the image header before decoding: above it RESOURCE_EXHAUSTED with every term and "
         "the largest scale, the coarser stride or the lighter maps that would fit (server/memory/host.py); this, "
-        "not a size cap, decides how large a request may be", parse=memory_size, metavar="SIZE", shown="4 GiB")
+        "not a size cap, decides how large a request may be", parse=memory_size, metavar="SIZE")
     host_memory_budget_bytes: int | None = setting(
         None, "host memory the requests in flight may hold together (their estimates), e.g. 8GiB; beyond it "
         "RESOURCE_EXHAUSTED with a retry hint", parse=memory_size, metavar="SIZE", flag="host-memory-budget",
@@ -196,7 +233,7 @@ class BatchPolicy:
     max_batch: int | None = setting(
         None, "images (a scale or its mirror, each running its passes) of one canvas run together, up to this "
         "many; 1 turns batching off (on the CPU onnxruntime already spreads one image over every core, and "
-        "batching lowered throughput: bench/RESULTS.md)", parse=COUNT, metavar="N", shown="8 on a GPU, 1 on the CPU")
+        "batching lowered throughput: bench/RESULTS.md)", parse=COUNT, metavar="N", shown=f"{GPU_DEFAULT_MAX_BATCH} on a GPU, 1 on the CPU")
     max_queue_delay_ms: float = setting(
         0.0, "how long the first image of a batch may wait for others of its canvas; at 0 batching is work-conserving: "
         "a batch starts the moment the model's runner is free, carrying whatever queued while it ran (Triton's "
@@ -252,8 +289,7 @@ class EngineOptions:
     tile_canvas: tuple[int, int] = setting(
         (2048, 2048), "when --halo fits no bucket: an image no bucket holds is planned on demand up to this many "
         "pixels, and beyond them tiled onto this canvas (cut along an axis the image fits; made on first use; a "
-        "multiple of the model's size multiple), so no plan grows with the image", parse=size_pair, metavar="HxW",
-        shown="2048x2048")
+        "multiple of the model's size multiple), so no plan grows with the image", parse=size_pair, metavar="HxW")
     max_plans: int = setting(64, "plans (sessions of one shape) each model keeps; beyond it the least recently "
                              "used goes", parse=COUNT, metavar="N")
     decode_threads: int = setting(0, "threads decoding and resizing images (0: one per CPU core)", parse=THREADS,
@@ -272,7 +308,7 @@ class EngineOptions:
 
 
 @dataclass(frozen=True)
-class Settings(ServiceEdge, RequestLimits, BatchPolicy, EngineOptions):
+class Settings(Exposure, ServiceEdge, RequestLimits, BatchPolicy, EngineOptions):
     """All of the server's settings; each module is handed the group it reads."""
 
     def check(self) -> None:
@@ -295,7 +331,7 @@ class Settings(ServiceEdge, RequestLimits, BatchPolicy, EngineOptions):
                              "ask for")
 
 
-GROUPS = {"service edge": ServiceEdge, "request limits": RequestLimits, "batch policy": BatchPolicy,
+GROUPS = {"address and security": Exposure, "service edge": ServiceEdge, "request limits": RequestLimits, "batch policy": BatchPolicy,
           "engine": EngineOptions}
 
 
@@ -319,7 +355,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         flags = parser.add_argument_group(title)
         for declared in dataclasses.fields(group):
             meta = declared.metadata
-            shown = f" (default: {meta['shown']})" if meta["shown"] else ""
+            shown = f" (default: {shown_default(declared)})" if shown_default(declared) else ""
             options: dict[str, Any] = dict(dest=declared.name, help=(described(declared) + shown).replace("%", "%%"))
             if isinstance(declared.default, bool):
                 options.update(action="store_false" if declared.default else "store_true")
@@ -345,7 +381,7 @@ def markdown_table() -> str:
         lines.append(f"| **{title}** | | |")
         for declared in dataclasses.fields(group):
             meta = declared.metadata
-            default = meta["shown"] or (f"{declared.name.replace('_', '-')} on" if declared.default is True
+            default = shown_default(declared) or (f"{declared.name.replace('_', '-')} on" if declared.default is True
                                         else "off" if declared.default is False
                                         else f"{declared.default:g}" if isinstance(declared.default, float)
                                         else str(declared.default))

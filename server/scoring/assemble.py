@@ -11,6 +11,7 @@ contract documents.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,7 +20,7 @@ from protos import scoring_pb2
 from server.geometry import dense, tiling
 from server.errors import Refusal, ScoringError
 from server.metrics import Stage
-from server.scoring.request import ScaleJob, Scored, lattice_classes, top_k
+from server.scoring.request import ItemKey, ScaleJob, Scored, lattice_classes, top_k
 
 if TYPE_CHECKING:
     from server.scoring.admission import Ticket
@@ -128,8 +129,8 @@ def write_tensor(message: scoring_pb2.Tensor, array: np.ndarray, dtype: str) -> 
     message.data = np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
 
 
-def response(ticket: Ticket, scored: list[Scored], *, provider: str) -> scoring_pb2.ScoreResponse:
-    """The response of an admitted request from its items' results, in the ticket's order (scale, then flip)."""
+def response(ticket: Ticket, scored: Mapping[ItemKey, Scored], *, provider: str) -> scoring_pb2.ScoreResponse:
+    """The response of an admitted request from its items' results, by their keys."""
     request, model, passes, original = ticket.request, ticket.model, ticket.passes, ticket.original
     answer = scoring_pb2.ScoreResponse(
         model=model.name, request_id=request.request_id, image_height=original[0], image_width=original[1],
@@ -137,11 +138,11 @@ def response(ticket: Ticket, scored: list[Scored], *, provider: str) -> scoring_
     )
     field = model.card.receptive_field
     first = (field.center_y - passes.slack, field.center_x - passes.slack)
-    results = iter(scored)
     probabilities = []
     try:
-        for job in ticket.jobs:
-            orientations = [(flip, [next(results) for _part in range(job.parts)]) for flip in ticket.flips]
+        for index, job in enumerate(ticket.jobs):
+            orientations = [(flip, [scored[ItemKey(index, flip, part)] for part in range(job.parts)])
+                            for flip in ticket.flips]
             probabilities.extend(scale_probabilities(job, parts, passes, mirrored=flip) for flip, parts in orientations)
             lattices = None
             if orientations[0][1][0].lattice is not None:
@@ -170,15 +171,15 @@ def response(ticket: Ticket, scored: list[Scored], *, provider: str) -> scoring_
     return answer
 
 
-def timings(answer: scoring_pb2.ScoreResponse, works: list[Work], scored: list[Scored], *, started: float,
-            decoded: float, computed: float) -> dict[Stage, float]:
+def timings(answer: scoring_pb2.ScoreResponse, works: Mapping[ItemKey, Work], scored: Mapping[ItemKey, Scored], *,
+            started: float, decoded: float, computed: float) -> dict[Stage, float]:
     """Fill the response's timings (ms) from the stages' instants and its items' batches; the seconds by stage."""
     finished = time.monotonic()
-    queue = max(work.started - work.enqueued for work in works)
-    inference = sum({work.batch_id: work.run_seconds for work in works}.values())
+    queue = max(work.started - work.enqueued for work in works.values())
+    inference = sum({work.batch_id: work.run_seconds for work in works.values()}.values())
     setups: dict[int, float] = {}
-    for work, result in zip(works, scored):
-        setups[work.batch_id] = max(setups.get(work.batch_id, 0.0), result.planning_seconds)
+    for key, work in works.items():
+        setups[work.batch_id] = max(setups.get(work.batch_id, 0.0), scored[key].planning_seconds)
     shown = answer.timings
     shown.queue_ms = 1000 * queue
     shown.preprocess_ms = 1000 * (decoded - started)

@@ -18,7 +18,7 @@ from PIL import Image, ImageOps
 
 from protos.scoring_pb2 import RawImage
 from server.geometry import dense
-from server.scoring.request import ScaleJob
+from server.scoring.request import ItemKey, ScaleJob
 
 __all__ = ["FILTERS", "FORMATS", "ImageError", "OpenedImage", "check_encoded", "check_pixels", "decode", "from_raw", "load",
            "open_image", "resample_filter", "resize", "to_rgb"]
@@ -181,18 +181,17 @@ def resize(image: Image.Image, size: tuple[int, int], *, filter_name: str) -> np
 
 
 def canvases(opened: OpenedImage, jobs: list[ScaleJob], flips: tuple[bool, ...], *, fill: np.ndarray,
-             resize_filter: str) -> list[np.ndarray]:
-    """Decode once (down to the largest size asked for), then per scale resize and put on its canvas, the
-    mirror after (a tiled scale: each tile's region on the bucket's canvas, tile by tile, the mirrored tiles
-    after): one canvas per item, in the order the response is assembled."""
+             resize_filter: str) -> dict[ItemKey, np.ndarray]:
+    """Decode once (down to the largest size asked for), then per scale resize and put on its canvas, and its
+    mirror (a tiled scale: each tile's region on the bucket's canvas): one canvas per item, by its key."""
     largest = max((job.resized for job in jobs), key=lambda size: size[0] * size[1])
     image = load(opened, largest=largest)
-    placed = []
-    for job in jobs:
+    placed = {}
+    for index, job in enumerate(jobs):
         pixels = resize(image, job.resized, filter_name=resize_filter)
         regions = [pixels[tile.tile.region] for tile in job.tiles] or [pixels]
         for flip in flips:
-            for region in regions:
+            for part, region in enumerate(regions):
                 source = np.ascontiguousarray(region[:, ::-1]) if flip else region
-                placed.append(dense.canvas(source, job.canvas, fill))
+                placed[ItemKey(index, flip, part)] = dense.canvas(source, job.canvas, fill)
     return placed

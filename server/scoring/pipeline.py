@@ -36,7 +36,7 @@ from server.scoring.batcher import Work
 from server.engine.providers import Engine, EngineError
 from server.errors import Refusal, ScoringError
 from server.metrics import Metrics
-from server.scoring.request import GroupKey, Item, lattice_classes, lattice_output
+from server.scoring.request import GroupKey, Item, ItemKey, lattice_classes, lattice_output
 from server.settings import Settings
 
 
@@ -158,7 +158,8 @@ class Pipeline:
             decoded = time.monotonic()
             if cancelled is not None and cancelled.is_set():  # the caller left while its image decoded
                 raise ScoringError(Refusal.CANCELLED, "the call was cancelled")
-            scored = model.batcher.process(works, ticket.places, cancelled=cancelled)
+            model.batcher.process(list(works.values()), ticket.places, cancelled=cancelled)
+            scored = {key: work.result for key, work in works.items()}
             computed = time.monotonic()
             with HOST_ACTIVITY.busy():
                 response = assemble.response(ticket, scored, provider=self.engine.provider)
@@ -167,8 +168,8 @@ class Pipeline:
             self.metrics.record_stages(model.name, seconds)
         return response
 
-    def _decode(self, ticket: Ticket, *, traffic: bool) -> list[Work]:
-        """The request's items, each a canvas made on a decoding thread, with its batch group and limits."""
+    def _decode(self, ticket: Ticket, *, traffic: bool) -> dict[ItemKey, Work]:
+        """The request's items by key, each a canvas made on a decoding thread, with its batch group and limits."""
         try:
             canvases = self._decoder.submit(self._canvases, ticket).result()
         except imaging.ImageError as error:
@@ -176,11 +177,15 @@ class Pipeline:
         except (RuntimeError, CancelledError) as error:  # the pool was shut down: the server is stopping
             raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down") from error
         passes, lattice, classes = ticket.passes, lattice_output(ticket.request), lattice_classes(ticket.request)
-        parts = [(job, cells, kept) for job in ticket.jobs for flip in ticket.flips for cells, kept in job.pieces(flip)]
-        return [Work(GroupKey(*job.canvas, passes), Item(canvas, cells, lattice, traffic, kept, classes),
-                     job.items_per_batch, ticket.deadline) for (job, cells, kept), canvas in zip(parts, canvases)]
+        works = {}
+        for key, canvas in canvases.items():
+            job = ticket.jobs[key.scale]
+            cells, kept = job.pieces(key.flip)[key.part]
+            works[key] = Work(GroupKey(*job.canvas, passes), Item(canvas, cells, lattice, traffic, kept, classes),
+                              job.items_per_batch, ticket.deadline)
+        return works
 
-    def _canvases(self, ticket: Ticket) -> list[np.ndarray]:
+    def _canvases(self, ticket: Ticket) -> dict[ItemKey, np.ndarray]:
         model = ticket.model
         with HOST_ACTIVITY.busy():  # a plan measured meanwhile would count these pixels as its own
             return imaging.canvases(ticket.opened, ticket.jobs, ticket.flips, fill=model.fill,

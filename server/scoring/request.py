@@ -12,6 +12,7 @@ Each stage module takes these from here, so only server/scoring/pipeline.py impo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -58,6 +59,16 @@ class ScaleJob:
         if not self.tiles:
             return [(self.cells, None)]
         return [(tile.cells, tile.kept_mirrored if mirrored else tile.kept) for tile in self.tiles]
+
+
+class ItemKey(NamedTuple):
+    """Which item of a request a canvas or a result is: its scale (the index of its ScaleJob), orientation and
+    part (tile). Decoding and assembly find each other's items by it, never by position (as vLLM's output
+    processor keys outputs by request id)."""
+
+    scale: int
+    flip: bool
+    part: int
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from server.errors import RETRY_AFTER_KEY, ScoringError
+from server.errors import RETRY_AFTER_KEY, Retry, ScoringError
 from server.metrics import NO_MODEL
 
 __all__ = ["Call", "deadline_of", "ended", "refuse"]
@@ -35,7 +35,7 @@ def deadline_of(context: grpc.ServicerContext) -> float | None:
 
 def refuse(context: grpc.ServicerContext, error: ScoringError) -> None:
     """Abort the call with the error's status; a transient refusal also says when to retry."""
-    if error.retry_after_seconds is not None:
+    if error.retry is Retry.LATER:
         context.set_trailing_metadata(((RETRY_AFTER_KEY, str(round(1000 * error.retry_after_seconds))),))
     context.abort(error.code, error.message)
 

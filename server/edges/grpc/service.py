@@ -23,7 +23,7 @@ from protos import model_card_pb2, scoring_pb2, scoring_pb2_grpc
 from server.edges.front import Front
 from server.edges.grpc.calls import Call, ended, refuse
 from server.edges.grpc.interceptors import CallLimits
-from server.errors import Refusal, ScoringError
+from server.errors import Refusal, Retry, ScoringError
 from server.metrics import NO_MODEL
 
 __all__ = ["DenseScoringServicer", "SERVICE_NAME", "StreamReader"]
@@ -57,7 +57,7 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
                 yield call
             except ScoringError as error:
                 code = error.code
-                if error.retry_after_seconds is not None:
+                if error.retry is Retry.LATER:
                     self.limits.hold(context, error, deadline=call.deadline, cancelled=call.cancelled)
                 refuse(context, error)
             except (grpc.RpcError, GeneratorExit):

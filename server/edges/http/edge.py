@@ -33,7 +33,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Message
 
 from protos import scoring_pb2
-from server.errors import Refusal, ScoringError
+from server.errors import Refusal, Retry, ScoringError
 from server.metrics import NO_MODEL
 from server.edges.call_slots import CallSlots
 from server.edges.front import Front
@@ -67,7 +67,7 @@ def http_status(error: ScoringError) -> int:
     """The status an HTTP client gets for a refusal (see the module docstring)."""
     if isinstance(error, BodyTimeout):
         return REQUEST_TIMEOUT
-    if error.refusal is Refusal.RESOURCE_EXHAUSTED and error.retry_after_seconds is None:
+    if error.refusal is Refusal.RESOURCE_EXHAUSTED and error.retry is Retry.NEVER:
         return TOO_LARGE
     return STATUS[error.refusal]
 
@@ -75,7 +75,7 @@ def http_status(error: ScoringError) -> int:
 def error_response(error: ScoringError) -> JSONResponse:
     """{"error": message, "code": refusal}, as KServe v2 REST answers errors; `Retry-After` on transient ones."""
     headers = {}
-    if error.retry_after_seconds is not None:
+    if error.retry is Retry.LATER:
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_seconds)))  # whole seconds (RFC 9110)
     if isinstance(error, BodyTimeout):
         headers["Connection"] = "close"  # the rest of its body may still come: this connection is done
@@ -148,7 +148,7 @@ class Edge:
             return response
         except ScoringError as error:
             code = error.refusal.name
-            if error.retry_after_seconds is not None:  # transient: answered at the server's refusal pace, as gRPC's
+            if error.retry is Retry.LATER:  # transient: answered at the server's refusal pace, as gRPC's
                 refused = True
                 with self.front.pacer.hold(self._known_key(method, request), deadline=call.deadline,
                                                     decided=error.decided) as seconds:
