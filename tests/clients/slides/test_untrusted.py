@@ -1,0 +1,134 @@
+"""Issue 32: corrupt or hostile slides, each crafted here, fail at once with a message naming the file, in bounded
+memory; a tile that cannot be read fails that region, never read as zeros."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+
+from clients.slides.readers import SlideError, TileError, open_image
+from tests.clients.slides.test_run import mosaic, write_tiff
+from tests.server.test_imaging import png_header
+
+
+def lying_size(path: Path, side: int) -> Path:
+    """A 1536x1024 tiled TIFF (24 tiles of 256) whose header claims side x side pixels (the issue's file)."""
+    tifffile.imwrite(path, mosaic(1024, 1536), tile=(256, 256), compression="zlib")
+    with tifffile.TiffFile(path, mode="r+b") as tiff:
+        tiff.pages[0].tags["ImageWidth"].overwrite(side)
+        tiff.pages[0].tags["ImageLength"].overwrite(side)
+    return path
+
+
+def consistent_header(path: Path, side: int, *, tile: int) -> Path:
+    """A header claiming side x side RGB pixels in tile x tile tiles, its tile table as long as that takes, every
+    entry naming one real zlib tile of 256 x 256: only its size gives it away."""
+    tifffile.imwrite(path, np.zeros((256, 256, 3), np.uint8), tile=(256, 256), compression="zlib", metadata=None)
+    with tifffile.TiffFile(path, mode="r+b") as tiff:
+        page = tiff.pages[0]
+        offset, count = page.dataoffsets[0], page.databytecounts[0]
+        tags = page.tags
+        tags["ImageWidth"].overwrite(side)
+        tags["ImageLength"].overwrite(side)
+        tags["TileWidth"].overwrite(tile)
+        tags["TileLength"].overwrite(tile)
+        tiles = (-(-side // tile)) ** 2
+        tags["TileOffsets"].overwrite([offset] * tiles)
+        tags["TileByteCounts"].overwrite([count] * tiles)
+    return path
+
+
+def garbage_after_magic(path: Path) -> Path:
+    path.write_bytes(b"II*\0" + np.random.default_rng(1).bytes(100_000))
+    return path
+
+
+def jpeg_slide(path: Path) -> Path:
+    tifffile.imwrite(path, mosaic(700, 900, seed=4), tile=(128, 128), compression="jpeg", photometric="rgb")
+    return path
+
+
+def cut_jpeg_tile(path: Path, chunk: int) -> bytes:
+    """Halve tile `chunk`'s byte count (libjpeg decodes the rest as grey, with a warning only); the file before."""
+    before = path.read_bytes()
+    with tifffile.TiffFile(path, mode="r+b") as tiff:
+        counts = list(tiff.pages[0].databytecounts)
+        counts[chunk] //= 2
+        tiff.pages[0].tags["TileByteCounts"].overwrite(counts)
+    return before
+
+
+def test_a_declared_size_the_tile_table_does_not_hold_is_refused_with_the_numbers(tmp_path):
+    image = lying_size(tmp_path / "liar.tif", 60_000)  # under the pixel limit: the tile table gives it away
+    started = time.monotonic()
+    with pytest.raises(SlideError, match=r"liar.tif: level 0 declares 60000x60000 pixels in 256x256 tiles, which "
+                                         r"takes 55225 tiles or strips, but its tile table holds 24 offsets"):
+        open_image(image)
+    assert time.monotonic() - started < 1
+    other = tmp_path / "liar.scan"  # not a TIFF suffix: OpenSlide's route checks the tile table too
+    other.write_bytes(image.read_bytes())
+    with pytest.raises(SlideError, match=r"liar.scan: level 0 declares 60000x60000"):
+        open_image(other)
+
+
+def test_a_tile_table_past_the_end_of_the_file_is_refused(tmp_path):
+    image = write_tiff(tmp_path / "long.tif", mosaic(512, 512))
+    size = image.stat().st_size
+    with tifffile.TiffFile(image, mode="r+b") as tiff:
+        counts = list(tiff.pages[0].databytecounts)
+        counts[5] = size  # the file is whole; its table says tile 5 runs on past its end
+        tiff.pages[0].tags["TileByteCounts"].overwrite(counts)
+    with pytest.raises(SlideError, match=rf"long.tif: the file is truncated or its tags are wrong: level 0 claims "
+                                         rf"data at bytes \d+\.\.\d+ \(tile 5, .*but the file has {image.stat().st_size}"):
+        open_image(image)
+
+
+@pytest.mark.parametrize("name", ["noise.tif", "noise.svs", "noise.scan"])
+def test_garbage_after_a_tiff_magic_is_one_error_naming_the_file(tmp_path, name):
+    with pytest.raises(SlideError, match=rf"{name}: "):  # was IndexError from tifffile's empty series list
+        open_image(garbage_after_magic(tmp_path / name))
+
+
+def test_a_slide_over_the_pixel_limit_is_refused_by_its_header(tmp_path):
+    image = consistent_header(tmp_path / "vast.tif", 110_000, tile=256)  # 12.1 Gpx in 3 MB
+    with pytest.raises(SlideError, match=r"vast.tif: level 0 declares 110000x110000 = 12,100,000,000 pixels, over "
+                                         r"the limit of 10,000,000,000; raise --max-slide-pixels"):
+        open_image(image)
+    with open_image(image, max_pixels=110_000 ** 2) as reader:  # let in, its tiles are still real
+        assert reader.read(slice(0, 64), slice(0, 64)).shape == (64, 64, 3)
+    png = tmp_path / "small.png"
+    png.write_bytes(png_header(300, 200))
+    with pytest.raises(SlideError, match=r"small.png: level 0 declares 300x200 = 60,000 pixels, over the limit of "
+                                         "59,999"):
+        open_image(png, max_pixels=59_999)
+
+
+def test_what_one_decode_would_take_is_bounded_whatever_the_header_says(tmp_path):
+    one = consistent_header(tmp_path / "one.tif", 100_000, tile=100_000)  # 10 Gpx in one 30 GB tile
+    with pytest.raises(SlideError, match=r"one.tif: level 0 stores its pixels in 100000x100000 tiles .* over the "
+                                         r"1,073,741,824 one decode may take"):
+        open_image(one)
+    png = tmp_path / "wide.png"  # PIL decodes whole: a 2 Gpx header in 57 bytes
+    png.write_bytes(png_header(50_000, 40_000))
+    with pytest.raises(SlideError, match=r"wide.png: 50000x40000 PNG image, which PIL decodes whole"):
+        open_image(png)
+
+
+def test_a_cut_jpeg_tile_and_a_tile_without_bytes_fail_their_regions_only(tmp_path):
+    image = jpeg_slide(tmp_path / "cut.tif")
+    cut_jpeg_tile(image, 0)
+    with tifffile.TiffFile(image, mode="r+b") as tiff:
+        counts = list(tiff.pages[0].databytecounts)
+        counts[7] = 0  # tifffile reads a tile without bytes as its fill value
+        tiff.pages[0].tags["TileByteCounts"].overwrite(counts)
+    with open_image(image) as reader:
+        with pytest.raises(TileError, match=r"cut.tif: level 0 rows 0\.\.100, columns 0\.\.100 do not decode \(JPEG "
+                                            r"tile 0 \(bytes \d+\.\.\d+\) ends without its end-of-image marker"):
+            reader.read(slice(0, 100), slice(0, 100))
+        with pytest.raises(TileError, match=r"cut.tif: .* \(tile 7 of the file's tile table has no bytes"):
+            reader.read(slice(0, 100), slice(896, 900))
+        assert reader.read(slice(300, 400), slice(300, 400)).shape == (100, 100, 3)
