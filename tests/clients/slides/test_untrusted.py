@@ -1,18 +1,27 @@
 """Issue 32: corrupt or hostile slides, each crafted here, fail at once with a message naming the file, in bounded
-memory; a tile that cannot be read fails that region, never read as zeros."""
+memory; a tile that cannot be read fails that tile, never scored as zeros; one bad slide leaves the others scored."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tifffile
+import zarr
 
+from clients.batch.score_cli import main
 from clients.slides.readers import SlideError, TileError, open_image
-from tests.clients.slides.test_run import mosaic, write_tiff
+from tests.clients.slides.test_run import ROOT, mosaic, write_tiff
 from tests.server.test_imaging import png_header
+
+SECONDS = 10  # "at once": a refused slide's whole run, model loading included, well within this
+PEAK_RSS_BYTES = 1 << 30  # what the lying headers would take decoded: 40 Gpx (120 GB), a 30 GB tile
 
 
 def lying_size(path: Path, side: int) -> Path:
@@ -60,6 +69,11 @@ def cut_jpeg_tile(path: Path, chunk: int) -> bytes:
         counts[chunk] //= 2
         tiff.pages[0].tags["TileByteCounts"].overwrite(counts)
     return before
+
+
+def tiled(paths, out: Path, model: str, *extra: str) -> int:
+    return main([*map(str, paths), "--out", str(out), "--local", model, "--tiled", "--canvas", "256",
+                 "--no-progress", "--zarr-dtype", "float32", *extra])
 
 
 def test_a_declared_size_the_tile_table_does_not_hold_is_refused_with_the_numbers(tmp_path):
@@ -132,3 +146,75 @@ def test_a_cut_jpeg_tile_and_a_tile_without_bytes_fail_their_regions_only(tmp_pa
         with pytest.raises(TileError, match=r"cut.tif: .* \(tile 7 of the file's tile table has no bytes"):
             reader.read(slice(0, 100), slice(896, 900))
         assert reader.read(slice(300, 400), slice(300, 400)).shape == (100, 100, 3)
+
+
+def test_one_good_slide_among_bad_ones_is_scored_as_alone(converted, tmp_path, capsys, caplog):
+    model = converted(True, False)
+    good = write_tiff(tmp_path / "good.tif", mosaic(600, 700, seed=2))
+    assert tiled([good], tmp_path / "alone", model) == 0
+    bad = [lying_size(tmp_path / "liar.tif", 200_000), garbage_after_magic(tmp_path / "noise.tif"),
+           consistent_header(tmp_path / "vast.tif", 110_000, tile=256)]
+    capsys.readouterr()
+    started = time.monotonic()
+    assert tiled([*bad[:2], good, bad[2]], tmp_path / "out", model, "--summary-json", str(tmp_path / "s.json")) == 2
+    assert time.monotonic() - started < 3 * SECONDS
+    printed = capsys.readouterr()
+    assert "slides 4: 1 complete, 0 incomplete, 3 failed" in printed.out
+    for path in bad:
+        assert f"failed: {path}: " in printed.out and f"{path}: " in caplog.text
+        assert not (tmp_path / "out" / f"{path.stem}.zarr").exists()  # refused before anything is written
+    assert "Traceback" not in printed.err + caplog.text
+    statuses = {Path(s["path"]).name: s["status"] for s in json.loads((tmp_path / "s.json").read_text())["slides"]}
+    assert statuses == {"liar.tif": "failed", "noise.tif": "failed", "good.tif": "complete", "vast.tif": "failed"}
+    alone = zarr.open_group(tmp_path / "alone" / "good.zarr", mode="r")
+    among = zarr.open_group(tmp_path / "out" / "good.zarr", mode="r")
+    np.testing.assert_array_equal(np.asarray(among["scores"]), np.asarray(alone["scores"]))
+    assert among.attrs["scoremap_status"]["complete"]
+
+
+def test_failed_tiles_are_recorded_said_and_retried_on_request(converted, tmp_path, capsys, caplog):
+    model = converted(True, False)
+    image = jpeg_slide(tmp_path / "slide.tif")
+    assert tiled([image], tmp_path / "fresh", model) == 0
+    whole = cut_jpeg_tile(image, 0)
+    out = tmp_path / "out"
+    assert tiled([image], out, model) == 2
+    printed = capsys.readouterr()
+    assert "1 incomplete" in printed.out and "tile (0, 0) failed: " in caplog.text
+    status = zarr.open_group(out / "slide.zarr", mode="r").attrs["scoremap_status"]
+    assert not status["complete"] and status["failed"] >= 1 and status["stored"] + status["failed"] == status["tiles"]
+    assert "ends without its end-of-image marker" in status["failed_tiles"][0]["error"]
+    scores = np.asarray(zarr.open_group(out / "slide.zarr", mode="r")["scores"])
+    assert np.isnan(scores[:, 0, 0]).all()  # never scored as zeros: its cells hold no score
+    assert not (out / "slide.png").exists()
+    image.write_bytes(whole)
+    assert tiled([image], out, model) == 2  # recorded as failed: skipped until asked
+    assert tiled([image], out, model, "--retry-failed") == 0
+    stored = zarr.open_group(out / "slide.zarr", mode="r")
+    assert stored.attrs["scoremap_status"] == {**status, "complete": True, "stored": status["tiles"], "failed": 0,
+                                               "failed_tiles": []}
+    np.testing.assert_array_equal(np.asarray(stored["scores"]),
+                                  np.asarray(zarr.open_group(tmp_path / "fresh" / "slide.zarr", mode="r")["scores"]))
+    assert (out / "slide.png").exists()
+
+
+def test_the_issue_files_exit_2_at_once_in_bounded_memory_and_with_traceback_only_when_asked(converted, tmp_path):
+    """Measured on the real command: wall time and peak RSS of a run over the lying and hostile headers."""
+    model = converted(True, False)
+    bad = [lying_size(tmp_path / "liar.tif", 200_000), garbage_after_magic(tmp_path / "noise.tif"),
+           consistent_header(tmp_path / "one.tif", 100_000, tile=100_000)]
+    # VmHWM: this process's peak RSS since its exec (ru_maxrss would count the forking test process too).
+    command = ("import re, runpy, sys\ntry:\n    runpy.run_module('clients.batch.score_cli', run_name='__main__')\n"
+               "finally:\n    status = open('/proc/self/status').read()\n"
+               "    print('peak', int(re.search(r'VmHWM:\\s+(\\d+) kB', status)[1]) * 1024, file=sys.stderr)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for extra in ([], ["--traceback"]):
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-c", command, *map(str, bad), "--out", str(tmp_path / "out"),
+                               "--local", model, "--tiled", "--no-progress", *extra],
+                              env=env, capture_output=True, text=True, timeout=120)
+        seconds = time.monotonic() - started
+        peak = int(done.stderr.rsplit("peak ", 1)[1])
+        assert done.returncode == 2 and seconds < 3 * SECONDS and peak < PEAK_RSS_BYTES, (seconds, peak, done.stderr)
+        assert all(f"scoremap-score: {path}: " in done.stderr for path in bad)
+        assert ("Traceback" in done.stderr) == bool(extra)
