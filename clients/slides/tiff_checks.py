@@ -109,9 +109,9 @@ def check_level(path: Path, index: int, pages, file_size: int) -> None:
         _check_format(path, index, keyframe)
         chunk_bytes = math.prod(keyframe.chunks) * (keyframe.bitspersample // 8)
         if chunk_bytes > MAX_DECODE_BYTES:
-            raise SlideError(f"{path}: level {index} stores its pixels {_describe(keyframe)} of {keyframe.imagewidth} "
-                             f"px, {chunk_bytes:,} bytes each decoded, over the {MAX_DECODE_BYTES:,} one decode may "
-                             "take; write it as a tiled TIFF (e.g. 512x512 tiles)")
+            raise SlideError(f"{path}: level {index} stores its pixels {_describe(keyframe)}, {chunk_bytes:,} bytes "
+                             f"each decoded, over the {MAX_DECODE_BYTES:,} bytes one decode may take; write it as a "
+                             "tiled TIFF (e.g. 512x512 tiles)")
         offsets = np.asarray(page.dataoffsets, np.int64)
         counts = np.asarray(page.databytecounts, np.int64)
         expected = math.prod(keyframe.chunked)
