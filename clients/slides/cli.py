@@ -24,6 +24,7 @@ from clients.api.errors import ScoremapError
 from clients.api.options import SHIFTS
 from clients.api.retry import Interrupted
 from clients.batch.files import atomic_write
+from clients.slides.errors import SlideError
 from convert.arguments import number_in, number_list
 from clients.slides import DEFAULT_CANVAS, DEFAULT_MAX_SLIDE_PIXELS
 
@@ -65,7 +66,6 @@ def main(args: argparse.Namespace, open_scorer: Callable[[argparse.Namespace], o
     """Score every PATH in turn; `open_scorer` gives the server or in-process scorer, as for files. A slide
     that cannot be read is named and recorded as failed, and the next one is scored."""
     # Imported here: the geometry imports the model card's reader, which plain file scoring does not need.
-    from clients.slides.errors import SlideError
     from clients.slides.report import RunReport
     from clients.slides.run import RunError, SlideOptions, score_file
     from clients.slides.tiles import TileOptions
@@ -76,15 +76,16 @@ def main(args: argparse.Namespace, open_scorer: Callable[[argparse.Namespace], o
     options = SlideOptions(tile=tile, canvas=args.canvas, halo=args.halo, cell_top_k=args.cell_top_k,
                            dtype=args.zarr_dtype, concurrency=args.concurrency)
     report = RunReport()
+    paths = [path for path in args.paths if _readable(path, args, report)]  # in seconds, before the model loads
     scorer = None
     progress = None
     try:
-        if args.engine == "ray":  # the tiles go to Ray actors; reading, stitching and the journal stay here
+        if paths and args.engine == "ray":  # the tiles go to Ray actors; reading, stitching and the journal stay here
             scorer = open_ray_scorer(args)
             options = dataclasses.replace(options, concurrency=scorer.in_flight)
-        else:
+        elif paths:
             scorer = open_scorer(args)
-        for path in args.paths:
+        for path in paths:
             progress = tqdm(total=0, unit="tile", desc=Path(path).name, dynamic_ncols=True,
                             disable=True if args.no_progress else None)
             try:
@@ -127,6 +128,19 @@ def main(args: argparse.Namespace, open_scorer: Callable[[argparse.Namespace], o
     if args.summary_json:
         atomic_write(args.summary_json, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
     return EXIT_OK if report.all_complete else EXIT_USAGE
+
+
+def _readable(path: str, args: argparse.Namespace, report) -> bool:
+    """Whether the slide at `path` passes its reader's checks; one that fails is named and recorded as failed."""
+    from clients.slides.readers import open_image  # imports tifffile: only for --tiled
+
+    try:
+        open_image(path, level=args.level, max_pixels=args.max_slide_pixels).close()
+    except SlideError as error:
+        _log_error(args, error)
+        report.failed(path, error)
+        return False
+    return True
 
 
 def _log_error(args: argparse.Namespace, error: Exception) -> None:

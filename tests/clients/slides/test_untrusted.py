@@ -172,6 +172,14 @@ def test_one_good_slide_among_bad_ones_is_scored_as_alone(converted, tmp_path, c
     assert among.attrs["scoremap_status"]["complete"]
 
 
+def test_a_bad_slide_is_refused_before_the_model_loads(tmp_path, caplog):
+    """The model file does not exist: had it been opened, the run would be refused for it (exit 4)."""
+    started = time.monotonic()
+    assert tiled([garbage_after_magic(tmp_path / "noise.tif")], tmp_path / "out", str(tmp_path / "missing.onnx")) == 2
+    assert time.monotonic() - started < SECONDS and "noise.tif: " in caplog.text and "missing.onnx" not in caplog.text
+    assert not (tmp_path / "out").exists()
+
+
 def test_failed_tiles_are_recorded_said_and_retried_on_request(converted, tmp_path, capsys, caplog):
     model = converted(True, False)
     image = jpeg_slide(tmp_path / "slide.tif")
