@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"deadline per image, seconds (default {ClientSettings.timeout_s:g})")
     parser.add_argument("--retry-for", type=number_in(float, 0), default=BATCH_RETRY_BUDGET_S,
                         help=f"keep retrying an unreachable server this many seconds (default {BATCH_RETRY_BUDGET_S:g})")
-    parser.add_argument("--retry-failed", action="store_true", help="score again files recorded as failed")
+    parser.add_argument("--retry-failed", action="store_true", help="score again files (with --tiled: tiles) recorded as failed")
     parser.add_argument("--force-new-options", action="store_true",
                         help="OUT was scored with other options: score every file again with these")
     parser.add_argument("--summary-json", metavar="PATH", type=Path,

@@ -3,8 +3,10 @@
 Outputs, in OUT for an image STEM:
 - STEM.zarr: a Zarr group with `scores` [K, H, W] (float16 by default; the classes asked, or all) or,
   with `cell_top_k`, `top_k_indices` and `top_k_scores` [k, H, W]; its attributes (`scoremap`) hold
-  the image, level, options, halo, whether exact, and the cell geometry in level-0 pixels;
-- STEM.tiles.jsonl: one line per tile stored, appended (and synced) once its cells are written;
+  the image, level, options, halo, whether exact, and the cell geometry in level-0 pixels; its
+  `scoremap_status` whether every tile is stored, and the tiles that could not be read;
+- STEM.tiles.jsonl: one line per tile stored, appended (and synced) once its cells are written, and
+  one per tile that could not be read, with the error (its cells stay NaN; retried on request);
 - STEM.png: a downsampled heatmap preview, written when every tile is stored.
 
 A tile is recorded after its cells are written; Zarr writes each chunk whole (a temporary file
@@ -15,6 +17,7 @@ and every tile is recorded once. Memory holds the tiles in flight, never the ima
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -25,11 +28,14 @@ import numpy as np
 from PIL import Image
 
 from clients.api.heatmap import colormap
-from clients.slides import DEFAULT_CANVAS
-from clients.slides.readers import Reader, SlideError
+from clients.slides import DEFAULT_CANVAS, DEFAULT_MAX_SLIDE_PIXELS
+from clients.slides.errors import SlideError, TileError
+from clients.slides.readers import Reader
 from clients.slides.tiles import Scorer, TileOptions, plan_for, score_map
 from protos import model_card_pb2, scoring_pb2
 from server.geometry import dense, tiling
+
+log = logging.getLogger(__name__)
 
 # Classes per chunk. A tile's owned cells rarely fall on the chunk grid (the first tile owns more), so its
 # write reads and rewrites the chunks it touches: per chunk, not per byte, is what that costs (a 1000-class
@@ -40,6 +46,8 @@ PREVIEW_BAND = 64  # map rows the preview reads at a time (with CHUNK_CLASSES cl
 PREVIEW_SIDE = 2048  # the preview's longer side at most, in pixels
 LEDGER_SUFFIX = ".tiles.jsonl"
 ATTRIBUTES = "scoremap"
+STATUS = "scoremap_status"  # the map's attribute saying whether every tile is stored, and which failed
+FAILED_LISTED = 100  # failed tiles the status attribute lists (the ledger has them all)
 
 
 class RunError(Exception):
@@ -60,6 +68,9 @@ class SlideOptions:
 
 @dataclass
 class SlideSummary:
+    """A slide's run: `skipped` tiles were stored before it, `scored` by it; `failed` could not be read (this run
+    or an earlier one), by (row, column), with the error: the map is complete only without them."""
+
     tiles: int
     skipped: int
     scored: int
@@ -67,14 +78,21 @@ class SlideSummary:
     preview_path: Path | None
     halo: int
     exact: bool
+    failed: dict[tuple[int, int], str] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return not self.failed
 
 
 class Ledger:
-    """The tiles stored so far, one JSON line each, appended and synced after the tile's cells are written."""
+    """The tiles stored so far, one JSON line each, appended and synced after the tile's cells are written; and
+    the tiles that could not be read, a line each with the error (issue 32), until a later line stores them."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.done: set[tuple[int, int]] = set()
+        self.failed: dict[tuple[int, int], str] = {}
         if path.exists():
             data = path.read_bytes()
             if data and not data.endswith(b"\n"):  # a line cut by a kill: its tile is not recorded
@@ -83,14 +101,24 @@ class Ledger:
                     handle.truncate(len(data))
             for line in data.decode().splitlines():
                 record = json.loads(line)
-                self.done.add((record["row"], record["column"]))
+                key = (record["row"], record["column"])
+                if "failed" in record:
+                    self.failed[key] = record["failed"]
+                else:
+                    self.done.add(key)
+                    self.failed.pop(key, None)
         self._handle = open(path, "a")
 
-    def record(self, tile: tiling.Tile) -> None:
-        self._handle.write(json.dumps({"row": tile.row, "column": tile.column}) + "\n")
+    def record(self, tile: tiling.Tile, *, failed: str | None = None) -> None:
+        line = {"row": tile.row, "column": tile.column} | ({"failed": failed} if failed is not None else {})
+        self._handle.write(json.dumps(line) + "\n")
         self._handle.flush()
         os.fsync(self._handle.fileno())
-        self.done.add((tile.row, tile.column))
+        if failed is None:
+            self.done.add((tile.row, tile.column))
+            self.failed.pop((tile.row, tile.column), None)
+        else:
+            self.failed[(tile.row, tile.column)] = failed
 
     def close(self) -> None:
         self._handle.close()
@@ -193,13 +221,25 @@ def write_preview(group, path: Path, *, options: SlideOptions) -> Path:
     return path
 
 
+def write_status(group, plan: tiling.TilePlan, ledger: Ledger) -> None:
+    """The map's own word on whether it is complete: a tile that could not be read leaves its cells NaN."""
+    failed = sorted(ledger.failed.items())
+    group.attrs[STATUS] = {
+        "complete": not failed, "tiles": len(plan), "stored": len(ledger.done), "failed": len(failed),
+        "failed_tiles": [{"row": row, "column": column, "error": error}
+                         for (row, column), error in failed[:FAILED_LISTED]],
+        "ledger": ledger.path.name,
+    }
+
+
 def score_slide(reader: Reader, score: Scorer, card: model_card_pb2.ModelCard, out: Path, *,
-                options: SlideOptions, model: str = "", stem: str | None = None,
+                options: SlideOptions, model: str = "", stem: str | None = None, retry_failed: bool = False,
                 on_start: Callable[[int, int], None] | None = None,
                 on_tile: Callable[[tiling.Tile], None] | None = None) -> SlideSummary:
     """Score `reader`'s level tile by tile with `score` into OUT/STEM.zarr; resumes a run stopped part-way.
 
-    `on_start(total, done)` once the plan is known; `on_tile(tile)` after each tile is recorded."""
+    A tile the reader cannot read is recorded as failed and the others go on; a re-run skips it unless
+    `retry_failed`. `on_start(total, done)` once the plan is known; `on_tile(tile)` after each tile is recorded."""
     stem = stem or reader.path.name.split(".")[0]
     out.mkdir(parents=True, exist_ok=True)
     # A model with a size multiple resizes other sizes: the ragged last pixels (fewer than it) are left out.
@@ -210,10 +250,11 @@ def score_slide(reader: Reader, score: Scorer, card: model_card_pb2.ModelCard, o
     map_path = out / f"{stem}.zarr"
     ledger = Ledger(out / f"{stem}{LEDGER_SUFFIX}")
     try:
-        tiles = [tile for tile in plan if (tile.row, tile.column) not in ledger.done]
-        skipped = len(plan) - len(tiles)
+        skip = ledger.done if retry_failed else ledger.done | set(ledger.failed)
+        tiles = [tile for tile in plan if (tile.row, tile.column) not in skip]
+        skipped = len(plan) - len(tiles) - (0 if retry_failed else len(ledger.failed))
         if on_start:
-            on_start(len(plan), skipped)
+            on_start(len(plan), len(plan) - len(tiles))
         group, scored = None, 0
         if ledger.done:  # the map was made with the first tile recorded
             if not map_path.exists():
@@ -222,7 +263,12 @@ def score_slide(reader: Reader, score: Scorer, card: model_card_pb2.ModelCard, o
             group = open_map(map_path, attributes, (0, 0), 0, options)
         if tiles and group is None:  # the last tile's map gives the image map's size: score it first
             last = plan.last
-            first_map = score_map(score, reader.read(*last.region), options.tile)
+            try:
+                pixels = reader.read(*last.region)
+            except TileError as error:
+                raise SlideError(f"{error}; the map's size is taken from this tile, the last, so nothing is "
+                                 "scored") from error
+            first_map = score_map(score, pixels, options.tile)
             if options.cell_top_k > first_map.shape[0]:
                 raise RunError(f"cell_top_k {options.cell_top_k} is more than the {first_map.shape[0]} classes scored")
             group = open_map(map_path, attributes, plan.map_cells(first_map.shape[1:]),
@@ -234,15 +280,21 @@ def score_slide(reader: Reader, score: Scorer, card: model_card_pb2.ModelCard, o
                 on_tile(last)
             tiles = [tile for tile in tiles if tile != last]
         scored += _score_tiles(reader, score, group, tiles, ledger, options, on_tile)
-        preview = write_preview(group, out / f"{stem}.png", options=options) if group is not None else None
+        preview = None
+        if group is not None:
+            write_status(group, plan, ledger)
+            if not ledger.failed:  # a preview says the map is whole
+                preview = write_preview(group, out / f"{stem}.png", options=options)
+        failed = dict(ledger.failed)
     finally:
         ledger.close()
-    return SlideSummary(len(plan), skipped, scored, map_path, preview, plan.halo, plan.exact)
+    return SlideSummary(len(plan), skipped, scored, map_path, preview, plan.halo, plan.exact, failed)
 
 
 def _score_tiles(reader: Reader, score: Scorer, group, tiles: list[tiling.Tile], ledger: Ledger,
                  options: SlideOptions, on_tile: Callable[[tiling.Tile], None] | None) -> int:
-    """Read tiles here (readers are not thread-safe), score up to `concurrency` at once, store and record each."""
+    """Read tiles here (readers are not thread-safe), score up to `concurrency` at once, store and record each;
+    a tile that cannot be read is recorded as failed, with a warning, and never scored."""
     done = 0
     pending: dict[Future, tiling.Tile] = {}
     queue = iter(tiles)
@@ -253,7 +305,15 @@ def _score_tiles(reader: Reader, score: Scorer, group, tiles: list[tiling.Tile],
                 tile = next(queue, None)
                 if tile is None:
                     break
-                pending[pool.submit(score_map, score, reader.read(*tile.region), options.tile)] = tile
+                try:
+                    pixels = reader.read(*tile.region)
+                except TileError as error:
+                    log.warning("tile (%d, %d) failed: %s", tile.row, tile.column, error)
+                    ledger.record(tile, failed=str(error))
+                    if on_tile:
+                        on_tile(tile)
+                    continue
+                pending[pool.submit(score_map, score, pixels, options.tile)] = tile
             if not pending:
                 return done
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -270,13 +330,15 @@ def _score_tiles(reader: Reader, score: Scorer, group, tiles: list[tiling.Tile],
 
 
 def score_file(path: str | Path, scorer, out: str | Path, *, level: int = 0,
-               options: SlideOptions | None = None, **callbacks) -> SlideSummary:
+               options: SlideOptions | None = None, max_pixels: int = DEFAULT_MAX_SLIDE_PIXELS,
+               retry_failed: bool = False, **callbacks) -> SlideSummary:
     """The Python API of `scoremap-score --tiled`: score `level` of the image at `path` with `scorer` (a
-    ScoremapClient or LocalScorer) into OUT/<name>.zarr and OUT/<name>.png, resuming a run stopped part-way."""
+    ScoremapClient or LocalScorer) into OUT/<name>.zarr and OUT/<name>.png, resuming a run stopped part-way.
+    The slide is checked, and refused over `max_pixels`, before anything is written."""
     from clients.slides.readers import open_image
 
     options = options or SlideOptions()
-    with open_image(path, level=level) as reader:
+    with open_image(path, level=level, max_pixels=max_pixels) as reader:
         return score_slide(reader, scorer.score_request, scorer.model(options.tile.model), Path(out),
-                           options=options, model=options.tile.model, **callbacks)
+                           options=options, model=options.tile.model, retry_failed=retry_failed, **callbacks)
 

@@ -301,6 +301,7 @@ def test_server_warnings_are_recorded_and_counted(server, tmp_path, capsys):
     (["--local", "missing.onnx", "--timeout", "0"], "--timeout", ">= 0.001"),
     (["--local", "missing.onnx", "--retry-for", "-5"], "--retry-for", ">= 0"),
     (["--local", "missing.onnx", "--timeout", "nan"], "--timeout", "got 'nan'"),
+    (["--local", "missing.onnx", "--tiled", "--max-slide-pixels", "0"], "--max-slide-pixels", ">= 1"),
 ])
 def test_every_numeric_flag_is_range_checked_before_anything_loads(tmp_path, capsys, argv, flag, says):
     """Issue 24: exit 2 naming the flag; the model file does not exist, so nothing could have loaded."""

@@ -1,9 +1,10 @@
-"""Large images scored tile by tile into Zarr: exact against one pass, resumable after SIGKILL, untrusted TIFFs refused."""
+"""Large images scored tile by tile into Zarr: exact against one pass, resumable after SIGKILL, damaged tiles recorded."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -149,22 +150,32 @@ def test_a_truncated_tiff_is_refused_naming_the_file(tmp_path):
         open_image(image)
 
 
-def test_a_tile_that_does_not_decode_stops_the_run_keeping_what_was_stored(converted, tmp_path):
+def test_a_tile_that_does_not_decode_is_recorded_failed_and_the_others_are_stored(converted, tmp_path):
     pixels = mosaic(700, 700, seed=9)
     image = write_tiff(tmp_path / "bad.tif", pixels, tile=(128, 128))
     with tifffile.TiffFile(image) as tiff:
         page = tiff.pages[0]
-        offset, count = page.dataoffsets[-1], page.databytecounts[-1]  # the bottom-right tile, scored first
-        offset2, count2 = page.dataoffsets[0], page.databytecounts[0]  # the top-left one
+        offset, count = page.dataoffsets[0], page.databytecounts[0]  # the top-left tile
+        last = page.dataoffsets[-1], page.databytecounts[-1]  # the bottom-right one, whose map sizes the image's
     data = bytearray(image.read_bytes())
-    data[offset2:offset2 + count2] = b"\xff" * count2  # not zlib
+    data[offset:offset + count] = b"\xff" * count  # not zlib
     image.write_bytes(bytes(data))
     path = converted(True, False)
     with LocalScorer([path], settings=ON_DEMAND) as scorer, open_image(image) as reader:
-        with pytest.raises(SlideError, match=r"bad.tif: level 0 rows 0\.\.\d+, columns 0\.\.\d+ do not decode"):
-            score_slide(reader, scorer.score_request, scorer.model(), tmp_path / "out", options=SlideOptions(canvas=256))
-    assert (tmp_path / "out" / "bad.tiles.jsonl").read_text().count("\n") >= 1  # the last tile, scored first, is kept
-    assert offset and count
+        summary = score_slide(reader, scorer.score_request, scorer.model(), tmp_path / "out",
+                              options=SlideOptions(canvas=256))
+    assert summary.failed and not summary.complete and summary.scored + len(summary.failed) == summary.tiles
+    assert all(re.match(r".*bad.tif: level 0 rows \d+\.\.\d+, columns \d+\.\.\d+ do not decode \(DeflateError", error)
+               for error in summary.failed.values())
+    records = [json.loads(line) for line in (tmp_path / "out" / "bad.tiles.jsonl").read_text().splitlines()]
+    assert sum("failed" in record for record in records) == len(summary.failed)
+    data[last[0]:last[0] + last[1]] = b"\xff" * last[1]
+    image.write_bytes(bytes(data))
+    with LocalScorer([path], settings=ON_DEMAND) as scorer, open_image(image) as reader:
+        with pytest.raises(SlideError, match=r"bad.tif: .* do not decode .*; the map's size is taken from this tile"):
+            score_slide(reader, scorer.score_request, scorer.model(), tmp_path / "again",
+                        options=SlideOptions(canvas=256))
+    assert not (tmp_path / "again" / "bad.zarr").exists()
 
 
 def test_resuming_with_other_options_is_refused(converted, tmp_path):
