@@ -20,7 +20,7 @@ from convert.arguments import format_bytes
 from protos import scoring_pb2
 from server.errors import NoRoom, Refusal, ScoringError, Transient, invalid, retry_after
 from server.geometry import dense
-from server.memory.host import HostEstimate
+from server.memory.host import RGB, HostEstimate
 from server.memory.host_budget import admit_host
 from server.scoring import footprint, imaging
 from server.scoring.fitting import scale_job
@@ -199,7 +199,7 @@ def fit_scales(ticket: Ticket) -> ScoringError | None:
         if alone > limit:
             return ScoringError(
                 Refusal.RESOURCE_EXHAUSTED,
-                f"scale {scale} resizes the {ticket.original[0]}x{ticket.original[1]} image to {alone // 3} pixels, "
+                f"scale {scale} resizes the {ticket.original[0]}x{ticket.original[1]} image to {alone // RGB} pixels, "
                 f"whose RGB copy alone ({format_bytes(alone)}) is beyond the host memory one request may hold, "
                 f"{format_bytes(limit)} (--max-request-host-bytes); {would_fit(ticket)}; or restart the server with a "
                 "larger --max-request-host-bytes",

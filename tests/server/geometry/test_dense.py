@@ -75,6 +75,27 @@ def test_mirror_back_is_the_plain_mirror_when_the_field_is_centred():
     np.testing.assert_array_equal(averaged, [[[0, 2, 2, 2]]])
 
 
+def test_averaging_flips_holds_one_lattice_and_a_byte_per_value_beside_them():
+    """The host memory estimate counts the average as one float32 lattice (issue 31); a stacked average held ~9
+    lattices of a 1000-class map at once. NaN cells (holes) keep the other orientation's value, or stay NaN."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    first, second = (rng.normal(size=(100, 60, 70)).astype(np.float32) for _ in range(2))
+    first[:, :, 0], second[:, :, -1], first[:, 3, 3], second[:, 3, 3] = np.nan, np.nan, np.nan, np.nan
+    tracemalloc.start()
+    try:
+        averaged = dense.average_flips([first, second])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= 1.6 * first.nbytes
+    np.testing.assert_array_equal(averaged[:, :, 0], second[:, :, 0])
+    np.testing.assert_array_equal(averaged[:, :, -1], first[:, :, -1])
+    assert np.isnan(averaged[:, 3, 3]).all() and averaged.dtype == np.float32
+    np.testing.assert_allclose(averaged[:, 1:-1, 1:-1][:, 5:], ((first + second) / 2)[:, 1:-1, 1:-1][:, 5:])
+
+
 def test_cell_and_image_top_k():
     lattice = np.array([[[1.0, 5.0]], [[3.0, 2.0]], [[2.0, 9.0]]], dtype=np.float32)
     indices, scores = dense.cell_top_k(lattice, 2)
