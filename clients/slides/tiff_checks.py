@@ -107,7 +107,8 @@ def check_level(path: Path, index: int, pages, file_size: int) -> None:
             raise SlideError(f"{path}: page {number} of level {index} is missing from the file")
         keyframe = page.keyframe
         _check_format(path, index, keyframe)
-        chunk_bytes = math.prod(keyframe.chunks) * (keyframe.bitspersample // 8)
+        itemsize = keyframe.bitspersample // 8
+        chunk_bytes = math.prod(keyframe.chunks) * itemsize
         if chunk_bytes > MAX_DECODE_BYTES:
             raise SlideError(f"{path}: level {index} stores its pixels {_describe(keyframe)}, {chunk_bytes:,} bytes "
                              f"each decoded, over the {MAX_DECODE_BYTES:,} bytes one decode may take; write it as a "
@@ -128,7 +129,7 @@ def check_level(path: Path, index: int, pages, file_size: int) -> None:
                 f"{offsets[first]}..{offsets[first] + counts[first]} (tile {first}, and {past.size - 1} more past "
                 f"the end), but the file has {file_size} bytes")
         if int(keyframe.compression) == COMPRESSION.NONE:
-            needed = keyframe.imagewidth * keyframe.imagelength * keyframe.samplesperpixel * (keyframe.bitspersample // 8)
+            needed = keyframe.imagewidth * keyframe.imagelength * keyframe.samplesperpixel * itemsize
             if counts.sum() < needed:
                 raise SlideError(
                     f"{path}: level {index} declares {keyframe.imagewidth}x{keyframe.imagelength} uncompressed "

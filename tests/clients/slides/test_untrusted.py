@@ -89,6 +89,18 @@ def test_a_declared_size_the_tile_table_does_not_hold_is_refused_with_the_number
         open_image(other)
 
 
+def test_an_uncompressed_strip_shorter_than_the_declared_size_is_refused(tmp_path):
+    """One strip for all rows agrees with any height: the strip's byte count is what gives the size away."""
+    image = tmp_path / "flat.tif"
+    tifffile.imwrite(image, mosaic(100, 100), rowsperstrip=100, metadata=None)
+    with tifffile.TiffFile(image, mode="r+b") as tiff:
+        for tag in ("ImageWidth", "ImageLength", "RowsPerStrip"):
+            tiff.pages[0].tags[tag].overwrite(1000)
+    with pytest.raises(SlideError, match=r"flat.tif: level 0 declares 1000x1000 uncompressed pixels \(3000000 bytes\), "
+                                         r"but its tiles hold 30000 bytes"):
+        open_image(image)
+
+
 def test_a_tile_table_past_the_end_of_the_file_is_refused(tmp_path):
     image = write_tiff(tmp_path / "long.tif", mosaic(512, 512))
     size = image.stat().st_size
