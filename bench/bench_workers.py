@@ -71,10 +71,11 @@ def load(address: str, *, clients: int, shift: str, seconds: float) -> dict:
             "max_ms": max(r["max_ms"] for r in reports), "sent": sum(r["sent"] for r in reports), "errors": errors}
 
 
-def measure(model: str, scheme: str, *, provider: str, seconds: float, folder: pathlib.Path, out) -> list[str]:
+def measure(model: str, scheme: str, *, provider: str, seconds: float, folder: pathlib.Path, out,
+            configs: tuple[tuple[int, int], ...] = CONFIGS) -> list[str]:
     shift = "atrous" if scheme == "à trous" else "grid"
     rows = []
-    for workers, max_batch in CONFIGS:
+    for workers, max_batch in configs:
         flags = ["--workers", str(workers), "--max-batch", str(max_batch), "--max-queue-ms", "10000"]
         server, address, _metrics = start_server(model, folder / "server.log", flags, provider=provider)
         try:
@@ -95,7 +96,8 @@ def measure(model: str, scheme: str, *, provider: str, seconds: float, folder: p
     return rows
 
 
-def run(*, seconds: float = SECONDS, provider: str = "auto", out=sys.stdout) -> str:
+def run(*, seconds: float = SECONDS, provider: str = "auto", out=sys.stdout,
+        configs: tuple[tuple[int, int], ...] = CONFIGS) -> str:
     header = ["## Served by server processes (bench_workers, issue 29)", "",
               f"The default model, samples/cat.jpg at scale {SCALE}, stride {STRIDE}, top-5; `scoremap-serve --workers N "
               f"--max-batch B` on provider {provider}, closed loops of {seconds:.0f} s over gRPC from up to {LOAD_PROCESSES} "
@@ -107,7 +109,8 @@ def run(*, seconds: float = SECONDS, provider: str = "auto", out=sys.stdout) -> 
         rows = []
         for scheme, output_stride in (("grid", 32), ("à trous", 16)):
             model = converted(folder, output_stride=output_stride)
-            rows += measure(model, scheme, provider=provider, seconds=seconds, folder=pathlib.Path(folder), out=out)
+            rows += measure(model, scheme, provider=provider, seconds=seconds, folder=pathlib.Path(folder), out=out,
+                            configs=configs)
     return "\n".join(header + rows)
 
 
@@ -116,12 +119,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=SECONDS)
     parser.add_argument("--provider", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--out", type=pathlib.Path, help="also write the table here, row by row")
+    parser.add_argument("--workers", type=lambda text: tuple(int(n) for n in text.split(",")),
+                        help="only these --workers counts, at --max-batch 8 (default: the table's configurations)")
     args = parser.parse_args()
+    configs = CONFIGS if args.workers is None else tuple((workers, 8) for workers in args.workers)
     if args.out is not None:
         with args.out.open("w") as out:
-            run(seconds=args.seconds, provider=args.provider, out=out)
+            run(seconds=args.seconds, provider=args.provider, out=out, configs=configs)
     else:
-        run(seconds=args.seconds, provider=args.provider)
+        run(seconds=args.seconds, provider=args.provider, configs=configs)
 
 
 if __name__ == "__main__":
