@@ -288,7 +288,8 @@ class EngineOptions:
         parse=number_in(int, 0), metavar="PX", shown="exact: half the model's receptive field")
     tile_canvas: tuple[int, int] = setting(
         (2048, 2048), "when --halo fits no bucket: an image no bucket holds is planned on demand up to this many "
-        "pixels, and beyond them tiled onto this canvas (cut along an axis the image fits; made on first use; a "
+        "pixels, and beyond them tiled onto this canvas (made at warm-up for the model's own stride; cut along an "
+        "axis the image fits, such a strip's canvas made on first use; a "
         "multiple of the model's size multiple), so no plan grows with the image", parse=size_pair, metavar="HxW")
     max_plans: int = setting(64, "plans (sessions of one shape) each model keeps; beyond it the least recently "
                              "used goes", parse=COUNT, metavar="N")

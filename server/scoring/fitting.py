@@ -153,7 +153,8 @@ def items_per_batch(model: Model, canvas: tuple[int, int], scale: int, passes: d
 def largest_scale(model: Model, original: tuple[int, int], passes: dense.Passes) -> int:
     """The largest scale of this image whose passes fit the memory budget (0: none)."""
     step = model.multiple
-    low, high = max(model.min_scale // step - 1, 0), unbounded_scale(model, original, passes) // step + 1  # low fits or is 0
+    # `low` fits or is 0; beyond the ceiling every scale runs on the tile canvas.
+    low, high = max(model.min_scale // step - 1, 0), scale_ceiling(model, original, passes) // step + 1
     while high - low > 1:
         middle = (low + high) // 2
         # A scale beyond the tile canvas runs on it, tile by tile.
@@ -170,9 +171,9 @@ def largest_scale(model: Model, original: tuple[int, int], passes: dense.Passes)
     return low * step
 
 
-def unbounded_scale(model: Model, original: tuple[int, int], passes: dense.Passes) -> int:
-    """A scale no search for the largest needs to pass: --max-scale, or else the first whose image is tiled onto
-    the tile canvas (every scale beyond it runs on that canvas too, so fits the plans' memory as it does)."""
+def scale_ceiling(model: Model, original: tuple[int, int], passes: dense.Passes) -> int:
+    """A scale no search for the largest that fits the plans' memory needs to pass: --max-scale, or else one
+    whose image is tiled onto the tile canvas (every scale beyond it runs on that canvas too, so fits as it does)."""
     if model.limits.max_scale is not None:
         return model.limits.max_scale
     short, long = sorted(original)

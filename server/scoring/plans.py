@@ -172,8 +172,8 @@ class PlanCache:
         if not items:
             valid[:, :1, :1] = 1.0  # a warm-up run: one cell each, so the averages are defined
         lattices, probabilities = plan.run(pixels, valid, lattice=lattice)
-        return [Scored(kept_lattice(lattices, index, item), probabilities[index].copy(), planning if index == 0 else 0.0)
-                for index, item in enumerate(items)]
+        return [Scored(kept_lattice(lattices, index, item), probabilities[index].copy(),
+                       planning if index == 0 else 0.0) for index, item in enumerate(items)]
 
     def drop(self, key: PlanKey) -> None:
         """Forget a plan (its session goes once no batch runs it)."""

@@ -92,7 +92,7 @@ def test_a_resumed_run_after_sigkill_records_every_tile_once(converted, tmp_path
     out = tmp_path / "out"
     arguments = [str(image), "--out", str(out), "--local", path, "--tiled", "--canvas", "256", "--no-progress",
                  "--zarr-dtype", "float32", "--concurrency", str(KILLED_CONCURRENCY)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     ledger = out / "big.tiles.jsonl"
     # The killed run is paced (each tile takes at least KILLED_PACE_S): its 225 tiles last over 5 s on any
     # machine, so it is still running when its third tile is recorded (issue 29: unpaced, on an H200, it was not).

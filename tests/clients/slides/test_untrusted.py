@@ -18,7 +18,7 @@ import zarr
 from clients.batch.score_cli import main
 from clients.slides.readers import SlideError, TileError, open_image
 from tests.clients.slides.test_run import ROOT, mosaic, write_tiff
-from tests.server.test_imaging import png_header
+from tests.server.scoring.test_imaging import png_header
 
 SECONDS = 10  # "at once": a refused slide's whole run, model loading included, well within this
 PEAK_RSS_BYTES = 1 << 30  # what the lying headers would take decoded: 40 Gpx (120 GB), a 30 GB tile

@@ -148,7 +148,8 @@ def test_on_a_24_gib_machine_the_default_budgets_hold_eight_48_megapixel_photos_
             admitted, refusals = [], []
             for _ in range(CALLS):
                 try:
-                    admitted.append(held.enter_context(admission.admit(request, model, deadline=time.monotonic() + 600)))
+                    ticket = admission.admit(request, model, deadline=time.monotonic() + 600)
+                    admitted.append(held.enter_context(ticket))
                 except ScoringError as error:
                     refusals.append(error)
             in_flight = model.host_budget.in_flight_bytes()
