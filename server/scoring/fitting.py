@@ -46,21 +46,25 @@ def scale_job(model: Model, original: tuple[int, int], scale: int, passes: dense
     canvas = model.buckets.canvas_for(*size, slack=passes.slack)
     if canvas is not None:
         return on(canvas)
-    tiles = tile_plan(model, size, passes, flip=flip)
-    if isinstance(tiles, tiling.TilePlan):
+    try:
+        tiles = tile_plan(model, size, passes, flip=flip)
+    except tiling.TilingError:
+        tiles = None  # no bucket holds the halo: planned on demand, or tiled onto the tile canvas
+    if tiles is not None:
         return on(tiles.canvas, tiles)
     canvas = model.canvas_for(size, passes)  # planned on demand, up to the tile canvas
     if canvas is not None:
         return on(canvas)
-    tiles = tile_plan(model, size, passes, flip=flip, canvases=(model.tiling_canvas(size, passes),))
-    if isinstance(tiles, tiling.TilePlan):
-        return on(tiles.canvas, tiles)
-    raise invalid(
-        f"scale {scale} gives a {size[0]}x{size[1]} image (+{passes.slack} px for shifted passes) that no "
-        f"canvas bucket holds ({model.buckets.describe()}), nor can it be tiled onto one or onto --tile-canvas "
-        f"{model.tile_canvas[0]}x{model.tile_canvas[1]}: {tiles}; use a smaller scale, or restart the server with a "
-        "larger --shape-buckets or --tile-canvas, or a smaller --halo"
-    )
+    try:
+        tiles = tile_plan(model, size, passes, flip=flip, canvases=(model.tiling_canvas(size, passes),))
+    except tiling.TilingError as error:
+        raise invalid(
+            f"scale {scale} gives a {size[0]}x{size[1]} image (+{passes.slack} px for shifted passes) that no "
+            f"canvas bucket holds ({model.buckets.describe()}), nor can it be tiled onto one or onto --tile-canvas "
+            f"{model.tile_canvas[0]}x{model.tile_canvas[1]}: {error}; use a smaller scale, or restart the server with "
+            "a larger --shape-buckets or --tile-canvas, or a smaller --halo"
+        ) from error
+    return on(tiles.canvas, tiles)
 
 
 def check_resized_cap(model: Model, original: tuple[int, int], scale: int, size: tuple[int, int]) -> None:
@@ -95,9 +99,10 @@ def job_cells(model: Model, size: tuple[int, int], scale: int, passes: dense.Pas
 
 
 def tile_plan(model: Model, size: tuple[int, int], passes: dense.Passes, *, flip: bool,
-              canvases: Sequence[tuple[int, int]] | None = None) -> tiling.TilePlan | tiling.TilingError:
+              canvases: Sequence[tuple[int, int]] | None = None) -> tiling.TilePlan:
     """The tiles of a resized image on the canvas (of `canvases`, default the buckets) that computes the fewest
-    pixels for it, with the server's --halo (None: exact); the largest canvas's TilingError when none holds the halo."""
+    pixels for it, with the server's --halo (None: exact); raises the largest canvas's TilingError when none
+    holds the halo."""
     field = model.card.receptive_field
     plans, refusal = [], None
     for canvas in sorted(model.buckets.canvases if canvases is None else canvases, key=lambda c: c[0] * c[1]):
@@ -109,7 +114,7 @@ def tile_plan(model: Model, size: tuple[int, int], passes: dense.Passes, *, flip
         except tiling.TilingError as error:
             refusal = error
     if not plans:
-        return refusal
+        raise refusal
     return min(plans, key=lambda plan: (len(plan) * plan.canvas[0] * plan.canvas[1], plan.canvas))
 
 

@@ -153,3 +153,58 @@ def test_a_rotated_tiff_opens_at_the_size_it_decodes_to(orientation, turn):
     decoded = imaging.load(opened, largest=(30, 40))
     assert decoded.size == (40, 30)
     np.testing.assert_array_equal(np.asarray(decoded), np.asarray(upright))
+
+
+def photo(width: int, height: int) -> Image.Image:
+    """A sample photo at width x height: real JPEG content, not a flat gradient."""
+    import pathlib
+
+    cat = pathlib.Path(__file__).resolve().parents[3] / "samples" / "cat.jpg"
+    return Image.open(cat).convert("RGB").resize((width, height), Image.Resampling.BILINEAR)
+
+
+def canvases_both_ways(data: bytes, size: tuple[int, int]) -> tuple[dict, dict, bool]:
+    """The request's canvases at `size` as served, then through PIL alone; and whether libjpeg-turbo's path ran."""
+    from server.scoring.request import ScaleJob
+
+    job = ScaleJob(scale=min(size), resized=size, canvas=(size[0] + 32, size[1] + 32), cells=(1, 1), items_per_batch=1)
+    fill = np.array([127, 127, 127], np.uint8)
+    opened = imaging.open_image(data, max_pixels=LIMIT)
+    served = imaging.canvases(opened, [job], (False, True), fill=fill, resize_filter="bilinear")
+    used = size == (opened.height, opened.width) and imaging.stored_pixels(opened) is not None
+    through_pil = imaging.open_image(data, max_pixels=LIMIT)
+    through_pil.encoded = None  # PIL decodes it, as every other image
+    return served, imaging.canvases(through_pil, [job], (False, True), fill=fill, resize_filter="bilinear"), used
+
+
+@pytest.mark.parametrize("options", [dict(quality=90), dict(quality=95, subsampling=0), dict(quality=85, progressive=True)])
+def test_a_jpeg_at_its_own_size_decodes_as_pil_does_bit_for_bit(options):
+    """Issue 29: a JPEG sent at the size asked for (or scored at its own) is decoded by libjpeg-turbo straight into
+    numpy, without PIL's GIL-holding copy; the canvases must be PIL's exactly."""
+    served, through_pil, used = canvases_both_ways(encode(photo(576, 384), "JPEG", **options), (384, 576))
+    assert used and served.keys() == through_pil.keys()
+    for key in served:
+        np.testing.assert_array_equal(served[key], through_pil[key])
+
+
+@pytest.mark.parametrize("case", ["rotated", "grey", "cut", "resized"])
+def test_other_jpegs_go_through_pil(case):
+    """A JPEG to rotate, a grey one, one cut short (libjpeg-turbo would fill it with grey) or one resized is PIL's."""
+    source, size = photo(576, 384), (384, 576)
+    if case == "rotated":
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        data, size = encode(source, "JPEG", exif=exif), (576, 384)
+    elif case == "grey":
+        data = encode(source.convert("L"), "JPEG")
+    elif case == "cut":
+        whole = encode(source, "JPEG")
+        with pytest.raises(imaging.ImageError, match="cannot decode"):
+            canvases_both_ways(whole[: len(whole) // 2], size)
+        return
+    else:
+        data, size = encode(source, "JPEG"), (192, 288)
+    served, through_pil, used = canvases_both_ways(data, size)
+    assert not used
+    for key in served:
+        np.testing.assert_array_equal(served[key], through_pil[key])
