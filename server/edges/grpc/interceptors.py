@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import hmac
@@ -25,11 +26,10 @@ PROBES = (HEALTH_PREFIX, *(f"/inference.GRPCInferenceService/{name}"
                            for name in ("ServerLive", "ServerReady", "ModelReady")))
 
 
-class TokenInterceptor(grpc.ServerInterceptor):
-    """UNAUTHENTICATED unless metadata carries `authorization: Bearer <token>` (health probes exempt)."""
+class ExemptingInterceptor(grpc.ServerInterceptor):
+    """An interceptor that leaves the methods starting with `exempt` alone and hands every other to `intercept`."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    exempt: tuple[str, ...] = ()
 
     def intercept_service(
         self,
@@ -37,9 +37,25 @@ class TokenInterceptor(grpc.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+        if handler is None or handler_call_details.method.startswith(self.exempt):
             return handler
-        metadata = dict(handler_call_details.invocation_metadata or ())
+        return self.intercept(handler, handler_call_details)
+
+    @abc.abstractmethod
+    def intercept(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        """The handler a call not exempt runs."""
+
+
+class TokenInterceptor(ExemptingInterceptor):
+    """UNAUTHENTICATED unless metadata carries `authorization: Bearer <token>` (health probes exempt)."""
+
+    exempt = (HEALTH_PREFIX,)
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        metadata = dict(details.invocation_metadata or ())
         received = metadata.get("authorization", "")
         if isinstance(received, str):
             received = received.encode()
@@ -55,7 +71,7 @@ def denied(context: grpc.ServicerContext, _request: Message | None) -> Iterator[
     yield  # never reached: abort raises
 
 
-class CallLimits(grpc.ServerInterceptor):
+class CallLimits(ExemptingInterceptor):
     """At most `total` calls running at once, and `per_peer` from one client address (0: no such limit).
 
     gRPC runs every call on one thread pool: idle streams from one client, or from many, could hold
@@ -70,6 +86,8 @@ class CallLimits(grpc.ServerInterceptor):
     place, so held calls never take the places of calls being scored, nor the reserved workers.
     """
 
+    exempt = PROBES
+
     def __init__(self, *, total: int, per_peer: int, metrics: Metrics, pacer: RefusalPacer) -> None:
         self._slots = CallSlots(total=total, per_peer=per_peer)
         self._metrics = metrics
@@ -78,16 +96,8 @@ class CallLimits(grpc.ServerInterceptor):
         self._places: dict[grpc.ServicerContext, Callable[[], None]] = {}  # each call's slot, to give back
         self._keys: dict[grpc.ServicerContext, Callable[[], Hashable | None]] = {}  # each call's resend key
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(PROBES):
-            return handler
-        method = handler_call_details.method.rsplit("/", 1)[-1]
-        return guarded(handler, functools.partial(self._slot, method=method))
+    def intercept(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        return guarded(handler, functools.partial(self._slot, method=details.method.rsplit("/", 1)[-1]))
 
     @contextlib.contextmanager
     def _slot(self, context: grpc.ServicerContext, request: Message | None, *, method: str) -> Iterator[None]:
