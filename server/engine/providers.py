@@ -17,6 +17,7 @@ import onnxruntime
 
 from convert.cuda import cuda_free_bytes
 from server.engine.shared_weights import SharedWeights, optimize
+from server.memory.arena import CPU_ARENA
 from server.memory.runtime import PREDICTABLE_CUDA_OPTIONS, first_cpu_run, predictable_session_options, warm_up_runtime
 from server.settings import Settings
 
@@ -97,6 +98,7 @@ class Engine:
         self.provider = CUDA if CUDA in choice.providers else CPU
         if not self.on_gpu:  # so the first plan's measured footprint is the plan's, not the runtime's first use
             warm_up_runtime([CPU])
+            CPU_ARENA.idle_held_bytes = settings.max_idle_arena_bytes
 
     @property
     def on_gpu(self) -> bool:

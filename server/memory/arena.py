@@ -19,6 +19,10 @@ block rather than a sum of them:
   extends by what is asked (kSameAsRequested): regions of onnxruntime's default power-of-two growth
   stayed partly touched after a shrink (302 MiB for a 143 MiB block, against 158 MiB asked-for).
 
+And when no request is in flight, `went_idle` gives a large block back (`idle_held_bytes`), or any after
+requests held much memory (server.memory.host_budget): what is idle holds the memory of what exists (the
+model's weights, each plan's state), not of what ran.
+
 Runs of one model's plans are one at a time (its batcher); plans of several models may run at once, each
 holding its block, which admission counts per model (server/memory/device.py).
 """
@@ -31,13 +35,18 @@ import numpy as np
 import onnxruntime
 from onnx import TensorProto, helper
 
-__all__ = ["ARENA_CONFIG", "USE_ENV_ALLOCATORS", "SharedArena", "CPU_ARENA"]
+__all__ = ["ARENA_CONFIG", "IDLE_HELD_BYTES", "USE_ENV_ALLOCATORS", "SharedArena", "CPU_ARENA"]
 
 # The arena's configuration: regions the size asked for (kSameAsRequested), no limit of its own (the memory
 # budget admits the plans); onnxruntime's defaults otherwise.
 ARENA_CONFIG = {"arena_extend_strategy": 1}
 # The session option that makes a session take from the registered arena instead of its own.
 USE_ENV_ALLOCATORS = "session.use_env_allocators"
+# When nothing runs, a block larger than this goes back to the system (--max-idle-arena-bytes sets it): it belongs
+# to a plan whose run takes seconds, for which taking its pages again is little, and it would stay resident long
+# after (a 2944x800 canvas's four passes held 1.3 GiB after a soak, issue 33). A smaller one stays: the next run of
+# the plans most requests use reuses it.
+IDLE_HELD_BYTES = 256 * 2**20
 
 
 def _shrink_options() -> onnxruntime.RunOptions:
@@ -55,6 +64,7 @@ class SharedArena:
         self._janitor: onnxruntime.InferenceSession | None = None
         self._shrink = _shrink_options()
         self.held_bytes = 0  # the largest block a run took since the arena last shrank (0: none)
+        self.idle_held_bytes = IDLE_HELD_BYTES  # the largest kept while nothing runs
 
     def register(self) -> None:
         """Register the arena in onnxruntime's environment, once per process."""
@@ -86,6 +96,13 @@ class SharedArena:
                 if self.held_bytes:
                     self._shrink_locked()
                 self.held_bytes = block_bytes
+
+    def went_idle(self, *, release: bool) -> None:
+        """No request is in flight: shrink when `release` (requests held enough memory since the last release that
+        giving it back is worth it, server.memory.host_budget) or when the arena holds more than `idle_held_bytes`."""
+        with self._lock:
+            if release or self.held_bytes > self.idle_held_bytes:
+                self._shrink_locked()
 
     def took(self, block_bytes: int) -> None:
         """A run just took a block of `block_bytes` (measured): the arena holds at least that much."""

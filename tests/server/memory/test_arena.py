@@ -35,6 +35,22 @@ def test_the_arena_shrinks_before_a_run_only_when_a_larger_block_comes(monkeypat
     assert shrinks == [10, 40] and arena.held_bytes == 0
 
 
+def test_an_idle_arena_gives_back_a_large_block_and_keeps_a_small_one(monkeypatch):
+    from server.memory.arena import IDLE_HELD_BYTES
+
+    arena = SharedArena()
+    shrinks = []
+    monkeypatch.setattr(arena, "_shrink_locked", lambda: (shrinks.append(arena.held_bytes), setattr(arena, "held_bytes", 0)))
+    arena.before_run(IDLE_HELD_BYTES)
+    arena.went_idle(release=False)
+    assert shrinks == []  # the block most requests reuse stays
+    arena.went_idle(release=True)
+    assert shrinks == [IDLE_HELD_BYTES]  # requests held much memory since the last release: all of it goes back
+    arena.before_run(IDLE_HELD_BYTES + 1)
+    arena.went_idle(release=False)
+    assert shrinks == [IDLE_HELD_BYTES, IDLE_HELD_BYTES + 1]
+
+
 @pytest.fixture()
 def heavy_pipeline(tmp_path):
     from server.scoring.pipeline import Pipeline
