@@ -131,6 +131,10 @@ class Engine:
             if weights is not None and not self.on_gpu:
                 path = weights.share(optimize(path, folder, self._optimizing_options(), [CPU]), options)
             session = onnxruntime.InferenceSession(path, options, providers=self._providers)
+        if weights is not None and not self.on_gpu:
+            # onnxruntime uses the values handed to add_initializer in place but does not keep them alive: the
+            # session holds the model's weights for as long as it lives (a session outliving them read freed memory)
+            session.shared_weights = weights
         actual = session.get_providers()[0]
         if actual != self.provider:
             if self.settings.require_gpu:

@@ -101,3 +101,19 @@ def test_a_model_s_cpu_sessions_hold_its_optimized_weights_once():
                  VALID: np.ones(valid_shape, np.float32)}
         for served, expected in zip(session.run(None, feeds), plain.run(None, feeds)):
             np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cpu_session_keeps_the_shared_weights_it_runs_on_alive(tiny_model_path):
+    """onnxruntime does not keep the values handed to add_initializer alive: a session must, or it reads freed
+    memory once its model's SharedWeights is gone (a segmentation fault, seen)."""
+    import gc
+
+    from server.engine.shared_weights import SharedWeights
+
+    engine = Engine(Settings(provider="cpu", intra_op_threads=1))
+    session = engine.session(onnx.load(tiny_model_path).SerializeToString(), weights=SharedWeights())
+    gc.collect()
+    batch = np.random.default_rng(1).normal(size=(1, 3, 64, 64)).astype(np.float32)
+    direct = onnxruntime.InferenceSession(tiny_model_path, providers=[CPU]).run(None, {"image": batch})[0]
+    for _ in range(3):
+        np.testing.assert_allclose(session.run(None, {"image": batch})[0], direct, rtol=1e-5, atol=1e-6)
