@@ -245,8 +245,9 @@ class PlanCache:
         _, ran = measure_footprint(lambda: self._warm(plan), on_gpu=False)
         own = built.host_bytes - (self._weights.bytes - weights_before)
         self._memory.weights_held = self._weights.bytes  # exact: what the shared values hold
-        if built.host_shared or ran.host_shared or own < 0:
-            # decoding beside it grew (or shrank) the resident set too: admission keeps the prediction
+        if built.host_shared or ran.host_shared or own < 0 or ran.host_bytes < predicted_run // 2:
+            # decoding beside it grew (or shrank) the resident set too, or memory was freed elsewhere meanwhile (a
+            # run holds at least its live activations): admission keeps the prediction
             LOG.debug("%s: plan %s measured while other work ran in the process: not used", self._card.name, key)
             return plan
         plan.arena_bytes = ran.host_bytes
