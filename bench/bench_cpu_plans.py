@@ -10,9 +10,10 @@
   size (each then grows the shared arena; a smaller one's run fits in what the arena holds and adds only its
   own state, which the totals count). Around the first request(s) at a new shape (the plan is made) and
   around the same requests again (steady state), the server's VmRSS and VmHWM (/proc/PID/status, the
-  high-water mark reset by writing 5 to /proc/PID/clear_refs), against what admission's account of the
-  plans grew by (`scoremap_plans_held_bytes`: model weights once, each plan's own, the largest running
-  batch); and the account against VmRSS over the server's before its first plan. Target: within +-25%.
+  high-water mark reset by writing 5 to /proc/PID/clear_refs): the RSS growth against what admission's
+  account of the plans grew by (`scoremap_plans_held_bytes`: model weights once, each plan's own, the
+  largest running batch); the whole account against VmRSS and against the steady VmHWM, both over the
+  server's VmRSS before its first plan. Target: within +-25%.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class PlanMemory:
     steady_peak: int        # VmHWM during the same requests again minus VmRSS before the plan existed
     held_predicted: int = 0  # the account of every plan, after this one's requests
     held: int = 0           # VmRSS then, over the server's before its first plan
+    steady_held: int = 0    # VmHWM during the steady-state requests, over the server's VmRSS before its first plan
 
     @property
     def ratio(self) -> float:
@@ -120,7 +122,9 @@ class PlanMemory:
 
     @property
     def steady_ratio(self) -> float:
-        return self.predicted / max(self.steady_peak, 1)
+        """The account of every plan over the server's high-water mark while they run, beyond its plan-less self
+        (the requests' own memory included: a few MiB, against the whole rather than one plan's growth)."""
+        return self.held_predicted / max(self.steady_held, 1)
 
     @property
     def held_ratio(self) -> float:
@@ -226,13 +230,14 @@ def server_plan_memory(model_path: str, *, sizes=MEMORY_SIZES, batches=MEMORY_BA
             _reset_peak(server.pid)
             send(side, batch)
             send(side, batch)
-            steady_peak = _status(server.pid, "VmHWM") - before
+            steady_high = _status(server.pid, "VmHWM")
+            steady_peak = steady_high - before
             gauges, held_after = _gauges(metrics_url)
             made = {key: value for key, value in gauges.items() if key not in known}
             for plan, values in made.items():  # one, unless the requests did not all meet in one batch
                 results.append(PlanMemory(plan, int(held_after - held_before), int(values["measured"]),
                                           after - before if len(made) == 1 else 0, creation_peak, steady_peak,
-                                          int(held_after), after - plan_less))
+                                          int(held_after), after - plan_less, steady_high - plan_less))
         pool.shutdown()
         channel.close()
     finally:
@@ -295,24 +300,25 @@ def run() -> str:
         "its block between requests, to be read; canvases exactly the sizes, native stride: one pass; "
         "batch 4 from 4 concurrent requests meeting in one batch; a first plan at the model's training size, not "
         "reported; then the plans in the order of their running batch's size). Worst deviation "
-        f"{worst:.1%} against the plan's RSS growth, {worst_steady:.1%} against the steady-state peak, "
-        f"{worst_held:.1%} for every plan together. Predicted: what admission's account of the plans "
+        f"{worst:.1%} against the plan's RSS growth; for every plan together {worst_held:.1%} against what the server "
+        f"holds idle, {worst_steady:.1%} against its steady-state peak. Predicted: what admission's account of the plans "
         "(`scoremap_plans_held_bytes`) grew by: the model's weights once, each plan's own state "
         f"({cpu.session_bytes / MiB:g} MiB), the largest running batch ({cpu.activation_factor:g} x live peak + "
         f"{cpu.workspace_bytes / MiB:g} MiB), measured once a plan is made (convert.memory_model). "
         "Growth: VmRSS after the first request(s) at the shape minus before; creation peak: VmHWM during them "
         "(reset through /proc/PID/clear_refs) minus VmRSS before, which includes building the plan graph and "
-        "loading its session (transient, one plan at a time server-wide); steady peak: VmHWM during the same "
-        "requests twice more minus VmRSS before the plan existed; held: VmRSS after the plan's requests minus "
-        "before the server's first plan, against the whole account. The server's own footprint: what it measured "
-        "the plan to hold alone. MiB.",
+        "loading its session (transient, one plan at a time server-wide); held: VmRSS after the plan's requests "
+        "minus before the server's first plan, against the whole account; steady: VmHWM during the same requests "
+        "twice more minus VmRSS before the server's first plan (the requests' own memory included), against the "
+        "whole account. The server's own footprint: what it measured the plan to hold alone. MiB.",
         "",
         "| model | plan | predicted | server's own footprint | RSS growth | predicted/growth | creation peak | "
-        "steady peak | predicted/steady | account / held | ratio |",
+        "account / held | ratio | account / steady peak | ratio |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
         *[f"| {label} | {plan.plan} | {_mib(plan.predicted)} | {_mib(plan.measured_by_server)} | "
-          f"{_mib(plan.creation_growth)} | {plan.ratio:.3f} | {_mib(plan.creation_peak)} | {_mib(plan.steady_peak)} | "
-          f"{plan.steady_ratio:.3f} | {_mib(plan.held_predicted)} / {_mib(plan.held)} | {plan.held_ratio:.3f} |"
+          f"{_mib(plan.creation_growth)} | {plan.ratio:.3f} | {_mib(plan.creation_peak)} | "
+          f"{_mib(plan.held_predicted)} / {_mib(plan.held)} | {plan.held_ratio:.3f} | "
+          f"{_mib(plan.held_predicted)} / {_mib(plan.steady_held)} | {plan.steady_ratio:.3f} |"
           for label, plan in memory],
         "",
         f"Server warnings during these runs: {len(warnings)}" + (f" (first: `{warnings[0]}`)" if warnings else ""),
