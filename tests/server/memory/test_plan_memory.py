@@ -19,8 +19,8 @@ MiB = 2**20
 
 def test_admission_predicts_what_each_plan_holds_in_the_server_process(tmp_path):
     """Full-resolution convs in front (live peaks of 30-200 MiB), batch 1 and 4, made in the order of their running
-    batch's size: VmRSS growth at each plan's first request and VmHWM at steady state, both within the bound of what
-    admission's account of the plans grew by; and the whole account against what the server holds for them."""
+    batch's size: VmRSS growth at each plan's first request within the bound of what admission's account of the plans
+    grew by; the whole account within the bound of what the server holds for them idle and at its steady-state peak."""
     path = tmp_path / "heavy.onnx"
     onnx.save(heavy_net(), path)
     plans, warnings = server_plan_memory(str(path), sizes=(320, 448), batches=(1, 4), settle_seconds=0.5)
