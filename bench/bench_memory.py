@@ -1,9 +1,10 @@
-"""Memory: predicted vs measured, and a server's host memory under load (issues 3 and 14).
+"""Memory: predicted vs measured, and a server's host memory idle and under load (issues 3, 14 and 33).
 
 * `run()` (`make bench`): fp16 against fp32 bytes for the default model and a VGG16-style dense
-  model, and the host-memory soak: a real server's RSS before, at the peak of and after a burst of
-  large requests from 8 clients (`soak`, SOAK_SECONDS long). The CPU prediction against the
-  server's own process is bench_cpu_plans'.
+  model; a default server idle after its warm-up and at the peak of 16 clients sending photos at its
+  default scale (`soak` with LOAD_*); and the host-memory soak: a real server's RSS and PSS before
+  (every path warmed), at the peak of and after a burst of large requests from 8 clients (`soak`,
+  SOAK_SECONDS long). The CPU prediction against the server's own process is bench_cpu_plans'.
 * `gpu_section()` (`make bench-gpu`, bench/bench_gpu.py): the same models on the CUDA provider,
   every term of convert.memory_model predicted and measured.
 """
@@ -45,6 +46,15 @@ SOAK_SCALES = (384, 768)
 SOAK_IDLE_SECONDS = 5.0
 SOAK_SAMPLE_SECONDS = 0.1
 SERVER_START_SECONDS = 300
+# Idle after the default warm-up, and under load: 16 clients sending a 640x480 photo at the default model's default
+# scale (stride and everything else the request's defaults) for LOAD_SECONDS (issue 33's targets: idle PSS <= 350 MiB,
+# the load's peak <= 1.5x idle).
+LOAD_CLIENTS = 16
+LOAD_SHAPES = ((480, 640),)
+LOAD_SECONDS = 60
+IDLE_TARGET_MIB = 350
+LOAD_PEAK_TARGET = 1.5
+SOAK_IDLE_TARGET_MIB = 700
 # The CUDA measurements of issue 14: (side, batch) per model, as in convert.memory_model.CUDA_MEASUREMENTS.
 GPU_CASES = {"default": ((224, 1), (384, 1), (384, 8), (1024, 1), (1024, 4)),
              "vgg16": ((224, 1), (384, 1), (384, 4), (768, 1))}
@@ -91,7 +101,10 @@ def _mib(value: float) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Soak:
-    """A server's resident set around a burst of large requests, in bytes."""
+    """A server's resident set (and proportional set: PSS, /proc/PID/smaps_rollup) around a burst of requests, bytes.
+
+    `serving_*`: idle once SERVING (after its warm-up), before any request; `before_*`: idle after each image was
+    sent once (every path the burst takes warmed); then the burst's peak, and idle after it."""
 
     before_bytes: int
     peak_bytes: int
@@ -99,11 +112,22 @@ class Soak:
     requests: int
     errors: dict[str, int]
     seconds: float
+    serving_bytes: int = 0
+    serving_pss: int = 0
+    before_pss: int = 0
+    peak_pss: int = 0
+    after_pss: int = 0
 
 
 def _rss(pid: int) -> int:
     with open(f"/proc/{pid}/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _pss(pid: int) -> int:
+    """The process's proportional set size: its own pages, and its share of those it maps with others."""
+    with open(f"/proc/{pid}/smaps_rollup") as rollup:
+        return next(int(line.split()[1]) * 1024 for line in rollup if line.startswith("Pss:"))
 
 
 def soak_images(shapes=SOAK_SHAPES) -> list[bytes]:
@@ -139,11 +163,13 @@ def _wait_serving(channel, server: subprocess.Popen) -> None:
 
 
 def soak(model_path: str, *, seconds: float = SOAK_SECONDS, clients: int = SOAK_CLIENTS, shapes=SOAK_SHAPES,
-         scales=SOAK_SCALES, idle_seconds: float = SOAK_IDLE_SECONDS, server_args: tuple[str, ...] = ()) -> Soak:
+         scales=SOAK_SCALES, idle_seconds: float = SOAK_IDLE_SECONDS, server_args: tuple[str, ...] = (),
+         stride: int | None = 16, flip: bool = True) -> Soak:
     """Start `scoremap-serve` on `model_path` (its defaults, but requests may wait in its queue as
     long as the burst lasts: the soak measures memory, not load shedding), send each image once,
-    then `clients` callers sending them in turn for `seconds`; the server's RSS when idle before,
-    its peak during, and when idle after."""
+    then `clients` callers sending them in turn for `seconds`; the server's RSS and PSS when idle once
+    serving, idle before, its peak during, and when idle after. `stride` None: requests at their
+    defaults but for `scales`."""
     import grpc
 
     from protos import scoring_pb2, scoring_pb2_grpc
@@ -162,15 +188,19 @@ def soak(model_path: str, *, seconds: float = SOAK_SECONDS, clients: int = SOAK_
                                                           ("grpc.max_send_message_length", 256 << 20)])
         stub = scoring_pb2_grpc.DenseScoringStub(channel)
         _wait_serving(channel, server)
+        time.sleep(idle_seconds)
+        serving, serving_pss = _rss(server.pid), _pss(server.pid)
 
         def request(data: bytes) -> scoring_pb2.ScoreRequest:
-            return scoring_pb2.ScoreRequest(encoded=data, scales=list(scales), output_stride=16, flip=True)
+            if stride is None:
+                return scoring_pb2.ScoreRequest(encoded=data, scales=list(scales))
+            return scoring_pb2.ScoreRequest(encoded=data, scales=list(scales), output_stride=stride, flip=flip)
 
         for data in images:  # every plan made and every path warm before "before"
             stub.Score(request(data), timeout=SERVER_START_SECONDS, wait_for_ready=True)
         time.sleep(idle_seconds)
-        before = _rss(server.pid)
-        peak = [before]
+        before, before_pss = _rss(server.pid), _pss(server.pid)
+        peak = [before, before_pss]
         done = threading.Event()
         counts: dict[str, int] = {}
         lock = threading.Lock()
@@ -178,6 +208,7 @@ def soak(model_path: str, *, seconds: float = SOAK_SECONDS, clients: int = SOAK_
         def sample() -> None:
             while not done.wait(SOAK_SAMPLE_SECONDS):
                 peak[0] = max(peak[0], _rss(server.pid))
+                peak[1] = max(peak[1], _pss(server.pid))
 
         def client(offset: int) -> None:
             index = offset
@@ -202,29 +233,57 @@ def soak(model_path: str, *, seconds: float = SOAK_SECONDS, clients: int = SOAK_
         elapsed = time.monotonic() - started
         channel.close()
         time.sleep(idle_seconds)
-        after = _rss(server.pid)
+        after, after_pss = _rss(server.pid), _pss(server.pid)
     finally:
         server.terminate()
         server.wait(30)
     errors = {code: count for code, count in counts.items() if code != "OK"}
-    return Soak(before, max(peak[0], after), after, sum(counts.values()), errors, elapsed)
+    return Soak(before, max(peak[0], after), after, sum(counts.values()), errors, elapsed, serving, serving_pss,
+                before_pss, max(peak[1], after_pss), after_pss)
+
+
+def load_section(model_path: str, *, seconds: float = LOAD_SECONDS) -> str:
+    result = soak(model_path, seconds=seconds, clients=LOAD_CLIENTS, shapes=LOAD_SHAPES, scales=(), stride=None)
+    idle, peak = result.serving_pss, result.peak_pss
+    ratio = peak / idle
+    verdicts = (f"idle PSS {'met' if idle <= IDLE_TARGET_MIB * 2**20 else 'NOT met'} (target <= {IDLE_TARGET_MIB} MiB), "
+                f"peak {'met' if ratio <= LOAD_PEAK_TARGET else 'NOT met'} (target <= {LOAD_PEAK_TARGET:g}x idle)")
+    sizes = ", ".join(f"{w}x{h}" for h, w in LOAD_SHAPES)
+    return "\n".join([
+        "### Idle after the default warm-up, and under load (issue 33)",
+        "",
+        f"`scoremap-serve` (default model, its default settings: on the CPU --max-batch 1, the default canvas buckets, "
+        f"the warm-up's 10 plans), idle {SOAK_IDLE_SECONDS:g} s once SERVING; then {LOAD_CLIENTS} clients sending a "
+        f"{sizes} JPEG with every request field at its default for {result.seconds:.0f} s ({result.requests} "
+        f"requests, errors {result.errors or 'none'}). Process memory, MiB: {verdicts}.",
+        "",
+        "| | idle once serving | peak under load | after idle | peak / idle |",
+        "|---|---|---|---|---|",
+        f"| PSS | {_mib(idle)} | {_mib(peak)} | {_mib(result.after_pss)} | {ratio:.2f} |",
+        f"| RSS | {_mib(result.serving_bytes)} | {_mib(result.peak_bytes)} | {_mib(result.after_bytes)} | "
+        f"{result.peak_bytes / result.serving_bytes:.2f} |",
+    ])
 
 
 def soak_section(model_path: str, *, seconds: float = SOAK_SECONDS) -> str:
     result = soak(model_path, seconds=seconds)
     sizes = ", ".join(f"{h}x{w}" for h, w in SOAK_SHAPES)
+    verdict = "met" if result.before_pss <= SOAK_IDLE_TARGET_MIB * 2**20 else "NOT met"
     return "\n".join([
         "### Host memory under load (soak)",
         "",
         f"`scoremap-serve` (default model, its default settings), {SOAK_CLIENTS} clients for {result.seconds:.0f} s, "
         f"each sending JPEGs of {sizes} in turn at scales {list(SOAK_SCALES)}, stride 16, flip; "
-        f"{result.requests} requests, errors {result.errors or 'none'}. Resident set of the server process, "
-        f"idle {SOAK_IDLE_SECONDS:g} s before and after:",
+        f"{result.requests} requests, errors {result.errors or 'none'}. Resident set (and PSS) of the server process, "
+        f"idle {SOAK_IDLE_SECONDS:g} s before (every path warmed: idle PSS {verdict}, target <= {SOAK_IDLE_TARGET_MIB} "
+        "MiB) and after:",
         "",
-        "| before | peak | after idle | after / before |",
-        "|---|---|---|---|",
-        f"| {_mib(result.before_bytes)} MiB | {_mib(result.peak_bytes)} MiB | {_mib(result.after_bytes)} MiB | "
+        "| | before | peak | after idle | after / before |",
+        "|---|---|---|---|---|",
+        f"| RSS | {_mib(result.before_bytes)} MiB | {_mib(result.peak_bytes)} MiB | {_mib(result.after_bytes)} MiB | "
         f"{result.after_bytes / result.before_bytes:.2f} |",
+        f"| PSS | {_mib(result.before_pss)} MiB | {_mib(result.peak_pss)} MiB | {_mib(result.after_pss)} MiB | "
+        f"{result.after_pss / result.before_pss:.2f} |",
     ])
 
 
@@ -297,10 +356,11 @@ def run() -> str:
                     f"{_mib(full_profile.peak_activation_bytes)} | {_mib(half_profile.peak_activation_bytes)} | "
                     f"{half_profile.peak_activation_bytes / full_profile.peak_activation_bytes:.3f} |"
                 )
+        load = load_section(default_path)
         soak = soak_section(default_path)
 
     return "\n".join([
-        "## Memory: fp16 bytes and a server's host memory under load (issues 3 and 14)",
+        "## Memory: fp16 bytes and a server's host memory idle and under load (issues 3, 14 and 33)",
         "",
         "The CPU prediction against the server's own process, and the CPU configuration's speed, are in "
         "bench_cpu_plans; the CUDA terms in bench_gpu.",
@@ -313,6 +373,8 @@ def run() -> str:
         "",
         "fp16 activations keep the float32 input and its fp16 copy at the graph's edge, hence a ratio a little above 0.5. "
         "On the CPU provider fp16 graphs run through float32 kernels (inserted casts); fp16 is for GPUs.",
+        "",
+        load,
         "",
         soak,
     ])

@@ -92,6 +92,9 @@ def format_table(profile: Profile) -> str:
         f"Predicted peak on {terms.device.value} (one session):",
         *(f"  {name:<32} {_mib(value):>14}  ({how})" for name, value, how in terms.rows()),
         f"  {'predicted peak':<32} {_mib(profile.predicted_peak_bytes):>14}  (sum of the terms)",
+        *([f"In a server, of that: {_mib(terms.per_model).strip()} per model (however many plans), "
+           f"{_mib(terms.per_plan).strip()} per plan (kept between runs), {_mib(terms.per_run).strip()} per running "
+           "batch (the shared arena keeps the largest)."] if terms.per_model or terms.per_run else []),
         f"Terms fitted on: {PROVIDER_TERMS[terms.device].fitted_on}.",
         "Activations count the input and every new buffer a layer writes; aliasing layers (in-place"
         " element-wise ops, Reshape/Flatten) write none. MACs: Conv, Gemm and MatMul.",

@@ -7,18 +7,25 @@ the execution provider, each fitted on measurements of that provider and kept he
 numbers it was fitted on (issue 14):
 
 * CPU (onnxruntime 1.31, CPU provider, `server.memory.runtime.predictable_session_options`:
-  onnxruntime's own defaults, its arena and memory pattern; the allocator as `configure_allocator`
-  sets it; the first run through `first_cpu_run`, as server/engine/providers.py makes every plan): a plan
-  keeps, from its second run on, weights + 1.1 x live peak + ~2 MiB, and no run after it takes
-  more (issue 22, CPU_MEASUREMENTS, measured in the server's own process). The 1.1 is the memory
-  pattern's block (onnxruntime's planner places buffers by first fit, so the block exceeds the
-  live peak) and what the arena kept of the first run; the ~2 MiB the session's own state
-  (pre-packed and NCHWc-reordered weights replace the originals: no copy) and run workspace. The
-  arena rounds its regions up to powers of two, but only the pages a run touches are resident,
-  and a plan's runs all touch the same ones. Least squares over CPU_MEASUREMENTS gave 1.106 and
-  1.3 MiB; rounded, every case is within 5%. A server's first plan costs ~7 MiB more, once (the
-  interpreter's and onnxruntime's first-use state), and making a plan peaks transiently ~50-100 MiB
-  above what it keeps (the plan graph built and serialized, the session loaded: bench_cpu_plans).
+  onnxruntime's own defaults, its memory pattern on, one arena for the whole process
+  (server.memory.arena); each plan's graph optimized once and loaded on its model's one copy of the
+  optimized weights (server.engine.shared_weights); the allocator as `configure_allocator` sets it; the
+  first run through `first_cpu_run`, as server/engine/providers.py makes every plan): a plan alone
+  holds, from its second run on, weights + 1.1 x live peak + ~2 MiB, and no run after it takes more
+  (issue 22, CPU_MEASUREMENTS, measured in the server's own process when each plan kept its own
+  arena). The 1.1 is the memory pattern's block (onnxruntime's planner places buffers by first fit,
+  so the block exceeds the live peak) and the run's outputs; the ~2 MiB the session's own state and
+  run workspace. Least squares over CPU_MEASUREMENTS gave 1.106 and 1.3 MiB; rounded, every case is
+  within 5%. A server's first plan costs ~7 MiB more, once (the interpreter's and onnxruntime's
+  first-use state), and making a plan peaks transiently above what it keeps (the plan graph built and
+  optimized, the session loaded: bench_cpu_plans).
+
+  Several plans of one model share (issue 33, CPU_SHARED_MEASUREMENTS, the default warm-up's ten
+  plans measured by the server itself): the weights are held once per model (`per_model`; as
+  optimized they are the same bytes, 17.73 MiB against 17.70), each plan keeps 0.9-1.7 MiB of its
+  own between runs (`per_plan`: the session state term), and a running batch takes 1.07-1.08 x live
+  peak from the shared arena and hands it back (`per_run`: workspace + activations), of which the
+  arena keeps the largest.
 * CUDA (H100, onnxruntime-gpu 1.31.1, `arena_extend_strategy=kSameAsRequested`): device memory
   over the process's baseline, `CUDA_MEASUREMENTS` below. Creating a session costs the weights
   plus ~76 MiB of CUDA/cuDNN/cuBLAS handles and streams (94 MiB on EfficientNet-Lite0, whose
@@ -30,8 +37,10 @@ numbers it was fitted on (issue 14):
   76 MiB; rounded, every case is within 1% (tests/convert/test_memory_model.py holds it to 25%).
   `cudnn_conv_use_max_workspace=0` changed nothing.
 
-A server with several plans per model (one session per shape) pays session state, workspace and
-copies once per plan; see server/scoring/admission.py, which measures plans instead once they exist.
+A server with several plans per model (one session per shape) pays, on CUDA, everything once per
+plan; on the CPU the weights once per model, the session state once per plan and the largest running
+batch once (`per_model`, `per_plan`, `per_run`; server/memory/device.py accounts them and measures
+plans instead once they exist).
 """
 
 from __future__ import annotations
@@ -39,7 +48,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-__all__ = ["Device", "ProviderTerms", "MemoryTerms", "PROVIDER_TERMS", "CPU_MEASUREMENTS", "CUDA_MEASUREMENTS", "predict"]
+__all__ = ["Device", "ProviderTerms", "MemoryTerms", "PROVIDER_TERMS", "CPU_MEASUREMENTS", "CPU_SHARED_MEASUREMENTS",
+           "CUDA_MEASUREMENTS", "predict"]
 
 MiB = 2**20
 
@@ -61,15 +71,22 @@ class ProviderTerms:
     activation_factor: float  # bytes held per byte of the graph's live activation peak
     keeps_run_memory: bool    # the provider's arena keeps what a run grew it to (else freed after the run)
     fitted_on: str
+    # A server's plans of one model (sessions of one shape each) share the model's weights: held once per model.
+    weights_shared: bool = False
+    # Every plan's runs take their activations from one arena (server.memory.arena) and hand them back: a plan
+    # keeps none between runs, the arena the largest block a running batch took.
+    arena_shared: bool = False
 
 
 PROVIDER_TERMS = {
     Device.CPU: ProviderTerms(
         weight_copies=0.0, session_bytes=1 * MiB, workspace_bytes=1 * MiB, activation_factor=1.1, keeps_run_memory=True,
+        weights_shared=True, arena_shared=True,
         fitted_on="resident set a plan's session keeps after its warm-up runs, onnxruntime 1.31 CPU provider with its "
                   "arena and memory pattern, the default model, a VGG-width net and the same net taking NHWC, "
                   "224-512 px, batch 1 and 4, RSS growth of a scoremap-serve process at each plan's first request "
-                  "(CPU_MEASUREMENTS, bench_cpu_plans)",
+                  "(CPU_MEASUREMENTS, bench_cpu_plans); split per model, plan and running batch on the default "
+                  "warm-up's ten plans sharing the weights and one arena (CPU_SHARED_MEASUREMENTS)",
     ),
     Device.CUDA: ProviderTerms(
         weight_copies=0.8, session_bytes=76 * MiB, workspace_bytes=66 * MiB, activation_factor=2.0, keeps_run_memory=True,
@@ -101,6 +118,24 @@ CPU_MEASUREMENTS = (
     ("VGG-width NHWC dense", 224, 4, 1, 16.0, 26.8, 47.4),
     ("VGG-width NHWC dense", 384, 4, 1, 16.0, 78.8, 105.9),
     ("VGG-width NHWC dense", 512, 4, 1, 16.0, 140.0, 176.3),
+)
+
+# The CPU plans of one server sharing their model's weights and one arena (issue 33; the default model's warm-up,
+# scoremap-serve's own measurement of each plan as it was made, onnxruntime 1.31.1, 2-core AMD EPYC): model, canvas
+# height, width, batch, passes, live activation peak MiB (convert.profile of the net at the canvas, batch x
+# passes), what the plan keeps of its own between runs MiB (RSS growth at its session's creation and first run,
+# the model's new shared weights taken out), what its run took from the emptied arena MiB.
+CPU_SHARED_MEASUREMENTS = (
+    ("efficientnet-lite0 dense", 384, 384, 1, 1, 18.6, 1.7, 19.8),
+    ("efficientnet-lite0 dense", 384, 512, 1, 1, 24.8, 0.9, 26.4),
+    ("efficientnet-lite0 dense", 512, 384, 1, 1, 24.8, 0.9, 26.7),
+    ("efficientnet-lite0 dense", 384, 576, 1, 1, 27.8, 0.9, 30.0),
+    ("efficientnet-lite0 dense", 576, 384, 1, 1, 27.8, 0.9, 30.0),
+    ("efficientnet-lite0 dense", 416, 416, 1, 4, 87.1, 1.1, 93.8),
+    ("efficientnet-lite0 dense", 416, 544, 1, 4, 114.0, 1.3, 122.9),
+    ("efficientnet-lite0 dense", 544, 416, 1, 4, 114.0, 0.9, 122.9),
+    ("efficientnet-lite0 dense", 416, 608, 1, 4, 127.4, 0.9, 137.5),
+    ("efficientnet-lite0 dense", 608, 416, 1, 4, 127.4, 1.0, 137.5),
 )
 
 # The CUDA measurements the terms were fitted on (issue 14): model, side, batch, weights MiB,
@@ -152,20 +187,40 @@ class MemoryTerms:
         """What the session holds between runs once warmed up: what a footprint measures."""
         return self.total - self.transient
 
+    # --- what a server's plans (sessions of one model, one shape each) hold together (issue 33) ----------
+    @property
+    def per_model(self) -> int:
+        """Held once per model however many plans it has: its weights, where its plans share them."""
+        return self.weights + self.weight_copies if PROVIDER_TERMS[self.device].weights_shared else 0
+
+    @property
+    def per_run(self) -> int:
+        """Held by a running batch, where runs take it from the one arena and hand it back: of a model's plans, the
+        arena holds the largest; 0 where each plan keeps its own (it is then part of `per_plan`)."""
+        return self.run_workspace + self.activations if PROVIDER_TERMS[self.device].arena_shared else 0
+
+    @property
+    def per_plan(self) -> int:
+        """What each plan keeps between runs beyond its model's and its running batch's: its session state, and
+        whatever it does not share."""
+        return self.total - self.per_model - self.per_run
+
     def rows(self) -> list[tuple[str, int, str]]:
         """(term, bytes, how it is computed), in the order of the formula."""
         terms = PROVIDER_TERMS[self.device]
         return [
-            ("weights", self.weights, "every initializer, at its dtype"),
+            ("weights", self.weights, "every initializer, at its dtype" + (", once per model" if terms.weights_shared else "")),
             ("weight copies", self.weight_copies, f"{terms.weight_copies:g} x weights"),
             ("session state", self.session_state, "per session"),
-            ("run workspace", self.run_workspace, "per run, constant"),
-            ("activations", self.activations, f"{terms.activation_factor:g} x live peak"),
+            ("run workspace", self.run_workspace, "per run, constant" + (", shared arena" if terms.arena_shared else "")),
+            ("activations", self.activations, f"{terms.activation_factor:g} x live peak"
+             + (", shared arena: held while the batch runs" if terms.arena_shared else "")),
         ]
 
     def to_dict(self) -> dict:
         return {"device": self.device.value, **{name.replace(" ", "_"): value for name, value, _ in self.rows()},
-                "live_peak": self.live_peak, "total": self.total,
+                "live_peak": self.live_peak, "total": self.total, "per_model": self.per_model,
+                "per_plan": self.per_plan, "per_run": self.per_run,
                 "fitted_on": PROVIDER_TERMS[self.device].fitted_on}
 
 

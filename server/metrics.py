@@ -53,6 +53,11 @@ class Metrics:
             "scoremap_plan_bytes", "Memory of each plan: measured after warm-up, and predicted (server/scoring/admission.py)",
             ["model", "plan", "kind"], registry=self.registry,
         )
+        self.plans_held = Gauge(
+            "scoremap_plans_held_bytes", "Memory every model's plans hold together as admission accounts it: each "
+            "model's weights once, each plan's own state, each model's largest running batch (server/memory/device.py)",
+            registry=self.registry,
+        )
         self.plans_made = Counter(
             "scoremap_plans_made", "Plans made for traffic: shapes outside the warm-up's (each costs a session)",
             ["model"], registry=self.registry,

@@ -10,6 +10,7 @@ so the engine's first CUDA session finds them without LD_LIBRARY_PATH (issue 29)
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ import onnxruntime
 
 from convert.cuda import INSTALL_HINT, cuda_free_bytes, driver_present, preload_libraries, why_no_cuda
 from convert.memory_model import Device
+from server.engine.shared_weights import SharedWeights, optimize
+from server.memory.arena import CPU_ARENA
 from server.memory.runtime import PREDICTABLE_CUDA_OPTIONS, first_cpu_run, predictable_session_options, warm_up_runtime
 from server.settings import Settings
 
@@ -107,6 +110,7 @@ class Engine:
         self.provider = CUDA if CUDA in choice.providers else CPU
         if not self.on_gpu:  # so the first plan's measured footprint is the plan's, not the runtime's first use
             warm_up_runtime([CPU])
+            CPU_ARENA.idle_held_bytes = settings.max_idle_arena_bytes
 
     @property
     def on_gpu(self) -> bool:
@@ -129,15 +133,25 @@ class Engine:
         options.inter_op_num_threads = self.settings.inter_op_threads
         return options
 
-    def session(self, graph: bytes) -> onnxruntime.InferenceSession:
+    def session(self, graph: bytes, *, weights: SharedWeights | None = None) -> onnxruntime.InferenceSession:
         """A session of `graph` on the chosen provider; EngineError when CUDA was chosen but did not load.
 
-        Made from a file, not the bytes: onnxruntime's Python session keeps bytes it was given for as
-        long as it lives (a second copy of the weights per plan, 18 MiB on the default model)."""
-        with tempfile.NamedTemporaryFile(suffix=".onnx") as file:
-            file.write(graph)
-            file.flush()
-            session = onnxruntime.InferenceSession(file.name, self.options(), providers=self._providers)
+        On the CPU with `weights` (the model's, server.engine.shared_weights), the graph is optimized once
+        and its session loaded on the model's shared copy of the optimized weights. Made from a file, not the
+        bytes: onnxruntime's Python session keeps bytes it was given for as long as it lives (a second copy of
+        the weights per plan, 18 MiB on the default model)."""
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "graph.onnx")
+            with open(path, "wb") as file:
+                file.write(graph)
+            options = self.options()
+            if weights is not None and not self.on_gpu:
+                path = weights.share(optimize(path, folder, self._optimizing_options(), [CPU]), options)
+            session = onnxruntime.InferenceSession(path, options, providers=self._providers)
+        if weights is not None and not self.on_gpu:
+            # onnxruntime uses the values handed to add_initializer in place but does not keep them alive: the
+            # session holds the model's weights for as long as it lives (a session outliving them read freed memory)
+            session.shared_weights = weights
         actual = session.get_providers()[0]
         if actual != self.provider:
             failed = preload_libraries()
@@ -151,6 +165,15 @@ class Engine:
         if not self.on_gpu:
             _first_run(session)
         return session
+
+    @staticmethod
+    def _optimizing_options() -> onnxruntime.SessionOptions:
+        """A session that only optimizes a graph and writes it out: one thread, no arena (it never runs)."""
+        options = onnxruntime.SessionOptions()
+        options.log_severity_level = 3
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        return options
 
     def free_gpu_bytes(self) -> int | None:
         """Free device memory from the CUDA runtime (cudaMemGetInfo), when running on the GPU."""

@@ -18,15 +18,19 @@ prints), so what users are shown is what the server enforces. Two ways to use it
   scale that fits when the plan cannot fit even with every other plan evicted. Then, once the plan
   is made and warmed up (`server.memory.runtime.measure_footprint`):
 
-      plan_memory.plan_created(key, measured_bytes)   # replaces the reservation, exports the gauge,
-                                                      # logs when the prediction is off by > 25%
+      plan_memory.plan_created(key, measured_bytes, run_bytes=)  # replaces the reservation, exports the
+                                                      # gauge, logs when the prediction is off by > 25%
       plan_memory.plan_used(key)                      # on every run: recency for LRU
       plan_memory.plan_evicted(key)                   # when it is dropped (or its making failed)
 
   `key` is the plan cache's own hashable key; `height`, `width` are the net's input size and
   `batch` the images one run of the net sees (batch x passes when passes are made on the device).
-  A plan is accounted at its measurement plus, on the CPU, the run memory it takes back while it
-  runs (activations are freed after each run there; CUDA's arena keeps them, so they are measured).
+
+What the plans hold together (`held_bytes`, issue 33) is counted as it is held: on the CPU a model's
+weights once (its plans share them, server.engine.shared_weights), each plan's own state, and per model
+the largest of its plans' running batches (their runs take activations from one arena and hand them back,
+server.memory.arena); on CUDA each plan keeps all of its own. A plan's measurement replaces its own and its
+running batch's predictions; the model's weights stay predicted.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import functools
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 import onnx
@@ -46,7 +50,7 @@ from convert.profile import ProfileError, Skeleton, largest_batch, load_skeleton
 from server.errors import Refusal, ScoringError
 from server.metrics import Metrics
 
-__all__ = ["MemoryBudget", "PlanMemory", "PlanRecord"]
+__all__ = ["MemoryBudget", "PlanMemory", "PlanRecord", "held_bytes"]
 
 LOG = logging.getLogger(__name__)
 PROFILE_CACHE_SIZE = 1024  # input sizes (and batch sizes) whose predictions each model remembers
@@ -56,26 +60,59 @@ MEASUREMENT_RESOLUTION_BYTES = 4 * 2**20  # ... and by more than this: RSS moves
 
 @dataclass
 class PlanRecord:
-    """One plan in the budget: its prediction, its measurement once made, and when it was last used."""
+    """One plan in the budget: its prediction, its measurement once made, and when it was last used.
+
+    What it holds splits three ways (convert.memory_model, issue 33): its model's (weights shared by the model's
+    plans), its own (session state, kept between runs) and its running batch's (activations the shared arena
+    holds while it runs). On CUDA a plan keeps all of it itself."""
 
     owner: PlanMemory
     key: Hashable
     predicted: MemoryTerms
-    measured_bytes: int | None
+    measured_bytes: int | None      # what the plan holds alone, its model's weights and its batch included
     last_used: int
+    measured_run_bytes: int | None = None  # of which its running batch (CPU: what its run took from the arena)
+
+    @property
+    def model_bytes(self) -> int:
+        """Its model's share (held once whatever the number of plans): the shared weights as held, once known."""
+        if not self.predicted.per_model or self.owner.weights_held is None:
+            return self.predicted.per_model
+        return self.owner.weights_held
+
+    @property
+    def run_bytes(self) -> int:
+        return self.measured_run_bytes if self.measured_run_bytes is not None else self.predicted.per_run
+
+    @property
+    def own_bytes(self) -> int:
+        """What the plan itself keeps between runs."""
+        if self.measured_bytes is None:
+            return self.predicted.per_plan
+        return max(0, self.measured_bytes + self.predicted.transient - self.model_bytes - self.run_bytes)
 
     @property
     def accounted_bytes(self) -> int:
-        """What the plan holds (measured, else predicted) plus what its runs take back on the CPU."""
+        """What the plan holds alone (measured, else predicted) plus what its runs take back on the CPU."""
         if self.measured_bytes is None:
             return self.predicted.total
         return self.measured_bytes + self.predicted.transient
 
 
+def held_bytes(records: Iterable[PlanRecord]) -> int:
+    """What these plans hold together: each model's weights once, each plan's own state, and of each model's
+    running batches the largest (one runs at a time per model: its batcher's)."""
+    models: dict[int, list[PlanRecord]] = {}
+    for record in records:
+        models.setdefault(id(record.owner), []).append(record)
+    return sum(max(r.model_bytes for r in mine) + sum(r.own_bytes for r in mine) + max(r.run_bytes for r in mine)
+               for mine in models.values())
+
+
 class MemoryBudget:
     """Every loaded model's plans, one per server: the one order of their use, server-wide, that evictions
     and each model's --max-plans follow, and the one account of the bytes they may hold together on one
-    device. Each model's `PlanMemory` predicts and refuses; this only accounts."""
+    device (`held_bytes`). Each model's `PlanMemory` predicts and refuses; this only accounts."""
 
     def __init__(self, total_bytes: int | None, *, device: Device) -> None:
         self.total_bytes = total_bytes
@@ -86,7 +123,7 @@ class MemoryBudget:
 
     def used_bytes(self) -> int:
         with self._lock:
-            return sum(record.accounted_bytes for record in self._plans.values())
+            return held_bytes(self._plans.values())
 
     def plans(self) -> list[PlanRecord]:
         """Every plan accounted, least recently used first."""
@@ -99,22 +136,19 @@ class MemoryBudget:
         return mine[0].key if mine else None
 
     def reserve(self, owner: PlanMemory, key: Hashable, predicted: MemoryTerms,
-                measured_bytes: int | None) -> tuple[PlanRecord, list[PlanRecord] | None]:
+                measured_bytes: int | None, measured_run_bytes: int | None = None,
+                ) -> tuple[PlanRecord, list[PlanRecord] | None]:
         """Account a plan about to be made as the most recently used, evicting least recently used plans to
         fit: its record, and the evicted, or None when it cannot fit even alone (nothing changed then)."""
         slot = (id(owner), key)
         with self._lock:
-            record = PlanRecord(owner, key, predicted, measured_bytes, next(self._clock))
+            record = PlanRecord(owner, key, predicted, measured_bytes, next(self._clock), measured_run_bytes)
             others = sorted((r for s, r in self._plans.items() if s != slot), key=lambda r: r.last_used)
             if self.total_bytes is not None and record.accounted_bytes > self.total_bytes:
                 return record, None
-            used = sum(r.accounted_bytes for r in others) + record.accounted_bytes
             victims = []
-            for victim in others:
-                if self.total_bytes is None or used <= self.total_bytes:
-                    break
-                victims.append(victim)
-                used -= victim.accounted_bytes
+            while others and self.total_bytes is not None and held_bytes([*others, record]) > self.total_bytes:
+                victims.append(others.pop(0))
             for victim in victims:
                 del self._plans[(id(victim.owner), victim.key)]
             self._plans[slot] = record
@@ -125,11 +159,13 @@ class MemoryBudget:
         with self._lock:
             return self._plans.get((id(owner), key))
 
-    def measured(self, owner: PlanMemory, key: Hashable, measured_bytes: int) -> PlanRecord | None:
+    def measured(self, owner: PlanMemory, key: Hashable, measured_bytes: int,
+                 measured_run_bytes: int | None = None) -> PlanRecord | None:
         with self._lock:
             record = self._plans.get((id(owner), key))
             if record is not None:
                 record.measured_bytes = measured_bytes
+                record.measured_run_bytes = measured_run_bytes
                 record.last_used = next(self._clock)
             return record
 
@@ -142,7 +178,6 @@ class MemoryBudget:
     def drop(self, owner: PlanMemory, key: Hashable) -> None:
         with self._lock:
             self._plans.pop((id(owner), key), None)
-
 
 
 class PlanMemory:
@@ -163,8 +198,12 @@ class PlanMemory:
         self.budget_bytes = budget_bytes if budget_bytes is not None else (shared.total_bytes if shared else None)
         self.metrics = metrics
         self.on_evict: Callable[[Hashable], None] | None = None
+        # What the model's plans hold once between them (its shared weights, as optimized), once known; else the
+        # prediction's weights
+        self.weights_held: int | None = None
         self._lock = threading.Lock()
-        self._measured: dict[Hashable, int] = {}  # kept after eviction: a plan made again costs the same
+        # (alone, of which its running batch) per plan, kept after eviction: a plan made again costs the same
+        self._measured: dict[Hashable, tuple[int, int | None]] = {}
         # Per instance, not functools.lru_cache on the methods: that cache is shared by every
         # PlanMemory and keeps each one (and its graph) alive.
         self.terms = functools.lru_cache(maxsize=PROFILE_CACHE_SIZE)(self._terms)
@@ -221,8 +260,8 @@ class PlanMemory:
         except ProfileError as error:
             raise ScoringError(Refusal.INVALID_ARGUMENT,
                                f"plan {key} ({batch}x{height}x{width}) cannot be profiled: {error}") from error
-        measured = self._measured.get(key)
-        record, victims = self.shared.reserve(self, key, predicted, measured)
+        measured, measured_run = self._measured.get(key, (None, None))
+        record, victims = self.shared.reserve(self, key, predicted, measured, measured_run)
         if victims is None:
             what = f"plan {key}" + (f" for scale {scale}" if scale is not None else "")
             how = "measured" if measured is not None else "predicted"
@@ -238,29 +277,36 @@ class PlanMemory:
                 victim.owner.on_evict(victim.key)
         return mine
 
-    def plan_created(self, key: Hashable, measured_bytes: int) -> None:
-        """Record a made and warmed-up plan's measured footprint (device bytes on CUDA, RSS on the CPU). A
-        reading below the weights every session holds means memory was freed elsewhere meanwhile (bench_server
-        read 0 B for a 115 MiB plan): admission keeps the prediction."""
+    def plan_created(self, key: Hashable, measured_bytes: int, *, run_bytes: int | None = None) -> None:
+        """Record a made and warmed-up plan's measured footprint (device bytes on CUDA, RSS on the CPU): what it
+        holds alone, its model's weights included, and on the CPU `run_bytes`, what of it its run took from the
+        shared arena. A reading below the weights every session holds means memory was freed elsewhere
+        meanwhile (bench_server read 0 B for a 115 MiB plan): admission keeps the prediction."""
         reserved = self.shared.record(self, key) if self.shared is not None else None
         if reserved is not None and measured_bytes < reserved.predicted.weights:
             LOG.debug("%s: plan %s measured %d bytes, below its %d bytes of weights: not used", self.name, key,
                       measured_bytes, reserved.predicted.weights)
             return
-        self._measured[key] = measured_bytes
-        record = self.shared.measured(self, key, measured_bytes) if self.shared is not None else None
+        self._measured[key] = (measured_bytes, run_bytes)
+        record = self.shared.measured(self, key, measured_bytes, run_bytes) if self.shared is not None else None
         if record is None:
             return
         expected = record.predicted.resident
-        ratio = measured_bytes / expected if expected else float("inf")
-        if abs(ratio - 1) > PREDICTION_TOLERANCE and abs(measured_bytes - expected) > MEASUREMENT_RESOLUTION_BYTES:
-            LOG.warning("%s: plan %s measured %s on %s, predicted %s (%.2fx): the memory model is off for this "
-                        "model; admission uses the measurement", self.name, key, format_bytes(measured_bytes),
-                        self.device.value, format_bytes(expected), ratio)
+        self._check(key, "", measured_bytes, expected)
+        if run_bytes is not None:
+            self._check(key, "'s running batch", run_bytes, record.predicted.per_run)
         if self.metrics is not None:
             gauge = self.metrics.plan_memory
             gauge.labels(self.name, str(key), "measured").set(measured_bytes)
             gauge.labels(self.name, str(key), "predicted").set(expected)
+
+    def _check(self, key: Hashable, what: str, measured: int, expected: int) -> None:
+        """Log a measurement off its prediction by more than the tolerance and the measurement's resolution."""
+        ratio = measured / expected if expected else float("inf")
+        if abs(ratio - 1) > PREDICTION_TOLERANCE and abs(measured - expected) > MEASUREMENT_RESOLUTION_BYTES:
+            LOG.warning("%s: plan %s%s measured %s on %s, predicted %s (%.2fx): the memory model is off for this "
+                        "model; admission uses the measurement", self.name, key, what, format_bytes(measured),
+                        self.device.value, format_bytes(expected), ratio)
 
     def plan_used(self, key: Hashable) -> None:
         """The plan ran: most recently used now."""

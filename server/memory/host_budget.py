@@ -1,5 +1,5 @@
 """The host memory requests hold: one request against its limit, the requests in flight against the server's
-budget, and idle memory given back to the system (issue 14)."""
+budget, and idle memory given back to the system (issues 14 and 33)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from convert.arguments import format_bytes
 from server.errors import Refusal, ScoringError, Transient, retry_after
 from server.memory.host import HostEstimate
+from server.memory.arena import CPU_ARENA
 from server.memory.runtime import release_free_memory
 
 __all__ = ["HostBudget", "admit_host", "available_memory_bytes"]
@@ -92,15 +93,20 @@ class HostBudget:
     def give_back(self, held_bytes: int) -> None:
         """A request ended. When it was the last in flight and requests have held `TRIM_AFTER_BYTES` since the
         last time, glibc's freed memory goes back to the system (malloc_trim): it would keep it, and idle RSS
-        ratcheted up after large requests (issue 14). Not after each request: memory given back is faulted in
-        again."""
+        ratcheted up after large requests (issue 14); so does the CPU plans' shared arena, which would keep the
+        largest block any run took (a 2944x800 canvas's 4 passes: 1.3 GiB, issue 33) while nothing runs; it also
+        gives back a block over server.memory.arena.IDLE_HELD_BYTES whenever the last request ends. Not after each
+        request: memory given back is faulted in again (a run after it pays for its block's pages once)."""
         with self._lock:
             self._held -= held_bytes
             self._requests -= 1
             self._since_trim += held_bytes
-            trim = self._requests == 0 and self._since_trim > TRIM_AFTER_BYTES
+            idle = self._requests == 0
+            trim = idle and self._since_trim > TRIM_AFTER_BYTES
             if trim:
                 self._since_trim = 0
+        if idle:
+            CPU_ARENA.went_idle(release=trim)
         if trim:
             release_free_memory()
 

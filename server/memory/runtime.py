@@ -45,6 +45,7 @@ import onnxruntime
 from onnx import TensorProto, helper, numpy_helper
 
 from convert.cuda import runtime
+from server.memory.arena import CPU_ARENA
 
 __all__ = [
     "MeasurementError",
@@ -76,9 +77,9 @@ RUNS = 2
 TIMEOUT_SECONDS = 600
 # Allocations from this size up get their own mapping, unmapped when freed (glibc's initial
 # threshold; setting it also stops glibc raising it after large frees): the regions of a plan's
-# onnxruntime arena go back to the system when the plan is dropped or its first run shrinks the
-# arena, and the buffers of requests (decoded images, maps) when the request ends. Runs do not pay
-# for it: the arena keeps the memory pattern's block from run to run (issue 22).
+# onnxruntime arena go back to the system when the arena shrinks (server.memory.arena), and the
+# buffers of requests (decoded images, maps) when the request ends. Runs do not pay for it: the
+# arena keeps the memory pattern's block from run to run (issues 22, 33).
 MMAP_THRESHOLD_BYTES = 128 * 1024
 # Free memory above the heap's top beyond this is returned at once.
 TRIM_THRESHOLD_BYTES = 0
@@ -109,34 +110,31 @@ PREDICTABLE_CUDA_OPTIONS = {"arena_extend_strategy": "kSameAsRequested"}
 def predictable_session_options(*, on_gpu: bool = False) -> onnxruntime.SessionOptions:
     """Session options under which convert.profile's prediction holds.
 
-    On the CPU, onnxruntime's own defaults: its arena and its memory pattern. A plan's session only
-    ever sees one shape (server/scoring/plans.py), so the pattern is one block of the planned activations,
-    taken from the arena at the first run and reused by every run after it: runs at onnxruntime's
-    default speed (bench_cpu_plans), and the arena holds the same bytes from the first run on, which
-    convert.memory_model counts (the arena's fragmentation, 1.7-1.9x the live activations on a
-    VGG-style graph, came from one session seeing many shapes). Without the arena each run mapped
-    and faulted its activations afresh: 1.1-3.2x slower (issue 22). On CUDA both stay off: the CUDA
-    terms of convert.memory_model were fitted on H100 runs made without them.
+    On the CPU, onnxruntime's own defaults, its memory pattern on, but one arena for the whole process
+    (server.memory.arena) instead of one per session. A plan's session only ever sees one shape
+    (server/scoring/plans.py), so its pattern is one block of the planned activations, taken from the
+    shared arena at each run and handed back after it: runs at onnxruntime's default speed
+    (bench_cpu_plans), and a plan that does not run holds no activations (issue 33). Without an arena
+    each run mapped and faulted its activations afresh: 1.1-3.2x slower (issue 22). On CUDA both stay
+    off: the CUDA terms of convert.memory_model were fitted on H100 runs made without them.
     """
     options = onnxruntime.SessionOptions()
     options.enable_cpu_mem_arena = not on_gpu
     options.enable_mem_pattern = not on_gpu
+    if not on_gpu:
+        CPU_ARENA.use_in(options)
     return options
 
 
-# onnxruntime's run option that hands a CPU arena's free chunks back when the run returns.
-_SHRINK_CPU_ARENA = onnxruntime.RunOptions()
-_SHRINK_CPU_ARENA.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-
-
 def first_cpu_run(session: onnxruntime.InferenceSession, feeds: dict[str, np.ndarray]) -> None:
-    """A CPU session's first run, after which its arena gives back what the run freed.
+    """A CPU session's first run, after which the shared arena gives back what the run left free.
 
     onnxruntime records the memory pattern during a session's first run, which allocates buffer by
-    buffer; the second run takes the pattern's one block from the arena, and every run after it
-    reuses that block. Without handing the first run's chunks back, the arena would keep both: a
-    further 1.4x the live activations on top of the pattern (issue 22, convert.memory_model)."""
-    session.run(None, feeds, _SHRINK_CPU_ARENA)
+    buffer; the second run takes the pattern's one block from the arena. The arena extends by regions
+    that are never merged, so without handing the first run's regions back it would keep both: a further
+    1.4x the live activations on top of the block (issues 22 and 33, server.memory.arena)."""
+    session.run(None, feeds)
+    CPU_ARENA.shrink()
 
 
 def select_device(available_providers: list[str], *, cuda_loadable: bool) -> str:
@@ -243,11 +241,13 @@ def measure_footprint(build: Callable[[], T], *, on_gpu: bool) -> tuple[T, Footp
     Both readings are process- (RSS) or device-wide (cudaMemGetInfo): whatever other threads
     allocate meanwhile is counted too, so build plans before serving or one at a time; `host_shared`
     says when work declared in HOST_ACTIVITY ran meanwhile. On the
-    CPU, with `predictable_session_options`, the arena keeps the runs' activations (the memory
-    pattern's block), so the footprint is what the plan holds from then on."""
+    CPU the shared arena is shrunk first (server.memory.arena): the reading starts from an arena that
+    holds only what running batches hold, so what `build` runs grows it by its own block."""
     cudart = runtime() if on_gpu else None
     if on_gpu and cudart is None:
         raise MeasurementError("a GPU footprint was asked but the CUDA runtime library does not load")
+    if not on_gpu:
+        CPU_ARENA.shrink()  # what other plans' runs left free in the shared arena is not the build's
     release_free_memory()
     activity_before = HOST_ACTIVITY.mark()
     host_before = resident_bytes()

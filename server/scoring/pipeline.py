@@ -62,6 +62,8 @@ class Pipeline:
             raise ScoringError(Refusal.FAILED_PRECONDITION, str(error)) from error
         configure_allocator()
         self.budget = MemoryBudget(self._budget_bytes(), device=self.engine.device)
+        if self.metrics is not None:
+            self.metrics.plans_held.set_function(self.budget.used_bytes)
         self.host_budget = HostBudget.sized(self.settings.host_memory_budget_bytes,
                                             fraction=self.settings.host_memory_fraction,
                                             at_least=self.settings.max_request_host_bytes,

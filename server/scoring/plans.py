@@ -23,6 +23,8 @@ import numpy as np
 import onnx
 import onnxruntime
 
+from server.engine.shared_weights import SharedWeights
+from server.memory.arena import CPU_ARENA
 from server.memory.runtime import HOST_ACTIVITY, measure_footprint
 from protos.model_card_pb2 import ModelCard
 from server.geometry.buckets import Buckets
@@ -56,11 +58,14 @@ class PlanKey:
 
 
 class Plan:
-    """One session of one fixed shape, with its input and output buffers bound once."""
+    """One session of one fixed shape, with its input and output buffers bound once; on the CPU its runs take
+    `arena_bytes` from the process's shared arena (server.memory.arena) and hand them back."""
 
-    def __init__(self, key: PlanKey, session: onnxruntime.InferenceSession, *, on_gpu: bool) -> None:
+    def __init__(self, key: PlanKey, session: onnxruntime.InferenceSession, *, on_gpu: bool,
+                 arena_bytes: int = 0) -> None:
         self.key = key
         self.session = session
+        self.arena_bytes = arena_bytes
         self._lock = threading.Lock()  # one run at a time: the bound buffers are shared (warm-up runs beside traffic)
         shapes = {output.name: tuple(output.shape) for output in session.get_outputs()}
         self.lattice_shape, self.probabilities_shape = shapes[LATTICE], shapes[PROBABILITIES]
@@ -93,6 +98,7 @@ class Plan:
 
     def _run(self, pixels: np.ndarray, valid: np.ndarray, *, lattice: str | None) -> tuple[np.ndarray | None, np.ndarray]:
         if self._binding is None:
+            CPU_ARENA.before_run(self.arena_bytes)
             names = [lattice, PROBABILITIES] if lattice else [PROBABILITIES]
             outputs = self.session.run(names, {PIXELS: pixels, VALID: valid})
             return (outputs[0] if lattice else None), outputs[-1]
@@ -132,6 +138,7 @@ class PlanCache:
         self._card = card
         self._engine = engine
         self._memory = plan_memory
+        self._weights = None if engine.on_gpu else SharedWeights()  # the model's, shared by its CPU plans
         self._max_plans = max(1, max_plans)
         self._plans: dict[PlanKey, Plan] = {}  # in no order: the memory budget keeps the one LRU order
         self._lock = threading.Lock()
@@ -158,6 +165,8 @@ class PlanCache:
             self._metrics.plans_made.labels(self._name).inc()  # a shape outside the warm-up's plans
         if planning:
             LOG.info("%s: planned %s in %.0f ms", self._name, key, 1000 * planning)
+            if not items:
+                return []  # a warm-up run: making the plan ran it already
         with HOST_ACTIVITY.busy():  # a plan made meanwhile on another batcher's thread would count this batch
             return self._run_batch(plan, key, items, planning, lattice=lattice)
 
@@ -212,29 +221,54 @@ class PlanCache:
             LOG.info("%s: plan %s evicted (least recently used)", self._card.name, evicted)
             self.drop(evicted)
         try:
-            plan, footprint = measure_footprint(lambda: self._make(key), on_gpu=self._engine.on_gpu)
+            plan = self._make_on_gpu(key) if self._engine.on_gpu else self._make_on_cpu(key)
         except BaseException:
             self._memory.plan_evicted(key)
             raise
-        if self._engine.on_gpu:
-            self._memory.plan_created(key, footprint.device_bytes)
-        elif footprint.host_shared:  # decoding beside it grew the resident set too: admission keeps the prediction
-            LOG.debug("%s: plan %s measured %d bytes while other work ran in the process: not used",
-                      self._card.name, key, footprint.host_bytes)
-        else:
-            self._memory.plan_created(key, footprint.host_bytes)
         with self._lock:
             self._plans[key] = plan
         self.made += 1
         return plan, time.monotonic() - started
 
-    def _make(self, key: PlanKey) -> Plan:
-        """A plan's session, run once (so its footprint includes what the first run allocates)."""
-        graph = build_plan_graph(
+    def _make_on_gpu(self, key: PlanKey) -> Plan:
+        """A plan's session, run once, measured together (CUDA's arena keeps what the run took, per plan)."""
+        plan, footprint = measure_footprint(lambda: self._warm(Plan(key, self._engine.session(self._graph(key)),
+                                                                    on_gpu=True)), on_gpu=True)
+        self._memory.plan_created(key, footprint.device_bytes)
+        return plan
+
+    def _make_on_cpu(self, key: PlanKey) -> Plan:
+        """A plan's session on the model's shared weights, then its warm-up run, measured apart: what the session
+        keeps (the weights new to the model are the model's, not the plan's) and what its run takes from the shared
+        arena, which the measurement starts empty (server.memory.runtime.measure_footprint)."""
+        graph = self._graph(key)
+        weights_before = self._weights.bytes
+        session, built = measure_footprint(lambda: self._engine.session(graph, weights=self._weights), on_gpu=False)
+        predicted_run = self._memory.terms(key.height, key.width, key.batch * len(key.passes.offsets)).per_run
+        plan = Plan(key, session, on_gpu=False, arena_bytes=predicted_run)
+        _, ran = measure_footprint(lambda: self._warm(plan), on_gpu=False)
+        own = built.host_bytes - (self._weights.bytes - weights_before)
+        self._memory.weights_held = self._weights.bytes  # exact: what the shared values hold
+        if built.host_shared or ran.host_shared or own < 0 or ran.host_bytes < predicted_run // 2:
+            # decoding beside it grew (or shrank) the resident set too, or memory was freed elsewhere meanwhile (a
+            # run holds at least its live activations): admission keeps the prediction
+            LOG.debug("%s: plan %s measured while other work ran in the process: not used", self._card.name, key)
+            return plan
+        plan.arena_bytes = ran.host_bytes
+        CPU_ARENA.took(ran.host_bytes)
+        self._memory.plan_created(key, self._weights.bytes + own + ran.host_bytes, run_bytes=ran.host_bytes)
+        return plan
+
+    def _graph(self, key: PlanKey) -> bytes:
+        return build_plan_graph(
             self._net, self._card, batch=key.batch, height=key.height, width=key.width,
             offsets=key.passes.offsets, factor=key.passes.factor, stride=key.passes.stride,
-        )
-        plan = Plan(key, self._engine.session(graph.SerializeToString()), on_gpu=self._engine.on_gpu)
+        ).SerializeToString()
+
+    @staticmethod
+    def _warm(plan: Plan) -> Plan:
+        """Run `plan` once on a blank batch (its footprint then includes what a run takes)."""
+        key = plan.key
         valid = np.zeros((key.batch, *plan.lattice_shape[2:]), dtype=np.float32)
         valid[:, 0, 0] = 1.0
         plan.run(np.zeros((key.batch, key.height, key.width, 3), dtype=np.uint8), valid, lattice=LATTICE)

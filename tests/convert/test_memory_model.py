@@ -3,7 +3,8 @@
 import pytest
 
 from convert.card import Layout
-from convert.memory_model import CPU_MEASUREMENTS, CUDA_MEASUREMENTS, PROVIDER_TERMS, Device, MiB, predict
+from convert.memory_model import (CPU_MEASUREMENTS, CPU_SHARED_MEASUREMENTS, CUDA_MEASUREMENTS, PROVIDER_TERMS, Device,
+                                 MiB, predict)
 from convert.profile import load_skeleton, profile_model
 from tests.convert.test_profile import vgg_graph
 
@@ -57,3 +58,26 @@ def test_the_recorded_cpu_inputs_are_the_profiles_of_the_measured_graphs(default
 def test_every_provider_says_what_it_was_fitted_on():
     assert set(PROVIDER_TERMS) == set(Device)
     assert all(terms.fitted_on for terms in PROVIDER_TERMS.values())
+
+
+@pytest.mark.parametrize("model, height, width, batch, passes, peak_mib, own_mib, run_mib", CPU_SHARED_MEASUREMENTS)
+def test_cpu_terms_split_what_plans_sharing_a_model_hold(model, height, width, batch, passes, peak_mib, own_mib,
+                                                         run_mib):
+    """Per plan: its session state (what it keeps of its own between runs); per running batch: workspace and
+    activations, which the shared arena hands back (issue 33)."""
+    terms = predict(Device.CPU, weights_bytes=int(17.7 * MiB), peak_activation_bytes=int(peak_mib * MiB))
+    assert terms.per_model == terms.weights  # once per model
+    assert abs(terms.per_plan - own_mib * MiB) <= 1 * MiB, terms
+    assert abs(terms.per_run / (run_mib * MiB) - 1) <= 0.1, terms
+    assert terms.per_model + terms.per_plan + terms.per_run == terms.total
+
+
+def test_the_recorded_shared_cpu_inputs_are_the_profiles_of_the_measured_plans(default_model_path):
+    for _model, height, width, batch, passes, peak_mib, *_ in CPU_SHARED_MEASUREMENTS:
+        profile = profile_model(default_model_path, height=height, width=width, batch=batch * passes)
+        assert profile.peak_activation_bytes / MiB == pytest.approx(peak_mib, rel=0.02), (height, width, passes)
+
+
+def test_cuda_plans_keep_all_they_hold_each():
+    terms = predict(Device.CUDA, weights_bytes=100 * MiB, peak_activation_bytes=50 * MiB)
+    assert terms.per_model == 0 and terms.per_run == 0 and terms.per_plan == terms.total

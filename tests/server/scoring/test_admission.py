@@ -114,24 +114,28 @@ def test_admission_keeps_the_skeleton_not_the_weights(tiny_model_path):
 
 # --- plans: one budget for every model's plans ------------------------------------------------
 
-def plan_admissions(tiny_model_path, coordinate_model_path, *, total_bytes):
+def plan_admissions(tiny_model_path, coordinate_model_path, *, total_bytes, device=None):
     import onnx
 
     from convert.memory_model import Device
     from server.memory.device import PlanMemory
     from server.memory.device import MemoryBudget
 
-    budget = MemoryBudget(total_bytes, device=Device.CPU)
-    tiny = PlanMemory(onnx.load(tiny_model_path), name="tiny", shared=budget)
-    coords = PlanMemory(onnx.load(coordinate_model_path), name="coords", shared=budget)
+    device = device or Device.CPU
+    budget = MemoryBudget(total_bytes, device=device)
+    tiny = PlanMemory(onnx.load(tiny_model_path), name="tiny", shared=budget, device=device)
+    coords = PlanMemory(onnx.load(coordinate_model_path), name="coords", shared=budget, device=device)
     return budget, tiny, coords
 
 
 def test_plans_of_every_model_share_one_budget_and_the_least_recently_used_go(tiny_model_path, coordinate_model_path):
+    """On CUDA, where each plan keeps all it holds (its weights and its arena): plans of the same size cost the same."""
+    from convert.memory_model import Device
     from convert.profile import profile_model
 
-    one = profile_model(tiny_model_path, height=256, width=256).predicted_peak_bytes
-    budget, tiny, coords = plan_admissions(tiny_model_path, coordinate_model_path, total_bytes=int(2.5 * one))
+    one = profile_model(tiny_model_path, height=256, width=256, device=Device.CUDA).predicted_peak_bytes
+    budget, tiny, coords = plan_admissions(tiny_model_path, coordinate_model_path, total_bytes=int(2.5 * one),
+                                           device=Device.CUDA)
     evicted_elsewhere = []
     coords.on_evict = evicted_elsewhere.append
     assert tiny.make_room("a", height=256, width=256, batch=1) == []
@@ -144,6 +148,50 @@ def test_plans_of_every_model_share_one_budget_and_the_least_recently_used_go(ti
     assert budget.used_bytes() <= budget.total_bytes
     tiny.plan_evicted("c")
     assert [record.key for record in budget.plans()] == ["d"]
+
+
+def test_cpu_plans_of_a_model_hold_its_weights_once_and_its_largest_running_batch(tiny_model_path,
+                                                                                coordinate_model_path):
+    """On the CPU a model's plans share its weights and one arena (issue 33): a further plan costs its own state,
+    a larger one the growth of the largest running batch; another model's plans hold their own weights and batch."""
+    from server.memory.device import held_bytes
+
+    budget, tiny, coords = plan_admissions(tiny_model_path, coordinate_model_path, total_bytes=None)
+    small, large = tiny.terms(256, 256, 1), tiny.terms(512, 512, 1)
+    assert small.per_model == small.weights > 0 and small.per_run > 0
+    assert small.per_model + small.per_plan + small.per_run == small.total
+    tiny.make_room("a", height=256, width=256, batch=1)
+    assert budget.used_bytes() == small.total
+    tiny.make_room("b", height=256, width=256, batch=1)
+    assert budget.used_bytes() == small.total + small.per_plan
+    tiny.make_room("c", height=512, width=512, batch=1)
+    assert budget.used_bytes() == large.total + 2 * small.per_plan
+    coords.make_room("d", height=256, width=256, batch=1)
+    other = coords.terms(256, 256, 1)
+    assert budget.used_bytes() == large.total + 2 * small.per_plan + other.total
+    assert held_bytes(budget.plans()) == budget.used_bytes()
+    # Measured on the CPU: what the plan holds alone, and of it its running batch's.
+    tiny.plan_created("c", large.per_model + 3 * 2**20 + large.per_run // 2, run_bytes=large.per_run // 2)
+    record = budget.record(tiny, "c")
+    assert record.own_bytes == 3 * 2**20 and record.run_bytes == large.per_run // 2
+    assert budget.used_bytes() == small.per_model + 2 * small.per_plan + 3 * 2**20 + max(small.per_run, large.per_run // 2) + other.total
+    tiny.plan_evicted("c")
+    assert budget.used_bytes() == small.total + small.per_plan + other.total
+
+
+def test_a_budget_evicts_until_the_plans_held_together_fit(tiny_model_path, coordinate_model_path):
+    """Eviction counts what the plans hold together: dropping a model's smaller plan frees only its own state."""
+    from convert.memory_model import Device
+
+    small = profile_model(tiny_model_path, height=256, width=256, device=Device.CPU).terms
+    large = profile_model(tiny_model_path, height=512, width=512, device=Device.CPU).terms
+    budget, tiny, _coords = plan_admissions(tiny_model_path, coordinate_model_path,
+                                            total_bytes=large.total + small.per_plan)
+    assert tiny.make_room("a", height=256, width=256, batch=1) == []
+    assert tiny.make_room("b", height=256, width=256, batch=1) == []
+    assert tiny.make_room("c", height=512, width=512, batch=1) == ["a"]  # b's state and c's batch still fit
+    assert [record.key for record in budget.plans()] == ["b", "c"]
+    assert budget.used_bytes() <= budget.total_bytes
 
 
 def test_a_plan_that_cannot_fit_alone_is_refused_with_the_numbers(tiny_model_path, coordinate_model_path):

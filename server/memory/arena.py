@@ -1,0 +1,130 @@
+"""The process's one CPU arena: every CPU plan's runs draw on it, and it keeps the largest block, not one per plan.
+
+Each CPU plan used to keep its own onnxruntime arena holding its memory pattern's block (one block of
+its planned activations): ten plans of the default model held ten blocks, 1.1 GiB idle (issue 33). The
+arena is registered once in onnxruntime's environment (`onnxruntime.create_and_register_allocator`) and
+sessions made with `session.use_env_allocators=1` take from it instead. A plan's run takes its block from
+it and hands it back when the run returns, so a plan that does not run holds no activations.
+
+onnxruntime's arena grows by regions that are never merged and gives back only whole free regions, and
+only when a run asks it to (`memory.enable_memory_arena_shrinkage`). Two rules keep it at the largest
+block rather than a sum of them:
+
+* `shrink()`: the free regions go back to the system, through a run of a one-element graph with that
+  option (onnxruntime shrinks only at the end of a run). A plan's first run records its memory pattern
+  allocating buffer by buffer; what it left goes back before its second run takes the block (without
+  it, the default warm-up's ten plans kept 391 MiB of arena instead of 147, /tmp measurements, issue 33).
+* `before_run(block)`: a run whose block is larger than any the arena took since it last shrank shrinks
+  it first, so that the new block's region replaces the smaller ones instead of joining them. The arena
+  extends by what is asked (kSameAsRequested): regions of onnxruntime's default power-of-two growth
+  stayed partly touched after a shrink (302 MiB for a 143 MiB block, against 158 MiB asked-for).
+
+And when no request is in flight, `went_idle` gives a large block back (`idle_held_bytes`), or any after
+requests held much memory (server.memory.host_budget): what is idle holds the memory of what exists (the
+model's weights, each plan's state), not of what ran.
+
+Runs of one model's plans are one at a time (its batcher); plans of several models may run at once, each
+holding its block, which admission counts per model (server/memory/device.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import onnxruntime
+from onnx import TensorProto, helper
+
+__all__ = ["ARENA_CONFIG", "IDLE_HELD_BYTES", "USE_ENV_ALLOCATORS", "SharedArena", "CPU_ARENA"]
+
+# The arena's configuration: regions the size asked for (kSameAsRequested), no limit of its own (the memory
+# budget admits the plans); onnxruntime's defaults otherwise.
+ARENA_CONFIG = {"arena_extend_strategy": 1}
+# The session option that makes a session take from the registered arena instead of its own.
+USE_ENV_ALLOCATORS = "session.use_env_allocators"
+# When nothing runs, a block larger than this goes back to the system (--max-idle-arena-bytes sets it): it belongs
+# to a plan whose run takes seconds, for which taking its pages again is little, and it would stay resident long
+# after (a 2944x800 canvas's four passes held 1.3 GiB after a soak, issue 33). A smaller one stays: the next run of
+# the plans most requests use reuses it.
+IDLE_HELD_BYTES = 256 * 2**20
+
+
+def _shrink_options() -> onnxruntime.RunOptions:
+    options = onnxruntime.RunOptions()
+    options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    return options
+
+
+class SharedArena:
+    """The one CPU arena of this process: registered on first use, shrunk on demand, grown by the largest block."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._registered = False
+        self._janitor: onnxruntime.InferenceSession | None = None
+        self._shrink = _shrink_options()
+        self.held_bytes = 0  # the largest block a run took since the arena last shrank (0: none)
+        self.idle_held_bytes = IDLE_HELD_BYTES  # the largest kept while nothing runs
+
+    def register(self) -> None:
+        """Register the arena in onnxruntime's environment, once per process."""
+        with self._lock:
+            if self._registered:
+                return
+            info = onnxruntime.OrtMemoryInfo("Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                             onnxruntime.OrtMemType.DEFAULT)
+            onnxruntime.create_and_register_allocator(info, onnxruntime.OrtArenaCfg(ARENA_CONFIG))
+            self._registered = True
+
+    def use_in(self, options: onnxruntime.SessionOptions) -> onnxruntime.SessionOptions:
+        """`options` taking from this arena (registered first if need be)."""
+        self.register()
+        options.enable_cpu_mem_arena = True
+        options.add_session_config_entry(USE_ENV_ALLOCATORS, "1")
+        return options
+
+    def shrink(self) -> None:
+        """Hand the arena's free regions back to the system; regions a running batch holds stay."""
+        with self._lock:
+            self._shrink_locked()
+
+    def before_run(self, block_bytes: int) -> None:
+        """Call before a run that takes a block of `block_bytes` from the arena: shrinks it first when the block
+        is larger than any it took since it last shrank, so that the larger block's region replaces the others."""
+        with self._lock:
+            if block_bytes > self.held_bytes:
+                if self.held_bytes:
+                    self._shrink_locked()
+                self.held_bytes = block_bytes
+
+    def went_idle(self, *, release: bool) -> None:
+        """No request is in flight: shrink when `release` (requests held enough memory since the last release that
+        giving it back is worth it, server.memory.host_budget) or when the arena holds more than `idle_held_bytes`."""
+        with self._lock:
+            if release or self.held_bytes > self.idle_held_bytes:
+                self._shrink_locked()
+
+    def took(self, block_bytes: int) -> None:
+        """A run just took a block of `block_bytes` (measured): the arena holds at least that much."""
+        with self._lock:
+            self.held_bytes = max(self.held_bytes, block_bytes)
+
+    def _shrink_locked(self) -> None:
+        if not self._registered:
+            return
+        if self._janitor is None:
+            graph = helper.make_graph(
+                [helper.make_node("Relu", ["x"], ["y"])], "shrink",
+                [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+            model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
+            options = onnxruntime.SessionOptions()
+            options.add_session_config_entry(USE_ENV_ALLOCATORS, "1")
+            options.log_severity_level = 3
+            self._janitor = onnxruntime.InferenceSession(model.SerializeToString(), options,
+                                                         providers=["CPUExecutionProvider"])
+        self._janitor.run(None, {"x": np.zeros(1, np.float32)}, self._shrink)
+        self.held_bytes = 0
+
+
+CPU_ARENA = SharedArena()  # process-wide, as onnxruntime's environment is
