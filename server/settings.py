@@ -304,8 +304,9 @@ class EngineOptions:
                                          "--memory-budget is given", parse=FRACTION, metavar="FRACTION")
     max_idle_arena_bytes: int = setting(
         256 * 2**20, "CPU: the largest block of activations the plans' shared arena keeps while no request is in "
-        "flight; a larger one goes back to the system when the last request ends (its plan's next run takes its "
-        "pages again), and any after requests held much memory", parse=memory_size, metavar="SIZE")
+        "flight; a larger one goes back to the system once no run has begun for 2 s after the last request ended "
+        "(its plan's next run takes its pages again), and any after requests held much memory",
+        parse=memory_size, metavar="SIZE")
     warm_up: bool = setting(True, "run every warm-up scale and stride, and the tile canvas of images larger "
                             "than every bucket, once before reporting SERVING")
     warm_up_scales: tuple[int, ...] = setting((), "scales to warm up before SERVING", parse=COUNT, metavar="SCALE",

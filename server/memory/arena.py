@@ -19,9 +19,9 @@ block rather than a sum of them:
   extends by what is asked (kSameAsRequested): regions of onnxruntime's default power-of-two growth
   stayed partly touched after a shrink (302 MiB for a 143 MiB block, against 158 MiB asked-for).
 
-And when no request is in flight, `went_idle` gives a large block back (`idle_held_bytes`), or any after
-requests held much memory (server.memory.host_budget): what is idle holds the memory of what exists (the
-model's weights, each plan's state), not of what ran.
+And when no request has been in flight for `idle_release_seconds`, `went_idle` gives a large block back
+(`idle_held_bytes`), or any after requests held much memory (server.memory.host_budget): what is idle
+holds the memory of what exists (the model's weights, each plan's state), not of what ran.
 
 Runs of one model's plans are one at a time (its batcher); plans of several models may run at once, each
 holding its block, which admission counts per model (server/memory/device.py).
@@ -35,7 +35,7 @@ import numpy as np
 import onnxruntime
 from onnx import TensorProto, helper
 
-__all__ = ["ARENA_CONFIG", "IDLE_HELD_BYTES", "USE_ENV_ALLOCATORS", "SharedArena", "CPU_ARENA"]
+__all__ = ["ARENA_CONFIG", "IDLE_HELD_BYTES", "IDLE_RELEASE_SECONDS", "USE_ENV_ALLOCATORS", "SharedArena", "CPU_ARENA"]
 
 # The arena's configuration: regions the size asked for (kSameAsRequested), no limit of its own (the memory
 # budget admits the plans); onnxruntime's defaults otherwise.
@@ -47,6 +47,10 @@ USE_ENV_ALLOCATORS = "session.use_env_allocators"
 # after (a 2944x800 canvas's four passes held 1.3 GiB after a soak, issue 33). A smaller one stays: the next run of
 # the plans most requests use reuses it.
 IDLE_HELD_BYTES = 256 * 2**20
+# How long no run must begin, once no request is in flight, before the arena gives back: a client sending large
+# requests one after another leaves the server idle between them, and giving the blocks back at each of those moments
+# made every such request fault its blocks in again (1.3-1.7 GiB each, 25% slower: issue 33).
+IDLE_RELEASE_SECONDS = 2.0
 
 
 def _shrink_options() -> onnxruntime.RunOptions:
@@ -65,6 +69,10 @@ class SharedArena:
         self._shrink = _shrink_options()
         self.held_bytes = 0  # the largest block a run took since the arena last shrank (0: none)
         self.idle_held_bytes = IDLE_HELD_BYTES  # the largest kept while nothing runs
+        self.idle_release_seconds = IDLE_RELEASE_SECONDS
+        self._runs = 0  # runs begun, so that a release due finds whether any began meanwhile
+        self._release_wanted = False
+        self._due: threading.Timer | None = None
 
     def register(self) -> None:
         """Register the arena in onnxruntime's environment, once per process."""
@@ -92,17 +100,31 @@ class SharedArena:
         """Call before a run that takes a block of `block_bytes` from the arena: shrinks it first when the block
         is larger than any it took since it last shrank, so that the larger block's region replaces the others."""
         with self._lock:
+            self._runs += 1
             if block_bytes > self.held_bytes:
                 if self.held_bytes:
                     self._shrink_locked()
                 self.held_bytes = block_bytes
 
     def went_idle(self, *, release: bool) -> None:
-        """No request is in flight: shrink when `release` (requests held enough memory since the last release that
-        giving it back is worth it, server.memory.host_budget) or when the arena holds more than `idle_held_bytes`."""
+        """No request is in flight. If no run begins for `idle_release_seconds`, shrink when `release` (requests held
+        enough memory since the last release that giving it back is worth it, server.memory.host_budget) or when the
+        arena holds more than `idle_held_bytes`."""
         with self._lock:
-            if release or self.held_bytes > self.idle_held_bytes:
+            self._release_wanted |= release
+            if self._due is not None:
+                self._due.cancel()
+            self._due = threading.Timer(self.idle_release_seconds, self._release_if_idle, args=(self._runs,))
+            self._due.daemon = True
+            self._due.start()
+
+    def _release_if_idle(self, runs: int) -> None:
+        with self._lock:
+            if self._runs != runs:  # a run began since: not idle
+                return
+            if self._release_wanted or self.held_bytes > self.idle_held_bytes:
                 self._shrink_locked()
+            self._release_wanted = False
 
     def took(self, block_bytes: int) -> None:
         """A run just took a block of `block_bytes` (measured): the arena holds at least that much."""

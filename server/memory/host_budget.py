@@ -95,8 +95,8 @@ class HostBudget:
         last time, glibc's freed memory goes back to the system (malloc_trim): it would keep it, and idle RSS
         ratcheted up after large requests (issue 14); so does the CPU plans' shared arena, which would keep the
         largest block any run took (a 2944x800 canvas's 4 passes: 1.3 GiB, issue 33) while nothing runs; it also
-        gives back a block over server.memory.arena.IDLE_HELD_BYTES whenever the last request ends. Not after each
-        request: memory given back is faulted in again (a run after it pays for its block's pages once)."""
+        gives back a block over --max-idle-arena-bytes, both once no run began for a while after the last request
+        ended (server.memory.arena.went_idle). Not after each request: memory given back is faulted in again."""
         with self._lock:
             self._held -= held_bytes
             self._requests -= 1

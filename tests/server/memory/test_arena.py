@@ -36,19 +36,35 @@ def test_the_arena_shrinks_before_a_run_only_when_a_larger_block_comes(monkeypat
 
 
 def test_an_idle_arena_gives_back_a_large_block_and_keeps_a_small_one(monkeypatch):
+    import time
+
     from server.memory.arena import IDLE_HELD_BYTES
 
     arena = SharedArena()
+    arena.idle_release_seconds = 0.05
     shrinks = []
     monkeypatch.setattr(arena, "_shrink_locked", lambda: (shrinks.append(arena.held_bytes), setattr(arena, "held_bytes", 0)))
+
+    def idle(*, release: bool) -> None:
+        arena.went_idle(release=release)
+        time.sleep(0.2)
+
     arena.before_run(IDLE_HELD_BYTES)
-    arena.went_idle(release=False)
+    idle(release=False)
     assert shrinks == []  # the block most requests reuse stays
-    arena.went_idle(release=True)
+    idle(release=True)
     assert shrinks == [IDLE_HELD_BYTES]  # requests held much memory since the last release: all of it goes back
     arena.before_run(IDLE_HELD_BYTES + 1)
-    arena.went_idle(release=False)
+    idle(release=False)
     assert shrinks == [IDLE_HELD_BYTES, IDLE_HELD_BYTES + 1]
+    # a run that begins before the delay is out keeps the block: the next request would fault it in again
+    arena.before_run(IDLE_HELD_BYTES + 1)
+    arena.went_idle(release=True)
+    arena.before_run(IDLE_HELD_BYTES + 1)
+    time.sleep(0.2)
+    assert shrinks == [IDLE_HELD_BYTES, IDLE_HELD_BYTES + 1]
+    idle(release=False)  # the release asked for before still holds
+    assert shrinks == [IDLE_HELD_BYTES, IDLE_HELD_BYTES + 1, IDLE_HELD_BYTES + 1]
 
 
 @pytest.fixture()
