@@ -285,7 +285,7 @@ def run() -> str:
         "the whole process (server.memory.arena: each run takes its plan's block and hands it back), each plan's "
         "graph optimized once and loaded on its model's one copy of the optimized weights "
         "(server.engine.shared_weights), idle threads not spinning, glibc's allocator as the server sets it "
-        "(a fixed 128 KiB mmap threshold).",
+        "(server.memory.runtime.configure_allocator).",
         "",
         f"### Speed: a plan's run against onnxruntime's defaults (target <= {SPEED_TARGET:g}, {speed_verdict})",
         "",

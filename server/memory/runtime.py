@@ -1,12 +1,14 @@
 """What onnxruntime really uses, measured, and the process configuration the prediction holds under.
 
-* `configure_allocator()`: glibc's malloc as the server runs it (a fixed 128 KiB mmap threshold,
-  heap top trimmed at once), so buffers of a run are returned to the system when freed. Under
+* `configure_allocator()`: glibc's malloc as the server runs it (a fixed 2 MiB mmap threshold,
+  heap top trimmed at once), so image-sized buffers and the arena's regions are returned to the
+  system when freed, and a request's smaller buffers come from the heap. Under
   glibc's defaults the mmap threshold grows to 32 MiB after the first large free, activations then
   come from the heap, fragment it and stay: the default model peaked at 110 MB for 512x512 (the
   prediction, 63 MB, was 0.57x of it) and a server's idle RSS ratcheted from 1.0 to 6.3 GB (issue
-  14). `release_free_memory()` (malloc_trim) gives back the holes left inside the heaps after a
-  large request.
+  14). With every buffer over 128 KiB mapped and unmapped (the setting until issue 29), a 576x384
+  photo's request faulted in 1,100 fresh pages: a third of its CPU. `release_free_memory()`
+  (malloc_trim) gives back what the heaps hold free after a large request.
 * `measure_footprint()`: what creating and warming up a plan (a session) really costs, in the
   running process: device memory (cudaMemGetInfo) on CUDA, resident set (current, not peak) on both.
 * `measure_peak()`: the peak of a bare net's runs, in a clean child configured like the server, the
@@ -75,13 +77,17 @@ T = TypeVar("T")
 RUNS = 2
 # A measurement child that takes longer than this is stopped.
 TIMEOUT_SECONDS = 600
-# Allocations from this size up get their own mapping, unmapped when freed (glibc's initial
-# threshold; setting it also stops glibc raising it after large frees): the regions of a plan's
-# onnxruntime arena go back to the system when the arena shrinks (server.memory.arena), and the
-# buffers of requests (decoded images, maps) when the request ends. Runs do not pay for it: the
-# arena keeps the memory pattern's block from run to run (issues 22, 33).
-MMAP_THRESHOLD_BYTES = 128 * 1024
-# Free memory above the heap's top beyond this is returned at once.
+# Allocations from this size up get their own mapping, unmapped when freed (setting it also stops
+# glibc raising it after large frees): the regions of the onnxruntime arena go back to the system
+# when it shrinks (server.memory.arena), and a large image's buffers when its request ends. Smaller
+# buffers (a 576x384 photo's decoded, resized and canvas arrays: 0.5-0.9 MiB each) come from the
+# heap: 300 page faults per request instead of 1,100 at the 128 KiB used until issue 29, and 8.3
+# against 12 ms of server CPU per request (bench_host served). At 4 MiB a plan of the net in
+# tests/server/memory/test_arena.py kept 9 MiB more than at 1-3 MiB.
+MMAP_THRESHOLD_BYTES = 2 * 2**20
+# Free memory at a heap's top is returned at once. Keeping 16 MiB there saved 0.7 ms more per request,
+# but malloc_trim does not give it back, so a plan's footprint read after it counted (or missed) up to
+# that much of other work's memory (tests/server/memory/test_plan_memory.py).
 TRIM_THRESHOLD_BYTES = 0
 # mallopt(3) parameter numbers (malloc.h).
 _M_TRIM_THRESHOLD = -1

@@ -25,6 +25,7 @@ from concurrent.futures import CancelledError, ThreadPoolExecutor
 import numpy as np
 
 from convert.card import Precision, label
+from server.memory.arena import CPU_ARENA
 from server.memory.runtime import HOST_ACTIVITY, configure_allocator
 from protos import model_card_pb2, scoring_pb2
 from server.memory.device import MemoryBudget
@@ -108,6 +109,9 @@ class Pipeline:
         ScoringError(UNAVAILABLE) naming every failure, so health never says SERVING over a broken model."""
         loading.warm_up(list(self._models.values()), self.settings.warm_up_scales,
                        lambda request: self.score(request, record=False))
+        # Warm-up requests pass no host budget: the tile canvas's block (600 MiB for the default model) would
+        # stay in the CPU arena until a first request ended.
+        CPU_ARENA.went_idle(release=False)
 
     # --- queries ------------------------------------------------------------------------------
     def models(self) -> list[scoring_pb2.ModelSummary]:

@@ -12,6 +12,7 @@ import onnx
 
 from bench.bench_cpu_plans import MEMORY_BOUND, server_plan_memory
 from bench.bench_memory import _wait_serving
+from server.memory.arena import IDLE_RELEASE_SECONDS
 from tests.tiny_models import heavy_net
 
 MiB = 2**20
@@ -118,7 +119,7 @@ def test_a_warmed_up_default_server_holds_its_plans_activations_once(default_mod
             assert "listening on" in line, line
             with grpc.insecure_channel(line.rsplit(" ", 1)[1].strip()) as channel:
                 _wait_serving(channel, server)
-            time.sleep(1.0)
+            time.sleep(IDLE_RELEASE_SECONDS + 1.0)  # the warm-up's tile canvas block goes back once idle
             with open(f"/proc/{server.pid}/status") as status:
                 return next(int(row.split()[1]) * 1024 for row in status if row.startswith("VmRSS:"))
         finally:
