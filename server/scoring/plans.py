@@ -172,11 +172,15 @@ class PlanCache:
 
     def _run_batch(self, plan: Plan, key: PlanKey, items: list[Item], planning: float, *,
                    lattice: str | None) -> list[Scored]:
-        pixels = np.empty((key.batch, key.height, key.width, 3), dtype=np.uint8)
-        pixels[len(items):] = self._fill  # the batch bucket's padding: the canvases hold their own fill
+        if len(items) == key.batch == 1:
+            pixels = items[0].canvas[np.newaxis]  # a lone item runs on its own canvas: no copy, no fresh pages
+        else:
+            pixels = np.empty((key.batch, key.height, key.width, 3), dtype=np.uint8)
+            pixels[len(items):] = self._fill  # the batch bucket's padding: the canvases hold their own fill
+            for index, item in enumerate(items):
+                pixels[index] = item.canvas
         valid = np.zeros((key.batch, *plan.lattice_shape[2:]), dtype=np.float32)
         for index, item in enumerate(items):
-            pixels[index] = item.canvas
             valid[(index, *item.valid())] = 1.0
         if not items:
             valid[:, :1, :1] = 1.0  # a warm-up run: one cell each, so the averages are defined
