@@ -307,8 +307,8 @@ class EngineOptions:
         "flight; a larger one goes back to the system once no run has begun for 2 s after the last request ended "
         "(its plan's next run takes its pages again), and any after requests held much memory",
         parse=memory_size, metavar="SIZE")
-    warm_up: bool = setting(True, "run every warm-up scale and stride, and the tile canvas of images larger "
-                            "than every bucket, once before reporting SERVING")
+    warm_up: bool = setting(True, "run every warm-up scale and stride once before reporting SERVING, and the tile "
+                            "canvas of images larger than every bucket once SERVING")
     warm_up_scales: tuple[int, ...] = setting((), "scales to warm up before SERVING", parse=COUNT, metavar="SCALE",
                                               many=True, shown="each model's default scale")
 

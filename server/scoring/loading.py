@@ -180,11 +180,11 @@ def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
 
 def warm_up(models: list[Model], scales: tuple[int, ...],
             score: Callable[[scoring_pb2.ScoreRequest], scoring_pb2.ScoreResponse]) -> None:
-    """Make and run every configured plan of every model and its tile canvas plans, then `score` a gray request
-    at each offered stride; ScoringError(UNAVAILABLE) naming every failure."""
+    """Make and run every configured plan of every model, then `score` a gray request at each offered stride;
+    ScoringError(UNAVAILABLE) naming every failure."""
     failures = []
     for model in models:
-        for key in dict.fromkeys(configured_plans(model, scales) + tiled_plans(model)):
+        for key in configured_plans(model, scales):
             try:
                 model.plans.run_plan(key, [], lattice=LATTICE)
             except Exception as error:  # any failure keeps the server NOT_SERVING, and says why
@@ -206,6 +206,19 @@ def warm_up(models: list[Model], scales: tuple[int, ...],
         shown = failures[:WARM_UP_FAILURES_SHOWN]
         more = f"; and {len(failures) - len(shown)} more" if len(failures) > len(shown) else ""
         raise ScoringError(Refusal.UNAVAILABLE, "warm-up failed: " + "; ".join(shown) + more)
+
+
+def warm_up_tiles(models: list[Model]) -> None:
+    """Make and run every model's tile canvas plans (`tiled_plans`), which only images larger than every bucket
+    use: the server does it once SERVING (2 s of its start-up for the default model on 2 cores), so a phone photo
+    arriving later makes no plan. A failure is logged: such an image makes the plan on demand, or is refused
+    with the reason."""
+    for model in models:
+        for key in tiled_plans(model):
+            try:
+                model.plans.run_plan(key, [], lattice=LATTICE)
+            except Exception as error:
+                LOG.warning("%s: tile canvas plan %s not made: %s", model.name, key, one_line(error))
 
 
 def one_line(error: Exception, limit: int = 300) -> str:

@@ -84,6 +84,7 @@ class Pipeline:
             if self.settings.warm_up:
                 self.check_warm_up()
                 self.warm_up()
+                self.warm_up_tiles()
         except BaseException:
             self.close()
             raise
@@ -109,8 +110,12 @@ class Pipeline:
         ScoringError(UNAVAILABLE) naming every failure, so health never says SERVING over a broken model."""
         loading.warm_up(list(self._models.values()), self.settings.warm_up_scales,
                        lambda request: self.score(request, record=False))
-        # Warm-up requests pass no host budget: the tile canvas's block (600 MiB for the default model) would
-        # stay in the CPU arena until a first request ended.
+
+    def warm_up_tiles(self) -> None:
+        """Every model's tile canvas plans made and run (failures logged: loading.warm_up_tiles)."""
+        loading.warm_up_tiles(list(self._models.values()))
+        # Warm-up runs pass no host budget: the tile canvas's block (600 MiB for the default model) would stay in
+        # the CPU arena until a first request ended.
         CPU_ARENA.went_idle(release=False)
 
     # --- queries ------------------------------------------------------------------------------

@@ -300,6 +300,29 @@ def test_health_says_not_serving_until_warm_up_is_done(tiny_model_path):
         server.stop(0).wait(10)
 
 
+def test_the_tile_canvas_is_made_once_serving_not_before(tiny_model_path, caplog):
+    """The tile canvas only images larger than every bucket use is made after health says SERVING (2 s of the
+    default model's start-up on 2 cores, issue 33), and made all the same: a photo arriving later makes no plan."""
+    import logging
+
+    from server.main import create_server
+    from server.scoring.loading import tiled_plans
+    from server.settings import Settings
+
+    caplog.set_level(logging.INFO)
+    server, _port = create_server([tiny_model_path], settings=Settings(intra_op_threads=1, tile_canvas=(256, 256)))
+    try:
+        model = server.pipeline._model("")
+        [tile_plan] = tiled_plans(model)
+        assert tile_plan in {record.key for record in server.pipeline.budget.plans()}
+        said = [record.getMessage() for record in caplog.records]
+        ready = said.index("ready: health SERVING")
+        made = next(i for i, line in enumerate(said) if f"planned {tile_plan}" in line)
+        assert made > ready, said
+    finally:
+        server.stop(0).wait(10)
+
+
 def wrong_layout_net(path: str) -> str:
     """The tiny net with a card claiming NHWC input: it loads, and every pass it runs fails (a Keras-style mix-up)."""
     from convert.card import read_card, write_card
@@ -373,7 +396,8 @@ def test_a_no_flag_reads_as_turning_its_setting_off():
 
     row = next(line for line in declared.markdown_table().splitlines() if line.startswith("| `--no-warm-up`"))
     assert row == ("| `--no-warm-up` | warm-up on | turn warm-up off (on by default: run every warm-up scale and "
-                   "stride, and the tile canvas of images larger than every bucket, once before reporting SERVING) |")
+                   "stride once before reporting SERVING, and the tile canvas of images larger than every bucket "
+                   "once SERVING) |")
     from server.main import build_parser
 
     assert "turn warm-up off" in " ".join(build_parser().format_help().split())
