@@ -219,6 +219,8 @@ def warm_up_tiles(models: list[Model]) -> None:
                 model.plans.run_plan(key, [], lattice=LATTICE)
             except Exception as error:
                 LOG.warning("%s: tile canvas plan %s not made: %s", model.name, key, one_line(error))
+            else:
+                LOG.info("%s: tile canvas plan %s ready", model.name, key)
 
 
 def one_line(error: Exception, limit: int = 300) -> str:

@@ -5,6 +5,7 @@ once (issue 33)."""
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import grpc
@@ -59,7 +60,6 @@ def test_decoding_beside_a_plan_s_creation_does_not_count_as_its_memory(default_
     not used, admission keeps the prediction, and nothing is called off. A plan made alone is still measured."""
     import io
     import logging
-    import threading
 
     import numpy as np
     from PIL import Image
@@ -112,14 +112,21 @@ def test_a_warmed_up_default_server_holds_its_plans_activations_once(default_mod
 
     def idle_rss(*flags: str) -> int:
         server = subprocess.Popen([sys.executable, "-m", "server.main", default_model_path, "--port", "0",
-                                   "--provider", "cpu", *flags], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                   "--provider", "cpu", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)
         try:
             line = server.stdout.readline()
             assert "listening on" in line, line
             with grpc.insecure_channel(line.rsplit(" ", 1)[1].strip()) as channel:
                 _wait_serving(channel, server)
-            time.sleep(IDLE_RELEASE_SECONDS + 1.0)  # the warm-up's tile canvas block goes back once idle
+            if not flags:  # then the tile canvas is made (server.scoring.loading.warm_up_tiles), within a minute
+                watchdog = threading.Timer(60.0, server.kill)  # a server that never says so ends its stderr
+                watchdog.start()
+                try:
+                    assert any("tile canvas plan" in line and "ready" in line for line in server.stderr)
+                finally:
+                    watchdog.cancel()
+            time.sleep(IDLE_RELEASE_SECONDS + 1.0)  # the tile canvas's block goes back once idle
             with open(f"/proc/{server.pid}/status") as status:
                 return next(int(row.split()[1]) * 1024 for row in status if row.startswith("VmRSS:"))
         finally:
