@@ -235,6 +235,17 @@ def enlarge(pixels: np.ndarray, size: tuple[int, int], *, out: np.ndarray | None
     return out
 
 
+def on_canvas(region: np.ndarray, size: tuple[int, int], fill: np.ndarray, *, mirrored: bool) -> np.ndarray:
+    """`region` at the top left of a canvas of `size`, flipped left to right if `mirrored`: by OpenCV, straight
+    onto the canvas, 20x cheaper than numpy's copy of a reversed view, which goes 3-byte pixel by pixel."""
+    if not mirrored:
+        return dense.canvas(region, size, fill)
+    height, width = region.shape[:2]
+    out = dense.frame((height, width), size, fill)
+    cv2.flip(region, 1, dst=out[:height, :width])
+    return out
+
+
 def canvases(opened: OpenedImage, jobs: list[ScaleJob], flips: tuple[bool, ...], *, fill: np.ndarray,
              resize_filter: str) -> dict[ItemKey, np.ndarray]:
     """Decode once (down to the largest size asked for), then per scale resize and put on its canvas, and its
@@ -258,6 +269,6 @@ def canvases(opened: OpenedImage, jobs: list[ScaleJob], flips: tuple[bool, ...],
         for flip in flips:
             for part, region in enumerate(regions):
                 done = whole is not None and not flip  # resized onto its canvas already
-                source = np.ascontiguousarray(region[:, ::-1]) if flip else region
-                placed[ItemKey(index, flip, part)] = whole if done else dense.canvas(source, job.canvas, fill)
+                key = ItemKey(index, flip, part)
+                placed[key] = whole if done else on_canvas(region, job.canvas, fill, mirrored=flip)
     return placed
