@@ -5,7 +5,7 @@ bombs are refused, before any pixel is decoded. `canvases` then takes one of two
 - direct: an upright colour JPEG that every scale keeps at its size, or enlarges on both axes with the
   card's bilinear filter, is decoded by libjpeg-turbo straight into numpy (`stored_pixels`, bit for bit
   PIL's decode) and resized by OpenCV onto its canvas (`enlarge`): within one grey level of PIL's
-  bilinear, which defines the filter, at a third of the CPU (issue 29: cat.jpg to 576x384, 0.85 ms
+  bilinear, which defines the filter, at a third of the CPU (issue 29: cat.jpg to 576x384, 0.9 ms
   against 2.7);
 - PIL: everything else. `load` decodes — a large JPEG in PIL's draft mode, which lets the decoder skip
   detail finer than the largest size asked for (12 MP: 67 ms full, 32 ms draft on the issue's machine) —
