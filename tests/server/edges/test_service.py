@@ -15,6 +15,8 @@ from PIL import Image
 
 from protos import RETRY_AFTER_KEY, scoring_pb2
 from protos.model_card_pb2 import OutputKind
+from server.scoring import imaging
+from server.scoring.request import ItemKey, ScaleJob
 from tests.tiny_models import tolerance
 
 RNG = np.random.default_rng(7)
@@ -56,6 +58,33 @@ def test_encoded_images_are_resized_with_the_card_filter(kit, tiny_model_path):
     assert (geometry.resized_height, geometry.resized_width) == (64, 96)
     assert geometry.scale_factor == pytest.approx(64 / 50)
     assert geometry.stride_x == pytest.approx(32 * 75 / 96)
+
+
+def test_an_enlarged_jpeg_is_scored_within_one_grey_level_of_pils_resize(kit, tiny_model_path):
+    """Issue 29: an upright colour JPEG that a scale enlarges is decoded by libjpeg-turbo and resized by OpenCV's
+    bilinear. Its maps are the graph's on the server's own canvas, to the usual float tolerance; against PIL's
+    bilinear, which defines the card's filter, that canvas is at most one grey level off, so each logit of this
+    linear net is within the sum of its |weights| (the most one level everywhere can move it) of PIL's."""
+    source = Image.fromarray(RNG.integers(0, 256, (50, 75, 3), dtype=np.uint8))
+    buffer = io.BytesIO()
+    source.save(buffer, format="JPEG", quality=100, subsampling=0)
+    encoded = buffer.getvalue()
+    with kit.serving([tiny_model_path]) as (_server, _port, stub):
+        response = stub.Score(scoring_pb2.ScoreRequest(encoded=encoded, scales=[64], return_maps=True))
+    scores = kit.decode_tensor(response.maps[0].scores)
+    job = ScaleJob(scale=64, resized=(64, 96), canvas=(64, 96), cells=(2, 3), items_per_batch=1)
+    opened = imaging.open_image(encoded, max_pixels=1 << 20)
+    served = imaging.canvases(opened, [job], (False,), fill=np.zeros(3, np.uint8), resize_filter="bilinear")
+    own = served[ItemKey(0, False, 0)]
+    np.testing.assert_allclose(scores, direct_scores(tiny_model_path, own), **tolerance(response.execution_provider))
+    pil = np.asarray(Image.open(io.BytesIO(encoded)).resize((96, 64), Image.Resampling.BILINEAR))
+    assert np.abs(own.astype(int) - pil).max() == 1  # OpenCV's rounding, not PIL's: one level apart at most
+    weights = next(onnx.numpy_helper.to_array(tensor) for tensor in onnx.load(tiny_model_path).graph.initializer
+                   if tensor.name == "w")
+    per_level = np.abs(weights).sum(axis=(1, 2, 3))[:, None, None]
+    expected = direct_scores(tiny_model_path, pil)
+    allowed = tolerance(response.execution_provider, expected)
+    assert (np.abs(scores - expected) <= per_level + allowed["atol"] + allowed["rtol"] * np.abs(expected)).all()
 
 
 def kit_decode(tensor) -> np.ndarray:

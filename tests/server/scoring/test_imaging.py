@@ -7,7 +7,9 @@ import pytest
 from PIL import Image
 
 from protos.scoring_pb2 import RawImage
+from server.geometry.tiling import Span, Tile
 from server.scoring import imaging
+from server.scoring.request import ItemKey, ScaleJob, TileJob
 
 LIMIT = 10_000_000
 
@@ -163,48 +165,124 @@ def photo(width: int, height: int) -> Image.Image:
     return Image.open(cat).convert("RGB").resize((width, height), Image.Resampling.BILINEAR)
 
 
-def canvases_both_ways(data: bytes, size: tuple[int, int]) -> tuple[dict, dict, bool]:
-    """The request's canvases at `size` as served, then through PIL alone; and whether libjpeg-turbo's path ran."""
-    from server.scoring.request import ScaleJob
+def noise(height: int, width: int, *, seed: int = 0) -> Image.Image:
+    """Random pixels: every rounding difference between two resizers shows on them."""
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
-    job = ScaleJob(scale=min(size), resized=size, canvas=(size[0] + 32, size[1] + 32), cells=(1, 1), items_per_batch=1)
-    fill = np.array([127, 127, 127], np.uint8)
+
+def job(size: tuple[int, int], tiles: tuple[TileJob, ...] = ()) -> ScaleJob:
+    canvas = (max(t.tile.y.length for t in tiles), max(t.tile.x.length for t in tiles)) if tiles else size
+    return ScaleJob(scale=min(size), resized=size, canvas=(canvas[0] + 32, canvas[1] + 32), cells=(1, 1),
+                    items_per_batch=1, tiles=tiles)
+
+
+def canvases_both_ways(data: bytes, jobs: list[ScaleJob], *, resize_filter: str = "bilinear"
+                       ) -> tuple[dict, dict, bool]:
+    """The request's canvases for `jobs` (and their mirrors) as served, then through PIL alone; and whether the
+    direct path (libjpeg-turbo, then OpenCV where a scale enlarges) ran. Each mirror is its canvas flipped."""
+    fill = np.array([127, 63, 31], np.uint8)
     opened = imaging.open_image(data, max_pixels=LIMIT)
-    served = imaging.canvases(opened, [job], (False, True), fill=fill, resize_filter="bilinear")
-    used = size == (opened.height, opened.width) and imaging.stored_pixels(opened) is not None
+    direct = imaging.direct_path(opened, jobs, resize_filter=resize_filter)
+    direct = direct and imaging.stored_pixels(opened) is not None
+    served = imaging.canvases(opened, jobs, (False, True), fill=fill, resize_filter=resize_filter)
     through_pil = imaging.open_image(data, max_pixels=LIMIT)
     through_pil.encoded = None  # PIL decodes it, as every other image
-    return served, imaging.canvases(through_pil, [job], (False, True), fill=fill, resize_filter="bilinear"), used
+    pil = imaging.canvases(through_pil, jobs, (False, True), fill=fill, resize_filter=resize_filter)
+    assert served.keys() == pil.keys()
+    for index, scale in enumerate(jobs):
+        for part, tile in enumerate(scale.tiles or [None]):
+            height, width = (tile.tile.y.length, tile.tile.x.length) if tile else scale.resized
+            for canvases in (served, pil):
+                plain, mirrored = canvases[ItemKey(index, False, part)], canvases[ItemKey(index, True, part)]
+                np.testing.assert_array_equal(mirrored[:height, :width], plain[:height, :width][:, ::-1])
+                for canvas in (plain, mirrored):
+                    assert canvas.shape == (*scale.canvas, 3)
+                    assert (canvas[height:] == fill).all() and (canvas[:height, width:] == fill).all()
+    return served, pil, direct
 
 
 @pytest.mark.parametrize("options", [dict(quality=90), dict(quality=95, subsampling=0), dict(quality=85, progressive=True)])
 def test_a_jpeg_at_its_own_size_decodes_as_pil_does_bit_for_bit(options):
     """Issue 29: a JPEG sent at the size asked for (or scored at its own) is decoded by libjpeg-turbo straight into
-    numpy, without PIL's GIL-holding copy; the canvases must be PIL's exactly."""
-    served, through_pil, used = canvases_both_ways(encode(photo(576, 384), "JPEG", **options), (384, 576))
-    assert used and served.keys() == through_pil.keys()
+    numpy, without PIL's GIL-holding copy; the canvases must be PIL's exactly, whatever the card's filter."""
+    data = encode(photo(576, 384), "JPEG", **options)
+    for resize_filter in ("bilinear", "lanczos"):
+        served, through_pil, direct = canvases_both_ways(data, [job((384, 576))], resize_filter=resize_filter)
+        assert direct
+        for key in served:
+            np.testing.assert_array_equal(served[key], through_pil[key])
+
+
+# Full-resolution colour at the top quality: noise survives it, and with it every rounding difference (OpenCV's
+# INTER_LINEAR_EXACT, for one, is 2 levels off PIL's bilinear on two of these sizes).
+SHARPEST = dict(quality=100, subsampling=0)
+ENLARGED = [  # stored (height, width) -> resized: odd sizes, 1-px images, huge factors, one axis kept
+    ((300, 451), (384, 576)), ((301, 452), (302, 453)), ((45, 67), (333, 401)), ((1, 1), (64, 96)),
+    ((1, 5), (7, 300)), ((2, 3), (512, 768)), ((3, 2), (1000, 7)), ((31, 17), (31, 45)), ((17, 31), (900, 31)),
+]
+
+
+@pytest.mark.parametrize("stored, resized", ENLARGED)
+def test_an_enlarged_jpeg_is_within_one_grey_level_of_pils_bilinear(stored, resized):
+    """Issue 29: an upright colour JPEG that every scale enlarges (or keeps) is decoded by libjpeg-turbo and resized
+    by OpenCV's bilinear, not PIL's, which defines the card's filter: the two may differ by one grey level (their
+    fixed-point rounding), never more."""
+    data = encode(noise(*stored), "JPEG", **SHARPEST)
+    served, through_pil, direct = canvases_both_ways(data, [job(resized), job(stored)])
+    assert direct
+    for key in served:
+        assert np.abs(served[key].astype(int) - through_pil[key]).max() <= 1, key
+    if min(stored) > 1:  # a 1-px image enlarges to its one colour either way
+        assert any((served[key] != through_pil[key]).any() for key in served)  # OpenCV's, not PIL's
+
+
+def test_a_tiled_enlarged_jpeg_cuts_its_tiles_from_opencvs_resize():
+    """A scale larger than every canvas bucket is tiled: each tile (and its mirror) is a region of the one resize."""
+    one_cell = (slice(0, 1), slice(0, 1))
+    rows = Span(0, 384, 0, (0, None))
+    halves = tuple(TileJob(Tile(0, column, rows, Span(start, start + 320, start // 32, (0, None))), cells=(1, 1),
+                           kept=one_cell, kept_mirrored=one_cell) for column, start in enumerate((0, 256)))
+    served, through_pil, direct = canvases_both_ways(encode(noise(300, 451), "JPEG", **SHARPEST),
+                                                     [job((384, 576), halves)])
+    assert direct and {key.part for key in served} == {0, 1}
+    for key in served:
+        assert np.abs(served[key].astype(int) - through_pil[key]).max() <= 1, key
+
+
+def rotated(source: Image.Image) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    return encode(source, "JPEG", exif=exif)
+
+
+PIL_CASES = {  # name: (encoded image, its scales' sizes, the card's filter)
+    "shrunk": (lambda: encode(noise(384, 576), "JPEG"), [(192, 288)], "bilinear"),
+    "draft-decoded": (lambda: encode(noise(800, 1200), "JPEG"), [(384, 576)], "bilinear"),
+    "one axis shrunk": (lambda: encode(noise(300, 451), "JPEG"), [(384, 448)], "bilinear"),
+    "one scale shrunk": (lambda: encode(noise(300, 451), "JPEG"), [(384, 576), (256, 384)], "bilinear"),
+    **{filter_name: (lambda: encode(noise(300, 451), "JPEG"), [(384, 576)], filter_name)
+       for filter_name in ("nearest", "bicubic", "lanczos", "box", "hamming")},
+    "grey": (lambda: encode(noise(300, 451).convert("L"), "JPEG"), [(384, 576)], "bilinear"),
+    "CMYK": (lambda: encode(noise(300, 451).convert("CMYK"), "JPEG"), [(384, 576)], "bilinear"),
+    "rotated": (lambda: rotated(noise(300, 451)), [(576, 384)], "bilinear"),
+    "PNG": (lambda: encode(noise(300, 451), "PNG"), [(384, 576)], "bilinear"),
+}
+
+
+@pytest.mark.parametrize("case", PIL_CASES)
+def test_every_other_image_keeps_pils_path_bit_for_bit(case):
+    """A scale that shrinks an axis (PIL's antialiased filter: OpenCV's differs by up to 40 levels), a filter other
+    than bilinear, a grey, CMYK or rotated JPEG, or any other format: PIL's decode and resize, exactly."""
+    make, sizes, resize_filter = PIL_CASES[case]
+    served, through_pil, direct = canvases_both_ways(make(), [job(size) for size in sizes], resize_filter=resize_filter)
+    assert not direct
     for key in served:
         np.testing.assert_array_equal(served[key], through_pil[key])
 
 
-@pytest.mark.parametrize("case", ["rotated", "grey", "cut", "resized"])
-def test_other_jpegs_go_through_pil(case):
-    """A JPEG to rotate, a grey one, one cut short (libjpeg-turbo would fill it with grey) or one resized is PIL's."""
-    source, size = photo(576, 384), (384, 576)
-    if case == "rotated":
-        exif = Image.Exif()
-        exif[0x0112] = 6
-        data, size = encode(source, "JPEG", exif=exif), (576, 384)
-    elif case == "grey":
-        data = encode(source.convert("L"), "JPEG")
-    elif case == "cut":
-        whole = encode(source, "JPEG")
-        with pytest.raises(imaging.ImageError, match="cannot decode"):
-            canvases_both_ways(whole[: len(whole) // 2], size)
-        return
-    else:
-        data, size = encode(source, "JPEG"), (192, 288)
-    served, through_pil, used = canvases_both_ways(data, size)
-    assert not used
-    for key in served:
-        np.testing.assert_array_equal(served[key], through_pil[key])
+@pytest.mark.parametrize("size", [(300, 451), (384, 576)])
+def test_a_jpeg_cut_short_is_refused_as_pil_refuses_it(size):
+    """libjpeg-turbo would fill the missing rows with grey; PIL says the image is broken."""
+    whole = encode(noise(300, 451), "JPEG")
+    with pytest.raises(imaging.ImageError, match="cannot decode"):
+        canvases_both_ways(whole[: len(whole) // 2], [job(size)])
