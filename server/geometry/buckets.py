@@ -13,7 +13,7 @@ onnxruntime).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from server.geometry.dense import resized_size
@@ -38,6 +38,23 @@ class Buckets:
     def batch_for(self, count: int) -> int:
         """The smallest batch bucket holding `count` items (the largest bucket when none does)."""
         return next((b for b in self.batches if b >= count), self.batches[-1])
+
+    def cheapest_batches(self, count: int, seconds_per_item: Callable[[int], float | None]) -> list[int]:
+        """Batch buckets holding `count` items with no padding (the buckets start at 1), each the one of the
+        fewest measured seconds per item among those that fit, an unmeasured one (None) first so that each gets
+        measured, and the larger of a tie (math.inf for one not worth measuring: a plan not made). For the CPU: a
+        padded slot costs a whole image there, and a larger batch need not cost less per item (the null model's
+        plan: 1.95, 1.97, 2.13 and 2.86 ms per item at batch 1, 2, 4 and 8)."""
+        def cost(size: int) -> tuple[float, int]:
+            measured = seconds_per_item(size)
+            return (-1.0 if measured is None else measured, -size)
+
+        sizes = []
+        while count:
+            size = min((b for b in self.batches if b <= count), key=cost)
+            sizes.append(size)
+            count -= size
+        return sizes
 
     def describe(self) -> str:
         return ", ".join(f"{h}x{w}" for h, w in self.canvases)
