@@ -40,18 +40,17 @@ class Buckets:
         return next((b for b in self.batches if b >= count), self.batches[-1])
 
     def cheapest_batches(self, count: int, seconds_per_item: Callable[[int], float | None]) -> list[int]:
-        """Batch buckets holding `count` items with no padding (the buckets start at 1), each the one of the
-        fewest measured seconds per item among those that fit, an unmeasured one (None) first so that each gets
-        measured, and the larger of a tie (math.inf for one not worth measuring: a plan not made). For the CPU: a
-        padded slot costs a whole image there, and a larger batch need not cost less per item (the null model's
-        plan: 1.95, 1.97, 2.13 and 2.86 ms per item at batch 1, 2, 4 and 8)."""
-        def cost(size: int) -> tuple[float, int]:
-            measured = seconds_per_item(size)
-            return (-1.0 if measured is None else measured, -size)
-
+        """Batch buckets holding `count` items with no padding (the buckets start at 1), each the largest that
+        fits unless a smaller one that fits was measured to cost fewer seconds per item than it (None: not
+        measured; an unmeasured largest runs, and so gets measured). For the CPU: a padded slot costs a whole
+        image there, and a larger batch need not cost less per item (the null model's plan: 1.95, 1.97, 2.13
+        and 2.86 ms per item at batch 1, 2, 4 and 8)."""
         sizes = []
         while count:
-            size = min((b for b in self.batches if b <= count), key=cost)
+            fitting = [b for b in self.batches if b <= count]
+            largest = max(fitting)
+            measured = {b: seconds for b in fitting if (seconds := seconds_per_item(b)) is not None}
+            size = min(measured, key=lambda b: (measured[b], -b)) if largest in measured else largest
             sizes.append(size)
             count -= size
         return sizes

@@ -13,7 +13,6 @@ bucket, with the valid mask saying which cells each item keeps (a tile: the cell
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Hashable
@@ -151,8 +150,9 @@ class PlanCache:
     def run(self, works: list[Work]) -> list[Scored]:
         """Score one batch of the batcher's (items of one group), on the batcher's thread: on a GPU in the smallest
         batch bucket holding it, padded (a padded slot costs little there); on the CPU in runs of the buckets it
-        fills exactly that were measured cheapest per item (Buckets.cheapest_batches): batching on was 0.77x off
-        at 4 clients when every batch ran padded in one run."""
+        fills exactly that were measured cheapest per item (Buckets.cheapest_batches; batching on was 0.77x off at
+        4 clients when every batch ran padded), unless one of those plans is not made yet and the padded one is:
+        making a plan costs more than the padded slots."""
         group: GroupKey = works[0].key
         items: list[Item] = [work.payload for work in works]
         wanted = {item.lattice for item in items}
@@ -164,19 +164,15 @@ class PlanCache:
         if self._engine.on_gpu:
             sizes = [self._buckets.batch_for(len(items))]
         else:
-            sizes = self._buckets.cheapest_batches(len(items), lambda size: self._pace(key_of(size)))
+            sizes = self._buckets.cheapest_batches(len(items), lambda size: self._seconds_per_item.get(key_of(size)))
+            padded = self._buckets.batch_for(len(items))
+            if key_of(padded) in self._plans and any(key_of(size) not in self._plans for size in sizes):
+                sizes = [padded]  # making a plan would cost more than the padded slots of one already made
         scored, start = [], 0
         for size in sizes:
             scored += self.run_plan(key_of(size), items[start:start + size], lattice=lattice)
             start += size
         return scored
-
-    def _pace(self, key: PlanKey) -> float | None:
-        """Seconds per item of `key`'s full batches so far; None when its plan has not run one, math.inf when it
-        has no plan (making one to measure it would cost more than the batch)."""
-        if key in self._seconds_per_item:
-            return self._seconds_per_item[key]
-        return None if key in self._plans else math.inf
 
     def run_plan(self, key: PlanKey, items: list[Item], *, lattice: str | None) -> list[Scored]:
         """Run `items` (at most key.batch; the rest of the batch is padding) through the plan of `key`;
