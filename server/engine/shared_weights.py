@@ -20,13 +20,13 @@ optimized graph ~30 ms more per plan.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 
 import numpy as np
 import onnx
 import onnxruntime
+import xxhash
 
 __all__ = ["ALIGNMENT", "EXTERNAL_MIN_BYTES", "SharedWeights", "optimize"]
 
@@ -89,7 +89,7 @@ class SharedWeights:
                         files[where["location"]] = data.read()
                 offset = int(where.get("offset", 0))
                 raw = files[where["location"]][offset:offset + int(where["length"])]
-                key = (tensor.data_type, tuple(tensor.dims), hashlib.blake2b(raw, digest_size=16).digest())
+                key = (tensor.data_type, tuple(tensor.dims), xxhash.xxh3_128_digest(raw))  # 10x blake2b's speed
                 value = self._values.get(key)
                 if value is None:
                     array = _aligned(np.frombuffer(raw, onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)))
