@@ -148,9 +148,11 @@ def _preprocess(b: _Builder, image: ImageInput, *, width: int) -> str:
     """uint8 RGB channels-last pixels as the net's input values in float32, in its layout and channel
     order (the cast to its dtype comes after the passes' padding, `_passes`).
 
-    The layout comes first and the per-channel constants are shaped so that the broadcast runs over
-    long contiguous spans: onnxruntime's CPU Sub/Div of [1, 384, 576, 3] by a [3] constant took
-    15-18 ms each, by [1, 3, 1, 1] on the transposed tensor (or a [1, 1, W, 3] row) well under 1 ms."""
+    (x * pixel_scale - mean) / std runs as x * a + b per channel, a = pixel_scale / std and b = -mean / std
+    (within a few float32 ulps of the host's convert.preprocessing.normalize): on NCHW one
+    BatchNormalization, one pass over the canvas where onnxruntime's CPU Sub and Div took two (0.28 against
+    0.58 ms at 384x576). On NHWC a Mul and an Add by [1, 1, W, 3] rows, so the broadcast runs over long
+    contiguous spans (by a [3] constant onnxruntime's CPU took 15-18 ms each)."""
     x = PIXELS
     axis = image.channel_axis
     if axis == 1:
@@ -158,19 +160,19 @@ def _preprocess(b: _Builder, image: ImageInput, *, width: int) -> str:
     if image.bgr:
         x = b.op("Gather", [x, b.ints([2, 1, 0])], axis=axis)
     x = b.op("Cast", [x], to=TensorProto.FLOAT)
-
-    def per_channel(values: tuple[float, ...]) -> str:
-        column = np.asarray(values, dtype=np.float32)
-        return b.const(column.reshape(1, 3, 1, 1) if axis == 1 else np.tile(column, (1, 1, width, 1)))
-
-    # The steps of convert.preprocessing.normalize in its order (those that change something), so
-    # the values agree with the host's bit for bit.
-    if image.pixel_scale != 1.0:
-        x = b.op("Mul", [x, b.const(image.pixel_scale)])
-    if any(image.mean):
-        x = b.op("Sub", [x, per_channel(image.mean)])
-    if any(s != 1.0 for s in image.std):
-        x = b.op("Div", [x, per_channel(image.std)])
+    mean = np.asarray(image.mean or (0.0,) * 3, dtype=np.float32)
+    std = np.asarray(image.std or (1.0,) * 3, dtype=np.float32)
+    scale, shift = np.float32(image.pixel_scale) / std, -mean / std
+    if np.any(scale != 1.0) or np.any(shift != 0.0):
+        if axis == 1:
+            # y = (x - 0) / sqrt(var + eps) * scale + shift, with var + eps exactly 1 (eps a power of two at or
+            # above cuDNN's smallest, which onnxruntime's CUDA kernel clamps to)
+            epsilon = 2.0**-16
+            x = b.op("BatchNormalization", [x, b.const(scale), b.const(shift), b.const(np.zeros(3)),
+                                            b.const(np.full(3, 1.0 - epsilon))], epsilon=epsilon)
+        else:
+            x = b.op("Add", [b.op("Mul", [x, b.const(np.tile(scale, (1, 1, width, 1)))]),
+                             b.const(np.tile(shift, (1, 1, width, 1)))])
     if image.dtype == np.uint8:
         x = b.op("Round", [b.op("Clip", [x, b.const(0.0), b.const(255.0)])])
     return x
@@ -214,6 +216,7 @@ def build_plan_graph(
     offsets: tuple[tuple[int, int], ...],
     factor: int,
     stride: int,
+    half_lattice: bool = True,
 ) -> onnx.ModelProto:
     """The plan graph for `batch` canvases of `height` x `width` pixels, scored by the passes `offsets`.
 
@@ -223,7 +226,9 @@ def build_plan_graph(
     counts in the image-level mean); outputs `lattice` float32 [batch, K, HL, WL] (the net's own
     scores, NaN where no pass looked), `probabilities` float32 [batch, K] (the mean over kept cells
     of the class probabilities, softmax applied when the card says logits; NaN when no cell is kept)
-    and `lattice_fp16`. HL, WL = factor * the net's map size: read them with `lattice_cells`.
+    and, when `half_lattice`, `lattice_fp16` (half the bytes to copy back from a GPU; onnxruntime computes every
+    output at every run, so a CPU plan, whose host casts the few cells it keeps, goes without). HL, WL = factor *
+    the net's map size: read them with `lattice_cells`.
     """
     if min(batch, height, width, factor, stride) < 1:
         raise DeviceGraphError(
@@ -251,10 +256,11 @@ def build_plan_graph(
     before_net = len(b.nodes)
 
     scores = NET_PREFIX + card.scores_name
+    lattice_is_scores = factor == 1 and scores_type == TensorProto.FLOAT  # the net's output is the lattice itself
     if scores_type != TensorProto.FLOAT:
-        scores = b.op("Cast", [scores], to=TensorProto.FLOAT)
+        scores = b.op("Cast", [scores], to=TensorProto.FLOAT, output=LATTICE if factor == 1 else None)
     if factor == 1:
-        lattice = b.op("Identity", [scores], output=LATTICE)
+        lattice = LATTICE
     else:
         # [B*P, K, h, w] -> [B, P*K, h, w]: the passes of an image side by side on the channel axis.
         by_image = b.op("Reshape", [scores, b.ints([batch, passes * classes, h, w])])
@@ -265,7 +271,10 @@ def build_plan_graph(
             by_image = b.op("Concat", [hole if slot is None else next(parts) for slot in slots], axis=1)
         # [B, f*f*K, h, w] -> [B, K, f*h, f*w]: cell (f*i + a, f*j + c) from the pass in slot a*f + c.
         lattice = b.op("DepthToSpace", [by_image], output=LATTICE, blocksize=factor, mode="DCR")
-    b.op("Cast", [lattice], output=LATTICE_FP16, to=TensorProto.FLOAT16)
+    if half_lattice:
+        b.op("Cast", [lattice], output=LATTICE_FP16, to=TensorProto.FLOAT16)
+    if lattice_is_scores:
+        scores = LATTICE
 
     # The image-level mean straight from the passes' scores [B*P, K, h, w], with `valid` taken back
     # to each pass's cells: no NaN holes to step around, nothing computed twice. Classes go last:
@@ -281,14 +290,14 @@ def build_plan_graph(
         if passes < factor**2:
             valid = b.op("Gather", [valid, b.ints([slot for slot, index in enumerate(slots) if index is not None])],
                          axis=1)
-    # A 0/1 weight per cell (Mul broadcasts it along the classes faster than Where on the CPU; the
-    # passes' scores hold no NaN, unlike the lattice's holes).
-    keep = b.op("Cast", [b.op("Greater", [b.op("Reshape", [valid, b.ints([batch, passes, h, w, 1])]), b.const(0.0)])],
-                to=TensorProto.FLOAT)
-    kept = b.op("Mul", [b.op("Reshape", [probabilities, b.ints([batch, passes, h, w, classes])]), keep])
-    total = b.op("ReduceSum", [kept, b.ints([1, 2, 3])], keepdims=0)
-    count = b.op("ReduceSum", [keep, b.ints([1, 2, 3])], keepdims=0)
-    b.op("Div", [total, count], output=PROBABILITIES)
+    # A 0/1 weight per cell, and the weighted sum over an image's cells as one product [1, cells] x [cells, K]
+    # (onnxruntime's CPU Mul and ReduceSum over the cells took 0.15 ms at 216 x 1000, the MatMul a tenth).
+    cells_of_image = passes * h * w
+    keep = b.op("Cast", [b.op("Greater", [b.op("Reshape", [valid, b.ints([batch, 1, cells_of_image])]),
+                                          b.const(0.0)])], to=TensorProto.FLOAT)
+    total = b.op("MatMul", [keep, b.op("Reshape", [probabilities, b.ints([batch, cells_of_image, classes])])])
+    count = b.op("ReduceSum", [keep, b.ints([2])])
+    b.op("Reshape", [b.op("Div", [total, count]), b.ints([batch, classes])], output=PROBABILITIES)
 
     # One copy of the net (its weights included), renamed under NET_PREFIX and wrapped in place.
     plan = onnx.ModelProto()
@@ -297,6 +306,10 @@ def build_plan_graph(
     graph = plan.graph
     net_nodes = list(graph.node)
     graph.ClearField("node")
+    if lattice_is_scores:  # the net writes the lattice output itself: no copy
+        for node in net_nodes:
+            for names in (node.input, node.output):
+                names[:] = [LATTICE if name == NET_PREFIX + card.scores_name else name for name in names]
     graph.node.extend(b.nodes[:before_net] + net_nodes + b.nodes[before_net:])
     graph.initializer.extend(b.initializers)
     for field in ("input", "output", "value_info"):  # the net's symbolic N, H, W go with its value infos
@@ -304,8 +317,9 @@ def build_plan_graph(
     graph.input.extend([helper.make_tensor_value_info(PIXELS, TensorProto.UINT8, [batch, height, width, 3]),
                         helper.make_tensor_value_info(VALID, TensorProto.FLOAT, [batch, *cells[2:]])])
     graph.output.extend([helper.make_tensor_value_info(LATTICE, TensorProto.FLOAT, cells),
-                         helper.make_tensor_value_info(PROBABILITIES, TensorProto.FLOAT, [batch, classes]),
-                         helper.make_tensor_value_info(LATTICE_FP16, TensorProto.FLOAT16, cells)])
+                         helper.make_tensor_value_info(PROBABILITIES, TensorProto.FLOAT, [batch, classes])])
+    if half_lattice:
+        graph.output.append(helper.make_tensor_value_info(LATTICE_FP16, TensorProto.FLOAT16, cells))
     graph.name = f"{card.name or net.graph.name}-plan-b{batch}-{height}x{width}-p{passes}"
     plan.ClearField("metadata_props")  # the card describes the net's input and output, not these
     plan.ir_version = min(max(net.ir_version, 7), MAX_IR_VERSION)

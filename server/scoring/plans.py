@@ -98,9 +98,9 @@ class Plan:
             return self._run(pixels, valid, lattice=lattice)
 
     def _run(self, pixels: np.ndarray, valid: np.ndarray, *, lattice: str | None) -> tuple[np.ndarray | None, np.ndarray]:
-        if self._binding is None:
+        if self._binding is None:  # a CPU plan has no half lattice: kept_lattice casts the cells kept
             CPU_ARENA.before_run(self.arena_bytes)
-            names = [lattice, PROBABILITIES] if lattice else [PROBABILITIES]
+            names = [LATTICE, PROBABILITIES] if lattice else [PROBABILITIES]
             outputs = self.session.run(names, {PIXELS: pixels, VALID: valid})
             return (outputs[0] if lattice else None), outputs[-1]
         self._inputs[PIXELS].update_inplace(pixels)
@@ -112,11 +112,13 @@ class Plan:
 
 def kept_lattice(lattices: np.ndarray | None, index: int, item: Item) -> np.ndarray | None:
     """A copy of item `index`'s cells of the batch's lattice, of only the classes it keeps (all when none are
-    named): the batch's array goes once every item has its own."""
+    named), in float16 when it asked for the half lattice: the batch's array goes once every item has its own."""
     if not item.lattice:
         return None
     cells = lattices[index, :, :item.cells[0], :item.cells[1]]
-    return cells[list(item.classes)] if item.classes else cells.copy()
+    if item.classes:
+        cells = cells[list(item.classes)]
+    return cells.astype(np.float16 if item.lattice == LATTICE_FP16 else cells.dtype)
 
 
 class PlanCache:
@@ -293,6 +295,7 @@ class PlanCache:
         return build_plan_graph(
             self._net, self._card, batch=key.batch, height=key.height, width=key.width,
             offsets=key.passes.offsets, factor=key.passes.factor, stride=key.passes.stride,
+            half_lattice=self._engine.on_gpu,
         ).SerializeToString()
 
     @staticmethod

@@ -187,6 +187,23 @@ def test_factor_one_is_the_net_itself_with_batch_and_valid_mask():
     assert_close(outputs[PROBABILITIES], probabilities, on=running)
 
 
+def test_a_cpu_plan_goes_without_the_half_lattice_and_copies_no_lattice():
+    """half_lattice=False (the CPU's plans): no float16 output for onnxruntime to compute at every run, and at
+    factor 1 the net writes the lattice output itself (no Identity copying it)."""
+    net = small_patch_net()
+    plan = build_plan_graph(net, read_card(net), batch=2, height=64, width=96, offsets=((0, 0),), factor=1,
+                            stride=32, half_lattice=False)
+    assert [output.name for output in plan.graph.output] == [LATTICE, PROBABILITIES]
+    assert not {"Identity", "Cast"} & {node.op_type for node in plan.graph.node if LATTICE in node.output}
+    pixels = np.random.default_rng(1).integers(0, 256, (2, 64, 96, 3), dtype=np.uint8)
+    valid = np.ones((2, *lattice_cells(plan)), np.float32)
+    running = session(plan)
+    lattice, probabilities = running.run([LATTICE, PROBABILITIES], {PIXELS: pixels, VALID: valid})
+    expected, expected_probabilities, _ = reference(net, pixels, valid, offsets=((0, 0),), factor=1, stride=32)
+    assert_close(lattice, expected, on=running)
+    assert_close(probabilities, expected_probabilities, on=running)
+
+
 def test_a_probabilities_card_is_averaged_without_softmax():
     net = small_patch_net(output_kind="probabilities")
     outputs, (_, probabilities, _), running, plan = run_plan(
@@ -276,6 +293,8 @@ CUDA_KERNELS = {
     ("Round", "FLOAT"): "math/unary_elementwise_ops.cc",
     ("Softmax", "FLOAT"): "math/softmax.cc",
     ("ReduceSum", "FLOAT"): "reduction/reduction_ops.cc",
+    ("MatMul", "FLOAT"): "math/matmul.cc",
+    ("BatchNormalization", "FLOAT"): "nn/batch_norm.cc",  # epsilon clamped to cuDNN's least, 1e-5 (batch_norm.h)
     **{("Pad", t): "tensor/pad.cc" for t in ("FLOAT", "FLOAT16")},
     ("DepthToSpace", "FLOAT"): "tensor/space_depth_ops.cc",
     ("Split", "FLOAT"): "tensor/split.cc",
