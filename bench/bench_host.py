@@ -2,8 +2,8 @@
 
 A request's host path is decode, resize, stack onto a canvas, queue and assemble the response: its
 wall time less the plan's run (`timings.inference_ms`, the device's share; on the CPU provider
-even the null model's 224-px average pool takes a few ms there). With a model that does next to
-nothing (bench/models.py: a converted stride-32 average-pool head), compared with PIL alone
+the plan's own pre- and post-processing run there too). With a model that does next to
+nothing (bench/models.py: a converted stride-32 classifier reading one pixel per cell), compared with PIL alone
 decoding and resizing the same image, alternated call by call so the shared machine's load hits
 both alike, each side's fastest call taken as its undisturbed cost (medians shown too); target
 (issue 9, item 5): host path <= 1.5x decode + resize.
@@ -103,7 +103,7 @@ def run() -> str:
     return "\n".join([
         "## Host cost per request (bench_host)",
         "",
-        f"Null model (a converted stride-32 average-pool head, 1000 classes), samples/cat.jpg at scale {SCALE}, "
+        f"Null model (a converted stride-32 classifier reading one pixel per cell, 1000 classes), samples/cat.jpg at scale {SCALE}, "
         f"in-process Pipeline.score, one client, {CALLS} calls alternated with PIL decode + resize of the same "
         f"image: fastest {1000 * reference:.2f} ms (median {1000 * statistics.median(baseline):.2f} ms). "
         f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.",
