@@ -76,6 +76,8 @@ class Batcher:
 
     `run(works)` returns one result per work, in order; it runs on the worker thread only. A result's
     `planning_seconds` (one-off set-up inside the run) is left out of the pace the waits are estimated from.
+    `take(key, n)`, when given, says how many of the n items of `key` ready to run the batch takes (the rest
+    stay queued for the next); called under the queue's lock, it must not call back into the batcher.
     """
 
     def __init__(
@@ -88,9 +90,11 @@ class Batcher:
         max_queue_seconds: float,
         on_batch: Callable[[list[Work]], None] | None = None,
         on_drop: Callable[[Dropped], None] | None = None,
+        take: Callable[[Hashable, int], int] | None = None,
         name: str = "model",
     ) -> None:
         self._run = run
+        self._take = take
         self._max_batch = max(1, max_batch)
         self._max_delay = max_delay_seconds
         self._queue_depth = queue_depth
@@ -245,6 +249,8 @@ class Batcher:
                 if len(same) < limit and remaining > 0:
                     self._condition.wait(remaining)
                     continue
+                if self._take is not None:
+                    same = same[:max(1, self._take(first.key, len(same)))]
                 taken = set(same)
                 self._queue = [w for w in self._queue if w not in taken]
                 started, batch_id = time.monotonic(), next(self._batch_ids)

@@ -100,7 +100,8 @@ def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: Me
         model.plans.run, max_batch=max_batch, max_delay_seconds=settings.max_queue_delay_ms / 1000,
         max_queue_seconds=settings.max_queue_ms / 1000, queue_depth=settings.queue_depth,
         on_batch=None if metrics is None else functools.partial(record_batch, model, metrics),
-        on_drop=None if metrics is None else functools.partial(metrics.count_dropped, name), name=name,
+        on_drop=None if metrics is None else functools.partial(metrics.count_dropped, name),
+        take=model.plans.first_run, name=name,
     )
     if metrics is not None:
         metrics.track_queue(name, model.batcher.depth)

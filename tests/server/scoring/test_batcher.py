@@ -17,6 +17,7 @@ from server.scoring.batcher import Batcher, Dropped, Work
 from server.errors import Refusal, ScoringError
 from server.metrics import Metrics
 from server.scoring.pipeline import Pipeline
+from server.scoring.request import GroupKey
 from server.settings import Settings
 
 
@@ -62,6 +63,47 @@ def test_same_keys_share_a_batch_and_other_keys_wait_their_turn(gated):
     assert batcher.wait(first + mixed) == [0, 2, 4, 6, 0, 2, 0, 0]
     assert [len(batch) for batch in runner.batches] == [4, 3, 1]
     assert [w.key for w in runner.batches[1]] == ["b", "b", "b"]
+
+
+def test_a_batch_takes_what_the_take_hook_says_and_leaves_the_rest_queued():
+    runner, asked = GatedRunner(), []
+
+    def take(key, count):
+        asked.append((key, count))
+        return 2
+
+    batcher = Batcher(runner, max_batch=4, max_delay_seconds=0.0, queue_depth=8, max_queue_seconds=60, take=take)
+    try:
+        first = works(1)
+        batcher.submit(first)
+        wait_until_running(first[0])
+        rest = works(5)
+        batcher.submit(rest)
+        runner.gate.set()
+        assert batcher.wait(first + rest) == [0, 0, 2, 4, 6, 8]
+        assert [len(batch) for batch in runner.batches] == [1, 2, 2, 1]
+        assert asked == [("a", 1), ("a", 4), ("a", 3), ("a", 1)]  # at most max_batch offered
+    finally:
+        runner.gate.set()
+        batcher.close()
+
+
+def test_a_cpu_batch_takes_the_items_its_first_plan_run_scores(tiny_model_path):
+    """On the CPU a batch runs in the exact batch buckets measured cheapest per item (PlanCache._sizes): the
+    batcher takes only the first run's items, so the others do not wait for runs after their own."""
+    settings = dataclasses.replace(Settings(), max_batch=4, warm_up_scales=(64,), intra_op_threads=1)
+    pipeline = Pipeline([tiny_model_path], settings=settings)
+    try:
+        plans = pipeline._model("").plans
+        warmed = next(key for key in plans._plans if key.batch == 4)
+        group = GroupKey(warmed.height, warmed.width, warmed.passes)
+        # nothing measured: the largest exact bucket first
+        assert [plans.first_run(group, count) for count in (1, 3, 4, 7)] == [1, 2, 4, 4]
+        for size, pace in ((1, 0.001), (2, 0.003), (4, 0.004)):  # then batch 1 measured cheapest per item
+            plans._seconds_per_item[dataclasses.replace(warmed, batch=size)] = pace
+        assert plans.first_run(group, 3) == 1
+    finally:
+        pipeline.close()
 
 
 def test_a_batch_takes_no_more_than_the_memory_limit_of_its_first_item(gated):
