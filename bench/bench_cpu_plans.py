@@ -60,7 +60,7 @@ def _plan_graph(net: onnx.ModelProto, batch: int, height: int, width: int, passe
     offsets = ((0, 0),) if passes == 1 else ((0, 0), (0, half), (half, 0), (half, half))
     return build_plan_graph(net, card, batch=batch, height=height, width=width, offsets=offsets,
                             factor=1 if passes == 1 else 2, stride=card.output_stride if passes == 1 else half,
-                            half_lattice=False).SerializeToString()  # as the server's CPU plans
+                            on_gpu=False).SerializeToString()  # as the server's CPU plans
 
 
 def speed_rows(model_path: str) -> list[tuple[str, float, float]]:

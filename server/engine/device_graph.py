@@ -216,7 +216,7 @@ def build_plan_graph(
     offsets: tuple[tuple[int, int], ...],
     factor: int,
     stride: int,
-    half_lattice: bool = True,
+    on_gpu: bool = True,
 ) -> onnx.ModelProto:
     """The plan graph for `batch` canvases of `height` x `width` pixels, scored by the passes `offsets`.
 
@@ -226,9 +226,9 @@ def build_plan_graph(
     counts in the image-level mean); outputs `lattice` float32 [batch, K, HL, WL] (the net's own
     scores, NaN where no pass looked), `probabilities` float32 [batch, K] (the mean over kept cells
     of the class probabilities, softmax applied when the card says logits; NaN when no cell is kept)
-    and, when `half_lattice`, `lattice_fp16` (half the bytes to copy back from a GPU; onnxruntime computes every
-    output at every run, so a CPU plan, whose host casts the few cells it keeps, goes without). HL, WL = factor *
-    the net's map size: read them with `lattice_cells`.
+    and, `on_gpu`, `lattice_fp16` (half the bytes to copy back from a GPU; onnxruntime computes every output at
+    every run, so a CPU plan, whose host casts the few cells it keeps, goes without). HL, WL = factor * the net's
+    map size: read them with `lattice_cells`.
     """
     if min(batch, height, width, factor, stride) < 1:
         raise DeviceGraphError(
@@ -271,7 +271,7 @@ def build_plan_graph(
             by_image = b.op("Concat", [hole if slot is None else next(parts) for slot in slots], axis=1)
         # [B, f*f*K, h, w] -> [B, K, f*h, f*w]: cell (f*i + a, f*j + c) from the pass in slot a*f + c.
         lattice = b.op("DepthToSpace", [by_image], output=LATTICE, blocksize=factor, mode="DCR")
-    if half_lattice:
+    if on_gpu:
         b.op("Cast", [lattice], output=LATTICE_FP16, to=TensorProto.FLOAT16)
     if lattice_is_scores:
         scores = LATTICE
@@ -290,14 +290,21 @@ def build_plan_graph(
         if passes < factor**2:
             valid = b.op("Gather", [valid, b.ints([slot for slot, index in enumerate(slots) if index is not None])],
                          axis=1)
-    # A 0/1 weight per cell, and the weighted sum over an image's cells as one product [1, cells] x [cells, K]
-    # (onnxruntime's CPU Mul and ReduceSum over the cells took 0.15 ms at 216 x 1000, the MatMul a tenth).
+    # A 0/1 weight per cell, Cast from the comparison (Mul broadcasts it along the classes faster than Where on the
+    # CPU; the passes' scores hold no NaN, unlike the lattice's holes). On the CPU the weighted sum over an image's
+    # cells is one product [1, cells] x [cells, K] (Mul and ReduceSum took 0.15 ms at 216 x 1000, the MatMul a
+    # tenth); on a GPU they stay, since onnxruntime's CUDA MatMul runs in TF32 (10-bit mantissas).
     cells_of_image = passes * h * w
     keep = b.op("Cast", [b.op("Greater", [b.op("Reshape", [valid, b.ints([batch, 1, cells_of_image])]),
                                           b.const(0.0)])], to=TensorProto.FLOAT)
-    total = b.op("MatMul", [keep, b.op("Reshape", [probabilities, b.ints([batch, cells_of_image, classes])])])
-    count = b.op("ReduceSum", [keep, b.ints([2])])
-    b.op("Reshape", [b.op("Div", [total, count]), b.ints([batch, classes])], output=PROBABILITIES)
+    probabilities = b.op("Reshape", [probabilities, b.ints([batch, cells_of_image, classes])])
+    if on_gpu:
+        total = b.op("ReduceSum", [b.op("Mul", [probabilities, b.op("Reshape", [keep, b.ints([batch, cells_of_image, 1])])]),
+                                   b.ints([1])], keepdims=0)
+    else:
+        total = b.op("Reshape", [b.op("MatMul", [keep, probabilities]), b.ints([batch, classes])])
+    count = b.op("ReduceSum", [keep, b.ints([1, 2])], keepdims=0)
+    b.op("Div", [total, b.op("Unsqueeze", [count, b.ints([1])])], output=PROBABILITIES)
 
     # One copy of the net (its weights included), renamed under NET_PREFIX and wrapped in place.
     plan = onnx.ModelProto()
@@ -318,7 +325,7 @@ def build_plan_graph(
                         helper.make_tensor_value_info(VALID, TensorProto.FLOAT, [batch, *cells[2:]])])
     graph.output.extend([helper.make_tensor_value_info(LATTICE, TensorProto.FLOAT, cells),
                          helper.make_tensor_value_info(PROBABILITIES, TensorProto.FLOAT, [batch, classes])])
-    if half_lattice:
+    if on_gpu:
         graph.output.append(helper.make_tensor_value_info(LATTICE_FP16, TensorProto.FLOAT16, cells))
     graph.name = f"{card.name or net.graph.name}-plan-b{batch}-{height}x{width}-p{passes}"
     plan.ClearField("metadata_props")  # the card describes the net's input and output, not these

@@ -305,7 +305,7 @@ class PlanCache:
         return build_plan_graph(
             self._net, self._card, batch=key.batch, height=key.height, width=key.width,
             offsets=key.passes.offsets, factor=key.passes.factor, stride=key.passes.stride,
-            half_lattice=self._engine.on_gpu,
+            on_gpu=self._engine.on_gpu,
         ).SerializeToString()
 
     @staticmethod

@@ -187,19 +187,24 @@ def test_factor_one_is_the_net_itself_with_batch_and_valid_mask():
     assert_close(outputs[PROBABILITIES], probabilities, on=running)
 
 
-def test_a_cpu_plan_goes_without_the_half_lattice_and_copies_no_lattice():
-    """half_lattice=False (the CPU's plans): no float16 output for onnxruntime to compute at every run, and at
-    factor 1 the net writes the lattice output itself (no Identity copying it)."""
+@pytest.mark.parametrize("offsets, factor, stride", [(((0, 0),), 1, 32), (GRID, 2, S)], ids=["factor-1", "grid"])
+def test_a_cpu_plan_goes_without_the_half_lattice_and_sums_by_matmul(offsets, factor, stride):
+    """on_gpu=False (the CPU's plans): no float16 output for onnxruntime to compute at every run, the masked sum
+    as a MatMul, and at factor 1 the net writes the lattice output itself (no Identity copying it)."""
     net = small_patch_net()
-    plan = build_plan_graph(net, read_card(net), batch=2, height=64, width=96, offsets=((0, 0),), factor=1,
-                            stride=32, half_lattice=False)
+    plan = build_plan_graph(net, read_card(net), batch=2, height=64, width=96, offsets=offsets, factor=factor,
+                            stride=stride, on_gpu=False)
     assert [output.name for output in plan.graph.output] == [LATTICE, PROBABILITIES]
-    assert not {"Identity", "Cast"} & {node.op_type for node in plan.graph.node if LATTICE in node.output}
-    pixels = np.random.default_rng(1).integers(0, 256, (2, 64, 96, 3), dtype=np.uint8)
-    valid = np.ones((2, *lattice_cells(plan)), np.float32)
+    assert "MatMul" in {node.op_type for node in plan.graph.node}
+    if factor == 1:
+        assert not {"Identity", "Cast"} & {node.op_type for node in plan.graph.node if LATTICE in node.output}
+    rng = np.random.default_rng(1)
+    pixels = rng.integers(0, 256, (2, 64, 96, 3), dtype=np.uint8)
+    valid = (rng.random((2, *lattice_cells(plan))) >= 0.3).astype(np.float32)
+    valid[:, 0, 0] = 1.0
     running = session(plan)
     lattice, probabilities = running.run([LATTICE, PROBABILITIES], {PIXELS: pixels, VALID: valid})
-    expected, expected_probabilities, _ = reference(net, pixels, valid, offsets=((0, 0),), factor=1, stride=32)
+    expected, expected_probabilities, _ = reference(net, pixels, valid, offsets=offsets, factor=factor, stride=stride)
     assert_close(lattice, expected, on=running)
     assert_close(probabilities, expected_probabilities, on=running)
 
@@ -293,7 +298,6 @@ CUDA_KERNELS = {
     ("Round", "FLOAT"): "math/unary_elementwise_ops.cc",
     ("Softmax", "FLOAT"): "math/softmax.cc",
     ("ReduceSum", "FLOAT"): "reduction/reduction_ops.cc",
-    ("MatMul", "FLOAT"): "math/matmul.cc",
     ("BatchNormalization", "FLOAT"): "nn/batch_norm.cc",  # epsilon clamped to cuDNN's least, 1e-5 (batch_norm.h)
     **{("Pad", t): "tensor/pad.cc" for t in ("FLOAT", "FLOAT16")},
     ("DepthToSpace", "FLOAT"): "tensor/space_depth_ops.cc",
