@@ -222,11 +222,12 @@ def fp16_precision_net() -> onnx.ModelProto:
     return to_fp16(heavy_net())
 
 
+@pytest.mark.parametrize("offsets, factor, stride", [(GRID, 2, S), (((0, 0),), 1, 32)], ids=["grid", "factor-1"])
 @pytest.mark.parametrize("build", [nhwc_float16_net, bgr_uint8_net, heavy_net, fp16_precision_net],
                          ids=["nhwc-fp16-input", "bgr-uint8", "padded-convs", "fp16-precision"])
-def test_layout_dtype_channel_order_and_padding_nets(build):
+def test_layout_dtype_channel_order_and_padding_nets(build, offsets, factor, stride):
     outputs, (lattice, probabilities, _), running, _ = run_plan(
-        build(), batch=2, height=64, width=96, offsets=GRID, factor=2, stride=S, drop=0.2)
+        build(), batch=2, height=64, width=96, offsets=offsets, factor=factor, stride=stride, drop=0.2)
     assert_close(outputs[LATTICE], lattice, on=running)
     assert_close(outputs[PROBABILITIES], probabilities, on=running)
 
