@@ -1,7 +1,7 @@
 """What onnxruntime really uses, measured, and the process configuration the prediction holds under.
 
-* `configure_allocator()`: glibc's malloc as the server runs it (a fixed 2 MiB mmap threshold,
-  heap tops trimmed down to 2 MiB at once), so image-sized buffers and the arena's regions are returned to the
+* `configure_allocator()`: glibc's malloc as the server runs it (one heap, a fixed 2 MiB mmap threshold,
+  the heap's top trimmed down to 2 MiB at once), so image-sized buffers and the arena's regions are returned to the
   system when freed, and a request's smaller buffers come from the heap. Under
   glibc's defaults the mmap threshold grows to 32 MiB after the first large free, activations then
   come from the heap, fragment it and stay: the default model peaked at 110 MB for 512x512 (the
@@ -34,6 +34,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -85,18 +86,24 @@ TIMEOUT_SECONDS = 600
 # against 12 ms of server CPU per request (bench_host served). At 4 MiB a plan of the net in
 # tests/server/memory/test_arena.py kept 9 MiB more than at 1-3 MiB.
 MMAP_THRESHOLD_BYTES = 2 * 2**20
-# Free memory at a heap's top is returned at once, down to TOP_PAD_BYTES. malloc_trim gives back a thread's
-# heap only down to what M_TOP_PAD keeps, so a plan's footprint read after it may count up to that much of other
-# work's memory: with a 16 MiB trim threshold it did (tests/server/memory/test_plan_memory.py).
+# Free memory at the heap's top is returned at once, down to TOP_PAD_BYTES (a larger trim threshold left what
+# malloc_trim then did not give back in threads' heaps, and plan footprints read wrong: 16 MiB saved 0.7 ms per
+# request, tests/server/memory/test_plan_memory.py).
 TRIM_THRESHOLD_BYTES = 0
-# What each heap keeps at its top when trimmed: as much as its largest block (larger ones are mapped). Without it
+# What the heap keeps at its top when trimmed: as much as its largest block (larger ones are mapped). Without it
 # the decoding thread's heap went back to the system at every request, whose decoded photo and canvas then faulted
 # in 240 fresh pages (1 MiB): 0.5 ms of its 1.5 ms of CPU, and 3.40 against 2.78 ms per request in-process.
 TOP_PAD_BYTES = MMAP_THRESHOLD_BYTES
+# One heap for every thread. malloc_trim gives back the top of the main heap only: with glibc's per-thread heaps
+# each kept its 2 MiB top through it, a plan's build found resident memory to reuse and its footprint read low
+# (1.1 MiB below the weights it added: tests/server/memory/test_plan_memory.py). The same server CPU per request
+# with one heap as with glibc's several (bench_host served: 4.21-4.23 against 4.12-4.27 ms, alternated).
+ARENAS = 1
 # mallopt(3) parameter numbers (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 
 class MeasurementError(RuntimeError):
@@ -173,6 +180,7 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     """glibc, when this process runs on it (mallopt and malloc_trim are glibc's)."""
     name = ctypes.util.find_library("c")
@@ -192,7 +200,7 @@ def configure_allocator() -> bool:
         return False
     return all(libc.mallopt(parameter, value) for parameter, value in (
         (_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
-        (_M_TOP_PAD, TOP_PAD_BYTES)))
+        (_M_TOP_PAD, TOP_PAD_BYTES), (_M_ARENA_MAX, ARENAS)))
 
 
 def release_free_memory() -> None:
