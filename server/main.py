@@ -107,6 +107,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from server.memory.runtime import configure_allocator  # onnxruntime's import waits until --help is answered
+
+    configure_allocator()  # before any thread allocates: glibc keeps to one heap only if told before it has several
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)

@@ -160,8 +160,8 @@ def _preprocess(b: _Builder, image: ImageInput, *, width: int) -> str:
     if image.bgr:
         x = b.op("Gather", [x, b.ints([2, 1, 0])], axis=axis)
     x = b.op("Cast", [x], to=TensorProto.FLOAT)
-    mean = np.asarray(image.mean or (0.0,) * 3, dtype=np.float32)
-    std = np.asarray(image.std or (1.0,) * 3, dtype=np.float32)
+    mean = np.broadcast_to(np.asarray(image.mean or 0.0, dtype=np.float32), 3)
+    std = np.broadcast_to(np.asarray(image.std or 1.0, dtype=np.float32), 3)
     scale, shift = np.float32(image.pixel_scale) / std, -mean / std
     if np.any(scale != 1.0) or np.any(shift != 0.0):
         if axis == 1:
@@ -204,6 +204,15 @@ def _passes(b: _Builder, image: str, offsets, *, dtype: np.dtype, spatial: tuple
         shifted.append(b.op("Unsqueeze", [moved, b.ints([1])]))
     stacked = b.op("Concat", shifted, axis=1) if len(shifted) > 1 else shifted[0]
     b.op("Reshape", [stacked, b.ints([shape[0] * len(offsets), *shape[1:]])], output=output)
+
+
+def _renameable(net: onnx.ModelProto, name: str) -> bool:
+    """Whether a node of the net's top graph makes tensor `name` and no subgraph (If, Loop, Scan) exists that could
+    read it by name: renaming it then renames every use."""
+    made = any(name in node.output for node in net.graph.node)
+    nested = any(attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                 for node in net.graph.node for attribute in node.attribute)
+    return made and not nested
 
 
 def build_plan_graph(
@@ -255,12 +264,16 @@ def build_plan_graph(
             shape=pass_shape, output=NET_PREFIX + image.name)
     before_net = len(b.nodes)
 
-    scores = NET_PREFIX + card.scores_name
-    lattice_is_scores = factor == 1 and scores_type == TensorProto.FLOAT  # the net's output is the lattice itself
+    # At factor 1 the net's float32 scores are the lattice: the node making them writes the output itself (no copy),
+    # when a node of the net's own graph makes them and no subgraph reads them by name.
+    renamed = factor == 1 and scores_type == TensorProto.FLOAT and _renameable(net, card.scores_name)
+    scores = LATTICE if renamed else NET_PREFIX + card.scores_name
     if scores_type != TensorProto.FLOAT:
         scores = b.op("Cast", [scores], to=TensorProto.FLOAT, output=LATTICE if factor == 1 else None)
     if factor == 1:
         lattice = LATTICE
+        if scores != LATTICE:
+            b.op("Identity", [scores], output=LATTICE)
     else:
         # [B*P, K, h, w] -> [B, P*K, h, w]: the passes of an image side by side on the channel axis.
         by_image = b.op("Reshape", [scores, b.ints([batch, passes * classes, h, w])])
@@ -273,8 +286,6 @@ def build_plan_graph(
         lattice = b.op("DepthToSpace", [by_image], output=LATTICE, blocksize=factor, mode="DCR")
     if on_gpu:
         b.op("Cast", [lattice], output=LATTICE_FP16, to=TensorProto.FLOAT16)
-    if lattice_is_scores:
-        scores = LATTICE
 
     # The image-level mean straight from the passes' scores [B*P, K, h, w], with `valid` taken back
     # to each pass's cells: no NaN holes to step around, nothing computed twice. Classes go last:
@@ -303,8 +314,7 @@ def build_plan_graph(
                                    b.ints([1])], keepdims=0)
     else:
         total = b.op("Reshape", [b.op("MatMul", [keep, probabilities]), b.ints([batch, classes])])
-    count = b.op("ReduceSum", [keep, b.ints([1, 2])], keepdims=0)
-    b.op("Div", [total, b.op("Unsqueeze", [count, b.ints([1])])], output=PROBABILITIES)
+    b.op("Div", [total, b.op("ReduceSum", [keep, b.ints([2])], keepdims=0)], output=PROBABILITIES)  # [B, K] / [B, 1]
 
     # One copy of the net (its weights included), renamed under NET_PREFIX and wrapped in place.
     plan = onnx.ModelProto()
@@ -313,7 +323,7 @@ def build_plan_graph(
     graph = plan.graph
     net_nodes = list(graph.node)
     graph.ClearField("node")
-    if lattice_is_scores:  # the net writes the lattice output itself: no copy
+    if renamed:
         for node in net_nodes:
             for names in (node.input, node.output):
                 names[:] = [LATTICE if name == NET_PREFIX + card.scores_name else name for name in names]

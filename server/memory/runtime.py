@@ -192,15 +192,17 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def configure_allocator() -> bool:
-    """Set glibc's malloc as the memory prediction was validated under; call once at process start.
+    """Set glibc's malloc as the memory prediction was validated under; call once at process start, before threads
+    allocate (glibc fixes its limit on heaps once more than eight exist).
 
-    False (and nothing changed) where the C library is not glibc."""
+    False where the C library is not glibc (nothing changed) or refused a setting."""
     libc = _libc()
     if libc is None:
         return False
-    return all(libc.mallopt(parameter, value) for parameter, value in (
+    accepted = [libc.mallopt(parameter, value) for parameter, value in (
         (_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
-        (_M_TOP_PAD, TOP_PAD_BYTES), (_M_ARENA_MAX, ARENAS)))
+        (_M_TOP_PAD, TOP_PAD_BYTES), (_M_ARENA_MAX, ARENAS))]
+    return all(accepted)
 
 
 def release_free_memory() -> None:

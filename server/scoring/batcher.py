@@ -250,7 +250,7 @@ class Batcher:
                     self._condition.wait(remaining)
                     continue
                 if self._take is not None:
-                    same = same[:max(1, self._take(first.key, len(same)))]
+                    same = same[:self._taken(first.key, len(same))]
                 taken = set(same)
                 self._queue = [w for w in self._queue if w not in taken]
                 started, batch_id = time.monotonic(), next(self._batch_ids)
@@ -259,6 +259,15 @@ class Batcher:
                     work.started, work.batch_id, work.batch_size = started, batch_id, len(same)
                     work.request.started = True
                 return same
+
+    def _taken(self, key: Hashable, ready: int) -> int:
+        """How many of the `ready` items of `key` the batch takes: the take hook's word, or all when it fails (a
+        bug to log, never a reason to stop the worker)."""
+        try:
+            return min(ready, max(1, self._take(key, ready)))
+        except Exception:
+            LOG.exception("the take hook failed; the batch takes every ready item")
+            return ready
 
     def _drop_expired(self) -> None:
         now = time.monotonic()

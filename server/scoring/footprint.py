@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from convert.memory_model import Device
 from protos import scoring_pb2
 from server.engine.device_graph import LATTICE_FP16
 from server.errors import ScoringError
@@ -52,7 +53,9 @@ def host_estimate(request: scoring_pb2.ScoreRequest, model: Model, opened: Opene
     )
     batch = max((min(job.items_per_batch, model.buckets.batches[-1]) * -(-job.canvas[0] // passes.stride)
                  * -(-job.canvas[1] // passes.stride) for job in jobs), default=0)
-    return dataclasses.replace(estimate, maps=estimate.maps + batch * model.classes * itemsize)
+    # A CPU plan gives its lattice back in float32 whatever the request asked (device_graph: no half lattice there).
+    returned = itemsize if wanted is None or model.plan_memory.device == Device.CUDA else FLOAT32_BYTES
+    return dataclasses.replace(estimate, maps=estimate.maps + batch * model.classes * returned)
 
 
 def response_bytes(request: scoring_pb2.ScoreRequest, jobs: Sequence[ScaleJob], *, classes: int, top_k: int,

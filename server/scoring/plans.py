@@ -93,7 +93,8 @@ class Plan:
 
     def run(self, pixels: np.ndarray, valid: np.ndarray, *, lattice: str | None) -> tuple[np.ndarray | None, np.ndarray]:
         """(lattice [B, K, HL, WL], probabilities [B, K]) of one full batch; `lattice` names the lattice output
-        to copy back (LATTICE, or LATTICE_FP16: half the bytes) or None when no response needs one."""
+        to copy back (LATTICE, or LATTICE_FP16: half the bytes, on a GPU; a CPU plan gives LATTICE) or None when no
+        response needs one."""
         with self._lock:
             return self._run(pixels, valid, lattice=lattice)
 
@@ -116,9 +117,8 @@ def kept_lattice(lattices: np.ndarray | None, index: int, item: Item) -> np.ndar
     if not item.lattice:
         return None
     cells = lattices[index, :, :item.cells[0], :item.cells[1]]
-    if item.classes:
-        cells = cells[list(item.classes)]
-    return cells.astype(np.float16 if item.lattice == LATTICE_FP16 else cells.dtype)
+    dtype = np.float16 if item.lattice == LATTICE_FP16 else cells.dtype
+    return cells[list(item.classes)].astype(dtype, copy=False) if item.classes else cells.astype(dtype)
 
 
 class PlanCache:

@@ -187,7 +187,8 @@ def test_factor_one_is_the_net_itself_with_batch_and_valid_mask():
     assert_close(outputs[PROBABILITIES], probabilities, on=running)
 
 
-@pytest.mark.parametrize("offsets, factor, stride", [(((0, 0),), 1, 32), (GRID, 2, S)], ids=["factor-1", "grid"])
+@pytest.mark.parametrize("offsets, factor, stride", [(((0, 0),), 1, 32), (GRID, 2, S), (DIAGONAL, 2, S)],
+                         ids=["factor-1", "grid", "diagonal"])
 def test_a_cpu_plan_goes_without_the_half_lattice_and_sums_by_matmul(offsets, factor, stride):
     """on_gpu=False (the CPU's plans): no float16 output for onnxruntime to compute at every run, the masked sum
     as a MatMul, and at factor 1 the net writes the lattice output itself (no Identity copying it)."""
@@ -205,6 +206,28 @@ def test_a_cpu_plan_goes_without_the_half_lattice_and_sums_by_matmul(offsets, fa
     running = session(plan)
     lattice, probabilities = running.run([LATTICE, PROBABILITIES], {PIXELS: pixels, VALID: valid})
     expected, expected_probabilities, _ = reference(net, pixels, valid, offsets=offsets, factor=factor, stride=stride)
+    assert_close(lattice, expected, on=running)
+    assert_close(probabilities, expected_probabilities, on=running)
+
+
+def test_a_net_with_a_subgraph_gets_its_lattice_copied_not_renamed():
+    """A subgraph (If, Loop, Scan) could read the scores by name, which renaming them would break: the plan copies
+    them to the lattice output instead."""
+    net = small_patch_net()
+    branch = helper.make_graph([helper.make_node("Identity", ["one"], ["out"])], "branch", [],
+                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1])],
+                               initializer=[numpy_helper.from_array(np.ones(1, np.float32), "one")])
+    net.graph.initializer.append(numpy_helper.from_array(np.array(True), "always"))
+    net.graph.node.append(helper.make_node("If", ["always"], ["unused"], then_branch=branch, else_branch=branch))
+    plan = build_plan_graph(net, read_card(net), batch=2, height=64, width=96, offsets=((0, 0),), factor=1,
+                            stride=32, on_gpu=False)
+    assert [node.op_type for node in plan.graph.node if LATTICE in node.output] == ["Identity"]
+    rng = np.random.default_rng(2)
+    pixels = rng.integers(0, 256, (2, 64, 96, 3), dtype=np.uint8)
+    valid = np.ones((2, *lattice_cells(plan)), np.float32)
+    running = session(plan)
+    lattice, probabilities = running.run([LATTICE, PROBABILITIES], {PIXELS: pixels, VALID: valid})
+    expected, expected_probabilities, _ = reference(net, pixels, valid, offsets=((0, 0),), factor=1, stride=32)
     assert_close(lattice, expected, on=running)
     assert_close(probabilities, expected_probabilities, on=running)
 

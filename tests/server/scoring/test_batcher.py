@@ -88,6 +88,20 @@ def test_a_batch_takes_what_the_take_hook_says_and_leaves_the_rest_queued():
         batcher.close()
 
 
+def test_a_failing_take_hook_never_stops_the_worker():
+    def broken_take(key, count):
+        raise RuntimeError("the plans broke")
+
+    batcher = Batcher(lambda batch: [w.payload for w in batch], max_batch=4, max_delay_seconds=0.0, queue_depth=8,
+                      max_queue_seconds=60, take=broken_take)
+    try:
+        queued = works(3)
+        batcher.submit(queued)
+        assert batcher.wait(queued) == [0, 1, 2]  # every ready item taken, as with no hook
+    finally:
+        batcher.close()
+
+
 def test_a_cpu_batch_takes_the_items_its_first_plan_run_scores(tiny_model_path):
     """On the CPU a batch runs in the exact batch buckets measured cheapest per item (PlanCache._sizes): the
     batcher takes only the first run's items, so the others do not wait for runs after their own."""
