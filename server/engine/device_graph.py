@@ -310,8 +310,8 @@ def build_plan_graph(
                                           b.const(0.0)])], to=TensorProto.FLOAT)
     probabilities = b.op("Reshape", [probabilities, b.ints([batch, cells_of_image, classes])])
     if on_gpu:
-        total = b.op("ReduceSum", [b.op("Mul", [probabilities, b.op("Reshape", [keep, b.ints([batch, cells_of_image, 1])])]),
-                                   b.ints([1])], keepdims=0)
+        weights = b.op("Reshape", [keep, b.ints([batch, cells_of_image, 1])])
+        total = b.op("ReduceSum", [b.op("Mul", [probabilities, weights]), b.ints([1])], keepdims=0)
     else:
         total = b.op("Reshape", [b.op("MatMul", [keep, probabilities]), b.ints([batch, classes])])
     b.op("Div", [total, b.op("ReduceSum", [keep, b.ints([2])], keepdims=0)], output=PROBABILITIES)  # [B, K] / [B, 1]

@@ -27,7 +27,12 @@ from server.errors import Dropped, NoRoom, Refusal, ScoringError, Transient, ret
 LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting caller looks at its cancellation flag
 CLOSE_SECONDS = 10.0  # how long close waits for the batch being computed before leaving the (daemon) worker
-SMOOTHING = 0.2  # weight of the newest batch in the moving average of seconds per item
+SMOOTHING = 0.2  # weight of the newest batch in a moving average of seconds per item
+
+
+def paced(known: float | None, newest: float) -> float:
+    """A moving average of seconds per item with its newest batch's (`known` None: the first)."""
+    return newest if known is None else SMOOTHING * newest + (1 - SMOOTHING) * known
 
 
 class Reservation:
@@ -330,8 +335,7 @@ class Batcher:
         setup = sum(getattr(result, "planning_seconds", 0.0) for result in results)
         per_item = max(elapsed - setup, 0.0) / len(batch)
         with self._condition:
-            self._seconds_per_item = per_item if not self._seconds_per_item else (
-                SMOOTHING * per_item + (1 - SMOOTHING) * self._seconds_per_item)
+            self._seconds_per_item = paced(self._seconds_per_item or None, per_item)
         for work, result in zip(batch, results):
             work.result, work.run_seconds = result, elapsed - setup
             work.done.set()

@@ -135,7 +135,7 @@ def configured_plans(model: Model, scales: tuple[int, ...]) -> list[PlanKey]:
 def tiled_plans(model: Model) -> list[PlanKey]:
     """The plans an image larger than every bucket runs on at the model's own stride: its tiles' canvas (the tile
     canvas by default), at each batch bucket a batch of its tiles may fill. Warmed up, so a phone photo scored at
-    its own size makes no plan (issue 31). None when such an image cannot be tiled within the budget (admission
+    its own size makes no plan (issue 31). Empty when such an image cannot be tiled within the budget (admission
     refuses it, naming why)."""
     passes = dense.passes_for(native_stride=model.card.output_stride, output_stride=0, shift=0)
     side = 2 * max(model.tile_canvas)  # larger than the tile canvas both ways: tiled

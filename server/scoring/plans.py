@@ -34,15 +34,14 @@ from server.engine.device_graph import (LATTICE, LATTICE_FP16, PIXELS, PROBABILI
 from server.engine.providers import Engine, EngineError
 from server.errors import Refusal, ScoringError
 from server.metrics import Metrics
+from server.scoring.batcher import Work, paced
 from server.scoring.request import GroupKey, Item, Scored
 
 if TYPE_CHECKING:
     from server.memory.device import PlanMemory
-    from server.scoring.batcher import Work
 
 LOG = logging.getLogger(__name__)
 MAKING = threading.Lock()  # held while a plan is made and measured: the readings are process-wide
-PACE_SMOOTHING = 0.2  # weight of a CPU plan's newest full batch in its moving average of seconds per item
 
 
 @dataclass(frozen=True)
@@ -219,10 +218,8 @@ class PlanCache:
         started = time.monotonic()
         lattices, probabilities = plan.run(pixels, valid, lattice=lattice)
         if not self._engine.on_gpu and len(items) == key.batch:  # a full batch's pace, for `run` to choose by
-            per_item = (time.monotonic() - started) / key.batch
-            known = self._seconds_per_item.get(key)
-            self._seconds_per_item[key] = per_item if known is None else PACE_SMOOTHING * per_item + (
-                1 - PACE_SMOOTHING) * known
+            self._seconds_per_item[key] = paced(self._seconds_per_item.get(key),
+                                                (time.monotonic() - started) / key.batch)
         return [Scored(kept_lattice(lattices, index, item), probabilities[index].copy(),
                        planning if index == 0 else 0.0) for index, item in enumerate(items)]
 
