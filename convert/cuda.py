@@ -31,13 +31,7 @@ _preloaded: str | None = None  # what onnxruntime.preload_dlls said, once it ran
 
 def driver_present() -> bool:
     """Whether the NVIDIA driver is installed here (its kernel module's version file, or libcuda.so.1 loads)."""
-    if os.path.exists(_DRIVER_FILE):
-        return True
-    try:
-        ctypes.CDLL(_DRIVER_LIBRARY)
-    except OSError:
-        return False
-    return True
+    return os.path.exists(_DRIVER_FILE) or _loads(_DRIVER_LIBRARY)
 
 
 def preload_libraries() -> str:

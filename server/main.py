@@ -107,9 +107,6 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from server.memory.runtime import configure_allocator  # onnxruntime's import waits until --help is answered
-
-    configure_allocator()  # before any thread allocates: glibc keeps to one heap only if told before it has several
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -139,8 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return supervise(sys.argv[1:] if argv is None else argv, host=args.host, port=args.port, settings=settings)
 
     from server.errors import ScoringError
+    from server.memory.runtime import configure_allocator
     from server.serving import create_server
 
+    configure_allocator()  # before any thread allocates: glibc keeps to one heap only if told before it has several
     try:
         server, port = create_server(args.models, address=f"{args.host}:{args.port}", settings=settings, token=token,
                                      tls=tls, wait_until_ready=False)

@@ -361,7 +361,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         flags = parser.add_argument_group(title)
         for declared in dataclasses.fields(group):
             meta = declared.metadata
-            shown = f" (default: {shown_default(declared)})" if shown_default(declared) else ""
+            default = shown_default(declared)
+            shown = f" (default: {default})" if default else ""
             options: dict[str, Any] = dict(dest=declared.name, help=(described(declared) + shown).replace("%", "%%"))
             if isinstance(declared.default, bool):
                 options.update(action="store_false" if declared.default else "store_true")
@@ -386,7 +387,6 @@ def markdown_table() -> str:
     for title, group in GROUPS.items():
         lines.append(f"| **{title}** | | |")
         for declared in dataclasses.fields(group):
-            meta = declared.metadata
             default = shown_default(declared) or (f"{declared.name.replace('_', '-')} on" if declared.default is True
                                         else "off" if declared.default is False
                                         else f"{declared.default:g}" if isinstance(declared.default, float)

@@ -8,8 +8,9 @@ refusals suggest instead.
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from convert.profile import ProfileError
@@ -67,6 +68,11 @@ def scale_job(model: Model, original: tuple[int, int], scale: int, passes: dense
     return on(tiles.canvas, tiles)
 
 
+def largest_fitting(fits: Callable[[int], bool], most: int, *, least: int = 0) -> int:
+    """The largest n in least+1..`most` with fits(n), where fits falls as n grows; `least` when none does."""
+    return least + bisect.bisect_left(range(least + 1, most + 1), True, key=lambda n: not fits(n))
+
+
 def check_resized_cap(model: Model, original: tuple[int, int], scale: int, size: tuple[int, int]) -> None:
     """INVALID_ARGUMENT, naming the largest scale within it, past --max-resized-pixels: a cap the operator set
     (none by default: the request's own host memory estimate decides, issue 31)."""
@@ -74,11 +80,12 @@ def check_resized_cap(model: Model, original: tuple[int, int], scale: int, size:
     if limit is None or size[0] * size[1] <= limit:
         return
     step = model.multiple
-    low, high = 0, -(-scale // step)  # scales of `low` steps fit the cap (or are none); `high` steps do not
-    while high - low > 1:
-        middle = (low + high) // 2
-        resized = dense.resized_size(*original, scale=middle * step, multiple=model.card.size_multiple)
-        low, high = (middle, high) if resized[0] * resized[1] <= limit else (low, middle)
+
+    def within_cap(steps: int) -> bool:
+        resized = dense.resized_size(*original, scale=steps * step, multiple=model.card.size_multiple)
+        return resized[0] * resized[1] <= limit
+
+    low = largest_fitting(within_cap, -(-scale // step) - 1)  # the scale's own steps, rounded up, do not fit
     within = (f"ask for a scale of at most {low * step}" if low * step >= model.min_scale
               else "no scale of this image is within it")
     raise invalid(

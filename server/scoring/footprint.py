@@ -21,7 +21,7 @@ from server.engine.device_graph import LATTICE_FP16
 from server.errors import ScoringError
 from server.geometry import dense
 from server.memory.host import DEVICE_PASSES, RGB, HostEstimate, TiledScale, estimate_request
-from server.scoring.fitting import scale_job
+from server.scoring.fitting import largest_fitting, scale_job
 from server.scoring.request import ScaleJob, lattice_classes, lattice_output, top_k
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ def lighter_maps(request: scoring_pb2.ScoreRequest, model: Model, jobs: list[Sca
                 found.append(f"maps of at most {most} `classes` in {name}")
     if request.return_maps or request.cell_top_k:
         without = changed_request(request, return_maps=False, cell_top_k=0)
-        most = largest_count(lambda k: fits(changed_request(without, cell_top_k=k), jobs, passes),
+        most = largest_fitting(lambda k: fits(changed_request(without, cell_top_k=k), jobs, passes),
                              model.classes if request.return_maps else request.cell_top_k - 1)
         if most:
             found.append(f"{'no maps but ' if request.return_maps else ''}each cell's top {most} classes "
@@ -148,17 +148,8 @@ def most_classes(request: scoring_pb2.ScoreRequest, model: Model, jobs: list[Sca
                  fits: Fits, dtype: int) -> int:
     """The most classes whose maps of `dtype` fit (the first ones asked, or the model's first)."""
     chosen = list(request.classes) or list(range(model.classes))
-    return largest_count(lambda n: fits(changed_request(request, classes=chosen[:n], map_dtype=dtype), jobs, passes),
+    return largest_fitting(lambda n: fits(changed_request(request, classes=chosen[:n], map_dtype=dtype), jobs, passes),
                          len(chosen))
-
-
-def largest_count(fits: Callable[[int], bool], most: int) -> int:
-    """The largest n in 1..`most` with fits(n) (fits falls as n grows), or 0."""
-    low, high = 0, most + 1
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
 
 
 def largest_scale(request: scoring_pb2.ScoreRequest, model: Model, opened: OpenedImage, passes: dense.Passes,
@@ -174,11 +165,8 @@ def largest_scale(request: scoring_pb2.ScoreRequest, model: Model, opened: Opene
 
     if max(scales) // step < lowest or not capped(lowest):
         return 0
-    low, high = lowest, -(-max(scales) // step)  # `low` fits; the request's own largest does not
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if capped(middle) else (low, middle)
-    return low * step
+    # `lowest` fits; the request's own largest, rounded up, does not
+    return largest_fitting(capped, -(-max(scales) // step) - 1, least=lowest) * step
 
 
 def variant_fits(changed: scoring_pb2.ScoreRequest, model: Model, opened: OpenedImage, fits: Fits,
