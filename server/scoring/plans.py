@@ -291,7 +291,9 @@ class PlanCache:
         if built.host_shared or ran.host_shared or own < 0 or ran.host_bytes < predicted_run // 2:
             # decoding beside it grew (or shrank) the resident set too, or memory was freed elsewhere meanwhile (a
             # run holds at least its live activations): admission keeps the prediction
-            LOG.debug("%s: plan %s measured while other work ran in the process: not used", self._card.name, key)
+            LOG.debug("%s: plan %s measured while other work ran in the process (session %d B%s, run %d B%s of "
+                      "%d B predicted): not used", self._card.name, key, own, " shared" * built.host_shared,
+                      ran.host_bytes, " shared" * ran.host_shared, predicted_run)
             return plan
         plan.arena_bytes = ran.host_bytes
         CPU_ARENA.took(ran.host_bytes)

@@ -74,11 +74,12 @@ def test_decoding_beside_a_plan_s_creation_does_not_count_as_its_memory(default_
     large = scoring_pb2.ScoreRequest(encoded=encoded.getvalue(), scales=[384])
     pipeline = Pipeline([default_model_path], settings=Settings(warm_up=False, provider="cpu",
                                                                 intra_op_threads=1))
+    caplog.set_level(logging.DEBUG, logger="server.scoring.plans")  # why a reading was not used, if it was not
     try:
         alone = pipeline.score(scoring_pb2.ScoreRequest(encoded=encoded.getvalue(), scales=[384]))
         assert alone.top_k
         [quiet] = pipeline.budget.plans()
-        assert quiet.measured_bytes is not None  # nothing else ran: measured
+        assert quiet.measured_bytes is not None, caplog.text  # nothing else ran: measured
         stop, decoded = threading.Event(), []
 
         def decode_in_a_loop() -> None:
