@@ -35,7 +35,6 @@ import ctypes
 import ctypes.util
 import dataclasses
 import functools
-import gc
 import json
 import os
 import subprocess
@@ -258,19 +257,6 @@ class Footprint:
         return self.device_bytes if self.device_bytes is not None else self.host_bytes
 
 
-@contextlib.contextmanager
-def _without_garbage_collection() -> Iterator[None]:
-    """No garbage collected during a measurement: objects left by earlier work, freed in its middle, read as a
-    build that gave memory back. Not a collection first: on a large heap it took longer than the build."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def measure_footprint(build: Callable[[], T], *, on_gpu: bool) -> tuple[T, Footprint]:
     """Run `build` (create a plan and warm it up) and measure what it left in use.
 
@@ -284,16 +270,15 @@ def measure_footprint(build: Callable[[], T], *, on_gpu: bool) -> tuple[T, Footp
         raise MeasurementError("a GPU footprint was asked but the CUDA runtime library does not load")
     if not on_gpu:
         CPU_ARENA.shrink()  # what other plans' runs left free in the shared arena is not the build's
-    with _without_garbage_collection():
-        release_free_memory()
-        activity_before = HOST_ACTIVITY.mark()
-        host_before = resident_bytes()
-        device_before = _cuda_used_bytes(cudart) if cudart is not None else None
-        built = build()
-        device_after = _cuda_used_bytes(cudart) if cudart is not None else None
-        release_free_memory()
-        host = max(0, resident_bytes() - host_before)
-        activity_after = HOST_ACTIVITY.mark()
+    release_free_memory()
+    activity_before = HOST_ACTIVITY.mark()
+    host_before = resident_bytes()
+    device_before = _cuda_used_bytes(cudart) if cudart is not None else None
+    built = build()
+    device_after = _cuda_used_bytes(cudart) if cudart is not None else None
+    release_free_memory()
+    host = max(0, resident_bytes() - host_before)
+    activity_after = HOST_ACTIVITY.mark()
     shared = activity_before[0] > 0 or activity_after != activity_before
     device = None if cudart is None else max(0, device_after - device_before)
     return built, Footprint(host_bytes=host, device_bytes=device, host_shared=shared)

@@ -25,7 +25,7 @@ import onnxruntime
 
 from server.engine.shared_weights import SharedWeights
 from server.memory.arena import CPU_ARENA
-from server.memory.runtime import HOST_ACTIVITY, measure_footprint
+from server.memory.runtime import HOST_ACTIVITY, TOP_PAD_BYTES, measure_footprint
 from protos.model_card_pb2 import ModelCard
 from server.geometry.buckets import Buckets
 from server.geometry.dense import Passes
@@ -288,16 +288,17 @@ class PlanCache:
         _, ran = measure_footprint(lambda: self._warm(plan), on_gpu=False)
         own = built.host_bytes - (self._weights.bytes - weights_before)
         self._memory.weights_held = self._weights.bytes  # exact: what the shared values hold
-        if built.host_shared or ran.host_shared or own < 0 or ran.host_bytes < predicted_run // 2:
+        if built.host_shared or ran.host_shared or own < -TOP_PAD_BYTES or ran.host_bytes < predicted_run // 2:
             # decoding beside it grew (or shrank) the resident set too, or memory was freed elsewhere meanwhile (a
-            # run holds at least its live activations): admission keeps the prediction
+            # run holds at least its live activations; new weights may land in free pages the heap keeps resident,
+            # up to its top pad: the suite read a session at -21 kB): admission keeps the prediction
             LOG.debug("%s: plan %s measured while other work ran in the process (session %d B%s, run %d B%s of "
                       "%d B predicted): not used", self._card.name, key, own, " shared" * built.host_shared,
                       ran.host_bytes, " shared" * ran.host_shared, predicted_run)
             return plan
         plan.arena_bytes = ran.host_bytes
         CPU_ARENA.took(ran.host_bytes)
-        self._memory.plan_created(key, self._weights.bytes + own + ran.host_bytes, run_bytes=ran.host_bytes)
+        self._memory.plan_created(key, self._weights.bytes + max(own, 0) + ran.host_bytes, run_bytes=ran.host_bytes)
         return plan
 
     def _graph(self, key: PlanKey) -> bytes:
