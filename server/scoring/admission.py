@@ -24,7 +24,7 @@ from server.memory.host import RGB, HostEstimate
 from server.memory.host_budget import admit_host
 from server.scoring import footprint, imaging
 from server.scoring.fitting import scale_job
-from server.scoring.request import ScaleJob, top_k
+from server.scoring.request import ScaleJob
 
 if TYPE_CHECKING:
     from server.scoring.batcher import Batcher, Reservation
@@ -188,24 +188,21 @@ def read_header(ticket: Ticket) -> ScoringError | None:
     return None
 
 
-
 def fit_scales(ticket: Ticket) -> ScoringError | None:
     """Each scale's resized size, canvas bucket (or the tiles on one), kept cells and batch limit; refused when
-    the image cannot take it. A scale whose resized image alone is beyond one request's host memory is refused
-    first, before its tiles are planned (no size cap by default: a scale of 10**6 px would have millions)."""
-    limit = ticket.model.limits.max_request_host_bytes
-    for scale in ticket.scales:
-        alone = footprint.resized_bytes(ticket.model, ticket.original, scale)
-        if alone > limit:
-            return ScoringError(
-                Refusal.RESOURCE_EXHAUSTED,
-                f"scale {scale} resizes the {ticket.original[0]}x{ticket.original[1]} image to {alone // RGB} pixels, "
-                f"whose RGB copy alone ({format_bytes(alone)}) is beyond the host memory one request may hold, "
-                f"{format_bytes(limit)} (--max-request-host-bytes); {would_fit(ticket)}; or restart the server with a "
-                "larger --max-request-host-bytes",
-            )
+    the image cannot take it: first a scale whose resized image alone is beyond one request's host memory."""
+    oversized = footprint.oversized_scale(ticket.model, ticket.original, ticket.scales)
+    if oversized is not None:
+        scale, alone, limit = *oversized, ticket.model.limits.max_request_host_bytes
+        return ScoringError(
+            Refusal.RESOURCE_EXHAUSTED,
+            f"scale {scale} resizes the {ticket.original[0]}x{ticket.original[1]} image to {alone // RGB} pixels, "
+            f"whose RGB copy alone ({format_bytes(alone)}) is beyond the host memory one request may hold, "
+            f"{format_bytes(limit)} (--max-request-host-bytes); {would_fit(ticket)}; or restart the server with a "
+            "larger --max-request-host-bytes",
+        )
     try:
-        ticket.jobs = [scale_job(ticket.model, ticket.original, scale, ticket.passes, flip=len(ticket.flips) > 1)
+        ticket.jobs = [scale_job(ticket.model, ticket.original, scale, ticket.passes, flip=ticket.request.flip)
                        for scale in ticket.scales]
     except ScoringError as error:
         return error
@@ -215,7 +212,7 @@ def fit_scales(ticket: Ticket) -> ScoringError | None:
 def hold_tile_places(ticket: Ticket) -> ScoringError | None:
     """A tiled scale is one item per tile and orientation: the places held before the header was read
     (one per scale and orientation) become the request's whole count."""
-    items = sum(job.parts for job in ticket.jobs) * len(ticket.flips)
+    items = footprint.items(ticket.jobs, flip=ticket.request.flip)
     if ticket.places is None or items == ticket.places.items:
         return None
     batcher = ticket.model.batcher
@@ -239,8 +236,7 @@ def hold_tile_places(ticket: Ticket) -> ScoringError | None:
 def check_response_size(ticket: Ticket) -> ScoringError | None:
     """The response within --max-message-bytes; past it, what would fit (server/scoring/footprint.py)."""
     request, model, limit = ticket.request, ticket.model, ticket.model.limits.max_message_bytes
-    expected = footprint.response_bytes(request, ticket.jobs, classes=model.classes,
-                                        top_k=top_k(request, model.limits), label_bytes=model.label_bytes)
+    expected = footprint.response_bytes(request, model, ticket.jobs)
     if expected > limit:
         return ScoringError(
             Refusal.RESOURCE_EXHAUSTED,

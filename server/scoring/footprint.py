@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from server.scoring.imaging import OpenedImage
     from server.scoring.model import Model
 
-__all__ = ["host_estimate", "resized_bytes", "response_bytes", "what_fits"]
+__all__ = ["host_estimate", "items", "oversized_scale", "response_bytes", "what_fits"]
 
 FLOAT16_BYTES, FLOAT32_BYTES, INT32_BYTES = 2, 4, 4
 OVERHEAD_BYTES = 4096  # geometry, timings, model name, warnings and framing of a response, generously
@@ -58,18 +58,23 @@ def host_estimate(request: scoring_pb2.ScoreRequest, model: Model, opened: Opene
     return dataclasses.replace(estimate, maps=estimate.maps + batch * model.classes * returned)
 
 
-def response_bytes(request: scoring_pb2.ScoreRequest, jobs: Sequence[ScaleJob], *, classes: int, top_k: int,
-                   label_bytes: int) -> int:
+def response_bytes(request: scoring_pb2.ScoreRequest, model: Model, jobs: Sequence[ScaleJob]) -> int:
     """An upper estimate of the response's size, known before any compute: the maps, the cells' top-k,
-    the image's `top_k` entries, each with a label of up to `label_bytes`, and the echoed request id."""
-    total = OVERHEAD_BYTES + len(request.request_id.encode()) + min(top_k, classes) * (
-        INT32_BYTES + FLOAT32_BYTES + label_bytes + ENTRY_FRAMING_BYTES)
+    the image's top-k entries, each with a label of up to the model's longest, and the echoed request id."""
+    classes = model.classes
+    total = OVERHEAD_BYTES + len(request.request_id.encode()) + min(top_k(request, model.limits), classes) * (
+        INT32_BYTES + FLOAT32_BYTES + model.label_bytes + ENTRY_FRAMING_BYTES)
     for job in jobs:
         cells = job.cells[0] * job.cells[1]
         if request.return_maps:
             total += cells * (len(request.classes) or classes) * map_itemsize(request)
         total += cells * min(request.cell_top_k, classes) * CELL_TOP_K_BYTES
     return total
+
+
+def items(jobs: Sequence[ScaleJob], *, flip: bool) -> int:
+    """The queue places a request's jobs take: one per untiled scale or tile, and orientation."""
+    return sum(job.parts for job in jobs) * (2 if flip else 1)
 
 
 def map_itemsize(request: scoring_pb2.ScoreRequest) -> int:
@@ -80,10 +85,17 @@ Fits = Callable[[scoring_pb2.ScoreRequest, list[ScaleJob], dense.Passes], bool]
 
 
 def resized_bytes(model: Model, original: tuple[int, int], scale: int) -> int:
-    """The RGB bytes of a scale's resized image: the least of its host memory, known before a tile is planned
-    (a scale whose image alone is beyond --max-request-host-bytes is refused before its tiles are counted)."""
+    """The RGB bytes of a scale's resized image: the least of its host memory, known before a tile is planned."""
     height, width = dense.resized_size(*original, scale=scale, multiple=model.card.size_multiple)
     return height * width * RGB
+
+
+def oversized_scale(model: Model, original: tuple[int, int], scales: Sequence[int]) -> tuple[int, int] | None:
+    """The first scale whose resized image alone is beyond --max-request-host-bytes, with its RGB bytes: refused
+    before its tiles are planned (no size cap by default: a scale of 10**6 px would have millions)."""
+    limit = model.limits.max_request_host_bytes
+    return next(((scale, alone) for scale in scales if (alone := resized_bytes(model, original, scale)) > limit),
+                None)
 
 
 def what_fits(request: scoring_pb2.ScoreRequest, model: Model, opened: OpenedImage, jobs: list[ScaleJob] | None,
@@ -95,12 +107,10 @@ def what_fits(request: scoring_pb2.ScoreRequest, model: Model, opened: OpenedIma
     limits = model.limits
 
     def fits(changed: scoring_pb2.ScoreRequest, changed_jobs: list[ScaleJob], changed_passes: dense.Passes) -> bool:
-        items = sum(job.parts for job in changed_jobs) * (2 if changed.flip else 1)
         host = host_estimate(changed, model, opened, changed_jobs, changed_passes).total
-        response = response_bytes(changed, changed_jobs, classes=model.classes, top_k=top_k(changed, limits),
-                                  label_bytes=model.label_bytes)
-        return (items <= model.batcher.queue_depth and host <= limits.max_request_host_bytes
-                and response <= limits.max_message_bytes)
+        return (items(changed_jobs, flip=changed.flip) <= model.batcher.queue_depth
+                and host <= limits.max_request_host_bytes
+                and response_bytes(changed, model, changed_jobs) <= limits.max_message_bytes)
 
     found = []
     scale = largest_scale(request, model, opened, passes, fits)
@@ -173,8 +183,8 @@ def variant_fits(changed: scoring_pb2.ScoreRequest, model: Model, opened: Opened
                  passes: dense.Passes | None = None) -> bool:
     """Whether a changed request would be admitted on its size: its jobs made as admission makes them."""
     original, scales = (opened.height, opened.width), scales_of(changed, model)
-    if any(resized_bytes(model, original, scale) > model.limits.max_request_host_bytes for scale in scales):
-        return False  # before its tiles are planned: a scale of 10**6 px has millions
+    if oversized_scale(model, original, scales) is not None:
+        return False
     try:
         passes = passes or dense.passes_for(native_stride=model.card.output_stride,
                                             output_stride=changed.output_stride, shift=changed.shift)

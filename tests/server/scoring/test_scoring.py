@@ -18,7 +18,6 @@ from server.scoring import admission, footprint, plans
 from server.errors import ScoringError
 from server.metrics import Metrics
 from server.scoring.pipeline import Pipeline
-from server.scoring.request import top_k
 from server.settings import Settings
 from tests.tiny_models import coordinate_image, coordinate_net, heavy_net, patch_net, tolerance
 
@@ -320,8 +319,7 @@ def test_the_response_size_estimate_holds_every_response(pipeline_of, fields):
     model = pipeline._model("")
     request = raw(np.zeros((96, 128, 3), dtype=np.uint8), **fields)
     with admission.admit(request, model, deadline=None) as order:
-        estimate = footprint.response_bytes(request, order.jobs, classes=model.classes,
-                                             top_k=top_k(request, model.limits), label_bytes=model.label_bytes)
+        estimate = footprint.response_bytes(request, model, order.jobs)
     assert pipeline.score(request).ByteSize() <= estimate
 
 

@@ -290,8 +290,7 @@ def test_admission_counts_a_tiled_request_s_tiles_in_its_queue_places_host_bytes
             assert job.tiling is not None and ticket.places.items == items and model.batcher.depth() == items
             canvases = items * job.canvas[0] * job.canvas[1] * 3
             assert ticket.host.inputs >= canvases and ticket.host.resized >= 617 * 541 * 3
-            expected = footprint.response_bytes(ticket.request, ticket.jobs, classes=model.classes, top_k=3,
-                                                label_bytes=model.label_bytes)
+            expected = footprint.response_bytes(ticket.request, model, ticket.jobs)
         assert model.batcher.depth() == 0 and model.host_budget.in_flight_bytes() == 0  # given back
         answer = pipeline.score(request_of(pixels, **fields))
         assert answer.ByteSize() <= expected
