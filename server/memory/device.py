@@ -48,6 +48,7 @@ from convert.arguments import format_bytes
 from convert.memory_model import Device, MemoryTerms
 from convert.profile import ProfileError, Skeleton, largest_batch, load_skeleton, profile_model
 from server.errors import Refusal, ScoringError
+from server.memory.host_budget import available_memory_bytes
 from server.metrics import Metrics
 
 __all__ = ["MemoryBudget", "PlanMemory", "PlanRecord", "held_bytes"]
@@ -120,6 +121,18 @@ class MemoryBudget:
         self._plans: dict[tuple[int, Hashable], PlanRecord] = {}
         self._lock = threading.Lock()
         self._clock = itertools.count()
+
+    @classmethod
+    def sized(cls, total_bytes: int | None, *, device: Device, free_gpu_bytes: int | None, fraction: float,
+              share: int = 1) -> MemoryBudget:
+        """1/`share` (one of --workers' processes) of `total_bytes` (--memory-budget), else of the GPU's free
+        memory, else of `fraction` (--cpu-memory-fraction) of MemAvailable; unbounded where none is known."""
+        if total_bytes is None:
+            total_bytes = free_gpu_bytes
+        if total_bytes is None:
+            available = available_memory_bytes()
+            total_bytes = int(available * fraction) if available else None
+        return cls(None if total_bytes is None else total_bytes // share, device=device)
 
     def used_bytes(self) -> int:
         with self._lock:

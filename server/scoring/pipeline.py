@@ -29,7 +29,7 @@ from server.memory.arena import CPU_ARENA
 from server.memory.runtime import HOST_ACTIVITY, configure_allocator
 from protos import model_card_pb2, scoring_pb2
 from server.memory.device import MemoryBudget
-from server.memory.host_budget import HostBudget, available_memory_bytes
+from server.memory.host_budget import HostBudget
 from server.scoring import admission, assemble, imaging, loading
 from server.scoring.admission import Ticket
 from server.scoring.model import Model
@@ -62,7 +62,9 @@ class Pipeline:
         except EngineError as error:
             raise ScoringError(Refusal.FAILED_PRECONDITION, str(error)) from error
         configure_allocator()
-        self.budget = MemoryBudget(self._budget_bytes(), device=self.engine.device)
+        self.budget = MemoryBudget.sized(self.settings.memory_budget_bytes, device=self.engine.device,
+                                         free_gpu_bytes=self.engine.free_gpu_bytes(),
+                                         fraction=self.settings.cpu_memory_fraction, share=self.settings.budget_share)
         if self.metrics is not None:
             self.metrics.plans_held.set_function(self.budget.used_bytes)
         self.host_budget = HostBudget.sized(self.settings.host_memory_budget_bytes,
@@ -88,17 +90,6 @@ class Pipeline:
         except BaseException:
             self.close()
             raise
-
-    def _budget_bytes(self) -> int | None:
-        """This process's share (--budget-share) of --memory-budget, else of the GPU's free memory, else of a share
-        of the available RAM."""
-        total = self.settings.memory_budget_bytes
-        if total is None:
-            total = self.engine.free_gpu_bytes()
-        if total is None:
-            available = available_memory_bytes()
-            total = int(available * self.settings.cpu_memory_fraction) if available else None
-        return None if total is None else total // self.settings.budget_share
 
     def check_warm_up(self) -> None:
         """ScoringError(INVALID_ARGUMENT) naming --warm-up-scales for a scale no model could warm up, before any
