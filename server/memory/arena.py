@@ -116,12 +116,15 @@ class SharedArena:
         cost a request at one client 0.3 ms of CPU."""
         with self._lock:
             self._release_wanted |= release
-            waiting_for_none = self._due is None  # else the waiter wakes at the earlier due and finds this one
+            waited_for = self._due
             self._due = (time.monotonic() + self.idle_release_seconds, self._runs)
             if self._waiter is None:
                 self._waiter = threading.Thread(target=self._release_when_idle, name="arena-idle-release", daemon=True)
                 self._waiter.start()
-            if waiting_for_none:  # waking it at every idle moment cost a request at 16 clients 0.45 ms of CPU
+            # Woken only when this due comes before the one it waits for (none, or a longer idle_release_seconds):
+            # else it wakes at that one and finds this. Waking it at every idle moment cost a request at 16 clients
+            # 0.45 ms of CPU.
+            if waited_for is None or self._due[0] < waited_for[0]:
                 self._idle.notify()
 
     def _release_when_idle(self) -> None:

@@ -67,6 +67,24 @@ def test_an_idle_arena_gives_back_a_large_block_and_keeps_a_small_one(monkeypatc
     assert shrinks == [IDLE_HELD_BYTES, IDLE_HELD_BYTES + 1, IDLE_HELD_BYTES + 1]
 
 
+def test_a_shorter_idle_release_time_applies_to_a_release_already_pending(monkeypatch):
+    import time
+
+    arena = SharedArena()
+    arena.idle_release_seconds = 30.0
+    shrinks = []
+    monkeypatch.setattr(arena, "_shrink_locked", lambda: (shrinks.append(arena.held_bytes), setattr(arena, "held_bytes", 0)))
+    arena.before_run(10)
+    arena.went_idle(release=True)  # due in 30 s
+    time.sleep(0.2)  # the waiter sleeps until then
+    arena.idle_release_seconds = 0.05
+    arena.went_idle(release=True)  # due in 50 ms: the waiter must not sleep on until the first
+    deadline = time.monotonic() + 5
+    while not shrinks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert shrinks == [10]
+
+
 @pytest.fixture()
 def heavy_pipeline(tmp_path):
     from server.scoring.pipeline import Pipeline
