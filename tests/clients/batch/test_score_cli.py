@@ -224,7 +224,8 @@ def test_ctrl_c_while_waiting_for_the_server_stops_at_once(photos, tmp_path):
         server.stop(0)
     text = "".join(said)
     assert code == 130, text
-    assert stopped_after < 2.0, text  # issue 12: within a second or so, not after --retry-for
+    # issue 12: at once, not after --retry-for's 120 s; the bound leaves room for a loaded machine (2 s failed there)
+    assert stopped_after < 15.0, text
     assert f"waiting for 127.0.0.1:{port}, retrying for " in text and "s more" in text
     assert "re-run the same command to resume" in text and "Traceback" not in text
     assert not read_records(tmp_path / "out" / "results.jsonl")  # nothing recorded for the files in flight
