@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -25,7 +24,8 @@ import onnxruntime
 
 from server.engine.shared_weights import SharedWeights
 from server.memory.arena import CPU_ARENA
-from server.memory.runtime import HOST_ACTIVITY, TOP_PAD_BYTES, measure_footprint
+from server.memory.device import MEASUREMENT_RESOLUTION_BYTES, PlanMemory
+from server.memory.runtime import HOST_ACTIVITY, measure_footprint
 from protos.model_card_pb2 import ModelCard
 from server.geometry.buckets import Buckets
 from server.geometry.dense import Passes
@@ -36,9 +36,6 @@ from server.errors import Refusal, ScoringError
 from server.metrics import Metrics
 from server.scoring.batcher import Work, paced
 from server.scoring.request import GroupKey, Item, Scored
-
-if TYPE_CHECKING:
-    from server.memory.device import PlanMemory
 
 LOG = logging.getLogger(__name__)
 MAKING = threading.Lock()  # held while a plan is made and measured: the readings are process-wide
@@ -164,7 +161,7 @@ class PlanCache:
     def first_run(self, group: GroupKey, count: int) -> int:
         """How many of `count` queued items of `group` the next batch should take: those its first run scores.
         The rest wait in the queue, where the batch after takes them the moment this one ends, rather than wait
-        for runs after their own (batching on was 0.89-0.96x off at 4 clients on the CPU, issue 29)."""
+        for runs after their own (README, Serving: what batching on/off read before and after)."""
         return min(count, self._sizes(group, count)[0])
 
     def _sizes(self, group: GroupKey, count: int) -> list[int]:
@@ -288,10 +285,12 @@ class PlanCache:
         _, ran = measure_footprint(lambda: self._warm(plan), on_gpu=False)
         own = built.host_bytes - (self._weights.bytes - weights_before)
         self._memory.weights_held = self._weights.bytes  # exact: what the shared values hold
-        if built.host_shared or ran.host_shared or own < -TOP_PAD_BYTES or ran.host_bytes < predicted_run // 2:
+        if (built.host_shared or ran.host_shared or own < -MEASUREMENT_RESOLUTION_BYTES
+                or ran.host_bytes < predicted_run // 2):
             # decoding beside it grew (or shrank) the resident set too, or memory was freed elsewhere meanwhile (a
-            # run holds at least its live activations; new weights may land in free pages the heap keeps resident,
-            # up to its top pad: the suite read a session at -21 kB): admission keeps the prediction
+            # run holds at least its live activations): admission keeps the prediction. A session a little below its
+            # new weights is within what the resident set resolves (they filled free pages already resident: the
+            # suite read -21 kB), and holds nothing of its own.
             LOG.debug("%s: plan %s measured while other work ran in the process (session %d B%s, run %d B%s of "
                       "%d B predicted): not used", self._card.name, key, own, " shared" * built.host_shared,
                       ran.host_bytes, " shared" * ran.host_shared, predicted_run)

@@ -2,6 +2,7 @@
 start that does not call the memory model off (issue 24, item 5), and one that holds its plans' activations
 once (issue 33)."""
 
+import dataclasses
 import subprocess
 import sys
 import tempfile
@@ -9,11 +10,14 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import onnx
+import pytest
 
 from bench.bench_cpu_plans import MEMORY_BOUND, server_plan_memory
 from bench.bench_memory import _wait_serving
 from server.memory.arena import IDLE_RELEASE_SECONDS
+from tests.server.conftest import raw_request
 from tests.tiny_models import heavy_net
 
 MiB = 2**20
@@ -54,6 +58,40 @@ def test_the_default_model_starts_without_calling_the_memory_model_off(default_m
     assert "memory model is off" not in said, said
 
 
+@pytest.mark.parametrize("below_weights, used", [(21_000, True), (5 * MiB, False)])
+def test_a_session_read_a_little_below_its_new_weights_is_measured_and_further_below_is_not(
+        default_model_path, monkeypatch, below_weights, used):
+    """CI read a session on shared weights 21 kB below the weights new to it (they filled free pages already
+    resident) and threw the reading away: within what the resident set resolves, the session holds nothing of its
+    own; megabytes below, memory was freed elsewhere and admission keeps the prediction."""
+    from server.scoring import plans as plans_module
+    from server.scoring.pipeline import Pipeline
+    from server.settings import Settings
+
+    pipeline = Pipeline([default_model_path], settings=Settings(warm_up=False, provider="cpu"))
+    weights = next(iter(pipeline._models.values())).plans._weights
+    measure, runs = plans_module.measure_footprint, []
+
+    def session_read_below_its_weights(build, *, on_gpu):
+        before = weights.bytes
+        built, reading = measure(build, on_gpu=on_gpu)
+        if before == weights.bytes:  # the warm-up run: measured as it is
+            runs.append(reading.host_bytes)
+            return built, reading
+        return built, dataclasses.replace(reading, host_bytes=weights.bytes - before - below_weights)
+
+    monkeypatch.setattr(plans_module, "measure_footprint", session_read_below_its_weights)
+    try:
+        assert pipeline.score(raw_request(np.zeros((384, 384, 3), np.uint8), scales=[384])).top_k
+        [record] = pipeline.budget.plans()
+    finally:
+        pipeline.close()
+    if used:
+        assert record.measured_bytes == weights.bytes + runs[0]  # the session's own counted as 0, not -21 kB
+    else:
+        assert record.measured_bytes is None
+
+
 def test_decoding_beside_a_plan_s_creation_does_not_count_as_its_memory(default_model_path, caplog):
     """Large images decoded on other threads while a plan is made grew the process's resident set, which was
     read as the plan's (`measured 446.8 MiB, predicted 172.8 MiB (2.59x)`, issue 24 item 5): that reading is
@@ -61,7 +99,6 @@ def test_decoding_beside_a_plan_s_creation_does_not_count_as_its_memory(default_
     import io
     import logging
 
-    import numpy as np
     from PIL import Image
 
     from protos import scoring_pb2
