@@ -21,7 +21,7 @@ from server.geometry.dense import resized_size
 # Height:width of the photos most cameras and phones give, both orientations.
 COMMON_ASPECTS = ((1, 1), (3, 4), (4, 3), (2, 3), (3, 2))
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-BATCH_DELAY_CHARGE = 0.1  # of the time per item, charged a CPU batch per doubling (Buckets.cheapest_batches)
+BATCH_DELAY_CHARGE = 0.1  # of the time per item a CPU batch must save per doubling (Buckets.cheapest_batches)
 
 
 @dataclass(frozen=True)
@@ -42,18 +42,17 @@ class Buckets:
 
     def cheapest_batches(self, count: int, seconds_per_item: Callable[[int], float | None]) -> list[int]:
         """Batch buckets holding `count` items with no padding (the buckets start at 1), each the largest that
-        fits unless a smaller one that fits was measured to cost less per item once the larger's delay is
-        charged (None: not measured; an unmeasured largest runs, and so gets measured). For the CPU: a padded
-        slot costs a whole image there, and a larger batch need not cost less per item (the null model's plan:
-        1.95, 1.97, 2.13 and 2.86 ms per item at batch 1, 2, 4 and 8). Every item of a batch ends when its
-        last does, so each doubling must save BATCH_DELAY_CHARGE of the time per item: at equal cost the
-        smaller runs (batching on read 0.92-0.96x off at 4 clients on the CPU, issue 29)."""
+        fits unless a smaller one that fits was measured cheaper per item once the larger's wait is charged (None:
+        not measured; an unmeasured largest runs, and so gets measured). For the CPU, where a padded slot costs a
+        whole image and a larger batch need not cost less per item (README, Serving). Every item of a batch ends
+        when its last does, so each doubling must save BATCH_DELAY_CHARGE of the time per item; at equal cost the
+        smaller runs."""
         sizes = []
         while count:
             fitting = [b for b in self.batches if b <= count]
             largest = max(fitting)
             measured = {b: seconds for b in fitting if (seconds := seconds_per_item(b)) is not None}
-            size = min(measured, key=lambda b: measured[b] * (1 + BATCH_DELAY_CHARGE) ** math.log2(b)) \
+            size = min(measured, key=lambda b: (measured[b] / (1 - BATCH_DELAY_CHARGE) ** math.log2(b), b)) \
                 if largest in measured else largest
             sizes.append(size)
             count -= size

@@ -91,11 +91,12 @@ def test_cpu_batches_fill_their_buckets_exactly_and_take_the_cheapest_measured()
     batches = Buckets(((64, 64),), (1, 2, 4, 8))
     assert batches.cheapest_batches(7, lambda size: None) == [4, 2, 1]  # nothing measured: the largest that fit
     assert batches.cheapest_batches(5, {1: 1.0, 2: 0.5}.get) == [4, 1]  # batch 4 not yet measured: it runs
-    assert batches.cheapest_batches(7, {1: 1.0, 2: 0.9, 4: 1.2, 8: 2.0}.get) == [2, 2, 2, 1]
+    assert batches.cheapest_batches(7, {1: 1.0, 2: 0.85, 4: 1.2, 8: 2.0}.get) == [2, 2, 2, 1]
     assert batches.cheapest_batches(8, {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.5}.get) == [1] * 8
     assert batches.cheapest_batches(8, {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}.get) == [1] * 8  # a tie: the smaller
     # each doubling must save more than BATCH_DELAY_CHARGE (0.1) of the time per item, since its items end together
     assert batches.cheapest_batches(2, {1: 1.0, 2: 0.95}.get) == [1, 1]
-    assert batches.cheapest_batches(2, {1: 1.0, 2: 0.85}.get) == [2]
+    assert batches.cheapest_batches(2, {1: 1.0, 2: 0.905}.get) == [1, 1]  # 9.5% saved: not enough
+    assert batches.cheapest_batches(2, {1: 1.0, 2: 0.89}.get) == [2]
     assert batches.cheapest_batches(8, {1: 1.0, 2: 0.95, 4: 0.85, 8: 0.5}.get) == [8]
     assert batches.cheapest_batches(2, {2: 1.0}.get) == [2]  # an unmeasured smaller bucket is not tried (no new plan)
