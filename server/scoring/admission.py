@@ -202,7 +202,7 @@ def fit_scales(ticket: Ticket) -> ScoringError | None:
             "larger --max-request-host-bytes",
         )
     try:
-        ticket.jobs = [scale_job(ticket.model, ticket.original, scale, ticket.passes, flip=ticket.request.flip)
+        ticket.jobs = [scale_job(ticket.model, ticket.original, scale, ticket.passes, flip=len(ticket.flips) > 1)
                        for scale in ticket.scales]
     except ScoringError as error:
         return error
@@ -212,7 +212,7 @@ def fit_scales(ticket: Ticket) -> ScoringError | None:
 def hold_tile_places(ticket: Ticket) -> ScoringError | None:
     """A tiled scale is one item per tile and orientation: the places held before the header was read
     (one per scale and orientation) become the request's whole count."""
-    items = footprint.items(ticket.jobs, flip=ticket.request.flip)
+    items = footprint.queue_items(ticket.jobs, orientations=len(ticket.flips))
     if ticket.places is None or items == ticket.places.items:
         return None
     batcher = ticket.model.batcher

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from server.scoring.imaging import OpenedImage
     from server.scoring.model import Model
 
-__all__ = ["host_estimate", "items", "oversized_scale", "response_bytes", "what_fits"]
+__all__ = ["host_estimate", "oversized_scale", "queue_items", "response_bytes", "what_fits"]
 
 FLOAT16_BYTES, FLOAT32_BYTES, INT32_BYTES = 2, 4, 4
 OVERHEAD_BYTES = 4096  # geometry, timings, model name, warnings and framing of a response, generously
@@ -72,9 +72,9 @@ def response_bytes(request: scoring_pb2.ScoreRequest, model: Model, jobs: Sequen
     return total
 
 
-def items(jobs: Sequence[ScaleJob], *, flip: bool) -> int:
-    """The queue places a request's jobs take: one per untiled scale or tile, and orientation."""
-    return sum(job.parts for job in jobs) * (2 if flip else 1)
+def queue_items(jobs: Sequence[ScaleJob], *, orientations: int) -> int:
+    """The queue places a request's jobs take: one per untiled scale or tile, and orientation (2 with its mirror)."""
+    return sum(job.parts for job in jobs) * orientations
 
 
 def map_itemsize(request: scoring_pb2.ScoreRequest) -> int:
@@ -108,7 +108,7 @@ def what_fits(request: scoring_pb2.ScoreRequest, model: Model, opened: OpenedIma
 
     def fits(changed: scoring_pb2.ScoreRequest, changed_jobs: list[ScaleJob], changed_passes: dense.Passes) -> bool:
         host = host_estimate(changed, model, opened, changed_jobs, changed_passes).total
-        return (items(changed_jobs, flip=changed.flip) <= model.batcher.queue_depth
+        return (queue_items(changed_jobs, orientations=2 if changed.flip else 1) <= model.batcher.queue_depth
                 and host <= limits.max_request_host_bytes
                 and response_bytes(changed, model, changed_jobs) <= limits.max_message_bytes)
 
