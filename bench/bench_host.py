@@ -9,9 +9,10 @@ both alike, each side's fastest call taken as its undisturbed cost (medians show
 (issue 9, item 5): host path <= 1.5x decode + resize.
 
 Served (issue 29): `scoremap-serve` with the null model in its own process, closed loops over gRPC; the
-server's CPU time per answered request (every server process counted, /proc), at 16 clients, stride 32
-top-5 at 384 (target <= 3 ms), and batching on against off at 1 and 4 clients (target >= 0.95x; levels on, off, off,
-on, so that a drift in the machine's load hits both alike).
+server's CPU time per request (every server process counted, /proc), at 16 clients, stride 32 top-5 at 384
+(target <= 3 ms; the mean of CPU_PER_REQUEST_LEVELS levels), and batching on against off at 1 and 4 clients
+(target >= 0.95x; levels in BATCHING_ORDER, so that a drift in the machine's load hits both alike). About 4
+minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ BATCHING = {"on": ("--max-batch", "8"), "off": ("--max-batch", "1")}
 # A drift in the shared machine's load hits both alike; at 1 client, where both run the same batches of one, a
 # single pair of levels read 0.89-1.01x: four levels each.
 BATCHING_ORDER = ("on", "off", "off", "on") * 2
-CPU_LEVELS = 2
+CPU_PER_REQUEST_LEVELS = 2
 STAGES = ("preprocess_ms", "queue_ms", "inference_ms", "postprocess_ms")
 
 
@@ -188,9 +189,9 @@ def served(*, seconds: float = SERVED_SECONDS) -> str:
     with tempfile.TemporaryDirectory() as folder:
         model = null_model(folder)
         cpu_levels = [served_level(model, BATCHING["off"], SERVED_CLIENTS, seconds=seconds,
-                                   folder=pathlib.Path(folder)) for _ in range(CPU_LEVELS)]
+                                   folder=pathlib.Path(folder)) for _ in range(CPU_PER_REQUEST_LEVELS)]
         rate, cpu_ms = (statistics.mean(values) for values in zip(*cpu_levels))
-        rows = [f"| CPU per request, {SERVED_CLIENTS} clients, batching off (mean of {CPU_LEVELS} levels: "
+        rows = [f"| CPU per request, {SERVED_CLIENTS} clients, batching off (mean of {CPU_PER_REQUEST_LEVELS} levels: "
                 f"{', '.join(f'{level_ms:.2f}' for _, level_ms in cpu_levels)} ms) | {rate:.1f} req/s | "
                 f"{cpu_ms:.2f} ms |"]
         ratios = {}
