@@ -124,7 +124,8 @@ def test_models_cards_health_reflection_and_streams(kit, tiny_model_path, coordi
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     pixels = RNG.integers(0, 256, (64, 64, 3), dtype=np.uint8)
-    with kit.serving([tiny_model_path, coordinate_model_path]) as (_server, port, stub):
+    # no queue-time limit: the stream's plans, made on demand, outlast the default 1 s on a loaded machine
+    with kit.serving([tiny_model_path, coordinate_model_path], max_queue_ms=600_000) as (_server, port, stub):
         listed = stub.ListModels(scoring_pb2.ListModelsRequest()).models
         assert [(m.name, m.classes, m.output_stride) for m in listed] == [("tiny", 10, 32), ("coords", 2, 32)]
         assert stub.GetModel(scoring_pb2.GetModelRequest(name="coords")).output_kind == OutputKind.OUTPUT_KIND_PROBABILITIES
