@@ -48,7 +48,7 @@ from convert.arguments import format_bytes
 from convert.memory_model import Device, MemoryTerms
 from convert.profile import ProfileError, Skeleton, largest_batch, load_skeleton, profile_model
 from server.errors import Refusal, ScoringError
-from server.memory.host_budget import available_memory_bytes
+from server.memory.host_budget import share_of_available
 from server.metrics import Metrics
 
 __all__ = ["MemoryBudget", "PlanMemory", "PlanRecord", "held_bytes"]
@@ -128,10 +128,7 @@ class MemoryBudget:
         """1/`share` (one of --workers' processes) of `total_bytes` (--memory-budget), else of the GPU's free
         memory, else of `fraction` (--cpu-memory-fraction) of MemAvailable; unbounded where none is known."""
         if total_bytes is None:
-            total_bytes = free_gpu_bytes
-        if total_bytes is None:
-            available = available_memory_bytes()
-            total_bytes = int(available * fraction) if available else None
+            total_bytes = free_gpu_bytes if free_gpu_bytes is not None else share_of_available(fraction)
         return cls(None if total_bytes is None else total_bytes // share, device=device)
 
     def used_bytes(self) -> int:

@@ -13,7 +13,7 @@ from server.memory.host import HostEstimate
 from server.memory.arena import CPU_ARENA
 from server.memory.runtime import release_free_memory
 
-__all__ = ["HostBudget", "admit_host", "available_memory_bytes"]
+__all__ = ["HostBudget", "admit_host", "available_memory_bytes", "share_of_available"]
 
 
 TRIM_AFTER_BYTES = 256 * 2**20  # host memory held by requests since the last trim that makes going idle trim
@@ -30,6 +30,11 @@ def available_memory_bytes() -> int | None:
         return None
     return None
 
+
+def share_of_available(fraction: float) -> int | None:
+    """`fraction` of MemAvailable, or None where it cannot be read: each budget's default."""
+    available = available_memory_bytes()
+    return int(available * fraction) if available else None
 
 
 def admit_host(estimate: HostEstimate, *, limit_bytes: int, instead: str = "") -> None:
@@ -66,8 +71,8 @@ class HostBudget:
         MemAvailable, but at least `at_least` (one largest request); unbounded where MemAvailable cannot be read."""
         if total_bytes is not None:
             return cls(total_bytes // share)
-        available = available_memory_bytes()
-        return cls(max(int(available * fraction) // share, at_least) if available else None)
+        available = share_of_available(fraction)
+        return cls(None if available is None else max(available // share, at_least))
 
     def in_flight_bytes(self) -> int:
         with self._lock:

@@ -130,14 +130,13 @@ def test_on_a_24_gib_machine_the_default_budgets_hold_eight_48_megapixel_photos_
     from PIL import Image
 
     from server.errors import ScoringError
-    from server.memory import device as device_memory, host_budget
+    from server.memory import host_budget
     from server.scoring import admission
     from server.scoring.pipeline import Pipeline
     from server.settings import Settings
 
     available = 22 * GiB
     monkeypatch.setattr(host_budget, "available_memory_bytes", lambda: available)
-    monkeypatch.setattr(device_memory, "available_memory_bytes", lambda: available)
     header = io.BytesIO()
     Image.new("RGB", (8064, SIDE)).save(header, format="PNG")  # admission reads the header only
     request = scoring_pb2.ScoreRequest(encoded=header.getvalue(), scales=[SIDE], top_k=5)
