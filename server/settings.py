@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,6 +272,12 @@ class EngineOptions:
                                     metavar="N")
     inter_op_threads: int = setting(0, "onnxruntime threads across ops (0: onnxruntime chooses)", parse=THREADS,
                                     metavar="N")
+    cpu_runners: int = setting(
+        1, "CPU: batches of one model run at once, the cores split between them (each run's onnxruntime threads: "
+        "cores / N unless --intra-op-threads says otherwise), so requests run side by side instead of one image "
+        "spread over every core: more throughput under concurrent load, a lone image slower (bench/RESULTS.md, "
+        "bench_runners); the memory budget counts N running batches per model. A GPU runs one at a time",
+        parse=COUNT, metavar="N")
     shape_buckets: tuple[tuple[int, int], ...] = setting(
         (), "canvas sizes images are padded to, e.g. 384x512,512x384,2048x2048; an image none holds is tiled onto "
         "one that holds --halo (the default model's exact halo needs 1184 px or more)", parse=canvas_sizes,
@@ -311,6 +318,19 @@ class EngineOptions:
                             "canvas of images larger than every bucket once SERVING")
     warm_up_scales: tuple[int, ...] = setting((), "scales to warm up before SERVING", parse=COUNT, metavar="SCALE",
                                               many=True, shown="each model's default scale")
+
+    def runners_for(self, *, on_gpu: bool) -> int:
+        """Batches of one model run at once: `cpu_runners` on the CPU; one on a GPU, whose plans bind their buffers."""
+        return 1 if on_gpu else self.cpu_runners
+
+    def intra_op_threads_for(self, *, on_gpu: bool) -> int:
+        """onnxruntime's threads per run (0: its choice): one on a GPU, where the host only launches kernels; on the
+        CPU `intra_op_threads`, else with several runners the cores split evenly between them."""
+        if on_gpu:
+            return 1
+        if self.intra_op_threads or self.cpu_runners == 1:
+            return self.intra_op_threads
+        return max(1, len(os.sched_getaffinity(0)) // self.cpu_runners)
 
 
 @dataclass(frozen=True)

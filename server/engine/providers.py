@@ -129,7 +129,7 @@ class Engine:
         # No spinning: a server holds many plans, each with its own thread pool, and spinning pools of
         # idle plans would take the cores from the one that runs.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.intra_op_num_threads = 1 if self.on_gpu else self.settings.intra_op_threads
+        options.intra_op_num_threads = self.settings.intra_op_threads_for(on_gpu=self.on_gpu)
         options.inter_op_num_threads = self.settings.inter_op_threads
         return options
 

@@ -28,8 +28,8 @@ prints), so what users are shown is what the server enforces. Two ways to use it
 
 What the plans hold together (`held_bytes`, issue 33) is counted as it is held: on the CPU a model's
 weights once (its plans share them, server.engine.shared_weights), each plan's own state, and per model
-the largest of its plans' running batches (their runs take activations from one arena and hand them back,
-server.memory.arena); on CUDA each plan keeps all of its own. A plan's measurement replaces its own and its
+the largest of its plans' running batches, as many as run at once (--cpu-runners; their runs take activations
+from one arena and hand them back, server.memory.arena); on CUDA each plan keeps all of its own. A plan's measurement replaces its own and its
 running batch's predictions; the model's weights stay predicted.
 """
 
@@ -102,11 +102,12 @@ class PlanRecord:
 
 def held_bytes(records: Iterable[PlanRecord]) -> int:
     """What these plans hold together: each model's weights once, each plan's own state, and of each model's
-    running batches the largest (one runs at a time per model: its batcher's)."""
+    running batches the largest, as many as its batcher runs at once (its `runners`)."""
     models: dict[int, list[PlanRecord]] = {}
     for record in records:
         models.setdefault(id(record.owner), []).append(record)
-    return sum(max(r.model_bytes for r in mine) + sum(r.own_bytes for r in mine) + max(r.run_bytes for r in mine)
+    return sum(max(r.model_bytes for r in mine) + sum(r.own_bytes for r in mine)
+               + sum(sorted((r.run_bytes for r in mine), reverse=True)[:mine[0].owner.runners])
                for mine in models.values())
 
 
@@ -200,8 +201,9 @@ class PlanMemory:
 
     def __init__(self, model: onnx.ModelProto | Skeleton, *, budget_bytes: int | None = None,
                  device: Device = Device.CPU, name: str = "", shared: MemoryBudget | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, runners: int = 1) -> None:
         self.model = load_skeleton(model)
+        self.runners = runners  # batches this model runs at once (--cpu-runners), each held in `held_bytes`
         self.device = device
         self.name = name
         self.shared = shared

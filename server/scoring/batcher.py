@@ -26,7 +26,7 @@ from server.errors import Dropped, NoRoom, Refusal, ScoringError, Transient, ret
 
 LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting caller looks at its cancellation flag
-CLOSE_SECONDS = 10.0  # how long close waits for the batch being computed before leaving the (daemon) worker
+CLOSE_SECONDS = 10.0  # how long close waits for the batches being computed before leaving the (daemon) workers
 SMOOTHING = 0.2  # weight of the newest batch in a moving average of seconds per item
 
 
@@ -77,9 +77,10 @@ class Work:
 
 
 class Batcher:
-    """A bounded queue and one worker thread running batches through `run`.
+    """A bounded queue and `runners` worker threads, each running one batch at a time through `run`.
 
-    `run(works)` returns one result per work, in order; it runs on the worker thread only. A result's
+    `run(works)` returns one result per work, in order; it runs on the worker threads only, at most `runners` at
+    once (the CPU's --cpu-runners; one on a GPU). A result's
     `planning_seconds` (one-off set-up inside the run) is left out of the pace the waits are estimated from.
     `take(key, n)`, when given, says how many of the n items of `key` ready to run the batch takes (the rest
     stay queued for the next); called under the queue's lock, it must not call back into the batcher.
@@ -97,6 +98,7 @@ class Batcher:
         on_drop: Callable[[Dropped], None] | None = None,
         take: Callable[[Hashable, int], int] | None = None,
         name: str = "model",
+        runners: int = 1,
     ) -> None:
         self._run = run
         self._take = take
@@ -110,11 +112,14 @@ class Batcher:
         self._reserved = 0  # places held by admitted requests still decoding
         self._condition = threading.Condition()
         self._closed = False
-        self._busy_until = 0.0  # when the running batch is expected to end
+        self._runners = max(1, runners)
+        self._running_until: dict[int, float] = {}  # per busy worker thread: when its batch is expected to end
         self._seconds_per_item = 0.0
         self._batch_ids = itertools.count()
-        self._thread = threading.Thread(target=self._loop, name=f"batcher-{name}", daemon=True)
-        self._thread.start()
+        names = [f"batcher-{name}"] if self._runners == 1 else [f"batcher-{name}-{i}" for i in range(self._runners)]
+        self._threads = [threading.Thread(target=self._loop, name=thread, daemon=True) for thread in names]
+        for thread in self._threads:
+            thread.start()
 
     @property
     def queue_depth(self) -> int:
@@ -127,10 +132,13 @@ class Batcher:
             return len(self._queue) + self._reserved
 
     def _expected_wait(self) -> float:
-        """Seconds a new item would wait before it runs: the running batch, then the queue and the places
-        reserved ahead, at the recent pace (under the condition's lock)."""
-        running = max(0.0, self._busy_until - time.monotonic())
-        return running + (len(self._queue) + self._reserved) * self._seconds_per_item
+        """Seconds a new item would wait before it runs: until a runner is free (the first running batch to end,
+        when every runner is busy), then the queue and the places reserved ahead, shared between the runners, at the
+        recent pace (under the condition's lock)."""
+        free = 0.0
+        if len(self._running_until) >= self._runners:
+            free = max(0.0, min(self._running_until.values()) - time.monotonic())
+        return free + (len(self._queue) + self._reserved) * self._seconds_per_item / self._runners
 
     def reserve(self, items: int, *, deadline: float | None) -> Reservation | NoRoom:
         """Hold `items` places for a request about to decode, or say why not (admission refuses with it):
@@ -229,14 +237,16 @@ class Batcher:
         return [work.result for work in works]
 
     def close(self) -> None:
-        """Fail what is still queued with UNAVAILABLE and stop the worker."""
+        """Fail what is still queued with UNAVAILABLE and stop the workers."""
         with self._condition:
             self._closed = True
             for work in self._queue:
                 work.fail(ScoringError(Refusal.UNAVAILABLE, "the server is shutting down"))
             self._queue.clear()
             self._condition.notify_all()
-        self._thread.join(timeout=CLOSE_SECONDS)
+        ends = time.monotonic() + CLOSE_SECONDS
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, ends - time.monotonic()))
 
     def _take_batch(self) -> list[Work] | None:
         with self._condition:
@@ -259,7 +269,7 @@ class Batcher:
                 taken = set(same)
                 self._queue = [w for w in self._queue if w not in taken]
                 started, batch_id = time.monotonic(), next(self._batch_ids)
-                self._busy_until = started + self._seconds_per_item * len(same)
+                self._running_until[threading.get_ident()] = started + self._seconds_per_item * len(same)
                 for work in same:  # marked under the lock, so a cancel sees them as started
                     work.started, work.batch_id, work.batch_size = started, batch_id, len(same)
                     work.request.started = True
@@ -310,7 +320,11 @@ class Batcher:
 
     def _loop(self) -> None:
         while (batch := self._take_batch()) is not None:
-            self._run_batch(batch)
+            try:
+                self._run_batch(batch)
+            finally:
+                with self._condition:
+                    del self._running_until[threading.get_ident()]
             del batch  # an idle worker must not keep the last batch's arrays alive
 
     def _run_batch(self, batch: list[Work]) -> None:

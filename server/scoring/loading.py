@@ -44,8 +44,9 @@ WARM_UP_FAILURES_SHOWN = 3  # failed plans named in the warm-up error (the log l
 
 def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: MemoryBudget, host_budget: HostBudget,
          metrics: Metrics | None, share: int) -> Model:
-    """Card, plans, batcher and memory check for one model; it gets 1/`share` of the memory budget,
-    since every model's batcher runs its batches concurrently with the others'."""
+    """Card, plans, batcher and memory check for one model; it gets 1/`share` of the memory budget, since every
+    model's batcher runs its batches concurrently with the others', and each batch it runs at once (--cpu-runners)
+    an even part of that."""
     try:
         net = onnx.load(path)
     except DecodeError as error:  # protobuf's own words ("Wire format was corrupt") say nothing to a user
@@ -63,8 +64,9 @@ def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: Me
     except (CardError, imaging.ImageError) as error:
         raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
     name = name or card.name or pathlib.Path(path).stem  # never the folders, which ListModels would show
-    plan_memory = PlanMemory(net, budget_bytes=budget.total_bytes // share if budget.total_bytes else None,
-                             device=budget.device, name=name, shared=budget, metrics=metrics)
+    runners = settings.runners_for(on_gpu=engine.on_gpu)
+    plan_memory = PlanMemory(net, budget_bytes=budget.total_bytes // (share * runners) if budget.total_bytes else None,
+                             device=budget.device, name=name, shared=budget, metrics=metrics, runners=runners)
     max_batch = settings.max_batch_for(on_gpu=engine.on_gpu)
     passes = [dense.passes_for(native_stride=card.output_stride, output_stride=s, shift=0)
               for s in dense.offered_strides(card.output_stride)]
@@ -101,7 +103,7 @@ def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: Me
         max_queue_seconds=settings.max_queue_ms / 1000, queue_depth=settings.queue_depth,
         on_batch=None if metrics is None else functools.partial(record_batch, model, metrics),
         on_drop=None if metrics is None else functools.partial(metrics.count_dropped, name),
-        take=model.plans.first_run, name=name,
+        take=model.plans.first_run, name=name, runners=runners,
     )
     if metrics is not None:
         metrics.track_queue(name, model.batcher.depth)

@@ -63,7 +63,7 @@ class Plan:
         self.key = key
         self.session = session
         self.arena_bytes = arena_bytes
-        self._lock = threading.Lock()  # one run at a time: the bound buffers are shared (warm-up runs beside traffic)
+        self._lock = threading.Lock()
         shapes = {output.name: tuple(output.shape) for output in session.get_outputs()}
         self.lattice_shape, self.probabilities_shape = shapes[LATTICE], shapes[PROBABILITIES]
         self._binding = None
@@ -91,20 +91,17 @@ class Plan:
         """(lattice [B, K, HL, WL], probabilities [B, K]) of one full batch; `lattice` names the lattice output
         to copy back (LATTICE, or LATTICE_FP16: half the bytes, on a GPU; a CPU plan gives LATTICE) or None when no
         response needs one."""
-        with self._lock:
-            return self._run(pixels, valid, lattice=lattice)
-
-    def _run(self, pixels: np.ndarray, valid: np.ndarray, *, lattice: str | None) -> tuple[np.ndarray | None, np.ndarray]:
-        if self._binding is None:  # a CPU plan has no half lattice: kept_lattice casts the cells kept
+        if self._binding is None:  # a CPU session runs batches side by side (--cpu-runners)
             CPU_ARENA.before_run(self.arena_bytes)
             names = [LATTICE, PROBABILITIES] if lattice else [PROBABILITIES]
             outputs = self.session.run(names, {PIXELS: pixels, VALID: valid})
             return (outputs[0] if lattice else None), outputs[-1]
-        self._inputs[PIXELS].update_inplace(pixels)
-        self._inputs[VALID].update_inplace(valid)
-        self.session.run_with_iobinding(self._binding)
-        maps = self._outputs[lattice].numpy() if lattice else None
-        return maps, self._outputs[PROBABILITIES].numpy()
+        with self._lock:  # the bound buffers take one batch at a time (warm-up runs beside traffic)
+            self._inputs[PIXELS].update_inplace(pixels)
+            self._inputs[VALID].update_inplace(valid)
+            self.session.run_with_iobinding(self._binding)
+            maps = self._outputs[lattice].numpy() if lattice else None
+            return maps, self._outputs[PROBABILITIES].numpy()
 
 
 def kept_lattice(lattices: np.ndarray | None, index: int, item: Item) -> np.ndarray | None:

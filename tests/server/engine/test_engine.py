@@ -134,6 +134,18 @@ def test_max_batch_defaults_to_batching_on_gpu_only_and_obeys_an_explicit_settin
     assert Settings(max_batch=1).max_batch_for(on_gpu=True) == 1
 
 
+def test_cpu_runners_split_the_cores_between_them_and_a_gpu_runs_one_batch_at_a_time(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert Settings().runners_for(on_gpu=False) == 1 and Settings().intra_op_threads_for(on_gpu=False) == 0
+    assert Settings(cpu_runners=4).runners_for(on_gpu=False) == 4
+    assert Settings(cpu_runners=4).intra_op_threads_for(on_gpu=False) == 4
+    assert Settings(cpu_runners=32).intra_op_threads_for(on_gpu=False) == 1
+    assert Settings(cpu_runners=4, intra_op_threads=2).intra_op_threads_for(on_gpu=False) == 2
+    assert Settings(cpu_runners=4).runners_for(on_gpu=True) == 1
+    assert Settings(cpu_runners=4).intra_op_threads_for(on_gpu=True) == 1
+    assert Engine(Settings(provider="cpu", cpu_runners=4)).options().intra_op_num_threads == 4
+
+
 def test_a_model_s_cpu_sessions_hold_its_optimized_weights_once():
     """Sessions of one model's plan graphs at four shapes, made on one SharedWeights: the same outputs as a session
     of the graph itself, the weights' bytes held once, and each further session adds its own state only (before

@@ -179,6 +179,23 @@ def test_cpu_plans_of_a_model_hold_its_weights_once_and_its_largest_running_batc
     assert budget.used_bytes() == small.total + small.per_plan + other.total
 
 
+def test_a_model_with_two_runners_holds_its_two_largest_running_batches(tiny_model_path):
+    """--cpu-runners 2: two of a model's batches run at once, each taking its block from the arena."""
+    import onnx
+
+    from server.memory.device import MemoryBudget, PlanMemory, held_bytes
+
+    budget = MemoryBudget(None, device=Device.CPU)
+    tiny = PlanMemory(onnx.load(tiny_model_path), name="tiny", shared=budget, runners=2)
+    small, middle, large = (tiny.terms(side, side, 1) for side in (256, 384, 512))
+    for key, side in (("small", 256), ("middle", 384), ("large", 512)):
+        tiny.make_room(key, height=side, width=side, batch=1)
+    two_running = small.per_model + small.per_plan + middle.per_plan + large.per_plan + large.per_run + middle.per_run
+    assert budget.used_bytes() == held_bytes(budget.plans()) == two_running
+    tiny.runners = 1
+    assert budget.used_bytes() == two_running - middle.per_run
+
+
 def test_a_budget_evicts_until_the_plans_held_together_fit(tiny_model_path, coordinate_model_path):
     """Eviction counts what the plans hold together: dropping a model's smaller plan frees only its own state."""
     from convert.memory_model import Device

@@ -152,11 +152,12 @@ def test_a_full_queue_refuses_with_a_retry_hint_and_cancelled_calls_free_their_p
     assert batcher.wait(running) == [0, 2, 4, 6]
 
 
-def paced_batcher(seconds_per_item: float, *, max_queue_seconds: float, queue_depth: int = 100) -> Batcher:
-    """A batcher whose recent pace is `seconds_per_item` and whose worker takes nothing (it waits a minute
+def paced_batcher(seconds_per_item: float, *, max_queue_seconds: float, queue_depth: int = 100,
+                  runners: int = 1) -> Batcher:
+    """A batcher whose recent pace is `seconds_per_item` and whose workers take nothing (they wait a minute
     for a batch to fill): what is queued stays queued."""
     batcher = Batcher(GatedRunner(), max_batch=100, max_delay_seconds=60, queue_depth=queue_depth,
-                      max_queue_seconds=max_queue_seconds)
+                      max_queue_seconds=max_queue_seconds, runners=runners)
     batcher._seconds_per_item = seconds_per_item
     return batcher
 
@@ -186,7 +187,7 @@ def test_expected_wait_beyond_the_deadline_or_the_queue_limit_is_refused_before_
 def test_the_margin_is_kept_only_when_items_wait_ahead():
     batcher = paced_batcher(0.6, max_queue_seconds=1.0)  # a slow model: 0.6 s an item
     try:
-        batcher._busy_until = time.monotonic() + 0.55  # only the running batch ahead, 0.55 s from its end
+        batcher._running_until[0] = time.monotonic() + 0.55  # only the running batch ahead, 0.55 s from its end
         with batcher.reserve(1, deadline=None):  # admitted: it starts within the limit, nothing to misjudge
             pass
         batcher._queue.extend(works(1, "waiting"))  # 1.15 s ahead
@@ -194,6 +195,40 @@ def test_the_margin_is_kept_only_when_items_wait_ahead():
             queue_places(batcher, 1, deadline=None)
     finally:
         batcher.close()
+
+
+def test_runners_run_batches_side_by_side():
+    """--cpu-runners 2: a second batch starts while the first runs (each waits here for the other: with one
+    runner the first would wait alone, time out and fail both)."""
+    both = threading.Barrier(2, timeout=10)
+
+    def run(batch: list[Work]) -> list:
+        both.wait()
+        return [work.payload for work in batch]
+
+    batcher = Batcher(run, max_batch=1, max_delay_seconds=0, queue_depth=8, max_queue_seconds=60, runners=2)
+    try:
+        first, second = works(1, "a"), works(1, "b")
+        batcher.submit(first)
+        batcher.submit(second)
+        assert batcher.wait(first + second) == [0, 0]
+        assert first[0].batch_id != second[0].batch_id
+    finally:
+        batcher.close()
+
+
+def test_the_expected_wait_is_shared_between_the_runners():
+    """Four items at 0.1 s ahead and one runner busy for 0.3 s more: one runner starts a new item after 0.7 s, two
+    after 0.2 s (the free runner takes the queue at twice one's pace)."""
+    for runners, wait in ((1, 0.7), (2, 0.2)):
+        batcher = paced_batcher(0.1, max_queue_seconds=60, runners=runners)
+        try:
+            batcher._queue.extend(works(4, "waiting"))
+            batcher._running_until[0] = time.monotonic() + 0.3
+            refused = batcher.reserve(1, deadline=time.monotonic())
+            assert refused.wait == pytest.approx(wait, abs=0.02)
+        finally:
+            batcher.close()
 
 
 def test_places_of_requests_still_decoding_count_until_they_are_queued_or_given_back():
