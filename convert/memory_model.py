@@ -199,6 +199,11 @@ class MemoryTerms:
         arena holds the largest; 0 where each plan keeps its own (it is then part of `per_plan`)."""
         return self.run_workspace + self.activations if PROVIDER_TERMS[self.device].arena_shared else 0
 
+    def running(self, runs: int) -> int:
+        """The whole, with `runs` batches of this shape running at once (a server's --cpu-runners): each takes its
+        own `per_run` from the arena."""
+        return self.total + (runs - 1) * self.per_run
+
     @property
     def per_plan(self) -> int:
         """What each plan keeps between runs beyond its model's and its running batch's: its session state, and

@@ -431,16 +431,18 @@ def _reused_buffer(node: onnx.NodeProto, position: int, nbytes: int, index: int,
     return None
 
 
-def _fits(skeleton: Skeleton, height: int, width: int, batch: int, budget_bytes: int, device: Device) -> bool:
-    return _profile(skeleton, height, width, batch, device).predicted_peak_bytes <= budget_bytes
+def _fits(skeleton: Skeleton, height: int, width: int, batch: int, budget_bytes: int, device: Device,
+          runs: int = 1) -> bool:
+    return _profile(skeleton, height, width, batch, device).terms.running(runs) <= budget_bytes
 
 
 def largest_batch(model: onnx.ModelProto | str | Skeleton, *, height: int, width: int, budget_bytes: int,
-                  device: Device = Device.CPU) -> int:
-    """The largest batch (up to MAX_BATCH) whose predicted peak fits the budget; 0 if none does."""
+                  device: Device = Device.CPU, runs: int = 1) -> int:
+    """The largest batch (up to MAX_BATCH) whose predicted peak fits the budget, with `runs` such batches running
+    at once (MemoryTerms.running); 0 if none does."""
     skeleton = load_skeleton(model)
     one = _profile(skeleton, height, width, 1, device)
-    if one.predicted_peak_bytes > budget_bytes:
+    if one.terms.running(runs) > budget_bytes:
         return 0
     two = _profile(skeleton, height, width, 2, device)
     low, high = 1, MAX_BATCH + 1  # low fits, high does not (or is past the end)
@@ -450,15 +452,15 @@ def largest_batch(model: onnx.ModelProto | str | Skeleton, *, height: int, width
         per_image = one.terms.activations
         room = budget_bytes - one.terms.fixed
         guess = max(1, min(MAX_BATCH, int(room // per_image) if per_image else MAX_BATCH))
-        if _fits(skeleton, height, width, guess, budget_bytes, device):
+        if _fits(skeleton, height, width, guess, budget_bytes, device, runs):
             low = guess
-            if guess == MAX_BATCH or not _fits(skeleton, height, width, guess + 1, budget_bytes, device):
+            if guess == MAX_BATCH or not _fits(skeleton, height, width, guess + 1, budget_bytes, device, runs):
                 return guess
         else:
             high = guess
     while high - low > 1:
         middle = (low + high) // 2
-        if _fits(skeleton, height, width, middle, budget_bytes, device):
+        if _fits(skeleton, height, width, middle, budget_bytes, device, runs):
             low = middle
         else:
             high = middle

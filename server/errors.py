@@ -80,7 +80,7 @@ class NoRoom:
     margin: float
     done: float  # expected seconds until the request's items are all done
     max_queue: float
-    seconds_per_item: float
+    seconds_per_item: float  # the queue's, every runner busy
 
 
 class Retry(enum.Enum):

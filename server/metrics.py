@@ -55,7 +55,8 @@ class Metrics:
         )
         self.plans_held = Gauge(
             "scoremap_plans_held_bytes", "Memory every model's plans hold together as admission accounts it: each "
-            "model's weights once, each plan's own state, each model's largest running batch (server/memory/device.py)",
+            "model's weights once, each plan's own state, each model's largest running batch once per runner "
+            "(server/memory/device.py)",
             registry=self.registry,
         )
         self.plans_made = Counter(

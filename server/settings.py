@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -273,10 +272,10 @@ class EngineOptions:
     inter_op_threads: int = setting(0, "onnxruntime threads across ops (0: onnxruntime chooses)", parse=THREADS,
                                     metavar="N")
     cpu_runners: int = setting(
-        1, "CPU: batches of one model run at once, the cores split between them (each run's onnxruntime threads: "
-        "cores / N unless --intra-op-threads says otherwise), so requests run side by side instead of one image "
-        "spread over every core: more throughput under concurrent load, a lone image slower (bench/RESULTS.md, "
-        "bench_runners); the memory budget counts N running batches per model. A GPU runs one at a time",
+        1, "CPU: batches of one model run at once, each on one onnxruntime thread (unless --intra-op-threads), so "
+        "requests run side by side instead of one image spread over every core: set it to the cores for throughput "
+        "under concurrent load; a lone image is slower (bench/RESULTS.md, bench_runners). The memory budget counts "
+        "N running batches per model. A GPU runs one at a time",
         parse=COUNT, metavar="N")
     shape_buckets: tuple[tuple[int, int], ...] = setting(
         (), "canvas sizes images are padded to, e.g. 384x512,512x384,2048x2048; an image none holds is tiled onto "
@@ -324,13 +323,12 @@ class EngineOptions:
         return 1 if on_gpu else self.cpu_runners
 
     def intra_op_threads_for(self, *, on_gpu: bool) -> int:
-        """onnxruntime's threads per run (0: its choice): one on a GPU, where the host only launches kernels; on the
-        CPU `intra_op_threads`, else with several runners the cores split evenly between them."""
-        if on_gpu:
+        """onnxruntime's threads per session (0: its choice): one on a GPU, where the host only launches kernels;
+        on the CPU `intra_op_threads`, else one with several runners (a session's pool is shared by its concurrent
+        runs, so runs of one plan could not each have a share of the cores)."""
+        if on_gpu or self.cpu_runners > 1 and not self.intra_op_threads:
             return 1
-        if self.intra_op_threads or self.cpu_runners == 1:
-            return self.intra_op_threads
-        return max(1, len(os.sched_getaffinity(0)) // self.cpu_runners)
+        return self.intra_op_threads
 
 
 @dataclass(frozen=True)

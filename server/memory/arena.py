@@ -14,7 +14,7 @@ block rather than a sum of them:
   option (onnxruntime shrinks only at the end of a run). A plan's first run records its memory pattern
   allocating buffer by buffer; what it left goes back before its second run takes the block (without
   it, the default warm-up's ten plans kept 391 MiB of arena instead of 147, /tmp measurements, issue 33).
-* `before_run(block)`: a run whose block is larger than any the arena took since it last shrank shrinks
+* `running(block)`: a run whose block is larger than any the arena took since it last shrank shrinks
   it first, so that the new block's region replaces the smaller ones instead of joining them. The arena
   extends by what is asked (kSameAsRequested): regions of onnxruntime's default power-of-two growth
   stayed partly touched after a shrink (302 MiB for a 143 MiB block, against 158 MiB asked-for).
@@ -23,14 +23,16 @@ And when no request has been in flight for `idle_release_seconds`, `went_idle` g
 (`idle_held_bytes`), or any after requests held much memory (server.memory.host_budget): what is idle
 holds the memory of what exists (the model's weights, each plan's state), not of what ran.
 
-Runs of one model's plans are one at a time (its batcher); plans of several models may run at once, each
-holding its block, which admission counts per model (server/memory/device.py).
+Runs side by side (several models, or one model's --cpu-runners) each hold their block at once: admission counts
+them (server/memory/device.py), and so does the idle rule here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import onnxruntime
@@ -69,6 +71,8 @@ class SharedArena:
         self._janitor: onnxruntime.InferenceSession | None = None
         self._shrink = _shrink_options()
         self.held_bytes = 0  # the largest block a run took since the arena last shrank (0: none)
+        self._running_bytes = 0  # the blocks of the runs under way
+        self._held_together = 0  # the most the runs' blocks held at once since the arena last shrank
         self.idle_held_bytes = IDLE_HELD_BYTES  # the largest kept while nothing runs
         self.idle_release_seconds = IDLE_RELEASE_SECONDS
         self._runs = 0  # runs begun, so that a release due finds whether any began meanwhile
@@ -99,15 +103,24 @@ class SharedArena:
         with self._lock:
             self._shrink_locked()
 
-    def before_run(self, block_bytes: int) -> None:
-        """Call before a run that takes a block of `block_bytes` from the arena: shrinks it first when the block
-        is larger than any it took since it last shrank, so that the larger block's region replaces the others."""
+    @contextlib.contextmanager
+    def running(self, block_bytes: int) -> Iterator[None]:
+        """Around a run that takes a block of `block_bytes` from the arena: shrinks it first when the block is
+        larger than any it took since it last shrank, so that the larger block's region replaces the others; the
+        blocks of runs side by side count together in what the idle rule sees."""
         with self._lock:
             self._runs += 1
             if block_bytes > self.held_bytes:
                 if self.held_bytes:
                     self._shrink_locked()
                 self.held_bytes = block_bytes
+            self._running_bytes += block_bytes
+            self._held_together = max(self._held_together, self._running_bytes)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running_bytes -= block_bytes
 
     def went_idle(self, *, release: bool) -> None:
         """No request is in flight. If no run begins for `idle_release_seconds`, shrink when `release` (requests held
@@ -140,7 +153,7 @@ class SharedArena:
                 self._due = None
                 if self._runs != runs:  # a run began since: not idle
                     continue
-                if self._release_wanted or self.held_bytes > self.idle_held_bytes:
+                if self._release_wanted or max(self.held_bytes, self._held_together) > self.idle_held_bytes:
                     self._shrink_locked()
                 self._release_wanted = False
 
@@ -165,6 +178,7 @@ class SharedArena:
                                                          providers=["CPUExecutionProvider"])
         self._janitor.run(None, {"x": np.zeros(1, np.float32)}, self._shrink)
         self.held_bytes = 0
+        self._held_together = self._running_bytes
 
 
 CPU_ARENA = SharedArena()  # process-wide, as onnxruntime's environment is

@@ -28,7 +28,7 @@ prints), so what users are shown is what the server enforces. Two ways to use it
 
 What the plans hold together (`held_bytes`, issue 33) is counted as it is held: on the CPU a model's
 weights once (its plans share them, server.engine.shared_weights), each plan's own state, and per model
-the largest of its plans' running batches, as many as run at once (--cpu-runners; their runs take activations
+the largest of its plans' running batches, once per batch run at once (--cpu-runners; their runs take activations
 from one arena and hand them back, server.memory.arena); on CUDA each plan keeps all of its own. A plan's measurement replaces its own and its
 running batch's predictions; the model's weights stay predicted.
 """
@@ -102,12 +102,13 @@ class PlanRecord:
 
 def held_bytes(records: Iterable[PlanRecord]) -> int:
     """What these plans hold together: each model's weights once, each plan's own state, and of each model's
-    running batches the largest, as many as its batcher runs at once (its `runners`)."""
+    running batches the largest, once per batch its batcher runs at once (its `runners`: they may all run that
+    plan)."""
     models: dict[int, list[PlanRecord]] = {}
     for record in records:
         models.setdefault(id(record.owner), []).append(record)
     return sum(max(r.model_bytes for r in mine) + sum(r.own_bytes for r in mine)
-               + sum(sorted((r.run_bytes for r in mine), reverse=True)[:mine[0].owner.runners])
+               + mine[0].owner.runners * max(r.run_bytes for r in mine)
                for mine in models.values())
 
 
@@ -203,7 +204,7 @@ class PlanMemory:
                  device: Device = Device.CPU, name: str = "", shared: MemoryBudget | None = None,
                  metrics: Metrics | None = None, runners: int = 1) -> None:
         self.model = load_skeleton(model)
-        self.runners = runners  # batches this model runs at once (--cpu-runners), each held in `held_bytes`
+        self.runners = runners  # batches this model runs at once (--cpu-runners): each holds its own running batch
         self.device = device
         self.name = name
         self.shared = shared
@@ -229,13 +230,17 @@ class PlanMemory:
         """Predicted peak bytes of one session running `batch` inputs of [height, width] on this device."""
         return self.terms(height, width, batch).total
 
+    def running_bytes(self, height: int, width: int, batch: int = 1) -> int:
+        """What one plan of this shape needs with each of the model's runners running a batch of it."""
+        return self.terms(height, width, batch).running(self.runners)
+
     def _fitting_batch(self, height: int, width: int) -> int:
         """The largest batch of this input size within the budget (0: not even one); no budget: unbounded."""
         if self.budget_bytes is None:
             return 1 << 30
         with self._lock:
             return largest_batch(self.model, height=height, width=width, budget_bytes=self.budget_bytes,
-                                 device=self.device)
+                                 device=self.device, runs=self.runners)
 
     def require_batch(self, height: int, width: int, *, scale: int, largest_scale: Callable[[], int]) -> int:
         """The batch limit for this size; RESOURCE_EXHAUSTED with the numbers when one pass cannot fit."""
@@ -248,7 +253,8 @@ class PlanMemory:
             ) from error
         if limit > 0:
             return limit
-        raise self._too_large(f"scale {scale} ({height}x{width} input)", self.predicted_bytes(height, width),
+        runs = f", {self.runners} batches of it running at once (--cpu-runners)" if self.runners > 1 else ""
+        raise self._too_large(f"scale {scale} ({height}x{width} input{runs})", self.running_bytes(height, width),
                               "predicted", self.budget_bytes, largest_scale)
 
     def _too_large(self, what: str, needed: int, how: str, budget: int, largest_scale: Callable[[], int] | None) -> ScoringError:

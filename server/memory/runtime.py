@@ -268,10 +268,10 @@ def measure_footprint(build: Callable[[], T], *, on_gpu: bool) -> tuple[T, Footp
     cudart = runtime() if on_gpu else None
     if on_gpu and cudart is None:
         raise MeasurementError("a GPU footprint was asked but the CUDA runtime library does not load")
+    activity_before = HOST_ACTIVITY.mark()  # before the shrink: a run ending after it would leave its block free
     if not on_gpu:
         CPU_ARENA.shrink()  # what other plans' runs left free in the shared arena is not the build's
     release_free_memory()
-    activity_before = HOST_ACTIVITY.mark()
     host_before = resident_bytes()
     device_before = _cuda_used_bytes(cudart) if cudart is not None else None
     built = build()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -138,7 +139,11 @@ class Batcher:
         free = 0.0
         if len(self._running_until) >= self._runners:
             free = max(0.0, min(self._running_until.values()) - time.monotonic())
-        return free + (len(self._queue) + self._reserved) * self._seconds_per_item / self._runners
+        return free + (len(self._queue) + self._reserved) * self._queue_pace()
+
+    def _queue_pace(self) -> float:
+        """Seconds per item of the queue as a whole, every runner busy."""
+        return self._seconds_per_item / self._runners
 
     def reserve(self, items: int, *, deadline: float | None) -> Reservation | NoRoom:
         """Hold `items` places for a request about to decode, or say why not (admission refuses with it):
@@ -150,7 +155,7 @@ class Batcher:
             waiting = len(self._queue) + self._reserved
             wait = self._expected_wait()
             margin = min(self._seconds_per_item, self._max_queue / 2) if waiting else 0.0
-            done = wait + items * self._seconds_per_item
+            done = wait + math.ceil(items / self._runners) * self._seconds_per_item  # its items side by side
             if self._closed:
                 why: Transient | None = None
             elif waiting + items > self._queue_depth:
@@ -163,7 +168,7 @@ class Batcher:
                 self._reserved += items
                 return Reservation(self, items)
             return NoRoom(why, waiting=waiting, adding=items, depth=self._queue_depth, wait=wait, margin=margin,
-                          done=done, max_queue=self._max_queue, seconds_per_item=self._seconds_per_item)
+                          done=done, max_queue=self._max_queue, seconds_per_item=self._queue_pace())
 
     def release(self, reservation: Reservation) -> None:
         """Give back what `reservation` still holds (nothing once its items are queued)."""
@@ -204,7 +209,7 @@ class Batcher:
             Refusal.RESOURCE_EXHAUSTED,
             f"queue full: {waiting} items waiting or decoding, this request adds {adding}, the limit is "
             f"{self._queue_depth} (--queue-depth); retry with backoff",
-            retry_after_seconds=retry_after(Transient.QUEUE_FULL, self._seconds_per_item * adding),
+            retry_after_seconds=retry_after(Transient.QUEUE_FULL, self._queue_pace() * adding),
         )
 
     def cancel(self, works: Sequence[Work]) -> None:

@@ -45,8 +45,7 @@ WARM_UP_FAILURES_SHOWN = 3  # failed plans named in the warm-up error (the log l
 def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: MemoryBudget, host_budget: HostBudget,
          metrics: Metrics | None, share: int) -> Model:
     """Card, plans, batcher and memory check for one model; it gets 1/`share` of the memory budget, since every
-    model's batcher runs its batches concurrently with the others', and each batch it runs at once (--cpu-runners)
-    an even part of that."""
+    model's batcher runs its batches concurrently with the others'."""
     try:
         net = onnx.load(path)
     except DecodeError as error:  # protobuf's own words ("Wire format was corrupt") say nothing to a user
@@ -65,7 +64,7 @@ def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: Me
         raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
     name = name or card.name or pathlib.Path(path).stem  # never the folders, which ListModels would show
     runners = settings.runners_for(on_gpu=engine.on_gpu)
-    plan_memory = PlanMemory(net, budget_bytes=budget.total_bytes // (share * runners) if budget.total_bytes else None,
+    plan_memory = PlanMemory(net, budget_bytes=budget.total_bytes // share if budget.total_bytes else None,
                              device=budget.device, name=name, shared=budget, metrics=metrics, runners=runners)
     max_batch = settings.max_batch_for(on_gpu=engine.on_gpu)
     passes = [dense.passes_for(native_stride=card.output_stride, output_stride=s, shift=0)
@@ -168,17 +167,19 @@ def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
                           else f"{model.min_scale} (--min-scale) and up")
                 raise invalid(f"{named} is outside the scales requests may ask for, {bounds}: give --warm-up-scales "
                               "within them")
-            total = model.plan_memory.shared.total_bytes if model.plan_memory.shared is not None else None
+            budget, runners = model.plan_memory.budget_bytes, model.plan_memory.runners
+            runs = f" with {runners} batches of it running at once (--cpu-runners)" if runners > 1 else ""
             for key in configured_plans(model, (scale,)):
                 try:
-                    needed = model.plan_memory.predicted_bytes(key.height, key.width,
+                    needed = model.plan_memory.running_bytes(key.height, key.width,
                                                              key.batch * len(key.passes.offsets))
                 except ProfileError:
                     continue  # a shape the net cannot take: warm-up names it
-                if total is not None and needed > total:
-                    raise invalid(f"{named}: {model.name}'s plan {key} is predicted to need {format_bytes(needed)}, "
-                                  f"beyond the memory budget of {format_bytes(total)}: give a smaller "
-                                  "--warm-up-scales, or a larger --memory-budget")
+                if budget is not None and needed > budget:
+                    raise invalid(f"{named}: {model.name}'s plan {key} is predicted to need {format_bytes(needed)}"
+                                  f"{runs}, beyond the memory budget of {format_bytes(budget)} it may use: give a "
+                                  f"smaller --warm-up-scales{', fewer --cpu-runners' * (runners > 1)}, or a larger "
+                                  "--memory-budget")
 
 
 def warm_up(models: list[Model], scales: tuple[int, ...],

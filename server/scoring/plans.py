@@ -92,9 +92,9 @@ class Plan:
         to copy back (LATTICE, or LATTICE_FP16: half the bytes, on a GPU; a CPU plan gives LATTICE) or None when no
         response needs one."""
         if self._binding is None:  # a CPU session runs batches side by side (--cpu-runners)
-            CPU_ARENA.before_run(self.arena_bytes)
             names = [LATTICE, PROBABILITIES] if lattice else [PROBABILITIES]
-            outputs = self.session.run(names, {PIXELS: pixels, VALID: valid})
+            with CPU_ARENA.running(self.arena_bytes):
+                outputs = self.session.run(names, {PIXELS: pixels, VALID: valid})
             return (outputs[0] if lattice else None), outputs[-1]
         with self._lock:  # the bound buffers take one batch at a time (warm-up runs beside traffic)
             self._inputs[PIXELS].update_inplace(pixels)
@@ -139,12 +139,12 @@ class PlanCache:
         self._plans: dict[PlanKey, Plan] = {}  # in no order: the memory budget keeps the one LRU order
         self._lock = threading.Lock()
         self.made = 0
-        self._seconds_per_item: dict[PlanKey, float] = {}  # CPU: full batches' pace per plan (the batcher's thread)
+        self._seconds_per_item: dict[PlanKey, float] = {}  # CPU: full batches' pace per plan (the batcher's threads)
         plan_memory.on_evict = self.drop
 
     def run(self, works: list[Work]) -> list[Scored]:
-        """Score one batch of the batcher's (items of one group), on the batcher's thread, in the runs `_sizes`
-        says."""
+        """Score one batch of the batcher's (items of one group), on one of the batcher's threads, in the runs
+        `_sizes` says."""
         group: GroupKey = works[0].key
         items: list[Item] = [work.payload for work in works]
         wanted = {item.lattice for item in items}
@@ -192,7 +192,7 @@ class PlanCache:
             LOG.info("%s: planned %s in %.0f ms", self._name, key, 1000 * planning)
             if not items:
                 return []  # a warm-up run: making the plan ran it already
-        with HOST_ACTIVITY.busy():  # a plan made meanwhile on another batcher's thread would count this batch
+        with HOST_ACTIVITY.busy():  # a plan made meanwhile on another runner's thread would count this batch
             return self._run_batch(plan, key, items, planning, lattice=lattice)
 
     def _run_batch(self, plan: Plan, key: PlanKey, items: list[Item], planning: float, *,

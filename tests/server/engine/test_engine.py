@@ -134,16 +134,15 @@ def test_max_batch_defaults_to_batching_on_gpu_only_and_obeys_an_explicit_settin
     assert Settings(max_batch=1).max_batch_for(on_gpu=True) == 1
 
 
-def test_cpu_runners_split_the_cores_between_them_and_a_gpu_runs_one_batch_at_a_time(monkeypatch):
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+def test_cpu_runners_run_on_one_thread_each_and_a_gpu_runs_one_batch_at_a_time():
     assert Settings().runners_for(on_gpu=False) == 1 and Settings().intra_op_threads_for(on_gpu=False) == 0
     assert Settings(cpu_runners=4).runners_for(on_gpu=False) == 4
-    assert Settings(cpu_runners=4).intra_op_threads_for(on_gpu=False) == 4
-    assert Settings(cpu_runners=32).intra_op_threads_for(on_gpu=False) == 1
+    assert Settings(cpu_runners=4).intra_op_threads_for(on_gpu=False) == 1
     assert Settings(cpu_runners=4, intra_op_threads=2).intra_op_threads_for(on_gpu=False) == 2
     assert Settings(cpu_runners=4).runners_for(on_gpu=True) == 1
     assert Settings(cpu_runners=4).intra_op_threads_for(on_gpu=True) == 1
-    assert Engine(Settings(provider="cpu", cpu_runners=4)).options().intra_op_num_threads == 4
+    assert Engine(Settings(provider="cpu", cpu_runners=4)).options().intra_op_num_threads == 1
+    assert Engine(Settings(provider="cpu")).options().intra_op_num_threads == 0
 
 
 def test_a_model_s_cpu_sessions_hold_its_optimized_weights_once():

@@ -18,16 +18,22 @@ def allocator():
     assert configure_allocator()  # glibc: the configuration the server runs under
 
 
+def ran(arena: SharedArena, block_bytes: int) -> None:
+    """A run that took a block of `block_bytes` and ended."""
+    with arena.running(block_bytes):
+        pass
+
+
 def test_the_arena_shrinks_before_a_run_only_when_a_larger_block_comes(monkeypatch):
     arena = SharedArena()
     shrinks = []
     monkeypatch.setattr(arena, "_shrink_locked", lambda: (shrinks.append(arena.held_bytes), setattr(arena, "held_bytes", 0)))
-    arena.before_run(10)
+    ran(arena, 10)
     assert shrinks == [] and arena.held_bytes == 10  # nothing held yet: nothing to give back
-    arena.before_run(5)
-    arena.before_run(10)
+    ran(arena, 5)
+    ran(arena, 10)
     assert shrinks == []  # they fit in what the arena holds
-    arena.before_run(30)
+    ran(arena, 30)
     assert shrinks == [10] and arena.held_bytes == 30  # the 10 goes, so the 30 does not join it
     arena.took(40)
     assert arena.held_bytes == 40
@@ -49,22 +55,47 @@ def test_an_idle_arena_gives_back_a_large_block_and_keeps_a_small_one(monkeypatc
         arena.went_idle(release=release)
         time.sleep(0.2)
 
-    arena.before_run(IDLE_HELD_BYTES)
+    ran(arena, IDLE_HELD_BYTES)
     idle(release=False)
     assert shrinks == []  # the block most requests reuse stays
     idle(release=True)
     assert shrinks == [IDLE_HELD_BYTES]  # requests held much memory since the last release: all of it goes back
-    arena.before_run(IDLE_HELD_BYTES + 1)
+    ran(arena, IDLE_HELD_BYTES + 1)
     idle(release=False)
     assert shrinks == [IDLE_HELD_BYTES, IDLE_HELD_BYTES + 1]
     # a run that begins before the delay is out keeps the block: the next request would fault it in again
-    arena.before_run(IDLE_HELD_BYTES + 1)
+    ran(arena, IDLE_HELD_BYTES + 1)
     arena.went_idle(release=True)
-    arena.before_run(IDLE_HELD_BYTES + 1)
+    ran(arena, IDLE_HELD_BYTES + 1)
     time.sleep(0.2)
     assert shrinks == [IDLE_HELD_BYTES, IDLE_HELD_BYTES + 1]
     idle(release=False)  # the release asked for before still holds
     assert shrinks == [IDLE_HELD_BYTES, IDLE_HELD_BYTES + 1, IDLE_HELD_BYTES + 1]
+
+
+def test_blocks_of_runs_side_by_side_count_together_when_the_arena_goes_idle(monkeypatch):
+    """--cpu-runners: two runs at once hold two blocks; each under the idle limit, together over it, they go back."""
+    import time
+
+    from server.memory.arena import IDLE_HELD_BYTES
+
+    arena = SharedArena()
+    arena.idle_release_seconds = 0.05
+    shrinks = []
+    monkeypatch.setattr(arena, "_shrink_locked", lambda: (shrinks.append(arena._held_together),
+                                                          setattr(arena, "held_bytes", 0),
+                                                          setattr(arena, "_held_together", arena._running_bytes)))
+    block = IDLE_HELD_BYTES // 2 + 1
+    ran(arena, block)
+    ran(arena, block)  # one after the other: one block
+    arena.went_idle(release=False)
+    time.sleep(0.2)
+    assert shrinks == []
+    with arena.running(block), arena.running(block):  # side by side: two
+        pass
+    arena.went_idle(release=False)
+    time.sleep(0.2)
+    assert shrinks == [2 * block]
 
 
 def test_a_shorter_idle_release_time_applies_to_a_release_already_pending(monkeypatch):
@@ -74,7 +105,7 @@ def test_a_shorter_idle_release_time_applies_to_a_release_already_pending(monkey
     arena.idle_release_seconds = 30.0
     shrinks = []
     monkeypatch.setattr(arena, "_shrink_locked", lambda: (shrinks.append(arena.held_bytes), setattr(arena, "held_bytes", 0)))
-    arena.before_run(10)
+    ran(arena, 10)
     arena.went_idle(release=True)  # due in 30 s
     time.sleep(0.2)  # the waiter sleeps until then
     arena.idle_release_seconds = 0.05
@@ -135,7 +166,7 @@ def test_each_further_plan_adds_less_than_one_plan_s_activations(heavy_pipeline)
 
 def test_the_arena_keeps_the_largest_block_not_a_pile_of_them(heavy_pipeline):
     """A smaller plan made after a larger one leaves the arena holding the smaller block; the larger plan's next
-    run must not add its block beside it, but take the arena's place (server.memory.arena.before_run)."""
+    run must not add its block beside it, but take the arena's place (server.memory.arena.SharedArena.running)."""
     score(heavy_pipeline, 64, 64)  # as above
     before = settled()
     score(heavy_pipeline, 352, 352)

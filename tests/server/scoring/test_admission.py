@@ -6,6 +6,7 @@ import pytest
 
 from convert.memory_model import Device
 from convert.profile import largest_batch, profile_model
+from server.errors import ScoringError
 
 
 def predicted(path: str, side: int, batch: int = 1, device: Device = Device.CPU) -> int:
@@ -179,21 +180,29 @@ def test_cpu_plans_of_a_model_hold_its_weights_once_and_its_largest_running_batc
     assert budget.used_bytes() == small.total + small.per_plan + other.total
 
 
-def test_a_model_with_two_runners_holds_its_two_largest_running_batches(tiny_model_path):
-    """--cpu-runners 2: two of a model's batches run at once, each taking its block from the arena."""
+def test_a_model_with_two_runners_holds_its_largest_running_batch_twice(tiny_model_path):
+    """--cpu-runners 2: two of a model's batches run at once, each taking its block from the arena, and both may be
+    of its largest plan; one batch of each of two plans must fit the model's budget with a second one running."""
     import onnx
 
     from server.memory.device import MemoryBudget, PlanMemory, held_bytes
 
     budget = MemoryBudget(None, device=Device.CPU)
     tiny = PlanMemory(onnx.load(tiny_model_path), name="tiny", shared=budget, runners=2)
-    small, middle, large = (tiny.terms(side, side, 1) for side in (256, 384, 512))
-    for key, side in (("small", 256), ("middle", 384), ("large", 512)):
-        tiny.make_room(key, height=side, width=side, batch=1)
-    two_running = small.per_model + small.per_plan + middle.per_plan + large.per_plan + large.per_run + middle.per_run
+    small, large = tiny.terms(256, 256, 1), tiny.terms(512, 512, 1)
+    tiny.make_room("small", height=256, width=256, batch=1)
+    assert budget.used_bytes() == small.total + small.per_run  # a single plan, run twice at once
+    tiny.make_room("large", height=512, width=512, batch=1)
+    two_running = small.per_model + small.per_plan + large.per_plan + 2 * large.per_run
     assert budget.used_bytes() == held_bytes(budget.plans()) == two_running
     tiny.runners = 1
-    assert budget.used_bytes() == two_running - middle.per_run
+    assert budget.used_bytes() == two_running - large.per_run
+    # the batch limit: a batch fits when two of it running at once do
+    one_runner = PlanMemory(onnx.load(tiny_model_path), budget_bytes=large.total + large.per_run // 2)
+    two_runners = PlanMemory(onnx.load(tiny_model_path), budget_bytes=large.total + large.per_run // 2, runners=2)
+    assert one_runner.fitting_batch(512, 512) >= 1 and two_runners.fitting_batch(512, 512) == 0
+    with pytest.raises(ScoringError, match=r"2 batches of it running at once \(--cpu-runners\)"):
+        two_runners.require_batch(512, 512, scale=512, largest_scale=lambda: 0)
 
 
 def test_a_budget_evicts_until_the_plans_held_together_fit(tiny_model_path, coordinate_model_path):
