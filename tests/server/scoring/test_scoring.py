@@ -142,19 +142,33 @@ def test_no_session_ever_sees_two_input_shapes_under_mixed_concurrent_traffic(pi
     assert all(len(shapes) == 1 for shapes in seen.values()), seen
 
 
-def test_cpu_runners_score_side_by_side_as_one_runner_does(kit, heavy_model_path):
-    """--cpu-runners 2 over gRPC: two batcher threads take the queue, and each answer equals one runner's (both run
-    one onnxruntime thread per batch: the same kernels, in the same order, to float32 rounding)."""
+def test_cpu_runners_score_side_by_side_as_one_runner_does(kit, heavy_model_path, monkeypatch):
+    """--cpu-runners 2 over gRPC: two plan runs at once (one runner: never), the budget told of both, and each answer
+    equals one runner's (both run one onnxruntime thread per batch: the same kernels, in the same order)."""
     requests = [kit.raw_request(np.random.default_rng(seed).integers(0, 256, (96 + 32 * (seed % 3), 128, 3),
                                                                     dtype=np.uint8), scales=[96], top_k=4)
                 for seed in range(12)]
+    running, most = [0], {}
+    lock, run = threading.Lock(), plans.Plan.run
+
+    def counted(plan, *args, **kwargs):
+        with lock:
+            running[0] += 1
+            most[runners] = max(most.get(runners, 0), running[0])
+        try:
+            return run(plan, *args, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(plans.Plan, "run", counted)
     answers = {}
     for runners in (1, 2):
-        with kit.serving([heavy_model_path], cpu_runners=runners, intra_op_threads=1) as (_server, _port, stub):
+        with kit.serving([heavy_model_path], cpu_runners=runners, intra_op_threads=1) as (server, _port, stub):
             with ThreadPoolExecutor(6) as pool:
                 answers[runners] = list(pool.map(lambda request: stub.Score(request, timeout=60), requests))
-            batchers = [thread.name for thread in threading.enumerate() if thread.name.startswith("batcher-heavy")]
-            assert len(batchers) == runners, batchers
+            assert {record.owner.runners for record in server.pipeline.budget.plans()} == {runners}
+    assert most == {1: 1, 2: 2}
     for one, two in zip(answers[1], answers[2]):
         assert [label.index for label in one.top_k] == [label.index for label in two.top_k]
         np.testing.assert_allclose([label.probability for label in two.top_k],
