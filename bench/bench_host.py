@@ -169,7 +169,8 @@ def direct_ratio(data: bytes, *, rounds: int = 200) -> tuple[float, float]:
 
 def served_level(model: str, flags: tuple[str, ...], clients: int, *, seconds: float,
                  folder: pathlib.Path) -> tuple[float, float]:
-    """(req/s, server CPU ms per answered request) of a closed loop of `clients` over gRPC on its own server."""
+    """(req/s, server CPU ms per request) of a closed loop of `clients` over gRPC on its own server, after one
+    request (a plan made on first use is not the level's); a failed request fails the level."""
     import grpc
 
     from protos import scoring_pb2_grpc
@@ -178,16 +179,19 @@ def served_level(model: str, flags: tuple[str, ...], clients: int, *, seconds: f
     try:
         request = scoring_pb2.ScoreRequest(encoded=SAMPLE.read_bytes(), scales=[SCALE])
         limits = LoadLimits()
-        plan = LevelPlan(duration_s=seconds, max_requests=limits.max_requests, timeout_s=30.0, warmup=clients)
+        plan = LevelPlan(duration_s=seconds, max_requests=limits.max_requests, timeout_s=120.0, warmup=clients)
         with grpc.insecure_channel(address) as channel:
             stub = scoring_pb2_grpc.DenseScoringStub(channel)
+            stub.Score(request, timeout=120)
             before = process_cpu_seconds(server.pid)
             report = closed_loop(stub, [request], concurrency=clients, plan=plan, limits=limits)
             cpu = process_cpu_seconds(server.pid) - before
     finally:
         server.terminate()
         server.wait(30)
-    # The CPU window holds the warm-up too: count every request sent, answered or not.
+    if report.errors:
+        raise RuntimeError(f"{clients} clients, flags {' '.join(flags)}: requests failed: {report.errors}")
+    # The CPU window holds the warm-up and the requests in flight at its end too: every request sent counts.
     return report.throughput_rps, 1000 * cpu / max(report.sent, 1)
 
 
