@@ -309,9 +309,10 @@ class EngineOptions:
     cpu_memory_fraction: float = setting(0.5, "share of MemAvailable used as the budget on the CPU when no "
                                          "--memory-budget is given", parse=FRACTION, metavar="FRACTION")
     max_idle_arena_bytes: int = setting(
-        256 * 2**20, "CPU: the largest block of activations the plans' shared arena keeps while no request is in "
-        "flight; a larger one goes back to the system once no run has begun for 2 s after the last request ended "
-        "(its plan's next run takes its pages again), and any after requests held much memory",
+        256 * 2**20, "CPU: the most activations the plans' shared arena keeps while no request is in flight (the "
+        "largest block a run took, or the blocks of runs side by side together with --cpu-runners); more goes back "
+        "to the system once no run has begun for 2 s after the last request ended (the next runs take their pages "
+        "again), and any after requests held much memory",
         parse=memory_size, metavar="SIZE")
     warm_up: bool = setting(True, "run every warm-up scale and stride once before reporting SERVING, and the tile "
                             "canvas of images larger than every bucket once SERVING")

@@ -100,6 +100,12 @@ class PlanRecord:
         return self.measured_bytes + self.predicted.transient
 
 
+    @property
+    def alone_bytes(self) -> int:
+        """What the plan holds with no other plan made: its account, with each of its model's runners running it."""
+        return self.accounted_bytes + (self.owner.runners - 1) * self.run_bytes
+
+
 def held_bytes(records: Iterable[PlanRecord]) -> int:
     """What these plans hold together: each model's weights once, each plan's own state, and of each model's
     running batches the largest, once per batch its batcher runs at once (its `runners`: they may all run that
@@ -156,7 +162,7 @@ class MemoryBudget:
         with self._lock:
             record = PlanRecord(owner, key, predicted, measured_bytes, next(self._clock), measured_run_bytes)
             others = sorted((r for s, r in self._plans.items() if s != slot), key=lambda r: r.last_used)
-            if self.total_bytes is not None and record.accounted_bytes > self.total_bytes:
+            if self.total_bytes is not None and record.alone_bytes > self.total_bytes:
                 return record, None
             victims = []
             while others and self.total_bytes is not None and held_bytes([*others, record]) > self.total_bytes:
@@ -283,7 +289,7 @@ class PlanMemory:
         if victims is None:
             what = f"plan {key}" + (f" for scale {scale}" if scale is not None else "")
             how = "measured" if measured is not None else "predicted"
-            raise self._too_large(what, record.accounted_bytes, how, self.shared.total_bytes, largest_scale)
+            raise self._too_large(what, record.alone_bytes, how, self.shared.total_bytes, largest_scale)
         mine = []
         for victim in victims:
             LOG.info("%s: plan %s evicted (least recently used) to make room for %s plan %s",

@@ -155,7 +155,8 @@ class Batcher:
             waiting = len(self._queue) + self._reserved
             wait = self._expected_wait()
             margin = min(self._seconds_per_item, self._max_queue / 2) if waiting else 0.0
-            done = wait + math.ceil(items / self._runners) * self._seconds_per_item  # its items side by side
+            side_by_side = min(self._runners, math.ceil(items / self._max_batch))  # its batches on the runners
+            done = wait + math.ceil(items / side_by_side) * self._seconds_per_item
             if self._closed:
                 why: Transient | None = None
             elif waiting + items > self._queue_depth:

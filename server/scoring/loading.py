@@ -167,19 +167,26 @@ def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
                           else f"{model.min_scale} (--min-scale) and up")
                 raise invalid(f"{named} is outside the scales requests may ask for, {bounds}: give --warm-up-scales "
                               "within them")
-            budget, runners = model.plan_memory.budget_bytes, model.plan_memory.runners
+            total = model.plan_memory.shared.total_bytes if model.plan_memory.shared is not None else None
+            share, runners = model.plan_memory.budget_bytes, model.plan_memory.runners
             runs = f" with {runners} batches of it running at once (--cpu-runners)" if runners > 1 else ""
             for key in configured_plans(model, (scale,)):
                 try:
-                    needed = model.plan_memory.running_bytes(key.height, key.width,
+                    needed = model.plan_memory.predicted_bytes(key.height, key.width,
                                                              key.batch * len(key.passes.offsets))
+                    # a batch of one must fit the model's share, its runners all running it: every request does
+                    single = model.plan_memory.running_bytes(key.height, key.width, len(key.passes.offsets))
                 except ProfileError:
                     continue  # a shape the net cannot take: warm-up names it
-                if budget is not None and needed > budget:
-                    raise invalid(f"{named}: {model.name}'s plan {key} is predicted to need {format_bytes(needed)}"
-                                  f"{runs}, beyond the memory budget of {format_bytes(budget)} it may use: give a "
-                                  f"smaller --warm-up-scales{', fewer --cpu-runners' * (runners > 1)}, or a larger "
-                                  "--memory-budget")
+                if total is not None and needed > total:
+                    raise invalid(f"{named}: {model.name}'s plan {key} is predicted to need {format_bytes(needed)}, "
+                                  f"beyond the memory budget of {format_bytes(total)}: give a smaller "
+                                  "--warm-up-scales, or a larger --memory-budget")
+                if share is not None and single > share:
+                    raise invalid(f"{named}: one image on {model.name}'s canvas {key.height}x{key.width} is predicted "
+                                  f"to need {format_bytes(single)}{runs}, beyond the memory budget of "
+                                  f"{format_bytes(share)} it may use: give a smaller --warm-up-scales"
+                                  f"{', fewer --cpu-runners' * (runners > 1)}, or a larger --memory-budget")
 
 
 def warm_up(models: list[Model], scales: tuple[int, ...],

@@ -427,7 +427,7 @@ def test_an_http_port_the_same_as_the_grpc_port_exits_2_before_models_load(tmp_p
     (["--warm-up-scales", "100"], "--warm-up-scales 100 is below efficientnet-lite0's training size 224"),
     (["--min-scale", "500"], "default scale 384 (the warm-up scale without --warm-up-scales) is outside the scales"),
     (["--warm-up-scales", "1024", "--memory-budget", "64MiB"],
-     "beyond the memory budget of 64.0 MiB it may use: give a smaller --warm-up-scales, or a larger --memory-budget"),
+     "beyond the memory budget of 64.0 MiB: give a smaller --warm-up-scales, or a larger --memory-budget"),
     (["--memory-budget", "512MiB", "--cpu-runners", "4"],  # one runner's warm-up plans fit it
      "running at once (--cpu-runners), beyond the memory budget of 512.0 MiB it may use: give a smaller "
      "--warm-up-scales, fewer --cpu-runners, or a larger --memory-budget"),

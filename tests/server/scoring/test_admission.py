@@ -203,6 +203,12 @@ def test_a_model_with_two_runners_holds_its_largest_running_batch_twice(tiny_mod
     assert one_runner.fitting_batch(512, 512) >= 1 and two_runners.fitting_batch(512, 512) == 0
     with pytest.raises(ScoringError, match=r"2 batches of it running at once \(--cpu-runners\)"):
         two_runners.require_batch(512, 512, scale=512, largest_scale=lambda: 0)
+    # a plan that fits with one run but not with two is refused, not let in over the budget
+    tight = MemoryBudget(large.total + large.per_run // 2, device=Device.CPU)
+    two = PlanMemory(onnx.load(tiny_model_path), name="two", shared=tight, runners=2)
+    with pytest.raises(ScoringError, match="memory budget"):
+        two.make_room("large", height=512, width=512, batch=1)
+    assert tight.used_bytes() == 0
 
 
 def test_a_budget_evicts_until_the_plans_held_together_fit(tiny_model_path, coordinate_model_path):

@@ -217,6 +217,20 @@ def test_runners_run_batches_side_by_side():
         batcher.close()
 
 
+def test_a_request_s_batches_spread_over_the_runners_in_its_expected_end():
+    """Eight items at 0.1 s each: one runner ends them in 0.8 s, two in 0.4 s unbatched, but in one batch of eight
+    (--max-batch 8) they run on one runner, 0.8 s."""
+    for runners, max_batch, done in ((1, 1, 0.8), (2, 1, 0.4), (2, 8, 0.8)):
+        batcher = Batcher(GatedRunner(), max_batch=max_batch, max_delay_seconds=60, queue_depth=100,
+                          max_queue_seconds=60, runners=runners)
+        batcher._seconds_per_item = 0.1
+        try:
+            refused = batcher.reserve(8, deadline=time.monotonic())
+            assert refused.done == pytest.approx(done, abs=0.02), (runners, max_batch)
+        finally:
+            batcher.close()
+
+
 def test_the_expected_wait_is_shared_between_the_runners():
     """Four items at 0.1 s ahead and one runner busy for 0.3 s more: one runner starts a new item after 0.7 s, two
     after 0.2 s (the free runner takes the queue at twice one's pace)."""
