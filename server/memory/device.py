@@ -28,9 +28,9 @@ prints), so what users are shown is what the server enforces. Two ways to use it
 
 What the plans hold together (`held_bytes`, issue 33) is counted as it is held: on the CPU a model's
 weights once (its plans share them, server.engine.shared_weights), each plan's own state, and per model
-the largest of its plans' running batches, once per batch run at once (--cpu-runners; their runs take activations
-from one arena and hand them back, server.memory.arena); on CUDA each plan keeps all of its own. A plan's measurement replaces its own and its
-running batch's predictions; the model's weights stay predicted.
+the largest of its plans' running batches, once per batch run at once (--cpu-runners; their runs take
+activations from one arena and hand them back, server.memory.arena); on CUDA each plan keeps all of its own. A
+plan's measurement replaces its own and its running batch's predictions; the model's weights stay predicted.
 """
 
 from __future__ import annotations
@@ -98,7 +98,6 @@ class PlanRecord:
         if self.measured_bytes is None:
             return self.predicted.total
         return self.measured_bytes + self.predicted.transient
-
 
     @property
     def alone_bytes(self) -> int:
@@ -240,6 +239,11 @@ class PlanMemory:
         """What one plan of this shape needs with each of the model's runners running a batch of it."""
         return self.terms(height, width, batch).running(self.runners)
 
+    @property
+    def runners_said(self) -> str:
+        """What a refusal adds when the model runs several batches at once."""
+        return f" with {self.runners} batches of it running at once (--cpu-runners)" if self.runners > 1 else ""
+
     def _fitting_batch(self, height: int, width: int) -> int:
         """The largest batch of this input size within the budget (0: not even one); no budget: unbounded."""
         if self.budget_bytes is None:
@@ -259,8 +263,8 @@ class PlanMemory:
             ) from error
         if limit > 0:
             return limit
-        runs = f", {self.runners} batches of it running at once (--cpu-runners)" if self.runners > 1 else ""
-        raise self._too_large(f"scale {scale} ({height}x{width} input{runs})", self.running_bytes(height, width),
+        raise self._too_large(f"scale {scale} ({height}x{width} input{self.runners_said})",
+                              self.running_bytes(height, width),
                               "predicted", self.budget_bytes, largest_scale)
 
     def _too_large(self, what: str, needed: int, how: str, budget: int, largest_scale: Callable[[], int] | None) -> ScoringError:

@@ -169,7 +169,6 @@ def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
                               "within them")
             total = model.plan_memory.shared.total_bytes if model.plan_memory.shared is not None else None
             share, runners = model.plan_memory.budget_bytes, model.plan_memory.runners
-            runs = f" with {runners} batches of it running at once (--cpu-runners)" if runners > 1 else ""
             for key in configured_plans(model, (scale,)):
                 try:
                     needed = model.plan_memory.predicted_bytes(key.height, key.width,
@@ -184,8 +183,8 @@ def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
                                   "--warm-up-scales, or a larger --memory-budget")
                 if share is not None and single > share:
                     raise invalid(f"{named}: one image on {model.name}'s canvas {key.height}x{key.width} is predicted "
-                                  f"to need {format_bytes(single)}{runs}, beyond the memory budget of "
-                                  f"{format_bytes(share)} it may use: give a smaller --warm-up-scales"
+                                  f"to need {format_bytes(single)}{model.plan_memory.runners_said}, beyond the memory "
+                                  f"budget of {format_bytes(share)} it may use: give a smaller --warm-up-scales"
                                   f"{', fewer --cpu-runners' * (runners > 1)}, or a larger --memory-budget")
 
 
