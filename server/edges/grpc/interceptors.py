@@ -95,9 +95,16 @@ class CallLimits(ExemptingInterceptor):
         self._lock = threading.Lock()
         self._places: dict[grpc.ServicerContext, Callable[[], None]] = {}  # each call's slot, to give back
         self._keys: dict[grpc.ServicerContext, Callable[[], Hashable | None]] = {}  # each call's resend key
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}  # by method: gRPC's handlers do not change
 
     def intercept(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        return guarded(handler, functools.partial(self._slot, method=details.method.rsplit("/", 1)[-1]))
+        """The method's handler in its slot, made once per method: gRPC asks on every call, and making it
+        each time cost a tenth of a millisecond of the request's CPU (issue 29)."""
+        limited = self._handlers.get(details.method)
+        if limited is None:
+            limited = guarded(handler, functools.partial(self._slot, method=details.method.rsplit("/", 1)[-1]))
+            self._handlers[details.method] = limited
+        return limited
 
     @contextlib.contextmanager
     def _slot(self, context: grpc.ServicerContext, request: Message | None, *, method: str) -> Iterator[None]:
