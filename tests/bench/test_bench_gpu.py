@@ -6,6 +6,7 @@ import onnxruntime
 import pytest
 
 from bench import bench_gpu
+from clients.loadtest.latency import LevelReport
 
 TINY = bench_gpu.Config(clients=(2,), level_seconds=0.1, batches=(1,), device_seconds=0.05, max_requests=20,
                         shape_rounds=2, warm_up=False)
@@ -53,7 +54,7 @@ def test_a_time_limit_keeps_what_was_measured_and_says_what_was_not(tmp_path, ca
     section = bench_gpu.run(dry_run=True, config=TINY, out_dir=tmp_path, time_limit_s=0, echo=True)
     assert "Not measured, the time limit of 0 s having passed: the cost of a change of shape, device-bound" in section
     assert "closed loop grid batching on" in section and "memory on the CUDA provider" in section
-    assert "Issue 9 targets, on what was measured:" in section and "| grid |" not in section
+    assert "Issue 29 targets, on what was measured:" in section and "| grid |" not in section
     assert (tmp_path / bench_gpu.REPORT_FILE).read_text() == section + "\n\n"
     assert section in capsys.readouterr().out.replace("\n\n\n", "\n\n")
 
@@ -75,3 +76,26 @@ def test_quick_measures_less_within_its_limit_and_updates_no_results_file(tmp_pa
     monkeypatch.setattr(bench_gpu, "record", lambda sections, out: recorded.append((sections, out)))
     assert bench_gpu.main(["--quick", "--time-limit", "50", "--out", str(tmp_path / "RESULTS.md")]) == 0
     assert calls[-1]["time_limit_s"] == 50 and recorded[0][1] == tmp_path / "RESULTS.md"
+
+
+def level(clients: int, rps: float, *, p50_ms: float = 5.0, max_ms: float = 50.0) -> LevelReport:
+    return LevelReport(mode="closed", level=clients, sent=100, completed=100, duration_s=1.0, throughput_rps=rps,
+                       p50_ms=p50_ms, p90_ms=p50_ms, p95_ms=p50_ms, p99_ms=max_ms, max_ms=max_ms)
+
+
+def test_the_verdicts_judge_issue_29s_targets_and_say_what_was_not_measured():
+    device = [bench_gpu.DeviceRate("grid", 1, "grid: batch 1", plan=400.0, bare=410.0),  # a run of 2.5 ms
+              bench_gpu.DeviceRate("grid", 8, "grid: batch 8", plan=500.0, bare=520.0)]
+    results = {("grid", "on"): [level(1, 150, p50_ms=5.4), level(16, 410), level(64, 405)],
+               ("grid", "off"): [level(1, 140), level(16, 300, max_ms=120.0)]}
+    lines = bench_gpu.verdicts(device, results)
+    assert "- device-bound plan >= 80% of the bare loop (worst 96%): met" in lines
+    assert "- grid: gRPC at 16 clients >= 80% of the batch-8 plan's device-bound img/s (410 req/s against 500 img/s): met" in lines
+    assert "- grid: 64 clients no slower than 16 (405 against 410 req/s): missed" in lines
+    assert "- grid: p50 at 1 client <= the batch-1 plan's run + 3 ms (5.4 against 5.5 ms): met" in lines
+    assert "- grid: no request over 100 ms at 16 clients, batching on or off (longest 120.0 ms): missed" in lines
+    assert "- grid: batching on never slower than off (slower at clients: none): met" in lines
+    # Without the batch-8 plan and the 64-client level (a run that left them out) those targets are not judged.
+    lines = bench_gpu.verdicts(device[:1], {key: reports[:2] for key, reports in results.items()})
+    assert "- grid: gRPC at 16 clients >= 80% of the batch-8 plan's device-bound img/s: not measured" in lines
+    assert "- grid: 64 clients no slower than 16: not measured" in lines
