@@ -87,10 +87,15 @@ def peak_rss_mib() -> float:
     raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
-def server_settings(provider: str) -> Settings:
+def server_settings(provider: str, *, one_pass_per_tile: bool = False) -> Settings:
     """The server's settings on `provider` (cpu or cuda), plans made on first use, no queue limit; on CUDA one
-    that does not really load is an error (--require-gpu), never a CPU run measured as the GPU's."""
-    return Settings(warm_up=False, max_queue_ms=3_600_000.0, provider=provider, require_gpu=provider == "cuda")
+    that does not really load is an error (--require-gpu), never a CPU run measured as the GPU's.
+
+    `one_pass_per_tile`: the scoring canvas is the server's only bucket, for the null model's memory rows. Its
+    exact halo is 0 (a receptive field of 1 px), so the server would tile each tile again onto its smallest
+    bucket, computing no more pixels: 1302 passes for a 2048-px tile, past --queue-depth."""
+    return Settings(warm_up=False, max_queue_ms=3_600_000.0, provider=provider, require_gpu=provider == "cuda",
+                    shape_buckets=((CANVAS, CANVAS),) if one_pass_per_tile else ())
 
 
 def tile_shapes(plan: TilePlan) -> set[tuple[int, int]]:
@@ -99,14 +104,15 @@ def tile_shapes(plan: TilePlan) -> set[tuple[int, int]]:
     return {(tile.y.length, tile.x.length) for tile in plan}
 
 
-def child_pipeline(tiff: str, model: str, out: str, *, provider: str) -> dict:
+def child_pipeline(tiff: str, model: str, out: str, *, provider: str, one_pass_per_tile: bool = False) -> dict:
     """Score the TIFF as `scoremap-score --tiled --local` does; seconds, tiles and this process's peak RSS."""
     from clients.batch.local import LocalScorer
     from clients.slides.readers import open_image
     from clients.slides.run import SlideOptions, score_slide
     from clients.slides.tiles import TileOptions, plan_for, score_map
 
-    with LocalScorer([model], settings=server_settings(provider)) as scorer, open_image(tiff) as reader:
+    settings = server_settings(provider, one_pass_per_tile=one_pass_per_tile)
+    with LocalScorer([model], settings=settings) as scorer, open_image(tiff) as reader:
         card = scorer.model()
         plan = plan_for(card, (reader.level.height, reader.level.width), (CANVAS, CANVAS), options=TileOptions())
         for shape in tile_shapes(plan):
@@ -145,10 +151,15 @@ def child_bare(tiff: str, model: str, *, provider: str) -> dict:
     return {"seconds": seconds, "tiles": len(plan), "rss_mib": peak_rss_mib()}
 
 
-def in_child(*arguments: str, provider: str) -> dict:
-    """Run this module's child mode in a fresh process on `provider` and return what it reports."""
-    done = subprocess.run([sys.executable, "-m", "bench.bench_tiling", "--provider", provider, "--child", *arguments],
-                          capture_output=True, text=True, cwd=ROOT, check=True)
+def in_child(*arguments: str, provider: str, one_pass_per_tile: bool = False) -> dict:
+    """Run this module's child mode in a fresh process on `provider` and return what it reports; a child that
+    fails raises with its own last word, since a run on a lent machine has one try."""
+    flags = ["--provider", provider, *(["--one-pass-per-tile"] if one_pass_per_tile else [])]
+    done = subprocess.run([sys.executable, "-m", "bench.bench_tiling", *flags, "--child", *arguments],
+                          capture_output=True, text=True, cwd=ROOT)
+    if done.returncode:
+        said = done.stderr.strip().splitlines() or ["(nothing on stderr)"]
+        raise RuntimeError(f"bench_tiling's {arguments[0]} child failed (status {done.returncode}): {said[-1]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -200,7 +211,8 @@ def memory_against_size(sides: tuple[int, ...], *, provider: str = "cpu") -> lis
         model = null_model(folder)
         for side in sides:
             tiff = write_mosaic(folder / f"mosaic{side}.tif", side)
-            result = in_child("pipeline", str(tiff), model, str(folder / f"null{side}"), provider=provider)
+            result = in_child("pipeline", str(tiff), model, str(folder / f"null{side}"), provider=provider,
+                              one_pass_per_tile=True)
             mpx = side * side / 1e6
             lines.append(f"| {side}x{side} ({mpx:,.0f} Mpx) | {result['tiles']} | {result['seconds']:.0f} | "
                          f"{mpx / result['seconds']:.1f} | {result['rss_mib']:.0f} MiB |")
@@ -280,12 +292,13 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the server's --provider ({PROVIDER.metadata['help']}), for the pipeline and the bare "
                              "loop alike (default: cpu, as `make bench` runs)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--one-pass-per-tile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--memory-only", action="store_true", help="only the null model's memory against size")
     args = parser.parse_args(argv)
     if args.child:  # the parent settled the provider
         mode, *rest = args.child
-        child = child_pipeline if mode == "pipeline" else child_bare
-        print(json.dumps(child(*rest, provider=args.provider)))
+        print(json.dumps(child_pipeline(*rest, provider=args.provider, one_pass_per_tile=args.one_pass_per_tile)
+                         if mode == "pipeline" else child_bare(*rest, provider=args.provider)))
         return 0
     provider = args.provider
     if provider != "cpu":
