@@ -91,9 +91,9 @@ def server_settings(provider: str, *, one_pass_per_tile: bool = False) -> Settin
     """The server's settings on `provider` (cpu or cuda), plans made on first use, no queue limit; on CUDA one
     that does not really load is an error (--require-gpu), never a CPU run measured as the GPU's.
 
-    `one_pass_per_tile`: the scoring canvas is the server's only bucket, for the null model's memory rows. Its
-    exact halo is 0 (a receptive field of 1 px), so the server would tile each tile again onto its smallest
-    bucket, computing no more pixels: 1302 passes for a 2048-px tile, past --queue-depth."""
+    `one_pass_per_tile`: the scoring canvas is the server's only bucket, for the null model's memory rows: its
+    own buckets (from its 32-px training size) reach 160 px, so the server would tile each 2048-px tile onto
+    them, 1,302 passes, past --queue-depth, and refuse it."""
     return Settings(warm_up=False, max_queue_ms=3_600_000.0, provider=provider, require_gpu=provider == "cuda",
                     shape_buckets=((CANVAS, CANVAS),) if one_pass_per_tile else ())
 
