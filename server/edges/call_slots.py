@@ -43,13 +43,14 @@ class CallSlots:
                 self._by_peer[peer] += 1
         if problem is not None:
             raise ScoringError(Refusal.RESOURCE_EXHAUSTED, problem, retry_after_seconds=retry_after(Transient.CALLS_BUSY))
-        given_back = threading.Event()
+        given_back = False
 
         def give_back() -> None:
+            nonlocal given_back
             with self._lock:
-                if given_back.is_set():
+                if given_back:
                     return
-                given_back.set()
+                given_back = True
                 self._running -= 1
                 self._by_peer[peer] -= 1
                 if not self._by_peer[peer]:
