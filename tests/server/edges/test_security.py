@@ -1,5 +1,7 @@
 """TLS and the bearer token, on a real server."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 import numpy as np
 import onnx
@@ -10,7 +12,10 @@ from clients.api.client import ScoremapClient
 from clients.api.errors import ScoremapError
 from clients.api.settings import TOKEN_ENV, env_token
 from protos import scoring_pb2, scoring_pb2_grpc
+from server.edges.grpc.interceptors import CallLimits, TokenInterceptor
+from server.edges.refusal_pace import RefusalPacer
 from server.main import create_server, read_token
+from server.metrics import Metrics
 from server.settings import Settings
 from tests.tiny_models import patch_net
 
@@ -89,3 +94,29 @@ def test_a_token_file_with_a_line_break_enforces_the_token_and_clients_strip_the
             create_server([tiny_model_path], settings=Settings(warm_up=False), token=bad)
     with pytest.raises(ValueError, match="--max-calls-per-peer 16 lets one client address hold all 6 workers"):
         create_server([tiny_model_path], settings=Settings(warm_up=False, grpc_workers=8))
+
+
+def test_the_call_limits_guard_each_handler_they_are_given_whatever_interceptor_comes_first():
+    """CallLimits makes each method's guarded handler once (issue 29); an interceptor before it that answers a
+    call with another handler (here the token's, which denies a call without it) gets its own each time: a call
+    denied first must not deny the calls after it, nor an allowed one let the next through."""
+    limits = CallLimits(total=4, per_peer=0, metrics=Metrics(),
+                        pacer=RefusalPacer(per_answer=0, floor=10, max_hold=0.5, max_held=4))
+    server = grpc.server(ThreadPoolExecutor(4), interceptors=[limits, TokenInterceptor("secret")])
+    echo = grpc.unary_unary_rpc_method_handler(lambda request, _context: request)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Echo", {"Say": echo}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            say = channel.unary_unary("/test.Echo/Say")
+            for token in (None, "secret", None, "wrong", "secret"):
+                metadata = () if token is None else (("authorization", f"Bearer {token}"),)
+                if token == "secret":
+                    assert say(b"hi", metadata=metadata, timeout=10) == b"hi"
+                else:
+                    with pytest.raises(grpc.RpcError) as denied:
+                        say(b"hi", metadata=metadata, timeout=10)
+                    assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        server.stop(0).wait()
