@@ -52,7 +52,7 @@ COMPARE_CANVAS = 1280
 OVERLAP = 0.25  # MONAI SlidingWindowInferer's default
 REPEATS = 2  # runs of each, alternated; the fastest counts
 CONCURRENCY = 2  # tiles in flight: a tile is stored while the next is scored (scoremap-score's --concurrency)
-PROVIDER = next(declared for declared in dataclasses.fields(EngineOptions) if declared.name == "provider")
+PROVIDER_FIELD = next(declared for declared in dataclasses.fields(EngineOptions) if declared.name == "provider")
 # Not run: --provider cuda where CUDA does not load. 2, not bench_gpu's 0: `make bench-gpu` is a target meant
 # to be harmless anywhere, while here CUDA was asked for by name, and a script on a lent GPU machine must not
 # read a run that measured nothing as a success.
@@ -148,7 +148,7 @@ def child_bare(tiff: str, model: str, *, provider: str) -> dict:
         for tile in plan:
             session.run(None, {name: to_input(reader.read(*tile.region)[None], image)})
         seconds = time.perf_counter() - started
-    return {"seconds": seconds, "tiles": len(plan), "rss_mib": peak_rss_mib()}
+    return {"seconds": seconds, "tiles": len(plan), "rss_mib": peak_rss_mib(), "provider": session.get_providers()[0]}
 
 
 def in_child(*arguments: str, provider: str, one_pass_per_tile: bool = False) -> dict:
@@ -288,8 +288,8 @@ def run(small: bool = False, *, provider: str = "cpu") -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="4 and 16 Mpx instead of 0.27 and 1.07 Gpx (a smoke run)")
-    parser.add_argument("--provider", choices=PROVIDER.metadata["choices"], default="cpu",
-                        help=f"the server's --provider ({PROVIDER.metadata['help']}), for the pipeline and the bare "
+    parser.add_argument("--provider", choices=PROVIDER_FIELD.metadata["choices"], default="cpu",
+                        help=f"the server's --provider ({PROVIDER_FIELD.metadata['help']}), for the pipeline and the bare "
                              "loop alike (default: cpu, as `make bench` runs)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--one-pass-per-tile", action="store_true", help=argparse.SUPPRESS)

@@ -20,8 +20,9 @@ def mosaic(tmp_path_factory) -> tuple[str, str]:
 
 def test_the_children_run_on_the_cpu_when_asked(mosaic, tmp_path):
     tiff, model = mosaic
-    assert bench_tiling.in_child("bare", tiff, model, provider="cpu")["tiles"] == 1
-    # The memory rows' child: one pass per tile, not the 300 the null model's 0-px halo would make.
+    bare = bench_tiling.in_child("bare", tiff, model, provider="cpu")
+    assert bare["tiles"] == 1 and bare["provider"] == "CPUExecutionProvider"
+    # The memory rows' child: one pass per tile, not the 300 the null model's small buckets would make.
     assert bench_tiling.in_child("pipeline", tiff, model, str(tmp_path / "map"), provider="cpu",
                                  one_pass_per_tile=True)["tiles"] == 1
 
