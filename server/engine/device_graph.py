@@ -144,7 +144,7 @@ def scores_shape(net: onnx.ModelProto, *, input_name: str, scores_name: str,
     raise DeviceGraphError(f"the net has no output {scores_name!r} (the card's scores_name)")
 
 
-def _preprocess(b: _Builder, image: ImageInput, *, width: int) -> str:
+def _preprocess(b: _Builder, image: ImageInput, *, width: int, on_gpu: bool) -> str:
     """uint8 RGB channels-last pixels as the net's input values in float32, in its layout and channel
     order (the cast to its dtype comes after the passes' padding, `_passes`).
 
@@ -152,25 +152,34 @@ def _preprocess(b: _Builder, image: ImageInput, *, width: int) -> str:
     (within a few float32 ulps of the host's convert.preprocessing.normalize): on NCHW one
     BatchNormalization, one pass over the canvas where onnxruntime's CPU Sub and Div took two (0.28 against
     0.58 ms at 384x576). On NHWC a Mul and an Add by [1, 1, W, 3] rows, so the broadcast runs over long
-    contiguous spans (by a [3] constant onnxruntime's CPU took 15-18 ms each)."""
+    contiguous spans (by a [3] constant onnxruntime's CPU took 15-18 ms each). A CPU plan on NCHW whose mean
+    is a whole pixel value in each channel (the default model's 127; 0 for `unit`) casts and normalises in
+    one DequantizeLinear, (x - mean / pixel_scale) * a: 0.22 against 0.43 ms for Cast and BatchNormalization at
+    384x576 on one thread (2026-11-28). GPU plans keep BatchNormalization: DequantizeLinear's CUDA kernel
+    for a per-channel scale is not measured (no GPU lent since)."""
     x = PIXELS
     axis = image.channel_axis
     if axis == 1:
         x = b.op("Transpose", [x], perm=[0, 3, 1, 2])
     if image.bgr:
         x = b.op("Gather", [x, b.ints([2, 1, 0])], axis=axis)
-    x = b.op("Cast", [x], to=TensorProto.FLOAT)
     mean = np.broadcast_to(np.asarray(image.mean or 0.0, dtype=np.float32), 3)
     std = np.broadcast_to(np.asarray(image.std or 1.0, dtype=np.float32), 3)
     scale, shift = np.float32(image.pixel_scale) / std, -mean / std
-    if np.any(scale != 1.0) or np.any(shift != 0.0):
-        if axis == 1:
+    normalises = bool(np.any(scale != 1.0) or np.any(shift != 0.0))
+    zero_point = mean.astype(np.float64) / image.pixel_scale  # the mean in pixel values
+    if normalises and not on_gpu and axis == 1 and np.all((zero_point == np.round(zero_point))
+                                                          & (zero_point >= 0) & (zero_point <= 255)):
+        x = b.op("DequantizeLinear", [x, b.const(scale), b.const(zero_point, dtype=np.uint8)], axis=1)
+    else:
+        x = b.op("Cast", [x], to=TensorProto.FLOAT)
+        if normalises and axis == 1:
             # y = (x - 0) / sqrt(var + eps) * scale + shift, with var + eps exactly 1 (eps a power of two at or
             # above cuDNN's smallest, which onnxruntime's CUDA kernel clamps to)
             epsilon = 2.0**-16
             x = b.op("BatchNormalization", [x, b.const(scale), b.const(shift), b.const(np.zeros(3)),
                                             b.const(np.full(3, 1.0 - epsilon))], epsilon=epsilon)
-        else:
+        elif normalises:
             x = b.op("Add", [b.op("Mul", [x, b.const(np.tile(scale, (1, 1, width, 1)))]),
                              b.const(np.tile(shift, (1, 1, width, 1)))])
     if image.dtype == np.uint8:
@@ -260,8 +269,8 @@ def build_plan_graph(
     cells = [batch, classes, factor * h, factor * w]
 
     b = _Builder()
-    _passes(b, _preprocess(b, image, width=width), ordered, dtype=image.dtype, spatial=image.spatial_axes,
-            shape=pass_shape, output=NET_PREFIX + image.name)
+    _passes(b, _preprocess(b, image, width=width, on_gpu=on_gpu), ordered, dtype=image.dtype,
+            spatial=image.spatial_axes, shape=pass_shape, output=NET_PREFIX + image.name)
     before_net = len(b.nodes)
 
     # At factor 1 the net's float32 scores are the lattice: the node making them writes the output itself (no copy),

@@ -20,7 +20,8 @@ from convert.card import (
 from convert.precision import to_fp16
 from convert.preprocessing import normalize, to_layout
 from server.engine.device_graph import (
-    LATTICE, LATTICE_FP16, PIXELS, PROBABILITIES, VALID, DeviceGraphError, build_plan_graph, lattice_cells,
+    LATTICE, LATTICE_FP16, OWN_PREFIX, PIXELS, PROBABILITIES, VALID, DeviceGraphError, build_plan_graph,
+    lattice_cells,
 )
 from server.engine.providers import cuda_device_present
 from tests.tiny_models import coordinate_net, heavy_net, patch_net
@@ -130,18 +131,18 @@ def reference(net: onnx.ModelProto, pixels: np.ndarray, valid: np.ndarray, *, of
 
 
 def run_plan(net: onnx.ModelProto, *, batch: int, height: int, width: int, offsets, factor: int, stride: int,
-             seed: int = 0, drop: float = 0.0):
+             seed: int = 0, drop: float = 0.0, on_gpu: bool = True):
     """The plan graph's outputs and the host reference on the same random canvases and `valid` mask."""
     plan = build_plan_graph(net, read_card(net), batch=batch, height=height, width=width,
-                            offsets=offsets, factor=factor, stride=stride)
+                            offsets=offsets, factor=factor, stride=stride, on_gpu=on_gpu)
     onnx.checker.check_model(plan, full_check=True)
     rng = np.random.default_rng(seed)
     pixels = rng.integers(0, 256, (batch, height, width, 3), dtype=np.uint8)
     valid = (rng.random((batch, *lattice_cells(plan))) >= drop).astype(np.float32)
     valid[:, 0, 0] = 1.0  # at least one kept cell per image
     running = session(plan)
-    outputs = dict(zip([LATTICE, PROBABILITIES, LATTICE_FP16], running.run(
-        [LATTICE, PROBABILITIES, LATTICE_FP16], {PIXELS: pixels, VALID: valid})))
+    names = [LATTICE, PROBABILITIES, LATTICE_FP16] if on_gpu else [LATTICE, PROBABILITIES]
+    outputs = dict(zip(names, running.run(names, {PIXELS: pixels, VALID: valid})))
     return outputs, reference(net, pixels, valid, offsets=offsets, factor=factor, stride=stride), running, plan
 
 
@@ -238,6 +239,37 @@ def test_a_probabilities_card_is_averaged_without_softmax():
         net, batch=2, height=64, width=64, offsets=GRID, factor=2, stride=S, drop=0.3)
     assert "Softmax" not in {node.op_type for node in plan.graph.node}
     assert_close(outputs[PROBABILITIES], probabilities, on=running)
+
+
+def own_ops(plan: onnx.ModelProto) -> set[str]:
+    """The op types of the nodes the plan adds around the net."""
+    return {node.op_type for node in plan.graph.node if node.name.startswith(OWN_PREFIX)}
+
+
+@pytest.mark.parametrize("net", ["default", "uint8"], ids=["default-mean-127", "bgr-uint8-mean-20"])
+def test_a_cpu_plan_casts_and_normalises_a_whole_pixel_mean_in_one_node(request, net):
+    """The default model's (x - 127) / 128 and bgr_uint8_net's x * 0.5 - 10 (a mean of 20 pixel values, then
+    rounded and clipped to the net's uint8) in one DequantizeLinear, to the host reference's tolerance."""
+    model = onnx.load(request.getfixturevalue("default_model_path")) if net == "default" else bgr_uint8_net()
+    outputs, (lattice, probabilities, _), running, plan = run_plan(
+        model, batch=2, height=256, width=288, offsets=GRID, factor=2, stride=S, drop=0.2, on_gpu=False)
+    assert "DequantizeLinear" in own_ops(plan) and "BatchNormalization" not in own_ops(plan)
+    assert_close(outputs[LATTICE], lattice, on=running)
+    assert_close(outputs[PROBABILITIES], probabilities, on=running)
+
+
+@pytest.mark.parametrize("mean, on_gpu", [(127.5, False), (-1.0, False), (256.0, False), (127.0, True)],
+                         ids=["half-pixel", "below-0", "above-255", "gpu"])
+def test_other_means_and_gpu_plans_cast_then_normalise(mean, on_gpu):
+    """A mean between pixel values or outside 0..255 has no uint8 zero point; a GPU plan keeps BatchNormalization
+    (its DequantizeLinear kernel per channel is not measured)."""
+    net = small_patch_net()
+    card = read_card(net)
+    card.preprocessing.mean[:] = [mean] * 3
+    card.preprocessing.std[:] = [128.0] * 3
+    plan = build_plan_graph(net, card, batch=1, height=64, width=64, offsets=((0, 0),), factor=1, stride=32,
+                            on_gpu=on_gpu)
+    assert {"Cast", "BatchNormalization"} <= own_ops(plan) and "DequantizeLinear" not in own_ops(plan)
 
 
 def fp16_precision_net() -> onnx.ModelProto:
