@@ -58,8 +58,9 @@ class HostBudget:
     one larger than the whole budget without (it never fits: `admit_host` says so first when the
     budget is at least `--max-request-host-bytes`)."""
 
-    def __init__(self, total_bytes: int | None) -> None:
+    def __init__(self, total_bytes: int | None, *, share: int = 1) -> None:
         self.total_bytes = total_bytes
+        self.share = share  # this process holds 1/share of the server's budget (--workers)
         self._held = 0
         self._requests = 0  # in flight
         self._since_trim = 0  # bytes held by the requests ended since the last trim
@@ -70,9 +71,9 @@ class HostBudget:
         """1/`share` (one of --workers' processes) of `total_bytes` (--host-memory-budget), else of `fraction` of
         MemAvailable, but at least `at_least` (one largest request); unbounded where MemAvailable cannot be read."""
         if total_bytes is not None:
-            return cls(total_bytes // share)
+            return cls(total_bytes // share, share=share)
         available = share_of_available(fraction)
-        return cls(None if available is None else max(available // share, at_least))
+        return cls(None if available is None else max(available // share, at_least), share=share)
 
     def in_flight_bytes(self) -> int:
         with self._lock:
@@ -87,13 +88,19 @@ class HostBudget:
                 raise ScoringError(
                     Refusal.RESOURCE_EXHAUSTED,
                     f"this request needs an estimated {needed} bytes of host memory ({format_bytes(needed)}); "
-                    f"requests in flight hold {self._held} of the server's {self.total_bytes} bytes "
-                    f"({format_bytes(self.total_bytes)}, --host-memory-budget)"
+                    f"requests in flight hold {self._held} of {self._whole()}"
                     + ("; it does not fit even alone" if alone else "; retry with backoff"),
                     retry_after_seconds=None if alone else retry_after(Transient.HOST_MEMORY),
                 )
             self._held += needed
             self._requests += 1
+
+    def _whole(self) -> str:
+        """The budget a refusal names: the server's, or under --workers this process's share of it."""
+        said = f"{self.total_bytes} bytes ({format_bytes(self.total_bytes)}, "
+        if self.share == 1:
+            return f"the server's {said}--host-memory-budget)"
+        return f"this process's {said}1/{self.share} of --host-memory-budget: one of --workers {self.share})"
 
     def give_back(self, held_bytes: int) -> None:
         """A request ended. When it was the last in flight and requests have held `TRIM_AFTER_BYTES` since the

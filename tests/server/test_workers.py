@@ -1,15 +1,21 @@
-"""`scoremap-serve --workers N` (issue 29): N processes on one port, each answering, draining and sharing the budgets."""
+"""`scoremap-serve --workers N` (issue 29): N processes on one port, each answering (gRPC, HTTP, KServe), draining
+and holding its share of the budgets."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import signal
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import grpc
 import numpy as np
 import pytest
+from PIL import Image
 
 from protos import scoring_pb2_grpc
 from server.workers import worker_argv
@@ -19,12 +25,15 @@ from tests.server.test_main import serve_command
 PIXELS = np.random.default_rng(7).integers(0, 256, (64, 64, 3), dtype=np.uint8)
 WORKERS = 2
 CALLS_TO_REACH_BOTH = 60  # new connections, spread by the kernel: all on one process has odds 2**-59
+T = TypeVar("T")
 
 
-def scored_ok(metrics_url: str) -> float:
+def answered(metrics_url: str, method: str = "Score", code: str = "OK") -> float:
+    """The calls of `method` this process answered with `code`, by its own metrics."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     return sum(float(line.split()[1]) for line in text.splitlines()
-               if line.startswith("scoremap_requests_total{") and 'code="OK"' in line and 'method="Score"' in line)
+               if line.startswith("scoremap_requests_total{") and f'code="{code}"' in line
+               and f'method="{method}"' in line)
 
 
 def children(pid: int) -> list[int]:
@@ -32,48 +41,111 @@ def children(pid: int) -> list[int]:
     return [int(child) for child in found]
 
 
-def score_once_warm(stub: scoring_pb2_grpc.DenseScoringStub, request) -> object:
-    """The answer, asking again while the process this connection reached is still warming up (UNAVAILABLE)."""
+def once_warm(call: Callable[[], T], *, warming: Callable[[Exception], bool]) -> T:
+    """`call`'s answer, calling again while the process its new connection reached is still warming up."""
     until = time.monotonic() + 120
     while True:
         try:
-            return stub.Score(request, timeout=60, wait_for_ready=True)
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > until:
+            return call()
+        except Exception as error:
+            if not warming(error) or time.monotonic() > until:
                 raise
             time.sleep(0.1)
 
 
-def test_workers_share_one_port_each_answers_and_sigterm_stops_them_all(kit, tiny_model_path, tmp_path):
+def score_once_warm(stub: scoring_pb2_grpc.DenseScoringStub, request) -> object:
+    return once_warm(lambda: stub.Score(request, timeout=60, wait_for_ready=True),
+                     warming=lambda error: isinstance(error, grpc.RpcError)
+                     and error.code() == grpc.StatusCode.UNAVAILABLE)
+
+
+@contextlib.contextmanager
+def workers(tmp_path, model_path: str, *flags: str) -> Iterator[tuple[subprocess.Popen, int, list[str]]]:
+    """`scoremap-serve --workers 2` with its metrics: the supervisor, the gRPC port, each worker's other lines
+    (HTTP, metrics); every process killed at the end if still running."""
     log = tmp_path / "serve.log"
     process = subprocess.Popen(
-        serve_command() + [tiny_model_path, "--port", "0", "--workers", str(WORKERS), "--intra-op-threads", "1",
-                           "--metrics-port", "0", "--host-memory-budget", "64MiB"],
+        serve_command() + [model_path, "--port", "0", "--workers", str(WORKERS), "--intra-op-threads", "1",
+                           "--metrics-port", "0", *flags],
         stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
     )
     try:
         line = process.stdout.readline()
         assert line.startswith("scoremap-serve listening on 127.0.0.1:"), (line, log.read_text())
-        port = int(line.rsplit(":", 1)[1])
-        metrics = [process.stdout.readline().split()[-1] for _ in range(WORKERS)]
-        assert len(set(metrics)) == WORKERS  # one metrics endpoint per process
-        workers = children(process.pid)
-        assert len(workers) == WORKERS
-        request = kit.raw_request(PIXELS, scales=[64])
-        for _ in range(CALLS_TO_REACH_BOTH):
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # a new connection: the kernel picks a process
-                assert score_once_warm(scoring_pb2_grpc.DenseScoringStub(channel), request)
-        answered = [scored_ok(url) for url in metrics]
-        assert sum(answered) == CALLS_TO_REACH_BOTH and min(answered) > 0, answered
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(60) == 0
-        assert all(subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0 for pid in workers)
+        lines_each = 1 + ("--http-port" in flags)
+        yield process, int(line.rsplit(":", 1)[1]), [process.stdout.readline() for _ in range(WORKERS * lines_each)]
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
         for pid in children(process.pid):
             subprocess.run(["kill", "-9", str(pid)])
+
+
+def metrics_urls(lines: list[str]) -> list[str]:
+    urls = [line.split()[-1] for line in lines if " metrics on " in line]
+    assert len(set(urls)) == WORKERS, lines  # one metrics endpoint per process
+    return urls
+
+
+def test_workers_share_one_port_each_answers_and_sigterm_stops_them_all(kit, tiny_model_path, tmp_path):
+    with workers(tmp_path, tiny_model_path, "--host-memory-budget", "64MiB") as (process, port, lines):
+        metrics = metrics_urls(lines)
+        pids = children(process.pid)
+        assert len(pids) == WORKERS
+        request = kit.raw_request(PIXELS, scales=[64])
+        for _ in range(CALLS_TO_REACH_BOTH):
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # a new connection: the kernel picks a process
+                assert score_once_warm(scoring_pb2_grpc.DenseScoringStub(channel), request)
+        each = [answered(url) for url in metrics]
+        assert sum(each) == CALLS_TO_REACH_BOTH and min(each) > 0, each
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+        assert all(subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0 for pid in pids)
+
+
+def test_http_kserve_and_the_memory_budget_keep_their_meaning_in_every_worker(kit, tiny_model_path, tmp_path):
+    """Score over HTTP and KServe's ModelInfer reach both processes on the shared ports; a request over one
+    process's half of --host-memory-budget (36 MiB of its 32; the whole budget, 64, would hold it) is refused by
+    whichever process gets it, saying whose budget, with the numbers, and both go on answering."""
+    import httpx
+
+    grpcclient = pytest.importorskip("tritonclient.grpc", reason="KServe v2 needs the `triton` extra")
+    from tritonclient.utils import InferenceServerException
+
+    with workers(tmp_path, tiny_model_path, "--http-port", "0", "--host-memory-budget", "64MiB") as (_, port, lines):
+        metrics = metrics_urls(lines)
+        (http,) = {line.split()[-1] for line in lines if " HTTP on " in line}  # one port, shared
+        image = io.BytesIO()
+        Image.fromarray(PIXELS).save(image, format="PNG")
+        for _ in range(CALLS_TO_REACH_BOTH // 2):
+            response = once_warm(  # httpx.post: a new connection each call
+                lambda: httpx.post(f"{http}v1/models/tiny/score?scales=64", content=image.getvalue(),
+                                   headers={"content-type": "image/png"}, timeout=60).raise_for_status(),
+                warming=lambda error: isinstance(error, httpx.HTTPStatusError) and error.response.status_code == 503)
+            assert len(response.json()["top_k"]) == 5
+            pixels = grpcclient.InferInput("PIXELS", list(PIXELS.shape), "UINT8")
+            pixels.set_data_from_numpy(PIXELS)
+            with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as client:
+                result = once_warm(lambda: client.infer("tiny", [pixels], parameters={"scales": "64"}),
+                                   warming=lambda error: isinstance(error, InferenceServerException)
+                                   and error.status() == "StatusCode.UNAVAILABLE")
+            assert result.as_numpy("TOP_K_INDICES").shape == (5,)
+        for method in ("http/Score", "ModelInfer"):
+            each = [answered(url, method) for url in metrics]
+            assert sum(each) == CALLS_TO_REACH_BOTH // 2 and min(each) > 0, (method, each)
+        large = kit.raw_request(PIXELS, scales=[2048])
+        for _ in range(CALLS_TO_REACH_BOTH // 2):
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.RpcError) as refused:
+                    scoring_pb2_grpc.DenseScoringStub(channel).Score(large, timeout=60)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "of this process's 33554432 bytes (32.0 MiB, 1/2 of --host-memory-budget: one of --workers 2)" \
+                in refused.value.details() and "it does not fit even alone" in refused.value.details()
+        each = [answered(url, "Score", "RESOURCE_EXHAUSTED") for url in metrics]
+        assert sum(each) == CALLS_TO_REACH_BOTH // 2 and min(each) > 0, each
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert score_once_warm(scoring_pb2_grpc.DenseScoringStub(channel), kit.raw_request(PIXELS, scales=[64]))
 
 
 @pytest.mark.parametrize("metrics_port, expected", [(None, None), (0, "0"), (9100, "9101")])
