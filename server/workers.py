@@ -6,14 +6,18 @@ Measured on an H200 before this: one process answered 200-290 requests a second 
 `scoremap-serve` processes that bind them with SO_REUSEPORT (the kernel spreads connections over them),
 each with its own interpreter, batcher and plans and 1/N of the memory budgets (`--budget-share`), prints
 where they listen once every one is listening, passes SIGTERM on (each drains as one server does), and
-stops them all when one ends. A call's deadline, cancellation, admission and refusal pace are its own
-process's, as in one server; each process serves its own metrics port (from --metrics-port on, one each).
+stops them all when one ends; a worker whose supervisor dies, even by SIGKILL, gets SIGTERM from the kernel
+(prctl's PDEATHSIG) and drains, so none outlives it holding the port. A call's deadline, cancellation,
+admission and refusal pace are its own process's, as in one server; each process serves its own metrics port
+(from --metrics-port on, one each).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -27,6 +31,7 @@ __all__ = ["supervise"]
 
 LOG = logging.getLogger("scoremap.serve")
 STOP_MARGIN_SECONDS = 15.0  # past the grace period, how long a worker gets to exit before it is killed
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @contextlib.contextmanager
@@ -59,7 +64,8 @@ def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings) 
         port = ports.enter_context(reserved(host, port))
         http_port = None if settings.http_port is None else ports.enter_context(reserved(host, settings.http_port))
         workers = [subprocess.Popen(worker_argv(argv, settings=settings, port=port, http_port=http_port, index=index),
-                                    stdout=subprocess.PIPE, text=True) for index in range(settings.workers)]
+                                    stdout=subprocess.PIPE, text=True, preexec_fn=drained_with(os.getpid()))
+                   for index in range(settings.workers)]
         lines = [worker.stdout.readline() for worker in workers]  # each says where it listens once it does
     if not all("listening on" in line for line in lines):
         stop(workers, grace=0.0)
@@ -76,6 +82,18 @@ def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings) 
             break
     stop(workers, grace=settings.grace_seconds)
     return ended.returncode if ended is not None else 0
+
+
+def drained_with(supervisor: int):
+    """What a worker runs before its server starts: SIGTERM (drain, then exit) when the supervisor dies, even
+    by SIGKILL, so no worker outlives it holding the port; a supervisor already gone ends it at once."""
+
+    def arrange() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != supervisor:  # it died before the request above took effect
+            os._exit(1)
+
+    return arrange
 
 
 def announce(workers: list[subprocess.Popen], first_lines: list[str]) -> None:

@@ -88,19 +88,20 @@ class HostBudget:
                 raise ScoringError(
                     Refusal.RESOURCE_EXHAUSTED,
                     f"this request needs an estimated {needed} bytes of host memory ({format_bytes(needed)}); "
-                    f"requests in flight hold {self._held} of {self._whole()}"
+                    f"requests in flight hold {self._held} of {self._budget_said()}"
                     + ("; it does not fit even alone" if alone else "; retry with backoff"),
                     retry_after_seconds=None if alone else retry_after(Transient.HOST_MEMORY),
                 )
             self._held += needed
             self._requests += 1
 
-    def _whole(self) -> str:
+    def _budget_said(self) -> str:
         """The budget a refusal names: the server's, or under --workers this process's share of it."""
         said = f"{self.total_bytes} bytes ({format_bytes(self.total_bytes)}, "
         if self.share == 1:
             return f"the server's {said}--host-memory-budget)"
-        return f"this process's {said}1/{self.share} of --host-memory-budget: one of --workers {self.share})"
+        return (f"this process's {said}1/{self.share} of the server's --host-memory-budget: "
+                f"one of --workers {self.share})")
 
     def give_back(self, held_bytes: int) -> None:
         """A request ended. When it was the last in flight and requests have held `TRIM_AFTER_BYTES` since the

@@ -18,6 +18,7 @@ from convert.card import (
     is_logits, read_card, write_card,
 )
 from convert.precision import to_fp16
+from convert.presets import PRESETS, preset
 from convert.preprocessing import normalize, to_layout
 from server.engine.device_graph import (
     LATTICE, LATTICE_FP16, OWN_PREFIX, PIXELS, PROBABILITIES, VALID, DeviceGraphError, build_plan_graph,
@@ -254,6 +255,25 @@ def test_a_cpu_plan_casts_and_normalises_a_whole_pixel_mean_in_one_node(request,
     outputs, (lattice, probabilities, _), running, plan = run_plan(
         model, batch=2, height=256, width=288, offsets=GRID, factor=2, stride=S, drop=0.2, on_gpu=False)
     assert "DequantizeLinear" in own_ops(plan) and "BatchNormalization" not in own_ops(plan)
+    assert_close(outputs[LATTICE], lattice, on=running)
+    assert_close(outputs[PROBABILITIES], probabilities, on=running)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_cpu_plan_normalises_every_preset_as_the_host_does(name):
+    """Each of scoremap-convert's presets, on a CPU plan: `unit` (mean 0) in one DequantizeLinear, `raw` by the
+    Cast alone, the others (means between pixel values) by Cast then BatchNormalization; all to 1e-5 of the
+    host's normalisation."""
+    net = small_patch_net()
+    card = read_card(net)
+    card.preprocessing.CopyFrom(preset(name))
+    card.preprocessing.MergeFrom(Preprocessing(input_name="image", layout=Layout.LAYOUT_NCHW,
+                                               dtype=InputDtype.INPUT_DTYPE_FLOAT32))
+    net = write_card(net, card)
+    outputs, (lattice, probabilities, _), running, plan = run_plan(
+        net, batch=1, height=64, width=96, offsets=((0, 0),), factor=1, stride=32, on_gpu=False)
+    normaliser = {"unit": "DequantizeLinear", "raw": None}.get(name, "BatchNormalization")
+    assert {"DequantizeLinear", "BatchNormalization"} & own_ops(plan) == ({normaliser} if normaliser else set())
     assert_close(outputs[LATTICE], lattice, on=running)
     assert_close(outputs[PROBABILITIES], probabilities, on=running)
 
