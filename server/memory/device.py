@@ -122,9 +122,10 @@ class MemoryBudget:
     and each model's --max-plans follow, and the one account of the bytes they may hold together on one
     device (`held_bytes`). Each model's `PlanMemory` predicts and refuses; this only accounts."""
 
-    def __init__(self, total_bytes: int | None, *, device: Device) -> None:
+    def __init__(self, total_bytes: int | None, *, device: Device, share: int = 1) -> None:
         self.total_bytes = total_bytes
         self.device = device
+        self.share = share  # this process holds 1/share of the server's budget (--workers)
         self._plans: dict[tuple[int, Hashable], PlanRecord] = {}
         self._lock = threading.Lock()
         self._clock = itertools.count()
@@ -136,7 +137,7 @@ class MemoryBudget:
         memory, else of `fraction` (--cpu-memory-fraction) of MemAvailable; unbounded where none is known."""
         if total_bytes is None:
             total_bytes = free_gpu_bytes if free_gpu_bytes is not None else share_of_available(fraction)
-        return cls(None if total_bytes is None else total_bytes // share, device=device)
+        return cls(None if total_bytes is None else total_bytes // share, device=device, share=share)
 
     def used_bytes(self) -> int:
         with self._lock:
@@ -274,8 +275,13 @@ class PlanMemory:
         return ScoringError(
             Refusal.RESOURCE_EXHAUSTED,
             f"{what} needs a {how} {needed} bytes ({format_bytes(needed)}) on {self.device.value} "
-            f"but the memory budget is {budget} bytes ({format_bytes(budget)}){hint}",
+            f"but the memory budget is {budget} bytes ({format_bytes(budget)}){self._of_workers()}{hint}",
         )
+
+    def _of_workers(self) -> str:
+        """Under --workers, that the budget a refusal names is within this process's share."""
+        share = self.shared.share if self.shared is not None else 1
+        return f" in this process, one of --workers {share}, each with 1/{share} of --memory-budget" * (share > 1)
 
     # --- per plan -----------------------------------------------------------------------------
     def make_room(self, key: Hashable, *, height: int, width: int, batch: int, scale: int | None = None,

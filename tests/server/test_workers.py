@@ -193,16 +193,27 @@ def test_each_worker_gets_the_shares_and_ports_of_one_of_n(metrics_port, expecte
     assert (argv[argv.index("--metrics-port") + 1] if "--metrics-port" in argv else None) == expected
 
 
-def test_a_process_s_share_divides_the_host_and_device_budgets(tiny_model_path):
+def test_a_process_s_share_divides_the_host_and_device_budgets_and_its_refusals_say_so(kit, tiny_model_path):
+    """A plan too large for the process's share of --memory-budget (55 MiB at scale 2048 against 600 / 20 / 3) is
+    refused naming the share; one process alone says nothing of workers."""
+    import dataclasses
+
+    from server.errors import ScoringError
     from server.scoring.pipeline import Pipeline
 
-    whole = Settings(memory_budget_bytes=600 * 2**20, host_memory_budget_bytes=300 * 2**20, warm_up=False)
+    whole = Settings(memory_budget_bytes=600 * MiB, host_memory_budget_bytes=300 * MiB, warm_up=False)
     for share in (1, 3):
-        import dataclasses
-
         pipeline = Pipeline([tiny_model_path], settings=dataclasses.replace(whole, budget_share=share))
+        small = Pipeline([tiny_model_path], settings=dataclasses.replace(whole, budget_share=share,
+                                                                         memory_budget_bytes=600 * MiB // 20))
         try:
-            assert pipeline.budget.total_bytes == 600 * 2**20 // share
-            assert pipeline.host_budget.total_bytes == 300 * 2**20 // share
+            assert pipeline.budget.total_bytes == 600 * MiB // share
+            assert pipeline.host_budget.total_bytes == 300 * MiB // share
+            with pytest.raises(ScoringError, match="the memory budget is") as refused:
+                small.score(kit.raw_request(PIXELS, scales=[2048]))
+            said = f"{600 * MiB // 20 // share} bytes"
+            assert (f"{said} (10.0 MiB) in this process, one of --workers 3, each with 1/3 of --memory-budget"
+                    if share == 3 else f"{said} (30.0 MiB); the largest") in refused.value.message
         finally:
             pipeline.close()
+            small.close()
