@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from server.settings import Settings
 
@@ -84,7 +84,7 @@ def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings) 
     return ended.returncode if ended is not None else 0
 
 
-def drained_with(supervisor: int):
+def drained_with(supervisor: int) -> Callable[[], None]:
     """What a worker runs before its server starts: SIGTERM (drain, then exit) when the supervisor dies, even
     by SIGKILL, so no worker outlives it holding the port; a supervisor already gone ends it at once."""
 

@@ -168,8 +168,8 @@ def _preprocess(b: _Builder, image: ImageInput, *, width: int, on_gpu: bool) -> 
     scale, shift = np.float32(image.pixel_scale) / std, -mean / std
     normalises = bool(np.any(scale != 1.0) or np.any(shift != 0.0))
     zero_point = mean.astype(np.float64) / image.pixel_scale  # the mean in pixel values
-    if normalises and not on_gpu and axis == 1 and np.all((zero_point == np.round(zero_point))
-                                                          & (zero_point >= 0) & (zero_point <= 255)):
+    whole_pixels = np.all((zero_point == np.round(zero_point)) & (zero_point >= 0) & (zero_point <= 255))
+    if normalises and whole_pixels and axis == 1 and not on_gpu:
         x = b.op("DequantizeLinear", [x, b.const(scale), b.const(zero_point, dtype=np.uint8)], axis=1)
     else:
         x = b.op("Cast", [x], to=TensorProto.FLOAT)

@@ -168,7 +168,7 @@ def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
                 raise invalid(f"{named} is outside the scales requests may ask for, {bounds}: give --warm-up-scales "
                               "within them")
             total = model.plan_memory.shared.total_bytes if model.plan_memory.shared is not None else None
-            share, runners = model.plan_memory.budget_bytes, model.plan_memory.runners
+            model_budget, runners = model.plan_memory.budget_bytes, model.plan_memory.runners
             for key in configured_plans(model, (scale,)):
                 try:
                     needed = model.plan_memory.predicted_bytes(key.height, key.width,
@@ -181,10 +181,10 @@ def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
                     raise invalid(f"{named}: {model.name}'s plan {key} is predicted to need {format_bytes(needed)}, "
                                   f"beyond the memory budget of {format_bytes(total)}: give a smaller "
                                   "--warm-up-scales, or a larger --memory-budget")
-                if share is not None and single > share:
+                if model_budget is not None and single > model_budget:
                     raise invalid(f"{named}: one image on {model.name}'s canvas {key.height}x{key.width} is predicted "
                                   f"to need {format_bytes(single)}{model.plan_memory.runners_said}, beyond the memory "
-                                  f"budget of {format_bytes(share)} it may use: give a smaller --warm-up-scales"
+                                  f"budget of {format_bytes(model_budget)} it may use: give a smaller --warm-up-scales"
                                   f"{', fewer --cpu-runners' * (runners > 1)}, or a larger --memory-budget")
 
 
