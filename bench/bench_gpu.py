@@ -13,7 +13,7 @@ levels (1, 16 and 64 clients), shorter windows and three memory cases, under a 2
 `--out` names a file. The full run updates `--out` (bench/RESULTS.md) with what it measured.
 
 Measured (default model, samples/cat.jpg, scale 384):
-- device-bound images/s per plan: the server's Plan (server/scoring/plans.py: uint8 canvases copied in,
+- device-bound images/s per plan: the server's Plan (server/engine/plans.py: uint8 canvases copied in,
   probabilities copied back, IO binding) in a tight loop, against a bare onnxruntime loop on the
   same graph whose inputs and outputs stay on the device; target >= 80%.
 - requests/s, p50, p99 and the longest request at 1/4/16/64 clients, 4-pass grid and à trous,
@@ -60,7 +60,7 @@ from server.engine.providers import Engine, cuda_device_present
 from server.errors import ScoringError
 from server.main import create_server
 from server.scoring.pipeline import Pipeline
-from server.scoring.plans import Plan, PlanKey
+from server.engine.plans import Plan, PlanKey
 from server.settings import Settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -69,7 +69,7 @@ class Dropped(enum.Enum):
 
 @dataclass(frozen=True)
 class NoRoom:
-    """Why a queue holds no places for a request (server/scoring/batcher.py `reserve`), with the numbers behind it;
+    """Why a queue holds no places for a request (server/engine/batcher.py `reserve`), with the numbers behind it;
     `why` None when the batcher is closed."""
 
     why: Transient | None

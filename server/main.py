@@ -130,29 +130,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StartRefused as refused:
         sys.stderr.write(f"scoremap-serve: {refused}\n")
         return 2
+    if settings.fronts > 0:
+        from server.split import supervise as supervise_split
+
+        return supervise_split(sys.argv[1:] if argv is None else argv, host=args.host, port=args.port,
+                               settings=settings)
     if settings.workers > 1:
         from server.workers import supervise
 
         return supervise(sys.argv[1:] if argv is None else argv, host=args.host, port=args.port, settings=settings)
+    role, _, number = (settings.split_role or "").partition(":")
+    if role == "engine":
+        from server.split import run_engine
+
+        return run_engine(args.models, settings=settings, fronts=int(number))
 
     from server.errors import ScoringError
     from server.memory.runtime import configure_allocator
     from server.serving import create_server
 
-    configure_allocator()  # before any thread allocates: glibc keeps to one heap only if told before it has several
-    try:
-        server, port = create_server(args.models, address=f"{args.host}:{args.port}", settings=settings, token=token,
-                                     tls=tls, wait_until_ready=False)
-    except ScoringError as error:
-        sys.stderr.write(f"scoremap-serve: cannot start: {error.message}\n")
-        return 2
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
+    configure_allocator()  # before any thread allocates: glibc keeps to one heap only if told before it has several
+    engine = None
+    if role == "front":
+        from server.split import front_client
+
+        engine = front_client(settings, int(number), stop=stop)
+        if engine is None:
+            return 0
+    try:
+        server, port = create_server(args.models, address=f"{args.host}:{args.port}", settings=settings, token=token,
+                                     tls=tls, wait_until_ready=False, engine=engine)
+    except ScoringError as error:
+        sys.stderr.write(f"scoremap-serve: cannot start: {error.message}\n")
+        return 2
     sys.stdout.write(f"scoremap-serve listening on {args.host}:{port}\n")
     if server.http is not None:
         sys.stdout.write(f"scoremap-serve HTTP on {server.http.scheme}://{args.host}:{server.http.port}/\n")
-    if server.metrics_port is not None:
+    if server.metrics_port is not None and role == "front":  # the supervisor serves every process's together
+        from server.split import publish_metrics
+
+        publish_metrics(settings.split_run, f"front-{number}", server.metrics_port, address=settings.metrics_address)
+    elif server.metrics_port is not None:
         sys.stdout.write(f"scoremap-serve metrics on http://{settings.metrics_address}:{server.metrics_port}/metrics\n")
     sys.stdout.flush()
     names = [summary.name for summary in server.pipeline.models()]

@@ -7,9 +7,12 @@ server are told apart. Only traffic is recorded: the pipeline does not report it
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+import pathlib
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.errors import Dropped
 
@@ -105,3 +108,39 @@ class Metrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+SCRAPE_SECONDS = 2.0  # how long one scrape waits for one process's metrics
+
+
+class ProcessesCollector:
+    """The metrics of a server's processes in one scrape (`--fronts`): each process serves its own on loopback and
+    names its endpoint in a file `metrics-ROLE` of `folder`; every series gets a `process` label (engine, front-0,
+    ...). A process that does not answer is left out of that scrape."""
+
+    def __init__(self, folder: str | pathlib.Path) -> None:
+        self.folder = pathlib.Path(folder)
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for path in sorted(self.folder.glob("metrics-*")):
+            process = path.name.removeprefix("metrics-")
+            try:
+                text = urllib.request.urlopen(path.read_text().strip(), timeout=SCRAPE_SECONDS).read().decode()
+            except (OSError, ValueError):
+                continue
+            for family in text_string_to_metric_families(text):
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type,
+                                                                 family.unit))
+                for sample in family.samples:
+                    merged.add_sample(sample.name, {**sample.labels, "process": process}, sample.value,
+                                      sample.timestamp, sample.exemplar)
+        yield from families.values()
+
+
+def serve_processes(folder: str | pathlib.Path, *, port: int, address: str) -> int:
+    """Serve `ProcessesCollector(folder)` as /metrics; the bound port."""
+    registry = CollectorRegistry()
+    registry.register(ProcessesCollector(folder))
+    http, _thread = start_http_server(port, addr=address, registry=registry)
+    return http.server_port

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos import LOOPBACK, scoring_pb2_grpc, version
 from server.edges.exposure import token_problem
+from server.engine.client import EngineClient
 from server.edges.front import Front
 from server.edges.grpc import kserve
 from server.edges.grpc.interceptors import CallLimits, TokenInterceptor
@@ -121,6 +122,7 @@ def create_server(
     token: str | None = None,
     tls: tuple[bytes, bytes] | None = None,
     wait_until_ready: bool = True,
+    engine: EngineClient | None = None,
 ) -> tuple[ScoringServer, int]:
     """Load the models (paths, or {name: path}) and serve on `address` (port 0: a free one); returns (server, port).
 
@@ -128,14 +130,15 @@ def create_server(
     Health reports NOT_SERVING until every model has run its warm-up passes, then SERVING; if a
     warm-up pass fails it stays NOT_SERVING, the log says why and `server.warm_up_error` holds the
     error. With `wait_until_ready=False` the warm-up runs in the background after the port is
-    open, so probes can watch it.
+    open, so probes can watch it. `engine`: an engine process's client (a front process); health then
+    follows the engine too: NOT_SERVING while it is gone, SERVING again once it is back and warm.
     """
     if token is not None and (problem := token_problem(token)):
         raise ValueError(f"the token {problem}; pass token=None to serve without one")
     settings = settings or Settings()
     settings.check()
     metrics = Metrics()
-    pipeline = Pipeline(models, settings=dataclasses.replace(settings, warm_up=False), metrics=metrics)
+    pipeline = Pipeline(models, settings=dataclasses.replace(settings, warm_up=False), metrics=metrics, engine=engine)
     grpc_server = None
     try:
         if settings.warm_up:
@@ -191,6 +194,14 @@ def create_server(
     server = ScoringServer(grpc_server, front=front, servicer=servicer, health_servicer=health_servicer,
                            metrics_port=metrics_port, http=http)
 
+    def engine_ready(up: bool) -> None:
+        serving = up and front.ready.is_set() and not front.draining.is_set()
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            health_servicer.set(service, status)
+
+    pipeline.engine.on_ready = engine_ready
+
     def become_ready() -> None:
         if settings.warm_up:
             try:
@@ -204,11 +215,11 @@ def create_server(
                 LOG.exception("warm-up failed, health stays NOT_SERVING")
                 return
         front.ready.set()
-        if not front.draining.is_set():
+        if not front.draining.is_set() and pipeline.engine.ready:
             for service in ("", SERVICE_NAME):
                 health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
             LOG.info("ready: health SERVING")
-        if settings.warm_up:
+        if settings.warm_up and engine is None:  # an engine process warms its own
             pipeline.warm_up_tiles()  # only images larger than every bucket wait for it
 
     if wait_until_ready:

@@ -168,6 +168,20 @@ class ServiceEdge:
         parse=number_in(int, 1, 64), metavar="N")
     reuse_port: bool = setting(False, "bind --port and --http-port with SO_REUSEPORT, so other processes may serve "
                                "the same port (set by --workers for each of its processes)")
+    fronts: int = setting(
+        0, "front processes sharing --port and --http-port (SO_REUSEPORT), each doing a request's host work (the "
+        "edges, admission, decoding, assembly) with 1/N of --host-memory-budget, beside one engine process that "
+        "holds the plans, the batcher and the whole --memory-budget: request work on every core, one CUDA "
+        "context. 0: one process does both", parse=number_in(int, 0, 64), metavar="N")
+    front_shm_bytes: int = setting(
+        256 * MiB, "shared memory each front process maps for its requests' canvases and lattices (a request whose "
+        "arrays find no room there sends them through the engine's socket instead); /dev/shm must hold --fronts "
+        "times this, or the server refuses to start", parse=memory_size, metavar="SIZE")
+    split_role: str | None = setting(
+        None, "set by --fronts for each of its processes: `engine`, or `front:N`", metavar="ROLE", shown="off")
+    split_run: str | None = setting(
+        None, "set by --fronts for each of its processes: the folder of the server's sockets", metavar="PATH",
+        shown="off")
     budget_share: int = setting(
         1, "this process takes 1/N of --memory-budget and --host-memory-budget (or of their defaults); set by "
         "--workers for each of its processes", parse=number_in(int, 1, 64), metavar="N")

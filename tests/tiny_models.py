@@ -100,7 +100,7 @@ def tolerance(runs_on, expected=None) -> dict[str, float]:
     """assert_allclose tolerances for results of `runs_on` (a Pipeline, or the provider name a response
     gives): float32 on the CPU, as strict as ever; TF32 on CUDA, scaled by the largest |value| of `expected`
     (the values compared against) when given."""
-    provider = runs_on if isinstance(runs_on, str) else runs_on.engine.provider
+    provider = runs_on if isinstance(runs_on, str) else runs_on.engine.facts.provider
     if provider != CUDA:
         return {"rtol": 1e-5, "atol": 1e-4}
     peak = float(np.nanmax(np.abs(expected))) if expected is not None and np.size(expected) else 0.0

@@ -118,19 +118,22 @@ def mean_colour(card: ModelCard) -> np.ndarray:
     return np.clip(np.rint(colour), 0, 255).astype(np.uint8)
 
 
-def canvas(image: np.ndarray, size: tuple[int, int], fill: np.ndarray) -> np.ndarray:
-    """[H, W, 3] uint8 of `size`: `image` at the top left, `fill` elsewhere."""
+def canvas(image: np.ndarray, size: tuple[int, int], fill: np.ndarray, *,
+           out: np.ndarray | None = None) -> np.ndarray:
+    """[H, W, 3] uint8 of `size`: `image` at the top left, `fill` elsewhere (written into `out` when given)."""
     height, width = image.shape[:2]
-    out = frame((height, width), size, fill)
+    out = frame((height, width), size, fill, out=out)
     out[:height, :width] = image
     return out
 
 
-def frame(image: tuple[int, int], size: tuple[int, int], fill: np.ndarray) -> np.ndarray:
-    """[H, W, 3] uint8 of `size`: `fill` around a top-left `image` (height, width) left unwritten, for a resize or
-    a flip to write straight into (no copy of the image, issue 29)."""
+def frame(image: tuple[int, int], size: tuple[int, int], fill: np.ndarray, *,
+          out: np.ndarray | None = None) -> np.ndarray:
+    """[H, W, 3] uint8 of `size` (`out` when given): `fill` around a top-left `image` (height, width) left
+    unwritten, for a resize or a flip to write straight into (no copy of the image)."""
     height, width = image
-    out = np.empty((*size, 3), dtype=np.uint8)
+    if out is None:
+        out = np.empty((*size, 3), dtype=np.uint8)
     row = np.tile(fill, (size[1], 1))  # whole rows: numpy fills them 15x faster than pixel by 3-byte pixel
     out[height:] = row
     out[:height, width:] = row[width:]

@@ -6,7 +6,7 @@ prints), so what users are shown is what the server enforces. Two ways to use it
 * Per batch: `PlanMemory.require_batch(height, width, scale=, largest_scale=)` returns the largest batch of
   that input size within the model's `budget_bytes`, or refuses with RESOURCE_EXHAUSTED and the numbers;
   `fitting_batch` and `predicted_bytes(height, width, batch)` answer the questions behind it.
-* Per plan (one session per fixed shape, server/scoring/plans.py): every model's plans draw on one
+* Per plan (one session per fixed shape, server/engine/plans.py): every model's plans draw on one
   `MemoryBudget` per server. The plan cache asks, before making a plan,
 
       evict = plan_memory.make_room(key, height=, width=, batch=, scale=, largest_scale=)

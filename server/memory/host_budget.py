@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from convert.arguments import format_bytes
 from server.errors import Refusal, ScoringError, Transient, retry_after
 from server.memory.host import HostEstimate
-from server.memory.arena import CPU_ARENA
 from server.memory.runtime import release_free_memory
 
 __all__ = ["HostBudget", "admit_host", "available_memory_bytes", "share_of_available"]
@@ -58,22 +57,27 @@ class HostBudget:
     one larger than the whole budget without (it never fits: `admit_host` says so first when the
     budget is at least `--max-request-host-bytes`)."""
 
-    def __init__(self, total_bytes: int | None, *, share: int = 1) -> None:
+    def __init__(self, total_bytes: int | None, *, share: int = 1, shared_by: str = "--workers") -> None:
         self.total_bytes = total_bytes
-        self.share = share  # this process holds 1/share of the server's budget (--workers)
+        self.share = share  # this process holds 1/share of the server's budget
+        self.shared_by = shared_by  # the flag that made the processes sharing it (--workers or --fronts)
         self._held = 0
         self._requests = 0  # in flight
         self._since_trim = 0  # bytes held by the requests ended since the last trim
         self._lock = threading.Lock()
+        # Told when no request is in flight (True: requests held much memory since the last time), by the engine
+        # in this process: its CPU arena gives back what it keeps (server.memory.arena.went_idle).
+        self.on_idle: Callable[[bool], None] | None = None
 
     @classmethod
-    def sized(cls, total_bytes: int | None, *, fraction: float, at_least: int, share: int = 1) -> HostBudget:
+    def sized(cls, total_bytes: int | None, *, fraction: float, at_least: int, share: int = 1,
+              shared_by: str = "--workers") -> HostBudget:
         """1/`share` (one of --workers' processes) of `total_bytes` (--host-memory-budget), else of `fraction` of
         MemAvailable, but at least `at_least` (one largest request); unbounded where MemAvailable cannot be read."""
         if total_bytes is not None:
-            return cls(total_bytes // share, share=share)
+            return cls(total_bytes // share, share=share, shared_by=shared_by)
         available = share_of_available(fraction)
-        return cls(None if available is None else max(available // share, at_least), share=share)
+        return cls(None if available is None else max(available // share, at_least), share=share, shared_by=shared_by)
 
     def in_flight_bytes(self) -> int:
         with self._lock:
@@ -96,18 +100,18 @@ class HostBudget:
             self._requests += 1
 
     def _budget_said(self) -> str:
-        """The budget a refusal names: the server's, or under --workers this process's share of it."""
+        """The budget a refusal names: the server's, or under --workers or --fronts this process's share of it."""
         said = f"{self.total_bytes} bytes ({format_bytes(self.total_bytes)}, "
         if self.share == 1:
             return f"the server's {said}--host-memory-budget)"
         return (f"this process's {said}1/{self.share} of the server's --host-memory-budget: "
-                f"one of --workers {self.share})")
+                f"one of {self.shared_by} {self.share})")
 
     def give_back(self, held_bytes: int) -> None:
         """A request ended. When it was the last in flight and requests have held `TRIM_AFTER_BYTES` since the
         last time, glibc's freed memory goes back to the system (malloc_trim): it would keep it, and idle RSS
-        ratcheted up after large requests (issue 14); so does the CPU plans' shared arena, which would keep the
-        largest block any run took (a 2944x800 canvas's 4 passes: 1.3 GiB, issue 33) while nothing runs; it also
+        ratcheted up after large requests; so does the CPU plans' shared arena (`on_idle`), which would keep the
+        largest block any run took (a 2944x800 canvas's 4 passes: 1.3 GiB) while nothing runs; it also
         gives back a block over --max-idle-arena-bytes, both once no run began for a while after the last request
         ended (server.memory.arena.went_idle). Not after each request: memory given back is faulted in again."""
         with self._lock:
@@ -118,8 +122,8 @@ class HostBudget:
             trim = idle and self._since_trim > TRIM_AFTER_BYTES
             if trim:
                 self._since_trim = 0
-        if idle:
-            CPU_ARENA.went_idle(release=trim)
+        if idle and self.on_idle is not None:
+            self.on_idle(trim)
         if trim:
             release_free_memory()
 

@@ -30,7 +30,6 @@ runtime touches on its first run are part of the baseline, not of the measuremen
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -39,16 +38,13 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import numpy as np
-import onnxruntime
 from onnx import TensorProto, helper, numpy_helper
 
-from convert.cuda import runtime
-from server.memory.arena import CPU_ARENA
+from server.memory.activity import HOST_ACTIVITY, HostActivity
 
 __all__ = [
     "MeasurementError",
@@ -130,12 +126,14 @@ def predictable_session_options(*, on_gpu: bool = False) -> onnxruntime.SessionO
 
     On the CPU, onnxruntime's own defaults, its memory pattern on, but one arena for the whole process
     (server.memory.arena) instead of one per session. A plan's session only ever sees one shape
-    (server/scoring/plans.py), so its pattern is one block of the planned activations, taken from the
+    (server/engine/plans.py), so its pattern is one block of the planned activations, taken from the
     shared arena at each run and handed back after it: runs at onnxruntime's default speed
     (bench_cpu_plans), and a plan that does not run holds no activations (issue 33). Without an arena
     each run mapped and faulted its activations afresh: 1.1-3.2x slower (issue 22). On CUDA both stay
     off: the CUDA terms of convert.memory_model were fitted on H100 runs made without them.
     """
+    from server.memory.arena import CPU_ARENA
+    import onnxruntime
     options = onnxruntime.SessionOptions()
     options.enable_cpu_mem_arena = not on_gpu
     options.enable_mem_pattern = not on_gpu
@@ -151,6 +149,7 @@ def first_cpu_run(session: onnxruntime.InferenceSession, feeds: dict[str, np.nda
     buffer; the second run takes the pattern's one block from the arena. The arena extends by regions
     that are never merged, so without handing the first run's regions back it would keep both: a further
     1.4x the live activations on top of the block (issues 22 and 33, server.memory.arena)."""
+    from server.memory.arena import CPU_ARENA
     session.run(None, feeds)
     CPU_ARENA.shrink()
 
@@ -170,6 +169,7 @@ def _cuda_used_bytes(cudart: ctypes.CDLL) -> int:
 
 def cuda_used_bytes() -> int | None:
     """Device memory in use on the current CUDA device (every process's), or None without CUDA."""
+    from convert.cuda import runtime
     cudart = runtime()
     return _cuda_used_bytes(cudart) if cudart is not None else None
 
@@ -213,34 +213,6 @@ def release_free_memory() -> None:
         libc.malloc_trim(0)
 
 
-class HostActivity:
-    """Work in this process that grows and shrinks its resident set beside plan building (decoding images,
-    assembling responses): a host footprint read while any ran is not the plan's alone (issue 24, item 5:
-    concurrent decoding measured a plan at 2.59x its prediction)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running = 0
-        self._begun = 0
-
-    @contextlib.contextmanager
-    def busy(self) -> Iterator[None]:
-        with self._lock:
-            self._running += 1
-            self._begun += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._running -= 1
-
-    def mark(self) -> tuple[int, int]:
-        """(running now, begun so far): equal marks with none running mean none ran in between."""
-        with self._lock:
-            return self._running, self._begun
-
-
-HOST_ACTIVITY = HostActivity()  # process-wide, as the resident set it guards is
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +237,8 @@ def measure_footprint(build: Callable[[], T], *, on_gpu: bool) -> tuple[T, Footp
     says when work declared in HOST_ACTIVITY ran meanwhile. On the
     CPU the shared arena is shrunk first (server.memory.arena): the reading starts from an arena that
     holds only what running batches hold, so what `build` runs grows it by its own block."""
+    from server.memory.arena import CPU_ARENA
+    from convert.cuda import runtime
     cudart = runtime() if on_gpu else None
     if on_gpu and cudart is None:
         raise MeasurementError("a GPU footprint was asked but the CUDA runtime library does not load")
@@ -300,6 +274,7 @@ def _reset_peak() -> None:
 def warm_up_runtime(providers: list) -> None:
     """Run a tiny conv+gemm graph so the runtime's first-run costs (code pages, thread pools, kernel
     registries) land in the baseline, not in the first measured session."""
+    import onnxruntime
     weight = numpy_helper.from_array(np.ones((8, 3, 3, 3), np.float32), "w")
     matrix = numpy_helper.from_array(np.ones((8 * 8 * 8, 4), np.float32), "m")
     graph = helper.make_graph(
@@ -315,6 +290,8 @@ def warm_up_runtime(providers: list) -> None:
 
 
 def _measure_here(model_path: str, height: int, width: int, batch: int, device: str, channels_last: bool) -> Measurement:
+    import onnxruntime
+    from convert.cuda import runtime
     cudart = runtime() if device == "cuda" else None
     if device == "cuda" and cudart is None:
         raise MeasurementError("device 'cuda' requested but the CUDA runtime library does not load")
@@ -352,6 +329,8 @@ def _measure_here(model_path: str, height: int, width: int, batch: int, device: 
 
 def measure_peak(model_path: str, *, height: int, width: int, batch: int = 1, device: str = "auto") -> Measurement:
     """Peak memory of `RUNS` runs of the model at batch x C x height x width, in a clean child."""
+    import onnxruntime
+    from convert.cuda import runtime
     if device == "auto":
         device = select_device(onnxruntime.get_available_providers(), cuda_loadable=runtime() is not None)
     if device not in ("cpu", "cuda"):

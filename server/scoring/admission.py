@@ -27,7 +27,7 @@ from server.scoring.fitting import scale_job
 from server.scoring.request import ScaleJob
 
 if TYPE_CHECKING:
-    from server.scoring.batcher import Batcher, Reservation
+    from server.engine.client import CanvasStore, EngineClient, Places
     from server.scoring.model import Model
 
 __all__ = ["CHECKS", "Ticket", "admit"]
@@ -36,28 +36,35 @@ __all__ = ["CHECKS", "Ticket", "admit"]
 @dataclass(eq=False)
 class Ticket:
     """A request being admitted, then admitted: what it will run, and what it holds until `release`
-    (its places in the model's queue, until its items are queued; its host bytes, until it ends)."""
+    (its places in the model's queue, until its items are queued; its host bytes and canvases, until it ends)."""
 
     request: scoring_pb2.ScoreRequest
     model: Model
+    engine: EngineClient
     deadline: float | None
     scales: list[int] = field(default_factory=list)
     passes: dense.Passes | None = None
     flips: tuple[bool, ...] = (False,)
-    places: Reservation | None = None
+    places: Places | None = None
     opened: imaging.OpenedImage | None = None
     jobs: list[ScaleJob] = field(default_factory=list)
     host: HostEstimate | None = None
     held_bytes: int = 0
+    canvases: CanvasStore | None = None
 
     @property
     def original(self) -> tuple[int, int]:
         return self.opened.height, self.opened.width
 
     def release(self) -> None:
-        """Give back the queue places (nothing once queued) and the host bytes; once, the one way out."""
-        if self.places is not None:
-            self.model.batcher.release(self.places)
+        """Give back the queue places (nothing once queued), the canvases and the host bytes; once, the one way
+        out."""
+        places, self.places = self.places, None
+        if places is not None:
+            self.engine.release(self.model.name, places)
+        canvases, self.canvases = self.canvases, None
+        if canvases is not None:
+            canvases.release()
         held, self.held_bytes = self.held_bytes, 0
         if held:
             self.model.host_budget.give_back(held)
@@ -132,18 +139,17 @@ def hold_places(ticket: Ticket) -> ScoringError | None:
     and each refusal then costs no header parsing or planning (26% of its server CPU, measured). A broken
     header is found once there is room, so under overload it is first refused as transient."""
     try:
-        ticket.places = queue_places(ticket.model.batcher, len(ticket.scales) * len(ticket.flips),
-                                     deadline=ticket.deadline)
+        ticket.places = queue_places(ticket, len(ticket.scales) * len(ticket.flips))
     except ScoringError as error:
         return error
     return None
 
 
-def queue_places(batcher: Batcher, items: int, *, deadline: float | None) -> Reservation:
-    """`items` places in `batcher`'s queue, or the refusal saying why there is no room."""
-    held = batcher.reserve(items, deadline=deadline)
+def queue_places(ticket: Ticket, items: int) -> Places:
+    """`items` places in the model's queue, or the refusal saying why there is no room."""
+    held = ticket.engine.reserve(ticket.model.name, items, deadline=ticket.deadline)
     if isinstance(held, NoRoom):
-        raise no_room(held, deadline=deadline)
+        raise no_room(held, deadline=ticket.deadline)
     return held
 
 
@@ -215,10 +221,9 @@ def hold_tile_places(ticket: Ticket) -> ScoringError | None:
     items = footprint.queue_items(ticket.jobs, orientations=len(ticket.flips))
     if ticket.places is None or items == ticket.places.items:
         return None
-    batcher = ticket.model.batcher
-    batcher.release(ticket.places)
-    ticket.places = None
-    held = batcher.reserve(items, deadline=ticket.deadline)
+    places, ticket.places = ticket.places, None
+    ticket.engine.release(ticket.model.name, places)
+    held = ticket.engine.reserve(ticket.model.name, items, deadline=ticket.deadline)
     if not isinstance(held, NoRoom):
         ticket.places = held
         return None
@@ -279,10 +284,11 @@ CHECKS: tuple[Callable[[Ticket], ScoringError | None], ...] = (
 )
 
 
-def admit(request: scoring_pb2.ScoreRequest, model: Model, *, deadline: float | None) -> Ticket:
+def admit(request: scoring_pb2.ScoreRequest, model: Model, *, engine: EngineClient,
+          deadline: float | None) -> Ticket:
     """The request checked whole before any pixel is decoded, or the first check's refusal; the ticket
     holds its queue places and host bytes until released (`with admit(...) as ticket:`)."""
-    ticket = Ticket(request, model, deadline)
+    ticket = Ticket(request, model, engine, deadline)
     try:
         for check in CHECKS:
             refused = check(ticket)

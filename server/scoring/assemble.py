@@ -24,7 +24,7 @@ from server.scoring.request import ItemKey, ScaleJob, Scored, lattice_classes, t
 
 if TYPE_CHECKING:
     from server.scoring.admission import Ticket
-    from server.scoring.batcher import Work
+    from server.engine.client import Ran
 
 # An image below the training size enlarged more than this many times is scored with a warning: beyond 3x,
 # a 3x3 stem convolution sees only the interpolation between two source pixels, never an edge (issue 24:
@@ -171,15 +171,15 @@ def response(ticket: Ticket, scored: Mapping[ItemKey, Scored], *, provider: str)
     return answer
 
 
-def timings(answer: scoring_pb2.ScoreResponse, works: Mapping[ItemKey, Work], scored: Mapping[ItemKey, Scored], *,
-            started: float, decoded: float, computed: float) -> dict[Stage, float]:
+def timings(answer: scoring_pb2.ScoreResponse, ran: Mapping[ItemKey, Ran], *, started: float, decoded: float,
+            computed: float) -> dict[Stage, float]:
     """Fill the response's timings (ms) from the stages' instants and its items' batches; the seconds by stage."""
     finished = time.monotonic()
-    queue = max(work.started - work.enqueued for work in works.values())
-    inference = sum({work.batch_id: work.run_seconds for work in works.values()}.values())
+    queue = max(each.started - each.enqueued for each in ran.values())
+    inference = sum({each.batch_id: each.run_seconds for each in ran.values()}.values())
     setups: dict[int, float] = {}
-    for key, work in works.items():
-        setups[work.batch_id] = max(setups.get(work.batch_id, 0.0), scored[key].planning_seconds)
+    for each in ran.values():
+        setups[each.batch_id] = max(setups.get(each.batch_id, 0.0), each.scored.planning_seconds)
     shown = answer.timings
     shown.queue_ms = 1000 * queue
     shown.preprocess_ms = 1000 * (decoded - started)

@@ -108,7 +108,7 @@ def what_fits(request: scoring_pb2.ScoreRequest, model: Model, opened: OpenedIma
 
     def fits(changed: scoring_pb2.ScoreRequest, changed_jobs: list[ScaleJob], changed_passes: dense.Passes) -> bool:
         host = host_estimate(changed, model, opened, changed_jobs, changed_passes).total
-        return (queue_items(changed_jobs, orientations=2 if changed.flip else 1) <= model.batcher.queue_depth
+        return (queue_items(changed_jobs, orientations=2 if changed.flip else 1) <= model.queue_depth
                 and host <= limits.max_request_host_bytes
                 and response_bytes(changed, model, changed_jobs) <= limits.max_message_bytes)
 

@@ -17,6 +17,7 @@ Normalisation happens on the device (server/engine/device_graph.py), so everythi
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import cv2
@@ -235,22 +236,27 @@ def enlarge(pixels: np.ndarray, size: tuple[int, int], *, out: np.ndarray | None
     return out
 
 
-def on_canvas(region: np.ndarray, size: tuple[int, int], fill: np.ndarray, *, mirrored: bool) -> np.ndarray:
-    """`region` at the top left of a canvas of `size`, flipped left to right if `mirrored`: by OpenCV, straight
-    onto the canvas, 20x cheaper than numpy's copy of a reversed view, which goes 3-byte pixel by pixel."""
+def on_canvas(region: np.ndarray, size: tuple[int, int], fill: np.ndarray, *, mirrored: bool,
+              out: np.ndarray | None = None) -> np.ndarray:
+    """`region` at the top left of a canvas of `size` (`out` when given), flipped left to right if `mirrored`: by
+    OpenCV, straight onto the canvas, 20x cheaper than numpy's copy of a reversed view, which goes 3-byte pixel by
+    pixel."""
     if not mirrored:
-        return dense.canvas(region, size, fill)
+        return dense.canvas(region, size, fill, out=out)
     height, width = region.shape[:2]
-    out = dense.frame((height, width), size, fill)
+    out = dense.frame((height, width), size, fill, out=out)
     cv2.flip(region, 1, dst=out[:height, :width])
     return out
 
 
 def canvases(opened: OpenedImage, jobs: list[ScaleJob], flips: tuple[bool, ...], *, fill: np.ndarray,
-             resize_filter: str) -> dict[ItemKey, np.ndarray]:
+             resize_filter: str, allocate: Callable[[tuple[int, ...]], np.ndarray] | None = None,
+             ) -> dict[ItemKey, np.ndarray]:
     """Decode once (down to the largest size asked for), then per scale resize and put on its canvas, and its
-    mirror (a tiled scale: each tile's region on the bucket's canvas): one canvas per item, by its key. On the
-    direct path an untiled scale is resized straight onto its canvas."""
+    mirror (a tiled scale: each tile's region on the bucket's canvas): one canvas per item, by its key, each made
+    by `allocate` (the engine's shared memory; else the heap). On the direct path an untiled scale is resized
+    straight onto its canvas."""
+    allocate = allocate or (lambda shape: np.empty(shape, dtype=np.uint8))
     largest = max((job.resized for job in jobs), key=lambda size: size[0] * size[1])
     stored = stored_pixels(opened) if direct_path(opened, jobs, resize_filter=resize_filter) else None
     image = load(opened, largest=largest) if stored is None else None
@@ -263,12 +269,13 @@ def canvases(opened: OpenedImage, jobs: list[ScaleJob], flips: tuple[bool, ...],
         elif job.tiles:
             pixels = enlarge(stored, job.resized)
         else:
-            whole = dense.frame(job.resized, job.canvas, fill)
+            whole = dense.frame(job.resized, job.canvas, fill, out=allocate((*job.canvas, 3)))
             pixels = enlarge(stored, job.resized, out=whole[:height, :width])
         regions = [pixels[tile.tile.region] for tile in job.tiles] or [pixels]
         for flip in flips:
             for part, region in enumerate(regions):
                 done = whole is not None and not flip  # resized onto its canvas already
                 key = ItemKey(index, flip, part)
-                placed[key] = whole if done else on_canvas(region, job.canvas, fill, mirrored=flip)
+                placed[key] = whole if done else on_canvas(region, job.canvas, fill, mirrored=flip,
+                                                           out=allocate((*job.canvas, 3)))
     return placed

@@ -1,18 +1,16 @@
-"""Loading a converted model and warming it up: its card, plans, batcher, buckets and memory check.
+"""Loading a converted model and warming it up: its card, buckets and memory check; the plans to warm.
 
-`load` builds a `Model` (server/scoring/model.py) (the batcher's
-runner is its `plans.run`), `warm_up` makes and runs every configured plan and the tile canvas an image
-larger than every bucket runs on, then scores a request at each offered stride, so health never says
-SERVING over a broken model.
+`load` builds a `Model` (server/scoring/model.py) and hands back its graph for the engine to plan;
+`warm_up` has the engine make and run every configured plan, then scores a request at each offered stride, so
+health never says SERVING over a broken model; `warm_up_tiles` has it make the tile canvas an image larger than
+every bucket runs on.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import pathlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -22,19 +20,16 @@ from convert.arguments import format_bytes
 from convert.card import CardError, ImageInput, batch_shape, read_card
 from convert.profile import ProfileError
 from protos import scoring_pb2
-from server.engine.device_graph import LATTICE, DeviceGraphError, scores_shape
-from server.engine.providers import Engine
+from server.engine.client import EngineClient, EngineFacts, PlanKey
+from server.engine.device_graph import DeviceGraphError, scores_shape
 from server.errors import Refusal, ScoringError, invalid
 from server.geometry import buckets, dense
 from server.memory.device import MemoryBudget, PlanMemory
 from server.memory.host_budget import HostBudget
 from server.metrics import Metrics
 from server.scoring import imaging
-from server.scoring.batcher import Batcher, Work
 from server.scoring.fitting import scale_job
 from server.scoring.model import FALLBACK_SCALE, Model
-from server.scoring.plans import PlanCache, PlanKey
-from server.scoring.request import GroupKey
 from server.settings import Settings
 
 LOG = logging.getLogger(__name__)
@@ -42,10 +37,12 @@ CONVERT_FIRST = "convert a classifier with `scoremap-convert`, then serve the .o
 WARM_UP_FAILURES_SHOWN = 3  # failed plans named in the warm-up error (the log line stays readable)
 
 
-def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: MemoryBudget, host_budget: HostBudget,
-         metrics: Metrics | None, share: int) -> Model:
-    """Card, plans, batcher and memory check for one model; it gets 1/`share` of the memory budget, since every
-    model's batcher runs its batches concurrently with the others'."""
+def load(name: str, path: str, *, settings: Settings, facts: EngineFacts, budget: MemoryBudget | None,
+         host_budget: HostBudget, metrics: Metrics | None, share: int) -> tuple[Model, onnx.ModelProto]:
+    """A model's card, buckets and memory check, with its graph for the engine to plan; it gets 1/`share` of the
+    memory budget, since every model's batcher runs its batches concurrently with the others'. `budget`: the
+    engine's, when it runs in this process (its plans are then accounted in it); None where the engine runs in a
+    process of its own, whose memory budget (`facts`) this process predicts against."""
     try:
         net = onnx.load(path)
     except DecodeError as error:  # protobuf's own words ("Wire format was corrupt") say nothing to a user
@@ -63,19 +60,18 @@ def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: Me
     except (CardError, imaging.ImageError) as error:
         raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
     name = name or card.name or pathlib.Path(path).stem  # never the folders, which ListModels would show
-    runners = settings.runners_for(on_gpu=engine.on_gpu)
-    plan_memory = PlanMemory(net, budget_bytes=budget.total_bytes // share if budget.total_bytes else None,
-                             device=budget.device, name=name, shared=budget, metrics=metrics, runners=runners)
-    max_batch = settings.max_batch_for(on_gpu=engine.on_gpu)
+    total = facts.memory_budget_bytes
+    plan_memory = PlanMemory(net, budget_bytes=total // share if total else None, device=facts.device, name=name,
+                             shared=budget, metrics=metrics if budget is not None else None, runners=facts.runners)
     passes = [dense.passes_for(native_stride=card.output_stride, output_stride=s, shift=0)
               for s in dense.offered_strides(card.output_stride)]
     if settings.shape_buckets:
-        shape_buckets = buckets.Buckets(settings.shape_buckets, buckets.batch_buckets(max_batch))
+        shape_buckets = buckets.Buckets(settings.shape_buckets, buckets.batch_buckets(facts.max_batch))
     else:
         shape_buckets = buckets.default_buckets(
             scales=settings.warm_up_scales or (card.default_scale or FALLBACK_SCALE,),
             slacks=sorted({p.slack for p in passes}), multiple=card.size_multiple or card.output_stride,
-            max_batch=max_batch, every_step=not engine.on_gpu,
+            max_batch=facts.max_batch, every_step=not facts.on_gpu,
         )
     training = batch_shape(image.layout, batch=1, channels=3, height=card.training_height, width=card.training_width)
     try:
@@ -89,34 +85,15 @@ def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: Me
         raise ScoringError(Refusal.INVALID_ARGUMENT,
                            f"--tile-canvas {settings.tile_canvas[0]}x{settings.tile_canvas[1]} is not a multiple of "
                            f"model {name}'s size multiple {multiple}; give e.g. {height}x{width}")
-    fill = dense.mean_colour(card)
     model = Model(
-        name=name, path=path, card=card, image=image, classes=classes,
-        plans=PlanCache(net, card, engine, plan_memory, max_plans=settings.max_plans, buckets=shape_buckets,
-                        fill=fill, metrics=metrics, name=name),
-        plan_memory=plan_memory, buckets=shape_buckets, fill=fill, limits=settings, host_budget=host_budget,
+        name=name, path=path, card=card, image=image, classes=classes, plan_memory=plan_memory,
+        buckets=shape_buckets, fill=dense.mean_colour(card), limits=settings, host_budget=host_budget,
         strict_shapes=settings.strict_shapes, halo=settings.halo, tile_canvas=settings.tile_canvas,
+        queue_depth=settings.queue_depth,
     )
-    model.batcher = Batcher(
-        model.plans.run, max_batch=max_batch, max_delay_seconds=settings.max_queue_delay_ms / 1000,
-        max_queue_seconds=settings.max_queue_ms / 1000, queue_depth=settings.queue_depth,
-        on_batch=None if metrics is None else functools.partial(record_batch, model, metrics),
-        on_drop=None if metrics is None else functools.partial(metrics.count_dropped, name),
-        take=model.plans.first_run, name=name, runners=runners,
-    )
-    if metrics is not None:
-        metrics.track_queue(name, model.batcher.depth)
     LOG.info("loaded %s from %s on %s (memory budget %s bytes, shared; canvases %s; batches %s)", name, path,
-             engine.provider, budget.total_bytes, shape_buckets.describe(), shape_buckets.batches)
-    return model
-
-
-def record_batch(model: Model, metrics: Metrics, works: list[Work]) -> None:
-    """The batch's size and predicted peak in the metrics (traffic only, not the warm-up)."""
-    if any(work.payload.traffic for work in works):
-        group: GroupKey = works[0].key
-        passes = model.buckets.batch_for(len(works)) * len(group.passes.offsets)  # the padded batch runs
-        metrics.record_batch(model.name, len(works), model.plan_memory.predicted_bytes(group.height, group.width, passes))
+             facts.provider, total, shape_buckets.describe(), shape_buckets.batches)
+    return model, net
 
 
 def configured_plans(model: Model, scales: tuple[int, ...]) -> list[PlanKey]:
@@ -188,17 +165,13 @@ def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
                                   f"{', fewer --cpu-runners' * (runners > 1)}, or a larger --memory-budget")
 
 
-def warm_up(models: list[Model], scales: tuple[int, ...],
+def warm_up(models: list[Model], scales: tuple[int, ...], engine: EngineClient,
             score: Callable[[scoring_pb2.ScoreRequest], scoring_pb2.ScoreResponse]) -> None:
     """Make and run every configured plan of every model, then `score` a gray request at each offered stride;
     ScoringError(UNAVAILABLE) naming every failure."""
     failures = []
     for model in models:
-        for key in configured_plans(model, scales):
-            try:
-                model.plans.run_plan(key, [], lattice=LATTICE)
-            except Exception as error:  # any failure keeps the server NOT_SERVING, and says why
-                failures.append(f"{model.name} plan {key}: {one_line(error)}")
+        failures += engine.warm(model.name, configured_plans(model, scales))
         if failures:
             continue
         scale = (scales or (model.default_scale,))[0]
@@ -218,22 +191,15 @@ def warm_up(models: list[Model], scales: tuple[int, ...],
         raise ScoringError(Refusal.UNAVAILABLE, "warm-up failed: " + "; ".join(shown) + more)
 
 
-def warm_up_tiles(models: list[Model]) -> None:
+def warm_up_tiles(models: list[Model], engine: EngineClient) -> None:
     """Make and run every model's tile canvas plans (`tiled_plans`), which only images larger than every bucket
     use: the server does it once SERVING (2 s of its start-up for the default model on 2 cores), so a phone photo
     arriving later makes no plan. A failure is logged: such an image makes the plan on demand, or is refused
     with the reason."""
     for model in models:
         for key in tiled_plans(model):
-            try:
-                model.plans.run_plan(key, [], lattice=LATTICE)
-            except Exception as error:
-                LOG.warning("%s: tile canvas plan %s not made: %s", model.name, key, one_line(error))
+            failed = engine.warm(model.name, [key])
+            if failed:
+                LOG.warning("%s: tile canvas plan not made: %s", model.name, failed[0])
             else:
                 LOG.info("%s: tile canvas plan %s ready", model.name, key)
-
-
-def one_line(error: Exception, limit: int = 300) -> str:
-    """An error's message on one line, cut to `limit` characters (onnxruntime's span several)."""
-    text = " ".join(str(error).split())
-    return text if len(text) <= limit else text[:limit - 1] + "…"

@@ -1,9 +1,10 @@
-"""A loaded model as every stage reads it: its card, plans, batcher, buckets, memory and limits."""
+"""A loaded model as every front stage reads it: its card, buckets, memory predictions and limits (its plans and
+batcher are the engine's)."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -13,8 +14,6 @@ from server.engine.device_graph import scores_shape
 from server.geometry import buckets, dense
 from server.memory.device import PlanMemory
 from server.memory.host_budget import HostBudget
-from server.scoring.batcher import Batcher
-from server.scoring.plans import PlanCache
 from server.settings import RequestLimits
 
 __all__ = ["Model"]
@@ -25,14 +24,13 @@ CELLS_CACHE_SIZE = 4096  # resized sizes whose cell counts each model remembers
 
 @dataclass(eq=False)
 class Model:
-    """A model ready to score: its card, plans, batcher, buckets, memory check and the limits it serves under."""
+    """A model ready to score: its card, buckets, memory check and the limits it serves under."""
 
     name: str
     path: str
     card: model_card_pb2.ModelCard
     image: ImageInput
     classes: int
-    plans: PlanCache
     plan_memory: PlanMemory
     buckets: buckets.Buckets
     fill: np.ndarray
@@ -41,7 +39,7 @@ class Model:
     strict_shapes: bool
     halo: int | None  # --halo: context of the tiles of an image no bucket holds (None: exact)
     tile_canvas: tuple[int, int]  # --tile-canvas: beyond it images are tiled, never planned
-    batcher: Batcher = field(init=False)
+    queue_depth: int  # --queue-depth: items of this model that may wait or decode at once
 
     @property
     def default_scale(self) -> int:

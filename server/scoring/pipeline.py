@@ -1,16 +1,17 @@
-"""The in-process scoring pipeline: request in, response out, no gRPC needed.
+"""The scoring pipeline: request in, response out, no gRPC needed.
 
 The servicer is a thin adapter over it and `scoremap-score --local` runs it directly. `score` only
 sequences the stages, each a module a request enters once:
 
-    admit (admission)  ->  decode (imaging)  ->  run (batcher, plans.run)  ->  assemble (assemble)
+    admit (admission)  ->  decode (imaging)  ->  run (the engine)  ->  assemble (assemble)
 
 Admission checks the request whole before any pixel is decoded and gives a ticket holding its queue
 places and host bytes. The image is decoded and resized in a thread pool, each scale (and its mirror)
-put on its uint8 canvas (a scale no canvas bucket holds: each of its tiles, on a bucket's canvas) and
-queued; the batcher runs items of one canvas and passes together through the model's plans, whose
-device graph makes the shifted passes, normalises, runs the net and averages probabilities, so the
-host only stacks uint8 arrays and copies back what the response holds.
+put on its uint8 canvas (a scale no canvas bucket holds: each of its tiles, on a bucket's canvas), in
+the store the engine reads canvases from (shared memory when it runs in a process of its own). The
+engine (server/engine/client.py) batches items of one canvas and passes together through the model's
+plans, whose device graph makes the shifted passes, normalises, runs the net and averages
+probabilities, so the host only stacks uint8 arrays and copies back what the response holds.
 Models are loaded and warmed up by server/scoring/loading.py; the request's types are server/scoring/request.py's.
 """
 
@@ -25,18 +26,15 @@ from concurrent.futures import CancelledError, ThreadPoolExecutor
 import numpy as np
 
 from convert.card import Precision, label
-from server.memory.arena import CPU_ARENA
-from server.memory.runtime import HOST_ACTIVITY, configure_allocator
 from protos import model_card_pb2, scoring_pb2
-from server.memory.device import MemoryBudget
+from server.engine.client import EngineClient, Submission
+from server.errors import Refusal, ScoringError
 from server.memory.host_budget import HostBudget
+from server.memory.activity import HOST_ACTIVITY
+from server.metrics import Metrics
 from server.scoring import admission, assemble, imaging, loading
 from server.scoring.admission import Ticket
 from server.scoring.model import Model
-from server.scoring.batcher import Work
-from server.engine.providers import Engine, EngineError
-from server.errors import Refusal, ScoringError
-from server.metrics import Metrics
 from server.scoring.request import GroupKey, Item, ItemKey, lattice_classes, lattice_output
 from server.settings import Settings
 
@@ -46,9 +44,10 @@ class Pipeline:
 
     def __init__(
         self, models: Sequence[str] | Mapping[str, str], *, settings: Settings | None = None,
-        metrics: Metrics | None = None,
+        metrics: Metrics | None = None, engine: EngineClient | None = None,
     ) -> None:
-        """`models`: converted .onnx paths (each named by its card) or {name: path}."""
+        """`models`: converted .onnx paths (each named by its card) or {name: path}; `engine`: an engine process's
+        client (RemoteClient), else the engine runs in this process."""
         pairs = list(models.items()) if isinstance(models, Mapping) else [("", str(path)) for path in models]
         if not pairs:
             raise ScoringError(Refusal.INVALID_ARGUMENT, "no model given: pass at least one converted .onnx file")
@@ -57,26 +56,29 @@ class Pipeline:
         self._models: dict[str, Model] = {}
         self._decoder = ThreadPoolExecutor(self.settings.decode_threads or os.cpu_count() or 1,
                                            thread_name_prefix="decode")
-        try:
-            self.engine = Engine(self.settings)
-        except EngineError as error:
-            raise ScoringError(Refusal.FAILED_PRECONDITION, str(error)) from error
-        configure_allocator()
-        self.budget = MemoryBudget.sized(self.settings.memory_budget_bytes, device=self.engine.device,
-                                         free_gpu_bytes=self.engine.free_gpu_bytes(),
-                                         fraction=self.settings.cpu_memory_fraction, share=self.settings.budget_share)
-        if self.metrics is not None:
-            self.metrics.plans_held.set_function(self.budget.used_bytes)
+        core = None
+        if engine is None:
+            from server.engine.core import EngineCore  # onnxruntime: only where the engine runs in this process
+
+            engine = core = EngineCore(self.settings, metrics=metrics)
+        self.engine = engine
         self.host_budget = HostBudget.sized(self.settings.host_memory_budget_bytes,
                                             fraction=self.settings.host_memory_fraction,
                                             at_least=self.settings.max_request_host_bytes,
-                                            share=self.settings.budget_share)
+                                            share=self.settings.budget_share,
+                                            shared_by="--fronts" if self.settings.split_role else "--workers")
+        if core is not None:
+            self.host_budget.on_idle = core.went_idle
         try:
             for name, path in pairs:
-                model = loading.load(name, str(path), settings=self.settings, engine=self.engine, budget=self.budget,
-                                    host_budget=self.host_budget, metrics=self.metrics, share=len(pairs))
+                model, net = loading.load(name, str(path), settings=self.settings, facts=engine.facts,
+                                          budget=core.budget if core is not None else None,
+                                          host_budget=self.host_budget, metrics=self.metrics, share=len(pairs))
+                if core is not None:
+                    core.add(model.name, net, model.card, plan_memory=model.plan_memory, buckets=model.buckets,
+                             fill=model.fill)
+                del net  # the engine's plans hold what they need of it
                 if model.name in self._models:
-                    model.batcher.close()
                     raise ScoringError(
                         Refusal.INVALID_ARGUMENT,
                         f"two models are named {model.name!r} ({self._models[model.name].path} and {path}); "
@@ -99,15 +101,12 @@ class Pipeline:
     def warm_up(self) -> None:
         """Every configured plan of every model made and run, then a request scored at each offered stride;
         ScoringError(UNAVAILABLE) naming every failure, so health never says SERVING over a broken model."""
-        loading.warm_up(list(self._models.values()), self.settings.warm_up_scales,
-                       lambda request: self.score(request, record=False))
+        loading.warm_up(list(self._models.values()), self.settings.warm_up_scales, self.engine,
+                        lambda request: self.score(request, record=False))
 
     def warm_up_tiles(self) -> None:
         """Every model's tile canvas plans made and run (failures logged: loading.warm_up_tiles)."""
-        loading.warm_up_tiles(list(self._models.values()))
-        # Warm-up runs pass no host budget: the tile canvas's block (600 MiB for the default model) would stay in
-        # the CPU arena until a first request ended.
-        CPU_ARENA.went_idle(release=False)
+        loading.warm_up_tiles(list(self._models.values()), self.engine)
 
     # --- queries ------------------------------------------------------------------------------
     def models(self) -> list[scoring_pb2.ModelSummary]:
@@ -126,7 +125,7 @@ class Pipeline:
 
     def provider(self, name: str = "") -> str:
         self._model(name)
-        return self.engine.provider
+        return self.engine.facts.provider
 
     def _model(self, name: str) -> Model:
         if not name:
@@ -155,23 +154,24 @@ class Pipeline:
         `record` False for the server's own warm-up (not traffic, not in the metrics)."""
         started = time.monotonic()
         model = self._model(request.model)
-        with admission.admit(request, model, deadline=deadline) as ticket:  # released however it ends
-            works = self._decode(ticket, traffic=record)
+        with admission.admit(request, model, engine=self.engine, deadline=deadline) as ticket:  # released however it ends
+            submissions = self._decode(ticket, traffic=record)
             decoded = time.monotonic()
             if cancelled is not None and cancelled.is_set():  # the caller left while its image decoded
                 raise ScoringError(Refusal.CANCELLED, "the call was cancelled")
-            model.batcher.process(list(works.values()), ticket.places, cancelled=cancelled)
-            scored = {key: work.result for key, work in works.items()}
+            places, ticket.places = ticket.places, None  # queued with its items, nothing left to release
+            ran = self.engine.run(model.name, places, submissions, canvases=ticket.canvases, cancelled=cancelled)
             computed = time.monotonic()
             with HOST_ACTIVITY.busy():
-                response = assemble.response(ticket, scored, provider=self.engine.provider)
-            seconds = assemble.timings(response, works, scored, started=started, decoded=decoded, computed=computed)
+                response = assemble.response(ticket, {key: each.scored for key, each in ran.items()},
+                                             provider=self.engine.facts.provider)
+            seconds = assemble.timings(response, ran, started=started, decoded=decoded, computed=computed)
         if record and self.metrics is not None:
             self.metrics.record_stages(model.name, seconds)
         return response
 
-    def _decode(self, ticket: Ticket, *, traffic: bool) -> dict[ItemKey, Work]:
-        """The request's items by key, each a canvas made on a decoding thread, with its batch group and limits."""
+    def _decode(self, ticket: Ticket, *, traffic: bool) -> list[Submission]:
+        """The request's items, each a canvas made on a decoding thread, with its batch group and limits."""
         try:
             canvases = self._decoder.submit(self._canvases, ticket).result()
         except imaging.ImageError as error:
@@ -179,23 +179,24 @@ class Pipeline:
         except (RuntimeError, CancelledError) as error:  # the pool was shut down: the server is stopping
             raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down") from error
         passes, lattice, classes = ticket.passes, lattice_output(ticket.request), lattice_classes(ticket.request)
-        works = {}
+        submissions = []
         for key, canvas in canvases.items():
             job = ticket.jobs[key.scale]
             cells, kept = job.pieces(key.flip)[key.part]
-            works[key] = Work(GroupKey(*job.canvas, passes), Item(canvas, cells, lattice, traffic, kept, classes),
-                              job.items_per_batch, ticket.deadline)
-        return works
+            submissions.append(Submission(key, GroupKey(*job.canvas, passes),
+                                          Item(canvas, cells, lattice, traffic, kept, classes),
+                                          job.items_per_batch, ticket.deadline))
+        return submissions
 
     def _canvases(self, ticket: Ticket) -> dict[ItemKey, np.ndarray]:
         model = ticket.model
+        ticket.canvases = self.engine.canvases()
         with HOST_ACTIVITY.busy():  # a plan measured meanwhile would count these pixels as its own
             return imaging.canvases(ticket.opened, ticket.jobs, ticket.flips, fill=model.fill,
-                                    resize_filter=model.image.resize_filter)
+                                    resize_filter=model.image.resize_filter, allocate=ticket.canvases.allocate)
 
     def close(self) -> None:
-        """Stop the batchers (queued work fails with UNAVAILABLE) and the decoding threads."""
-        for model in self._models.values():
-            model.batcher.close()
+        """Stop the engine (queued work fails with UNAVAILABLE) and the decoding threads."""
+        self.engine.close()
         self._models.clear()
         self._decoder.shutdown(wait=False, cancel_futures=True)

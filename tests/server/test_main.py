@@ -314,7 +314,7 @@ def test_the_tile_canvas_is_made_once_serving_not_before(tiny_model_path, caplog
     try:
         model = server.pipeline._model("")
         [tile_plan] = tiled_plans(model)
-        assert tile_plan in {record.key for record in server.pipeline.budget.plans()}
+        assert tile_plan in {record.key for record in server.pipeline.engine.budget.plans()}
         said = [record.getMessage() for record in caplog.records]
         ready = said.index("ready: health SERVING")
         made = next(i for i, line in enumerate(said) if f"planned {tile_plan}" in line)

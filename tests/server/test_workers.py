@@ -207,7 +207,7 @@ def test_a_process_s_share_divides_the_host_and_device_budgets_and_its_refusals_
         small = Pipeline([tiny_model_path], settings=dataclasses.replace(whole, budget_share=share,
                                                                          memory_budget_bytes=600 * MiB // 20))
         try:
-            assert pipeline.budget.total_bytes == 600 * MiB // share
+            assert pipeline.engine.budget.total_bytes == 600 * MiB // share
             assert pipeline.host_budget.total_bytes == 300 * MiB // share
             with pytest.raises(ScoringError, match="the memory budget is") as refused:
                 small.score(kit.raw_request(PIXELS, scales=[2048]))

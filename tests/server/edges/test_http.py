@@ -43,8 +43,8 @@ def counted(server, method: str, code: str, model: str = "tiny") -> float | None
                                                     {"method": method, "code": code, "model": model})
 
 
-def test_tritonclient_http_is_answered_as_score_answers(kit, tiny_model_path):
-    with kit.serving([tiny_model_path], http_port=0) as (server, _port, stub):
+def test_tritonclient_http_is_answered_as_score_answers(kit, layout, tiny_model_path):
+    with kit.serving_in(layout)([tiny_model_path], http_port=0) as (server, _port, stub):
         client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http.port}")
         assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("tiny")
         assert not client.is_model_ready("absent")
@@ -94,9 +94,9 @@ def test_tritonclient_http_is_answered_as_score_answers(kit, tiny_model_path):
         assert counted(server, "http/ModelInfer", "INVALID_ARGUMENT") == 1
 
 
-def test_refusals_have_score_s_messages_and_their_http_status(kit, tiny_model_path):
+def test_refusals_have_score_s_messages_and_their_http_status(kit, layout, tiny_model_path):
     limit = 300_000
-    with kit.serving([tiny_model_path], http_port=0, max_message_bytes=limit) as (server, _port, stub):
+    with kit.serving_in(layout)([tiny_model_path], http_port=0, max_message_bytes=limit) as (server, _port, stub):
         base = f"http://127.0.0.1:{server.http.port}"
 
         def score(image: bytes, query: str = "scales=64", model: str = "tiny") -> httpx.Response:
@@ -284,11 +284,11 @@ def test_a_drain_lets_an_http_call_in_flight_finish_and_refuses_new_ones(tiny_mo
     assert stopped.wait(30)
 
 
-def test_a_client_that_hangs_up_cancels_its_call(kit, tiny_model_path):
+def test_a_client_that_hangs_up_cancels_its_call(kit, layout, tiny_model_path):
     """The pipeline is held until the call's `cancelled` is set: only the client's hanging up sets it."""
     import threading
 
-    with kit.serving([tiny_model_path], http_port=0) as (server, _port, _stub):
+    with kit.serving_in(layout)([tiny_model_path], http_port=0) as (server, _port, _stub):
         score, entered, seen = server.pipeline.score, threading.Event(), []
 
         def held(request, *, deadline=None, cancelled=None):

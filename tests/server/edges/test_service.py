@@ -12,6 +12,7 @@ import onnxruntime
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
+from prometheus_client import generate_latest
 
 from protos import RETRY_AFTER_KEY, scoring_pb2
 from protos.model_card_pb2 import OutputKind
@@ -29,9 +30,9 @@ def direct_scores(path: str, pixels: np.ndarray) -> np.ndarray:
     return session.run(None, {"image": batch})[0][0]
 
 
-def test_maps_equal_a_direct_run_of_the_graph(kit, tiny_model_path):
+def test_maps_equal_a_direct_run_of_the_graph(kit, layout, tiny_model_path):
     pixels = RNG.integers(0, 256, (64, 96, 3), dtype=np.uint8)
-    with kit.serving([tiny_model_path]) as (_server, _port, stub):
+    with kit.serving_in(layout)([tiny_model_path]) as (_server, _port, stub):
         response = stub.Score(kit.raw_request(pixels, scales=[64], return_maps=True, top_k=3))
     (scale_map,) = response.maps
     scores = kit.decode_tensor(scale_map.scores)
@@ -91,9 +92,9 @@ def kit_decode(tensor) -> np.ndarray:
     return np.frombuffer(tensor.data, dtype=np.dtype(tensor.dtype).newbyteorder("<")).reshape(tuple(tensor.shape))
 
 
-def test_flip_averages_with_the_mirrored_image(kit, tiny_model_path):
+def test_flip_averages_with_the_mirrored_image(kit, layout, tiny_model_path):
     pixels = RNG.integers(0, 256, (64, 128, 3), dtype=np.uint8)
-    with kit.serving([tiny_model_path]) as (_server, _port, stub):
+    with kit.serving_in(layout)([tiny_model_path]) as (_server, _port, stub):
         response = stub.Score(kit.raw_request(pixels, scales=[64], flip=True, return_maps=True))
     plain = direct_scores(tiny_model_path, pixels)
     mirrored = direct_scores(tiny_model_path, np.ascontiguousarray(pixels[:, ::-1]))[:, :, ::-1]
@@ -101,9 +102,9 @@ def test_flip_averages_with_the_mirrored_image(kit, tiny_model_path):
                                **tolerance(response.execution_provider))
 
 
-def test_class_subsets_float16_cell_top_k_and_multiple_scales(kit, tiny_model_path):
+def test_class_subsets_float16_cell_top_k_and_multiple_scales(kit, layout, tiny_model_path):
     pixels = RNG.integers(0, 256, (64, 64, 3), dtype=np.uint8)
-    with kit.serving([tiny_model_path]) as (_server, _port, stub):
+    with kit.serving_in(layout)([tiny_model_path]) as (_server, _port, stub):
         response = stub.Score(kit.raw_request(
             pixels, scales=[64, 128], return_maps=True, classes=[7, 2], map_dtype=scoring_pb2.FLOAT16,
             cell_top_k=3, top_k=4, request_id="r1",
@@ -120,12 +121,12 @@ def test_class_subsets_float16_cell_top_k_and_multiple_scales(kit, tiny_model_pa
     assert probabilities == sorted(probabilities, reverse=True) and 0 < sum(probabilities) <= 1 + 1e-6
 
 
-def test_models_cards_health_reflection_and_streams(kit, tiny_model_path, coordinate_model_path):
+def test_models_cards_health_reflection_and_streams(kit, layout, tiny_model_path, coordinate_model_path):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     pixels = RNG.integers(0, 256, (64, 64, 3), dtype=np.uint8)
     # no queue-time limit: the stream's plans, made on demand, outlast the default 1 s on a loaded machine
-    with kit.serving([tiny_model_path, coordinate_model_path], max_queue_ms=600_000) as (_server, port, stub):
+    with kit.serving_in(layout)([tiny_model_path, coordinate_model_path], max_queue_ms=600_000) as (_server, port, stub):
         listed = stub.ListModels(scoring_pb2.ListModelsRequest()).models
         assert [(m.name, m.classes, m.output_stride) for m in listed] == [("tiny", 10, 32), ("coords", 2, 32)]
         assert stub.GetModel(scoring_pb2.GetModelRequest(name="coords")).output_kind == OutputKind.OUTPUT_KIND_PROBABILITIES
@@ -200,8 +201,8 @@ TOO_LARGE = {
 }
 
 
-def test_every_bad_input_is_invalid_argument_and_the_server_stays_up(kit, tiny_model_path):
-    with kit.serving([tiny_model_path], max_image_pixels=20_000_000) as (server, _port, stub):
+def test_every_bad_input_is_invalid_argument_and_the_server_stays_up(kit, layout, tiny_model_path):
+    with kit.serving_in(layout)([tiny_model_path], max_image_pixels=20_000_000) as (server, _port, stub):
         for name, (request, words) in BAD_REQUESTS.items():
             with pytest.raises(grpc.RpcError) as caught:
                 stub.Score(request)
@@ -254,19 +255,22 @@ def test_a_request_over_the_message_limit_names_the_flag_that_raises_it(kit, tin
         assert stub.Score(scoring_pb2.ScoreRequest(encoded=encoded())).top_k
 
 
-def test_a_12_megapixel_jpeg_fits_the_default_limits(kit, tiny_model_path):
+def test_a_12_megapixel_jpeg_fits_the_default_limits(kit, layout, tiny_model_path):
     noise = np.random.default_rng(3).integers(0, 256, (3000, 4000, 3), dtype=np.uint8)
     buffer = io.BytesIO()
     Image.fromarray(noise).save(buffer, format="JPEG", quality=92)
     assert len(buffer.getvalue()) > 4 * 2**20  # over gRPC's default message limit
-    with kit.serving([tiny_model_path]) as (_server, _port, stub):
+    with kit.serving_in(layout)([tiny_model_path]) as (_server, _port, stub):
         response = stub.Score(scoring_pb2.ScoreRequest(encoded=buffer.getvalue(), scales=[96]))
     assert (response.image_height, response.image_width) == (3000, 4000)
     assert (response.maps[0].height, response.maps[0].width) == (3, 4)
 
 
-def metric_samples(port: int) -> dict[str, float]:
+def metric_samples(port: int, *, also=None) -> dict[str, float]:
+    """The server's metrics by series; `also`: a registry whose series count too (an engine process's)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    if also is not None:
+        text += generate_latest(also).decode()
     samples = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -275,9 +279,9 @@ def metric_samples(port: int) -> dict[str, float]:
     return samples
 
 
-def test_concurrent_clients_are_batched(kit, tiny_model_path):
+def test_concurrent_clients_are_batched(kit, layout, tiny_model_path):
     pixels = RNG.integers(0, 256, (64, 64, 3), dtype=np.uint8)
-    with kit.serving([tiny_model_path], metrics_port=0, max_batch=8, max_queue_delay_ms=200) as (server, _port, stub):
+    with kit.serving_in(layout)([tiny_model_path], metrics_port=0, max_batch=8, max_queue_delay_ms=200) as (server, _port, stub):
         barrier = threading.Barrier(8)
         results = []
 
@@ -325,12 +329,12 @@ def test_metrics_tell_models_apart_and_leave_out_the_warm_up(kit, tiny_model_pat
         assert counted("scoremap_queue_depth", {"model": "other"}) == 0
 
 
-def test_a_full_queue_is_resource_exhausted_with_a_retry_hint(kit, tiny_model_path):
+def test_a_full_queue_is_resource_exhausted_with_a_retry_hint(kit, layout, tiny_model_path):
     """No room at all (--queue-depth 0): deterministic on any device, however fast the model."""
     from server.errors import RETRY_AFTER_KEY
 
     pixels = RNG.integers(0, 256, (64, 64, 3), dtype=np.uint8)
-    with kit.serving([tiny_model_path], queue_depth=0) as (_server, _port, stub):
+    with kit.serving_in(layout)([tiny_model_path], queue_depth=0) as (_server, _port, stub):
         with pytest.raises(grpc.RpcError) as caught:
             stub.Score(kit.raw_request(pixels, scales=[64]))
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--queue-depth" in caught.value.details()
@@ -346,7 +350,7 @@ def test_a_full_queue_is_resource_exhausted_with_a_retry_hint(kit, tiny_model_pa
         assert RETRY_AFTER_KEY not in dict(caught.value.trailing_metadata() or ())
 
 
-def test_a_lockstep_stream_gets_each_answer_before_sending_the_next(kit, tiny_model_path):
+def test_a_lockstep_stream_gets_each_answer_before_sending_the_next(kit, layout, tiny_model_path):
     import queue
 
     pixels = RNG.integers(0, 256, (64, 64, 3), dtype=np.uint8)
@@ -356,7 +360,7 @@ def test_a_lockstep_stream_gets_each_answer_before_sending_the_next(kit, tiny_mo
         while (request := outbox.get(timeout=30)) is not None:
             yield request
 
-    with kit.serving([tiny_model_path], stream_window=4) as (_server, _port, stub):
+    with kit.serving_in(layout)([tiny_model_path], stream_window=4) as (_server, _port, stub):
         answers = stub.ScoreStream(requests(), timeout=20)
         for i in range(3):  # fewer than the window: answers must not wait for it to fill
             outbox.put(kit.raw_request(pixels, scales=[64], request_id=f"id{i}"))

@@ -152,7 +152,7 @@ def test_each_further_plan_adds_less_than_one_plan_s_activations(heavy_pipeline)
         start = settled()
         score(heavy_pipeline, height, width)
         grown.append(settled() - start)
-    records = {str(record.key): record for record in heavy_pipeline.budget.plans()}
+    records = {str(record.key): record for record in heavy_pipeline.engine.budget.plans()}
     activations = records["1x320x320x1 passes"].predicted.activations
     assert first > 0.5 * activations, (first, activations)  # the arena grew by a block: the measure can see one
     for growth in grown:
@@ -175,7 +175,7 @@ def test_the_arena_keeps_the_largest_block_not_a_pile_of_them(heavy_pipeline):
         score(heavy_pipeline, 352, 352)
         score(heavy_pipeline, 320, 320)
     held = settled() - before
-    records = {str(record.key): record for record in heavy_pipeline.budget.plans()}
+    records = {str(record.key): record for record in heavy_pipeline.engine.budget.plans()}
     large, small = records["1x352x352x1 passes"], records["1x320x320x1 passes"]
     assert held < large.run_bytes + small.run_bytes // 2, (held, large.run_bytes, small.run_bytes)
     assert held > 0.8 * large.run_bytes, (held, large.run_bytes)

@@ -147,7 +147,7 @@ def test_on_a_24_gib_machine_the_default_budgets_hold_eight_48_megapixel_photos_
             admitted, refusals = [], []
             for _ in range(CALLS):
                 try:
-                    ticket = admission.admit(request, model, deadline=time.monotonic() + 600)
+                    ticket = admission.admit(request, model, engine=pipeline.engine, deadline=time.monotonic() + 600)
                     admitted.append(held.enter_context(ticket))
                 except ScoringError as error:
                     refusals.append(error)
@@ -155,6 +155,6 @@ def test_on_a_24_gib_machine_the_default_budgets_hold_eight_48_megapixel_photos_
             assert admitted and refusals and all(e.retry_after_seconds for e in refusals), refusals
             assert 1.5 * GiB < admitted[0].host.total < 2 * GiB, admitted[0].host.describe()
             assert in_flight <= model.host_budget.total_bytes == available // 4
-        assert model.host_budget.total_bytes + pipeline.budget.total_bytes < 24 * GiB  # requests and plans at most
+        assert model.host_budget.total_bytes + pipeline.engine.budget.total_bytes < 24 * GiB  # requests and plans at most
     finally:
         pipeline.close()

@@ -64,12 +64,12 @@ def test_a_session_read_a_little_below_its_new_weights_is_measured_and_further_b
     """CI read a session on shared weights 21 kB below the weights new to it (they filled free pages already
     resident) and threw the reading away: within what the resident set resolves, the session holds nothing of its
     own; megabytes below, memory was freed elsewhere and admission keeps the prediction."""
-    from server.scoring import plans as plans_module
+    from server.engine import plans as plans_module
     from server.scoring.pipeline import Pipeline
     from server.settings import Settings
 
     pipeline = Pipeline([default_model_path], settings=Settings(warm_up=False, provider="cpu"))
-    weights = next(iter(pipeline._models.values())).plans._weights
+    weights = pipeline.engine.served(next(iter(pipeline._models))).plans._weights
     measure, runs = plans_module.measure_footprint, []
 
     def session_read_below_its_weights(build, *, on_gpu):
@@ -83,7 +83,7 @@ def test_a_session_read_a_little_below_its_new_weights_is_measured_and_further_b
     monkeypatch.setattr(plans_module, "measure_footprint", session_read_below_its_weights)
     try:
         assert pipeline.score(raw_request(np.zeros((384, 384, 3), np.uint8), scales=[384])).top_k
-        [record] = pipeline.budget.plans()
+        [record] = pipeline.engine.budget.plans()
     finally:
         pipeline.close()
     if used:
@@ -111,11 +111,11 @@ def test_decoding_beside_a_plan_s_creation_does_not_count_as_its_memory(default_
     large = scoring_pb2.ScoreRequest(encoded=encoded.getvalue(), scales=[384])
     pipeline = Pipeline([default_model_path], settings=Settings(warm_up=False, provider="cpu",
                                                                 intra_op_threads=1))
-    caplog.set_level(logging.DEBUG, logger="server.scoring.plans")  # why a reading was not used, if it was not
+    caplog.set_level(logging.DEBUG, logger="server.engine.plans")  # why a reading was not used, if it was not
     try:
         alone = pipeline.score(scoring_pb2.ScoreRequest(encoded=encoded.getvalue(), scales=[384]))
         assert alone.top_k
-        [quiet] = pipeline.budget.plans()
+        [quiet] = pipeline.engine.budget.plans()
         assert quiet.measured_bytes is not None, caplog.text  # nothing else ran: measured
         stop, decoded = threading.Event(), []
 
@@ -135,7 +135,7 @@ def test_decoding_beside_a_plan_s_creation_does_not_count_as_its_memory(default_
             stop.set()
             for thread in threads:
                 thread.join()
-        [made] = [record for record in pipeline.budget.plans() if record.key != quiet.key]
+        [made] = [record for record in pipeline.engine.budget.plans() if record.key != quiet.key]
     finally:
         pipeline.close()
     assert made.measured_bytes is None and made.accounted_bytes == made.predicted.total

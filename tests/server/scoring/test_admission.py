@@ -29,7 +29,7 @@ def test_oversized_request_is_refused_with_the_numbers(kit, tiny_model_path, dev
     assert fits == 96
     pixels = np.zeros((64, 64, 3), dtype=np.uint8)
     with kit.serving([tiny_model_path], memory_budget_bytes=budget) as (server, _port, stub):
-        assert server.pipeline.budget.device is device
+        assert server.pipeline.engine.budget.device is device
         with pytest.raises(grpc.RpcError) as caught:
             stub.Score(kit.raw_request(pixels, scales=[64, 512]))
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -48,7 +48,7 @@ def test_batches_are_cut_to_what_fits(kit, tiny_model_path, device):
     pixels = np.zeros((64, 64, 3), dtype=np.uint8)
     with kit.serving([tiny_model_path], memory_budget_bytes=budget, metrics_port=0, max_batch=8,
                      max_queue_delay_ms=50) as (server, _port, stub):
-        assert server.pipeline.budget.device is device
+        assert server.pipeline.engine.budget.device is device
         stub.Score(kit.raw_request(pixels, scales=[64], output_stride=16, flip=True))  # 2 items of 4 passes
         registry = server.metrics.registry
         count = registry.get_sample_value("scoremap_batch_size_count", {"model": "tiny"})

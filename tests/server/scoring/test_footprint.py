@@ -59,7 +59,7 @@ def admitted(pipeline: Pipeline, request: scoring_pb2.ScoreRequest) -> bool:
     """Whether admission takes the request (nothing is decoded or run); its refusal is raised unless it is about
     a size limit."""
     try:
-        with admission.admit(request, pipeline._model(""), deadline=None):
+        with admission.admit(request, pipeline._model(""), engine=pipeline.engine, deadline=None):
             return True
     except ScoringError as error:
         if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -69,7 +69,7 @@ def admitted(pipeline: Pipeline, request: scoring_pb2.ScoreRequest) -> bool:
 
 def refusal(pipeline: Pipeline, request: scoring_pb2.ScoreRequest) -> str:
     with pytest.raises(ScoringError) as caught:
-        with admission.admit(request, pipeline._model(""), deadline=None):
+        with admission.admit(request, pipeline._model(""), engine=pipeline.engine, deadline=None):
             pass
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds is None
     return caught.value.message
@@ -85,7 +85,7 @@ def test_a_photo_at_its_own_size_is_admitted_by_default(pipeline_of, photo):
     """The issue's request: 4000x3008 at scale 3008, stride 32, float32 maps (here of 1000 classes)."""
     pipeline = pipeline_of()
     request = scoring_pb2.ScoreRequest(encoded=photo, scales=[3008], return_maps=True, top_k=5)
-    with admission.admit(request, pipeline._model(""), deadline=None) as ticket:
+    with admission.admit(request, pipeline._model(""), engine=pipeline.engine, deadline=None) as ticket:
         assert ticket.jobs[0].resized == (3008, 4000) and ticket.host.total < 2**30
     assert admitted(pipeline, scoring_pb2.ScoreRequest(encoded=photo, scales=[4512], top_k=5))  # and beyond
 
@@ -114,7 +114,7 @@ def test_host_memory_beyond_the_limit_names_the_scale_stride_flip_and_maps_that_
     request = scoring_pb2.ScoreRequest(encoded=photo, scales=[3008], output_stride=16, flip=True,
                                        return_maps=True, map_dtype=scoring_pb2.FLOAT16, top_k=5)
     pipeline = pipeline_of(max_message_bytes=2**30 - 1)  # the response is no limit here
-    with admission.admit(request, pipeline._model(""), deadline=None) as ticket:
+    with admission.admit(request, pipeline._model(""), engine=pipeline.engine, deadline=None) as ticket:
         needed = ticket.host.total
     pipeline = pipeline_of(max_message_bytes=2**30 - 1, max_request_host_bytes=int(needed * 0.8))
     message = refusal(pipeline, request)
@@ -189,8 +189,8 @@ def test_maps_of_a_few_classes_keep_only_those_on_the_host_and_are_the_full_maps
         full = pipeline.score(scoring_pb2.ScoreRequest(**fields))
         few = pipeline.score(scoring_pb2.ScoreRequest(classes=[7, 3, 41], **fields))
         model = pipeline._model("")
-        with admission.admit(scoring_pb2.ScoreRequest(**fields), model, deadline=None) as whole, \
-                admission.admit(scoring_pb2.ScoreRequest(classes=[7, 3, 41], **fields), model, deadline=None) as part:
+        with admission.admit(scoring_pb2.ScoreRequest(**fields), model, engine=pipeline.engine, deadline=None) as whole, \
+                admission.admit(scoring_pb2.ScoreRequest(classes=[7, 3, 41], **fields), model, engine=pipeline.engine, deadline=None) as part:
             assert part.host.maps < whole.host.maps / 4 and whole.jobs[0].tiling is not None
     finally:
         pipeline.close()

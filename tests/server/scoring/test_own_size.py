@@ -76,7 +76,7 @@ def one_pass(path: str, name: str, encoded: bytes) -> scoring_pb2.ScoreResponse:
 def test_phone_photos_at_their_own_size_equal_one_pass_on_plans_warm_up_made(kit, tiny_path, photos):
     defaults = {name: getattr(Settings(), name) for name in ("intra_op_threads", "warm_up", "grpc_workers")}
     with kit.serving([tiny_path], http_port=0, **defaults) as (server, port, stub):  # every flag its default
-        plans = server.pipeline._model("").plans
+        plans = server.pipeline.engine.served(server.pipeline._model("").name).plans
         made = plans.made
         answers = {name: stub.Score(own_size(name, encoded=data, return_maps=True, top_k=3), timeout=120)
                    for name, data in photos.items()}

@@ -14,7 +14,8 @@ from PIL import Image
 
 from clients.api.results import decode_tensor
 from protos import scoring_pb2
-from server.scoring import admission, footprint, plans
+from server.engine import plans
+from server.scoring import admission, footprint
 from server.errors import ScoringError
 from server.metrics import Metrics
 from server.scoring.pipeline import Pipeline
@@ -167,7 +168,7 @@ def test_cpu_runners_score_side_by_side_as_one_runner_does(kit, heavy_model_path
         with kit.serving([heavy_model_path], cpu_runners=runners, intra_op_threads=1) as (server, _port, stub):
             with ThreadPoolExecutor(6) as pool:
                 answers[runners] = list(pool.map(lambda request: stub.Score(request, timeout=60), requests))
-            assert {record.owner.runners for record in server.pipeline.budget.plans()} == {runners}
+            assert {record.owner.runners for record in server.pipeline.engine.budget.plans()} == {runners}
     assert most == {1: 1, 2: 2}
     for one, two in zip(answers[1], answers[2]):
         assert [label.index for label in one.top_k] == [label.index for label in two.top_k]
@@ -206,34 +207,34 @@ def test_bad_requests_are_refused_before_any_compute(pipeline_of, fields, code, 
     with pytest.raises(ScoringError, match=words) as caught:
         pipeline.score(raw(np.zeros((64, 64, 3), dtype=np.uint8), **fields))
     assert caught.value.code == code
-    assert pipeline._model("").plans.made == 0  # refused before a plan was made or run
+    assert pipeline.engine.served(pipeline._model("").name).plans.made == 0  # refused before a plan was made or run
 
 
-def hold_runs(model) -> tuple[threading.Event, threading.Event]:
+def hold_runs(pipeline, model) -> tuple[threading.Event, threading.Event]:
     """Make `model`'s batches wait for the first event (the gate); the second is set once one has started."""
     gate, entered = threading.Event(), threading.Event()
-    run = model.batcher._run
+    run = pipeline.engine.served(model.name).batcher._run
 
     def held(works):
         entered.set()
         gate.wait(10)
         return run(works)
 
-    model.batcher._run = held
+    pipeline.engine.served(model.name).batcher._run = held
     return gate, entered
 
 
 def test_a_full_queue_is_refused_before_the_image_is_even_parsed(pipeline_of):
     pipeline = pipeline_of(patch_net(classes=3), queue_depth=1)
     model = pipeline._model("")
-    gate, entered = hold_runs(model)
+    gate, entered = hold_runs(pipeline, model)
     pixels = np.zeros((64, 64, 3), dtype=np.uint8)
     broken = scoring_pb2.ScoreRequest(encoded=b"\x89PNG\r\n\x1a\n" + b"\x00" * 64)  # its header cannot be read
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(pipeline.score, raw(pixels))
         assert entered.wait(10)
         second = pool.submit(pipeline.score, raw(pixels))  # holds the one place (--queue-depth 1)
-        while model.batcher.depth() == 0:
+        while pipeline.engine.served(model.name).batcher.depth() == 0:
             entered.wait(0.01)
         for request in (raw(pixels), broken):  # refused from the fields alone, with a retry hint
             with pytest.raises(ScoringError, match="queue full") as caught:
@@ -248,7 +249,7 @@ def test_a_full_queue_is_refused_before_the_image_is_even_parsed(pipeline_of):
         assert first.result().top_k and second.result().top_k
     with pytest.raises(ScoringError, match="cannot decode"):  # with room, its header is read, and found broken
         pipeline.score(broken)
-    assert model.batcher.depth() == 0 and pipeline.score(raw(pixels)).top_k  # the place it held is given back
+    assert pipeline.engine.served(model.name).batcher.depth() == 0 and pipeline.score(raw(pixels)).top_k  # the place it held is given back
 
 
 def test_a_request_still_decoding_holds_its_place_in_the_queue_until_it_is_queued_or_fails(pipeline_of):
@@ -266,7 +267,7 @@ def test_a_request_still_decoding_holds_its_place_in_the_queue_until_it_is_queue
     pixels = np.zeros((64, 64, 3), dtype=np.uint8)
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(pipeline.score, raw(pixels))
-        assert entered.wait(10) and model.batcher.depth() == 1  # admitted and decoding: its place is held
+        assert entered.wait(10) and pipeline.engine.served(model.name).batcher.depth() == 1  # admitted and decoding: its place is held
         with pytest.raises(ScoringError, match="queue full"):
             pipeline.score(raw(pixels))  # its place is taken all the same
         gate.set()
@@ -284,8 +285,8 @@ def test_a_call_cancelled_while_its_image_decodes_is_never_queued(pipeline_of):
     pipeline = pipeline_of(patch_net(classes=3), queue_depth=1)
     model = pipeline._model("")
     ran = []
-    run = model.batcher._run
-    model.batcher._run = lambda works: ran.append(works) or run(works)
+    run = pipeline.engine.served(model.name).batcher._run
+    pipeline.engine.served(model.name).batcher._run = lambda works: ran.append(works) or run(works)
     cancelled = threading.Event()
     decode = pipeline._canvases
 
@@ -353,7 +354,7 @@ def test_the_response_size_estimate_holds_every_response(pipeline_of, fields):
     pipeline = pipeline_of(patch_net(classes=500))
     model = pipeline._model("")
     request = raw(np.zeros((96, 128, 3), dtype=np.uint8), **fields)
-    with admission.admit(request, model, deadline=None) as order:
+    with admission.admit(request, model, engine=pipeline.engine, deadline=None) as order:
         estimate = footprint.response_bytes(request, model, order.jobs)
     assert pipeline.score(request).ByteSize() <= estimate
 
@@ -362,13 +363,13 @@ def test_an_item_queued_past_max_queue_ms_is_dropped_before_compute(pipeline_of)
     metrics = Metrics()
     pipeline = pipeline_of(patch_net(classes=3), metrics=metrics, max_queue_ms=50)
     model = pipeline._model("")
-    gate, entered = hold_runs(model)
+    gate, entered = hold_runs(pipeline, model)
     pixels = np.zeros((64, 64, 3), dtype=np.uint8)
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(pipeline.score, raw(pixels))
         assert entered.wait(10)
         second = pool.submit(pipeline.score, raw(pixels))  # admitted: nothing waits ahead of it yet
-        while model.batcher.depth() == 0:
+        while pipeline.engine.served(model.name).batcher.depth() == 0:
             entered.wait(0.01)
         time.sleep(0.2)  # it waits past the 50 ms limit behind the held run
         gate.set()

@@ -28,7 +28,7 @@ from protos.scoring_pb2 import SHIFT_DIAGONAL, SHIFT_GRID, SHIFT_NONE
 from server.geometry import buckets, dense, tiling
 from server.errors import ScoringError
 from server.scoring.pipeline import Pipeline
-from server.scoring.plans import PlanKey
+from server.engine.plans import PlanKey
 from server.settings import Settings
 from tests.clients.slides.nets import UNIT, tiny_classifier
 
@@ -95,7 +95,7 @@ def assert_same_answer(tiled: scoring_pb2.ScoreResponse, whole: scoring_pb2.Scor
 
 
 def plan_shapes(pipeline: Pipeline) -> set[tuple[int, int]]:
-    return {(key.height, key.width) for key in pipeline._model("").plans._plans}
+    return {(key.height, key.width) for key in pipeline.engine.served(pipeline._model("").name).plans._plans}
 
 
 @pytest.mark.parametrize("flip", [False, True], ids=["plain", "flip"])
@@ -254,7 +254,7 @@ def test_mixed_traffic_from_224_to_8000_px_runs_only_the_configured_plan_shapes(
                                    max_queue_ms=600_000)  # the large requests' tiles are a long queue
     pipeline = Pipeline([tiny_paths[True]], settings=settings)
     made: list[PlanKey] = []
-    plans = pipeline._model("").plans
+    plans = pipeline.engine.served(pipeline._model("").name).plans
     get = plans.get
 
     def recorded(key: PlanKey):
@@ -284,14 +284,14 @@ def test_admission_counts_a_tiled_request_s_tiles_in_its_queue_places_host_bytes
     pipeline = Pipeline([tiny_paths[True]], settings=dataclasses.replace(SETTINGS, shape_buckets=SMALL))
     model = pipeline._model("")
     try:
-        with admission.admit(request_of(pixels, **fields), model, deadline=None) as ticket:
+        with admission.admit(request_of(pixels, **fields), model, engine=pipeline.engine, deadline=None) as ticket:
             job = ticket.jobs[0]
             items = 2 * len(job.tiles)  # each tile and its mirror
-            assert job.tiling is not None and ticket.places.items == items and model.batcher.depth() == items
+            assert job.tiling is not None and ticket.places.items == items and pipeline.engine.served(model.name).batcher.depth() == items
             canvases = items * job.canvas[0] * job.canvas[1] * 3
             assert ticket.host.inputs >= canvases and ticket.host.resized >= 617 * 541 * 3
             expected = footprint.response_bytes(ticket.request, model, ticket.jobs)
-        assert model.batcher.depth() == 0 and model.host_budget.in_flight_bytes() == 0  # given back
+        assert pipeline.engine.served(model.name).batcher.depth() == 0 and model.host_budget.in_flight_bytes() == 0  # given back
         answer = pipeline.score(request_of(pixels, **fields))
         assert answer.ByteSize() <= expected
     finally:

@@ -11,10 +11,10 @@ import grpc
 import numpy as np
 import pytest
 
-from server.scoring import batcher as batcher_module
-from server.scoring.admission import queue_places
-from server.scoring.batcher import Batcher, Dropped, Work
-from server.errors import Refusal, ScoringError
+from server.engine import batcher as batcher_module
+from server.scoring.admission import no_room
+from server.engine.batcher import Batcher, Dropped, Work
+from server.errors import NoRoom, Refusal, ScoringError
 from server.metrics import Metrics
 from server.scoring.pipeline import Pipeline
 from server.scoring.request import GroupKey
@@ -41,6 +41,14 @@ def gated():
     yield runner, batcher
     runner.gate.set()
     batcher.close()
+
+
+def queue_places(batcher: Batcher, items: int, *, deadline: float | None):
+    """`items` places in `batcher`'s queue, or admission's refusal saying why there is none."""
+    held = batcher.reserve(items, deadline=deadline)
+    if isinstance(held, NoRoom):
+        raise no_room(held, deadline=deadline)
+    return held
 
 
 def works(count: int, key="a", *, limit: int = 4, deadline: float | None = None) -> list[Work]:
@@ -108,7 +116,7 @@ def test_a_cpu_batch_takes_the_items_its_first_plan_run_scores(tiny_model_path):
     settings = dataclasses.replace(Settings(), max_batch=4, warm_up_scales=(64,), intra_op_threads=1)
     pipeline = Pipeline([tiny_model_path], settings=settings)
     try:
-        plans = pipeline._model("").plans
+        plans = pipeline.engine.served(pipeline._model("").name).plans
         warmed = next(key for key in plans._plans if key.batch == 4)
         group = GroupKey(warmed.height, warmed.width, warmed.passes)
         # nothing measured: the largest exact bucket first
@@ -380,7 +388,7 @@ def test_expired_work_is_dropped_before_compute(tiny_model_path, kit):
         with pytest.raises(ScoringError, match="deadline") as caught:
             pipeline.score(request, deadline=time.monotonic() - 0.001)
         assert caught.value.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
-        assert model.batcher.depth() == 0
+        assert pipeline.engine.served(model.name).batcher.depth() == 0
         assert metrics.registry.get_sample_value("scoremap_batch_size_count", {"model": "tiny"}) is None  # never ran
         assert pipeline.score(request, deadline=time.monotonic() + 30).maps
     finally:
@@ -404,7 +412,7 @@ def test_a_failing_batch_hook_never_stops_the_worker():
 
 
 def test_close_waits_for_the_running_batch_at_most_close_seconds(monkeypatch):
-    from server.scoring import batcher as batcher_module
+    from server.engine import batcher as batcher_module
 
     monkeypatch.setattr(batcher_module, "CLOSE_SECONDS", 0.2)
     runner = GatedRunner()

@@ -71,10 +71,17 @@ class Work:
     result: Any = None
     error: ScoringError | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    on_done: Callable[[Work], None] | None = None  # told once it ends, on the thread that ended it
 
     def fail(self, error: ScoringError) -> None:
         self.error = error.detached()
+        self.finish()
+
+    def finish(self) -> None:
+        """Its result or error is set: wake its caller, tell `on_done`."""
         self.done.set()
+        if self.on_done is not None:
+            self.on_done(self)
 
 
 class Batcher:
@@ -358,4 +365,4 @@ class Batcher:
             self._seconds_per_item = paced(self._seconds_per_item or None, per_item)
         for work, result in zip(batch, results):
             work.result, work.run_seconds = result, elapsed - setup
-            work.done.set()
+            work.finish()

@@ -16,7 +16,6 @@ import logging
 import threading
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -34,24 +33,12 @@ from server.engine.device_graph import (LATTICE, LATTICE_FP16, PIXELS, PROBABILI
 from server.engine.providers import Engine, EngineError
 from server.errors import Refusal, ScoringError
 from server.metrics import Metrics
-from server.scoring.batcher import Work, paced
+from server.engine.batcher import Work, paced
+from server.engine.client import PlanKey
 from server.scoring.request import GroupKey, Item, Scored
 
 LOG = logging.getLogger(__name__)
 MAKING = threading.Lock()  # held while a plan is made and measured: the readings are process-wide
-
-
-@dataclass(frozen=True)
-class PlanKey:
-    """The one shape a plan runs: canvas, batch size and passes."""
-
-    height: int
-    width: int
-    batch: int
-    passes: Passes
-
-    def __str__(self) -> str:
-        return f"{self.batch}x{self.height}x{self.width}x{len(self.passes.offsets)} passes"
 
 
 class Plan:

@@ -1,0 +1,194 @@
+"""The engine process and its fronts (`--fronts`) against one process, on this machine's CPU.
+
+`scoremap-serve` with the null model (bench/models.py: the device graph's work with next to no net), closed loops
+over gRPC, stride 32, top-5, one intra-op thread (a plan's run then takes its wall time in CPU). Three photos:
+samples/cat.jpg enlarged to 384, a 600x512 JPEG shrunk to 384, a 12-megapixel JPEG shrunk to 768. Per level:
+throughput, p50, and each process's CPU per request from /proc. The engine's own work per request is its CPU
+less its plans' run (the responses' inference time, measured in the same level). Targets (the engine split's):
+the engine's own CPU per request <= 0.3 ms; a front's CPU per request no more than the single process's;
+at one client the split adds <= 0.3 ms p50; batching on >= 0.95x off at 1 and 4 clients; `--fronts 2` >= 0.85x
+the single process's req/s at 16 clients; the idle server with 2 fronts <= 350 MiB PSS + 60 MiB per front,
+shared memory counted.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import statistics
+import tempfile
+import time
+
+import grpc
+from PIL import Image
+
+from bench.bench_overload import CLOCK_TICKS, process_cpu_seconds, start_server
+from bench.models import null_model
+from clients.loadtest.run import LevelPlan, LoadLimits, closed_loop
+from protos import scoring_pb2, scoring_pb2_grpc
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SECONDS = 6.0
+FRONTS = 2
+CLIENTS = 16
+ENGINE_TARGET_MS = 0.3
+LATENCY_TARGET_MS = 0.3
+RATE_TARGET = 0.85
+BATCHING_TARGET = 0.95
+BATCHING = {"on": ("--max-batch", "8"), "off": ("--max-batch", "1")}
+IDLE_TARGET_MIB = 350
+PER_FRONT_MIB = 60
+
+
+def photos() -> dict[str, tuple[bytes, int]]:
+    """The requests' images and scales: enlarged, shrunk, and a phone photo shrunk."""
+    def jpeg(image: Image.Image) -> bytes:
+        out = io.BytesIO()
+        image.save(out, "JPEG", quality=90)
+        return out.getvalue()
+
+    coffee = Image.open(ROOT / "samples" / "coffee.jpg").convert("RGB")
+    rocket = Image.open(ROOT / "samples" / "rocket.jpg").convert("RGB")
+    return {
+        "cat.jpg 451x300 enlarged to 384": ((ROOT / "samples" / "cat.jpg").read_bytes(), 384),
+        "600x512 JPEG shrunk to 384": (jpeg(coffee.resize((600, 512), Image.Resampling.BICUBIC)), 384),
+        "12 Mpx JPEG (4000x3000) shrunk to 768": (jpeg(rocket.resize((4000, 3000), Image.Resampling.BICUBIC)), 768),
+    }
+
+
+def own_cpu_seconds(pid: int) -> float:
+    """User + system CPU of process `pid` alone (its threads, not its children)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def roles(pid: int) -> dict[str, int]:
+    """A split server's processes by their title ("engine", "front 0", ...); {} for one process."""
+    found = {}
+    for path in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(path.read_text().rsplit(")", 1)[1].split()[1])
+            title = (path.parent / "cmdline").read_bytes().split(b"\0")[0].decode()
+        except (OSError, ValueError):
+            continue
+        if parent == pid and title.startswith("scoremap-serve: "):
+            found[title.removeprefix("scoremap-serve: ")] = int(path.parent.name)
+    return found
+
+
+def pss_mib(pid: int) -> float:
+    """Proportional set size (shared pages, shared memory among them, split between their users)."""
+    for line in pathlib.Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image: bytes, scale: int,
+          flags: tuple[str, ...] = ()) -> dict[str, float]:
+    """One closed loop on a server of its own: req/s, p50 ms, inference ms per request (the responses'), CPU ms per
+    request of the whole server and of each role."""
+    server, address, _metrics = start_server(model, folder / "server.log",
+                                             ("--fronts", str(fronts), "--intra-op-threads", "1", *flags))
+    try:
+        request = scoring_pb2.ScoreRequest(encoded=image, scales=[scale])
+        with grpc.insecure_channel(address) as channel:
+            stub = scoring_pb2_grpc.DenseScoringStub(channel)
+            inference = statistics.median(stub.Score(request, timeout=120).timings.inference_ms for _ in range(5))
+            processes = roles(server.pid)
+            before = {role: own_cpu_seconds(pid) for role, pid in processes.items()}
+            whole = process_cpu_seconds(server.pid)
+            limits = LoadLimits()
+            plan = LevelPlan(duration_s=SECONDS, max_requests=limits.max_requests, timeout_s=120.0, warmup=clients)
+            report = closed_loop(stub, [request], concurrency=clients, plan=plan, limits=limits)
+            sent = max(report.sent, 1)
+            figures = {"rate": report.throughput_rps, "p50": report.p50_ms, "inference": inference,
+                       "cpu": 1000 * (process_cpu_seconds(server.pid) - whole) / sent}
+            for role, pid in processes.items():
+                figures[role] = 1000 * (own_cpu_seconds(pid) - before[role]) / sent
+            if report.errors:
+                raise RuntimeError(f"--fronts {fronts}, {clients} clients: requests failed: {report.errors}")
+    finally:
+        server.terminate()
+        server.wait(60)
+    return figures
+
+
+def idle_memory(model: str, folder: pathlib.Path) -> tuple[float, dict[str, float]]:
+    """The idle split server's PSS, whole and by role, after one request of each photo."""
+    server, address, _metrics = start_server(model, folder / "idle.log", ("--fronts", str(FRONTS)))
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = scoring_pb2_grpc.DenseScoringStub(channel)
+            for image, scale in photos().values():
+                stub.Score(scoring_pb2.ScoreRequest(encoded=image, scales=[scale]), timeout=120)
+        time.sleep(3)  # the arena's idle release
+        each = {role: pss_mib(pid) for role, pid in roles(server.pid).items()}
+        return pss_mib(server.pid) + sum(each.values()), each
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def run() -> str:
+    rows, verdicts = [], []
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = pathlib.Path(scratch)
+        model = null_model(scratch)
+        for name, (image, scale) in photos().items():
+            single = level(model, folder, fronts=0, clients=CLIENTS, image=image, scale=scale)
+            split = level(model, folder, fronts=FRONTS, clients=CLIENTS, image=image, scale=scale)
+            one_single = level(model, folder, fronts=0, clients=1, image=image, scale=scale)
+            one_split = level(model, folder, fronts=FRONTS, clients=1, image=image, scale=scale)
+            engine_own = split["engine"] - split["inference"]
+            front_cpu = max(split[f"front {i}"] for i in range(FRONTS))
+            rate, added = split["rate"] / single["rate"], one_split["p50"] - one_single["p50"]
+            rows.append(f"| {name} | {single['rate']:.1f} / {split['rate']:.1f} = {rate:.2f}x | "
+                        f"{single['cpu']:.2f} / {split['cpu']:.2f} | {front_cpu:.2f} | {split['engine']:.2f} - "
+                        f"{split['inference']:.2f} = {engine_own:.2f} | {one_single['p50']:.2f} / "
+                        f"{one_split['p50']:.2f} ({added:+.2f}) |")
+            verdicts.append((name, engine_own <= ENGINE_TARGET_MS, front_cpu <= single["cpu"],
+                             added <= LATENCY_TARGET_MS, rate >= RATE_TARGET))
+        image, scale = photos()["cat.jpg 451x300 enlarged to 384"]
+        batching = {}
+        for clients in (1, 4):
+            rates = {mode: statistics.mean(level(model, folder, fronts=FRONTS, clients=clients, image=image,
+                                                 scale=scale, flags=BATCHING[mode])["rate"] for _ in range(2))
+                     for mode in ("on", "off")}
+            batching[clients] = rates["on"] / rates["off"]
+        idle, each = idle_memory(model, folder)
+    idle_target = IDLE_TARGET_MIB + PER_FRONT_MIB * FRONTS
+
+    def said(ok: bool) -> str:
+        return "met" if ok else "missed"
+
+    lines = [
+        "## The engine process and its fronts (bench_split)",
+        "",
+        f"Null model, `--intra-op-threads 1`, stride 32, top-5, closed loops of {SECONDS:.0f} s over gRPC, each on a "
+        f"server of its own: one process (`--fronts 0`) against `--fronts {FRONTS}` (an engine process and "
+        f"{FRONTS} fronts); CPU from /proc per process over every request sent.",
+        "",
+        f"| photo | req/s at {CLIENTS} clients, one / split | server CPU ms per request, one / split | a front's CPU "
+        "ms | the engine's CPU less its plans' run, ms | p50 ms at 1 client, one / split (added) |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+    for name, engine_ok, front_ok, latency_ok, rate_ok in verdicts:
+        lines.append(f"- {name}: the engine's own work <= {ENGINE_TARGET_MS} ms {said(engine_ok)}; a front's CPU <= "
+                     f"the single process's {said(front_ok)}; <= {LATENCY_TARGET_MS} ms added at one client "
+                     f"{said(latency_ok)}; >= {RATE_TARGET}x the single process's req/s {said(rate_ok)}.")
+    lines += [
+        f"- Batching on / off with `--fronts {FRONTS}` (cat.jpg, two levels each): "
+        + ", ".join(f"{ratio:.3f}x at {clients} client{'s' * (clients > 1)}" for clients, ratio in batching.items())
+        + f"; target >= {BATCHING_TARGET}x: {said(min(batching.values()) >= BATCHING_TARGET)}.",
+        f"- Idle with {FRONTS} fronts after one request of each photo: {idle:.0f} MiB PSS in all ("
+        + ", ".join(f"{role} {mib:.0f}" for role, mib in sorted(each.items()))
+        + f", the supervisor the rest); target <= {idle_target} MiB: {said(idle <= idle_target)}.",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(run())

@@ -1,0 +1,144 @@
+"""The engine as the request path sees it: one small interface, two ways to reach it.
+
+The front side (admission, decoding, assembly) asks the engine for room, runs a request's items, cancels them and
+gives room back only through an `EngineClient`; nothing else of the engine crosses. `server/engine/core.py`'s
+`EngineCore` is the engine in the calling process; `server/engine/remote.py`'s `RemoteClient` reaches an engine
+process (`server/engine/process.py`) over ZMQ with the canvases and lattices in shared memory, as vLLM V1's
+`InprocClient` and `MPClient` do. This module imports nothing that opens a session.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from convert.memory_model import Device
+from server.errors import NoRoom
+from server.geometry.dense import Passes
+from server.scoring.request import GroupKey, Item, ItemKey, Scored
+
+__all__ = ["CanvasStore", "EngineClient", "EngineFacts", "HeapCanvases", "Places", "PlanKey", "Ran", "Submission"]
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """The one shape a plan runs: canvas, batch size and passes."""
+
+    height: int
+    width: int
+    batch: int
+    passes: Passes
+
+    def __str__(self) -> str:
+        return f"{self.batch}x{self.height}x{self.width}x{len(self.passes.offsets)} passes"
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the front side needs to know of the engine before it admits anything: where plans run and what
+    memory they may hold (the front predicts a request's plans against it; the engine accounts them)."""
+
+    provider: str
+    device: Device
+    memory_budget_bytes: int | None
+    runners: int
+    max_batch: int
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device is Device.CUDA
+
+
+class Places(Protocol):
+    """A request's places in a model's queue, held from admission until its items are queued."""
+
+    items: int
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One item of a request to run: which it is, the batch group it may share, and its limits."""
+
+    key: ItemKey
+    group: GroupKey
+    item: Item
+    limit: int  # items of its canvas one batch may hold
+    deadline: float | None
+
+
+@dataclass
+class Ran:
+    """One item's result and where its time went (the response's timings)."""
+
+    scored: Scored
+    enqueued: float
+    started: float
+    run_seconds: float
+    batch_id: int
+
+
+class CanvasStore(Protocol):
+    """Where one request's arrays are made (its canvases, and the lattices the engine gives back): `allocate`
+    gives an array to write, `release` frees them all."""
+
+    def allocate(self, shape: tuple[int, ...], dtype: type = np.uint8) -> np.ndarray: ...
+
+    def release(self) -> None: ...
+
+
+class HeapCanvases:
+    """Canvases on the process's heap (the engine runs in this process)."""
+
+    @staticmethod
+    def allocate(shape: tuple[int, ...], dtype: type = np.uint8) -> np.ndarray:
+        return np.empty(shape, dtype=dtype)
+
+    def release(self) -> None:
+        pass
+
+
+class EngineClient(abc.ABC):
+    """The engine's five verbs: room, release, run (submit and wait, cancelled with the call), warm and close.
+
+    Refusals come back as `ScoringError`s with the same words and retry hints however the engine is reached;
+    `on_ready`, when set, hears True when the engine can run requests and False when it cannot (health)."""
+
+    facts: EngineFacts
+    on_ready: Callable[[bool], None] | None = None
+
+    @abc.abstractmethod
+    def reserve(self, model: str, items: int, *, deadline: float | None) -> Places | NoRoom:
+        """Hold `items` places in `model`'s queue for a request about to decode, or say why there is none."""
+
+    @abc.abstractmethod
+    def release(self, model: str, places: Places) -> None:
+        """Give back what `places` still holds (nothing once its items are queued)."""
+
+    @abc.abstractmethod
+    def run(self, model: str, places: Places, submissions: Sequence[Submission], *, canvases: CanvasStore,
+            cancelled: threading.Event | None) -> dict[ItemKey, Ran]:
+        """Queue a request's items in the places it held and wait for their results (arrays made in `canvases`,
+        where its canvases are); raises the first item's refusal, CANCELLED when `cancelled` is set,
+        DEADLINE_EXCEEDED when its deadline passes in the queue."""
+
+    @abc.abstractmethod
+    def warm(self, model: str, keys: Sequence[PlanKey]) -> list[str]:
+        """Make and run the plans of `keys` (each once: a plan made already is kept); the failures, one line each."""
+
+    @property
+    def ready(self) -> bool:
+        """Whether the engine can run requests now (an engine process may be gone, or starting again)."""
+        return True
+
+    def canvases(self) -> CanvasStore:
+        """Where a request's canvases go: the heap, unless the engine reads them from shared memory."""
+        return HeapCanvases()
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop: queued work fails with UNAVAILABLE."""

@@ -1,0 +1,203 @@
+"""What crosses between a front process and the engine process: typed msgspec structs over ZMQ.
+
+Every message is small: ids, places, shapes, offsets into the front's shared-memory region
+(server/engine/shm.py), deadlines (time.monotonic(), one clock for every process of a machine). Pixels and
+lattices stay in shared memory; only an array the region had no room for travels inline, as bytes. Nothing
+is pickled, and nothing holds a lock, event or object of the other side (vLLM V1's serial_utils does the same).
+Decoded with one tagged-union decoder per direction.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from server.engine.client import EngineFacts, PlanKey
+from server.errors import NoRoom, Refusal, ScoringError, Transient
+from server.geometry.dense import Passes
+from convert.memory_model import Device
+
+__all__ = ["Abort", "Done", "Failed", "Facts", "ItemSpec", "Release", "Reserve", "Room", "Submit", "Warm", "Warmed",
+           "decode_from_engine", "decode_to_engine", "encode"]
+
+STRUCT = dict(tag=True, array_like=True, omit_defaults=True, gc=False)
+
+
+class PassesSpec(msgspec.Struct, array_like=True, gc=False):
+    stride: int
+    factor: int
+    shift: int
+    offsets: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, passes: Passes) -> PassesSpec:
+        return cls(passes.stride, passes.factor, passes.shift, [tuple(offset) for offset in passes.offsets])
+
+    def passes(self) -> Passes:
+        return Passes(self.stride, self.factor, self.shift, tuple(tuple(offset) for offset in self.offsets))
+
+
+# --- front to engine ----------------------------------------------------------------------------------------
+class Reserve(msgspec.Struct, **STRUCT):
+    """Hold `items` places in `model`'s queue (answered by `Room`)."""
+
+    front: int
+    call: int
+    model: str
+    items: int
+    deadline: float | None = None
+
+
+class Release(msgspec.Struct, **STRUCT):
+    """Give back the places call `call` holds (nothing once its items are queued)."""
+
+    front: int
+    call: int
+
+
+class ItemSpec(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One item: its batch group, what its plan gives back, and where its canvas and lattice are in the region
+    (offset -1: the canvas inline in `Submit.inline`, or no lattice wanted)."""
+
+    height: int
+    width: int
+    passes: PassesSpec
+    cells: tuple[int, int]
+    canvas_offset: int
+    limit: int
+    lattice: str | None = None
+    lattice_offset: int = -1
+    lattice_bytes: int = 0  # the place the front made for it: a larger lattice comes back inline
+    traffic: bool = True
+    kept: tuple[int, int, int, int] | None = None  # rows start, stop, columns start, stop
+    classes: tuple[int, ...] = ()
+    deadline: float | None = None
+    inline: bytes = b""
+
+
+class Submit(msgspec.Struct, **STRUCT):
+    """Queue call `call`'s items in the places it holds (answered by one `Done` or `Failed` per item)."""
+
+    front: int
+    call: int
+    model: str
+    region: str
+    items: list[ItemSpec]
+
+
+class Abort(msgspec.Struct, **STRUCT):
+    """The call ended (cancelled, its deadline passed, or its items are no longer wanted): drop what has not run."""
+
+    front: int
+    call: int
+
+
+class Warm(msgspec.Struct, **STRUCT):
+    """Make and run these plans of `model` (answered by `Warmed`)."""
+
+    front: int
+    call: int
+    model: str
+    keys: list[tuple[int, int, int, PassesSpec]]
+
+
+# --- engine to front ----------------------------------------------------------------------------------------
+class Facts(msgspec.Struct, **STRUCT):
+    """The engine is up, and what the front needs to know of it; sent to every front once the engine has warmed."""
+
+    provider: str
+    device: str
+    memory_budget_bytes: int | None
+    runners: int
+    max_batch: int
+    classes: dict[str, int]
+
+    def facts(self) -> EngineFacts:
+        return EngineFacts(self.provider, Device(self.device), self.memory_budget_bytes, self.runners, self.max_batch)
+
+
+class Room(msgspec.Struct, **STRUCT):
+    """The answer to `Reserve`: places held (`granted`), or why not with the numbers (`NoRoom`'s fields)."""
+
+    call: int
+    granted: bool
+    why: str | None = None
+    closed: bool = False
+    waiting: int = 0
+    adding: int = 0
+    depth: int = 0
+    wait: float = 0.0
+    margin: float = 0.0
+    done: float = 0.0
+    max_queue: float = 0.0
+    seconds_per_item: float = 0.0
+
+    @classmethod
+    def refused(cls, call: int, busy: NoRoom) -> Room:
+        return cls(call, False, busy.why.name if busy.why is not None else None, busy.why is None, busy.waiting,
+                   busy.adding, busy.depth, busy.wait, busy.margin, busy.done, busy.max_queue, busy.seconds_per_item)
+
+    def no_room(self) -> NoRoom:
+        return NoRoom(None if self.closed else Transient[self.why], self.waiting, self.adding, self.depth, self.wait,
+                      self.margin, self.done, self.max_queue, self.seconds_per_item)
+
+
+class Done(msgspec.Struct, **STRUCT):
+    """Item `index` of call `call` ran: its probabilities inline, its lattice (when it asked for one: shape and
+    dtype) in the region, or `lattice` inline when it had no place there, and its timings."""
+
+    call: int
+    index: int
+    probabilities: bytes
+    planning_seconds: float
+    enqueued: float
+    started: float
+    run_seconds: float
+    batch_id: int
+    lattice_shape: tuple[int, ...] = ()
+    lattice_dtype: str = ""
+    lattice: bytes = b""
+
+
+class Failed(msgspec.Struct, **STRUCT):
+    """Call `call` failed (every item of it): the refusal as the engine said it."""
+
+    call: int
+    refusal: str
+    message: str
+    retry_after_seconds: float | None = None
+
+    @classmethod
+    def of(cls, call: int, error: ScoringError) -> Failed:
+        return cls(call, error.refusal.name, error.message, error.retry_after_seconds)
+
+    def error(self) -> ScoringError:
+        return ScoringError(Refusal[self.refusal], self.message, retry_after_seconds=self.retry_after_seconds)
+
+
+class Warmed(msgspec.Struct, **STRUCT):
+    call: int
+    failures: list[str]
+
+
+ToEngine = Reserve | Release | Submit | Abort | Warm
+FromEngine = Facts | Room | Done | Failed | Warmed
+_ENCODER = msgspec.msgpack.Encoder()
+_TO_ENGINE = msgspec.msgpack.Decoder(ToEngine)
+_FROM_ENGINE = msgspec.msgpack.Decoder(FromEngine)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _ENCODER.encode(message)
+
+
+def decode_to_engine(data: bytes | memoryview) -> ToEngine:
+    return _TO_ENGINE.decode(data)
+
+
+def decode_from_engine(data: bytes | memoryview) -> FromEngine:
+    return _FROM_ENGINE.decode(data)
+
+
+def plan_key(spec: tuple[int, int, int, PassesSpec]) -> PlanKey:
+    height, width, batch, passes = spec
+    return PlanKey(height, width, batch, passes.passes())

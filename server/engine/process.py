@@ -1,0 +1,321 @@
+"""The engine process's loop: the fronts' messages in, results out, beside the batcher's busy runners.
+
+As vLLM V1's `EngineCoreProc`: an input thread receives every front's messages on one socket and acts on them
+(room, release, submit, abort go straight to the in-process engine, whose batcher is thread-safe; a warm-up runs
+on a thread of its own), an output thread answers each front on its own socket, and a watch thread hears when a
+front connects (it is told the engine's facts, so a front started again finds the engine) or goes away (what
+it held is freed: its places, its queued items, its shared-memory region). ZMQ releases the GIL while it waits,
+so these threads cost the runners little.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from server.engine.batcher import Reservation, Work
+from server.engine.client import Submission
+from server.engine.core import EngineCore
+from server.engine.messages import (Abort, Done, Facts, Failed, Release, Reserve, Room, Submit, Warm, Warmed,
+                                    decode_to_engine, encode, plan_key)
+from server.engine.shm import Region, region_of_front
+from server.errors import NoRoom, Refusal, ScoringError
+from server.scoring.request import GroupKey, Item, ItemKey
+
+__all__ = ["EngineLoop"]
+
+LOG = logging.getLogger(__name__)
+LINGER_MS = 0  # a closing engine drops what it could not send: its fronts see it gone and refuse at once
+
+
+@dataclass(eq=False)
+class Call:
+    """One front's call as the engine holds it: its model, places, then its items."""
+
+    model: str
+    places: Reservation | None
+    works: list[Work] = field(default_factory=list)
+    specs: list = field(default_factory=list)
+    region: Region | None = None
+    left: int = 0
+    failed: bool = False
+
+
+class EngineLoop:
+    """Serves `core` to the fronts: `fronts` maps each front's index to the address its results go to."""
+
+    def __init__(self, core: EngineCore, *, input_address: str, fronts: dict[int, str], classes: dict[str, int],
+                 on_idle: Callable[[], None] | None = None) -> None:
+        self.core = core
+        self._context = zmq.Context()
+        self._input = self._context.socket(zmq.PULL)
+        self._input.bind(input_address)
+        self._fronts = fronts
+        self._facts = encode(Facts(core.facts.provider, core.facts.device.value, core.facts.memory_budget_bytes,
+                                   core.facts.runners, core.facts.max_batch, classes))
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._calls: dict[tuple[int, int], Call] = {}
+        self._regions: dict[str, Region] = {}
+        self._lock = threading.Lock()  # the calls and regions: the input, output and watch threads share them
+        self._on_idle = on_idle
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        ready = threading.Event()
+        monitors: dict[int, zmq.Socket] = {}
+        self._threads = [
+            threading.Thread(target=self._receive, name="engine-input", daemon=True),
+            threading.Thread(target=self._send, args=(monitors, ready), name="engine-output", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        ready.wait()
+        watch = threading.Thread(target=self._watch, args=(monitors,), name="engine-watch", daemon=True)
+        watch.start()
+        self._threads.append(watch)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until no front's call is held (the fronts drain first), at most `timeout` seconds."""
+        ends = time.monotonic() + timeout
+        while time.monotonic() < ends:
+            with self._lock:
+                if not self._calls:
+                    return True
+            time.sleep(0.05)
+        return False
+
+    def stop(self) -> None:
+        """Stop answering; the engine itself is closed by its owner."""
+        self._stopping.set()
+        self._out.put(None)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self._input.close(linger=LINGER_MS)
+        self._context.destroy(linger=LINGER_MS)
+
+    # --- input ---------------------------------------------------------------------------------------------
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._input, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(100):
+                continue
+            data = self._input.recv(copy=False)
+            try:
+                message = decode_to_engine(data.buffer)
+            except Exception:
+                LOG.exception("a message the engine cannot read: dropped")
+                continue
+            try:
+                self._dispatch(message)
+            except Exception:  # a bug in one call's handling never stops the engine's input
+                LOG.exception("the engine failed handling %s", type(message).__name__)
+
+    def _dispatch(self, message) -> None:
+        if isinstance(message, Reserve):
+            self._reserve(message)
+        elif isinstance(message, Submit):
+            self._submit(message)
+        elif isinstance(message, Release):
+            with self._lock:
+                call = self._calls.pop((message.front, message.call), None)
+            if call is not None and call.places is not None:
+                self.core.release(call.model, call.places)
+        elif isinstance(message, Abort):
+            self._abort(message.front, message.call)
+        elif isinstance(message, Warm):
+            threading.Thread(target=self._warm, args=(message,), name="engine-warm", daemon=True).start()
+
+    def _reserve(self, message: Reserve) -> None:
+        try:
+            held = self.core.reserve(message.model, message.items, deadline=message.deadline)
+        except ScoringError as error:
+            self._answer(message.front, Failed.of(message.call, error))
+            return
+        if isinstance(held, NoRoom):
+            self._answer(message.front, Room.refused(message.call, held))
+            return
+        with self._lock:
+            self._calls[(message.front, message.call)] = Call(message.model, held)
+        self._answer(message.front, Room(message.call, True))
+
+    def _submit(self, message: Submit) -> None:
+        key = (message.front, message.call)
+        with self._lock:
+            call = self._calls.get(key)
+            if call is None:  # aborted meanwhile, or never held places: the front no longer waits for it
+                return
+            try:
+                region = self._region(message.region)
+            except OSError as error:
+                self._calls.pop(key, None)
+                self._release(call)
+                self._answer(message.front, Failed.of(message.call, ScoringError(
+                    Refusal.INTERNAL, f"the engine cannot map the front's shared memory {message.region}: {error}")))
+                return
+        call.region, call.specs, call.left = region, message.items, len(message.items)
+        submissions = [submission(index, spec, region) for index, spec in enumerate(message.items)]
+        try:
+            call.works = self.core.submit(call.model, call.places, submissions,
+                                          on_done=functools.partial(self._finished, message.front, message.call))
+        except ScoringError as error:
+            with self._lock:
+                self._calls.pop(key, None)
+            self._answer(message.front, Failed.of(message.call, error))
+        finally:
+            call.places = None  # queued with its items (or given back by the refusal)
+
+    def _abort(self, front: int, call_id: int) -> None:
+        with self._lock:
+            call = self._calls.pop((front, call_id), None)
+        if call is not None:
+            self._release(call)
+
+    def _release(self, call: Call) -> None:
+        """Give back what a call no one waits for holds: its places, its items not yet run."""
+        if call.places is not None:
+            self.core.release(call.model, call.places)
+        if call.works:
+            self.core.cancel(call.model, call.works)
+
+    def _warm(self, message: Warm) -> None:
+        try:
+            failures = self.core.warm(message.model, [plan_key(key) for key in message.keys])
+        except ScoringError as error:
+            failures = [error.message]
+        self._answer(message.front, Warmed(message.call, failures))
+
+    def _region(self, name: str) -> Region:
+        """The front's region of `name`, mapped once (under the lock)."""
+        region = self._regions.get(name)
+        if region is None:
+            region = self._regions[name] = Region(name, create=False)
+        return region
+
+    # --- output --------------------------------------------------------------------------------------------
+    def _finished(self, front: int, call_id: int, work: Work) -> None:
+        """A batcher runner ended one of a call's items: the answer goes out on the output thread."""
+        self._out.put((front, call_id, work))
+
+    def _answer(self, front: int, message) -> None:
+        self._out.put((front, encode(message)))
+
+    def _send(self, monitors: dict[int, zmq.Socket], ready: threading.Event) -> None:
+        sockets = {}
+        for index, address in self._fronts.items():
+            socket = sockets[index] = self._context.socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, LINGER_MS)
+            monitors[index] = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            socket.connect(address)
+        ready.set()
+        while True:
+            entry = self._out.get()
+            if entry is None:
+                break
+            if len(entry) == 2:
+                front, data = entry
+            else:
+                front, data = entry[0], self._done(*entry)
+                if data is None:
+                    continue
+            if data == b"facts":
+                data = self._facts
+            try:
+                sockets[front].send(data, zmq.NOBLOCK)
+            except zmq.Again:  # the front is gone and its queue full: it will find the engine again on connect
+                LOG.warning("front %d is not taking answers; one dropped", front)
+        for socket in sockets.values():
+            socket.close(linger=LINGER_MS)
+
+    def _done(self, front: int, call_id: int, work: Work) -> bytes | None:
+        """The answer for one finished item: its result in the front's region (or inline), or the call's refusal
+        (once; its other items are then cancelled); None when no one waits for it any more."""
+        key = (front, call_id)
+        with self._lock:
+            call = self._calls.get(key)
+            if call is None or call.failed:
+                return None
+            index = call.works.index(work) if call.works else -1
+            if work.error is not None or index < 0:
+                call.failed = True
+                self._calls.pop(key, None)
+        if work.error is not None or index < 0:
+            if call.works:
+                self.core.cancel(call.model, call.works)
+            error = work.error or ScoringError(Refusal.INTERNAL, "the engine lost track of an item")
+            return encode(Failed.of(call_id, error))
+        spec, scored = call.specs[index], work.result
+        inline, lattice, shape, dtype = b"", scored.lattice, (), ""
+        if lattice is not None:
+            shape, dtype = lattice.shape, lattice.dtype.str
+            if 0 <= spec.lattice_offset and lattice.nbytes <= spec.lattice_bytes:
+                call.region.array(spec.lattice_offset, lattice.shape, lattice.dtype)[...] = lattice
+            else:
+                inline = lattice.tobytes()
+        with self._lock:
+            call.left -= 1
+            if call.left == 0:
+                self._calls.pop(key, None)
+            idle = not self._calls
+        if idle and self._on_idle is not None:
+            self._on_idle()
+        return encode(Done(call_id, index, scored.probabilities.astype(np.float32, copy=False).tobytes(),
+                           scored.planning_seconds, work.enqueued, work.started, work.run_seconds, work.batch_id,
+                           shape, dtype, inline))
+
+    # --- fronts coming and going ---------------------------------------------------------------------------
+    def _watch(self, monitors: dict[int, zmq.Socket]) -> None:
+        poller = zmq.Poller()
+        fronts = {}
+        for index, monitor in monitors.items():
+            poller.register(monitor, zmq.POLLIN)
+            fronts[monitor] = index
+        while not self._stopping.is_set():
+            for monitor, _ in poller.poll(100):
+                event = recv_monitor_message(monitor)["event"]
+                front = fronts[monitor]
+                if event == zmq.EVENT_CONNECTED:
+                    self._out.put((front, b"facts"))
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self._front_gone(front)
+        for monitor in fronts:
+            monitor.close(linger=0)
+
+    def _front_gone(self, front: int) -> None:
+        """A front went away: free every call it held and unmap its regions."""
+        with self._lock:
+            gone = [key for key in self._calls if key[0] == front]
+            calls = [self._calls.pop(key) for key in gone]
+            regions = {call.region.name for call in calls if call.region is not None}
+            regions.update(name for name in self._regions if region_of_front(name, front))
+            mapped = [self._regions.pop(name) for name in regions if name in self._regions]
+        for call in calls:
+            self._release(call)
+        for region in mapped:
+            region.close()
+        if calls:
+            LOG.warning("front %d went away: %d of its calls freed", front, len(calls))
+
+
+def submission(index: int, spec, region: Region) -> Submission:
+    """An item as the engine runs it: its canvas a view of the front's region (or its inline bytes)."""
+    shape = (spec.height, spec.width, 3)
+    if spec.canvas_offset >= 0:
+        canvas = region.array(spec.canvas_offset, shape, np.uint8)
+    else:
+        canvas = np.frombuffer(spec.inline, dtype=np.uint8).reshape(shape)
+    kept = None if spec.kept is None else (slice(spec.kept[0], spec.kept[1]), slice(spec.kept[2], spec.kept[3]))
+    item = Item(canvas, tuple(spec.cells), spec.lattice, spec.traffic, kept, tuple(spec.classes))
+    return Submission(ItemKey(index, False, 0), GroupKey(spec.height, spec.width, spec.passes.passes()), item,
+                      spec.limit, spec.deadline)
+

@@ -1,0 +1,312 @@
+"""The engine reached from a front process: `RemoteClient`, the `EngineClient` over ZMQ and shared memory.
+
+The front writes each canvas into its own shared-memory region (`ShmCanvases`), sends the engine a small
+typed message (server/engine/messages.py) and reads the lattices back from the same region. One socket sends
+(under a lock: the calls' threads share it), one receives on a thread of its own, which wakes each waiting
+call by its id; a watch thread hears the engine go (every call waiting then fails at once with UNAVAILABLE and
+a retry hint, and `on_ready(False)`) and a new engine's facts arrive when it is warm (`on_ready(True)`).
+Nothing here opens a session or imports onnxruntime.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from server.engine.client import CanvasStore, EngineClient, EngineFacts, Places, PlanKey, Ran, Submission
+from server.engine.device_graph import LATTICE_FP16
+from server.engine.messages import (Abort, Done, Facts, Failed, ItemSpec, PassesSpec, Release, Reserve, Room, Submit,
+                                    Warm, Warmed, decode_from_engine, encode)
+from server.engine.shm import Allocator, Region
+from server.errors import NoRoom, Refusal, ScoringError, Transient, retry_after
+from server.scoring.request import ItemKey, Scored
+
+__all__ = ["RemoteClient", "ShmCanvases"]
+
+LOG = logging.getLogger(__name__)
+POLL_SECONDS = 0.05  # how often a waiting call looks at its cancellation flag
+ENGINE_GONE = "the engine process is not running (it is being started again); retry shortly"
+
+
+@dataclass(frozen=True)
+class RemotePlaces:
+    """Places the engine holds for one call of this front."""
+
+    call: int
+    items: int
+
+
+@dataclass(eq=False)
+class Pending:
+    """A call waiting for the engine's answers."""
+
+    expected: int = 1
+    answers: dict[int, object] = field(default_factory=dict)
+    error: ScoringError | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class ShmCanvases:
+    """One request's arrays in the front's region; an array the region has no room for is made on the heap (and
+    sent inline)."""
+
+    def __init__(self, client: RemoteClient) -> None:
+        self._client = client
+        self._offsets: list[int] = []
+
+    def allocate(self, shape: tuple[int, ...], dtype: type = np.uint8) -> np.ndarray:
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        offset = self._client.allocator.allocate(nbytes)
+        if offset is None:
+            return np.empty(shape, dtype=dtype)
+        self._offsets.append(offset)
+        return self._client.region.array(offset, shape, dtype)
+
+    def release(self) -> None:
+        offsets, self._offsets = self._offsets, []
+        for offset in offsets:
+            self._client.allocator.free(offset)
+
+
+class RemoteClient(EngineClient):
+    """The engine process's client in front `front`: sends to `engine_address`, receives on `results_address`,
+    writes arrays into region `region_name` of `region_bytes`. Its `facts` are known once the engine has said them
+    (`wait_for_engine`)."""
+
+    def __init__(self, *, front: int, engine_address: str, results_address: str, region_name: str,
+                 region_bytes: int) -> None:
+        self.front = front
+        self.region = Region(region_name, region_bytes, create=True)
+        self.allocator = Allocator(region_bytes)
+        self._base = self.region.array(0, (1,), np.uint8).__array_interface__["data"][0]
+        self._context = zmq.Context()
+        self._send_socket = self._context.socket(zmq.PUSH)
+        self._send_socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for an engine not connected: refused now
+        self._send_socket.setsockopt(zmq.LINGER, 0)
+        self._send_socket.connect(engine_address)
+        self._send_lock = threading.Lock()
+        self._receive_socket = self._context.socket(zmq.PULL)
+        self._receive_socket.setsockopt(zmq.LINGER, 0)
+        monitor = self._receive_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._receive_socket.bind(results_address)
+        self._calls = itertools.count(time.monotonic_ns())  # never an id an earlier front of this index used
+        self._pending: dict[int, Pending] = {}
+        self._lock = threading.Lock()
+        self._facts_known = threading.Event()
+        self._classes: dict[str, int] = {}
+        self._stopping = threading.Event()
+        self._threads = [threading.Thread(target=self._receive, name="engine-results", daemon=True),
+                         threading.Thread(target=self._watch, args=(monitor,), name="engine-watch", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    def wait_for_engine(self, timeout: float | None) -> bool:
+        """Block until the engine has said its facts (it is warm); False after `timeout` seconds."""
+        return self._facts_known.wait(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self._facts_known.is_set()
+
+    # --- the EngineClient verbs ----------------------------------------------------------------------------
+    def canvases(self) -> CanvasStore:
+        return ShmCanvases(self)
+
+    def reserve(self, model: str, items: int, *, deadline: float | None) -> Places | NoRoom:
+        call, pending = self._open()
+        self._send(Reserve(self.front, call, model, items, deadline), call)
+        room = self._wait(call, pending, deadline=deadline, cancelled=None)[0]
+        assert isinstance(room, Room)
+        if room.granted:
+            return RemotePlaces(call, items)
+        return room.no_room()
+
+    def release(self, model: str, places: RemotePlaces) -> None:
+        self._send(Release(self.front, places.call), None, quiet=True)
+
+    def run(self, model: str, places: RemotePlaces, submissions: Sequence[Submission], *, canvases: CanvasStore,
+            cancelled: threading.Event | None) -> dict[ItemKey, Ran]:
+        call, specs = places.call, []
+        shapes: list[tuple[tuple[int, ...], type] | None] = []
+        slots: list[np.ndarray | None] = []
+        for submission in submissions:
+            item = submission.item
+            spec = ItemSpec(submission.group.height, submission.group.width, PassesSpec.of(submission.group.passes),
+                            tuple(item.cells), self._offset(item.canvas), submission.limit, lattice=item.lattice,
+                            traffic=item.traffic, kept=kept_of(item.kept), classes=tuple(item.classes),
+                            deadline=submission.deadline)
+            slot = None
+            if item.lattice:
+                classes = len(item.classes) or self._classes.get(model, 0)
+                dtype = np.float16 if item.lattice == LATTICE_FP16 else np.float32
+                slot = canvases.allocate((classes, *item.cells), dtype)
+                spec.lattice_offset, spec.lattice_bytes = self._offset(slot), slot.nbytes
+            if spec.canvas_offset < 0:
+                spec.inline = np.ascontiguousarray(item.canvas).tobytes()
+            specs.append(spec)
+            slots.append(slot)
+        pending = Pending(expected=len(specs))
+        with self._lock:
+            self._pending[call] = pending
+        self._send(Submit(self.front, call, model, self.region.name, specs), call)
+        deadline = min((s.deadline for s in submissions if s.deadline is not None), default=None)
+        answers = self._wait(call, pending, deadline=deadline, cancelled=cancelled)
+        ran = {}
+        for index, submission in enumerate(submissions):
+            done = answers[index]
+            assert isinstance(done, Done)
+            ran[submission.key] = Ran(Scored(lattice_of(done, slots[index]),
+                                             np.frombuffer(done.probabilities, dtype=np.float32),
+                                             done.planning_seconds),
+                                      enqueued=done.enqueued, started=done.started, run_seconds=done.run_seconds,
+                                      batch_id=done.batch_id)
+        return ran
+
+    def warm(self, model: str, keys: Sequence[PlanKey]) -> list[str]:
+        call, pending = self._open()
+        self._send(Warm(self.front, call, model, [(k.height, k.width, k.batch, PassesSpec.of(k.passes)) for k in keys]),
+                   call)
+        warmed = self._wait(call, pending, deadline=None, cancelled=None)[0]
+        assert isinstance(warmed, Warmed)
+        return list(warmed.failures)
+
+    def close(self) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._fail_all(ScoringError(Refusal.UNAVAILABLE, "the server is shutting down"))
+        for thread in self._threads:
+            thread.join(timeout=2)
+        with self._send_lock:
+            self._send_socket.close(linger=0)
+        self._context.destroy(linger=0)
+        self.region.close()
+
+    # --- sending and waiting -------------------------------------------------------------------------------
+    def _open(self) -> tuple[int, Pending]:
+        call, pending = next(self._calls), Pending()
+        with self._lock:
+            self._pending[call] = pending
+        return call, pending
+
+    def _offset(self, array: np.ndarray) -> int:
+        """Where `array` lies in the region, or -1 when it is not in it (it goes inline)."""
+        offset = array.__array_interface__["data"][0] - self._base
+        return offset if 0 <= offset < self.allocator.size and array.flags.c_contiguous else -1
+
+    def _send(self, message, call: int | None, *, quiet: bool = False) -> None:
+        """Send to the engine, or (unless `quiet`) refuse the call with UNAVAILABLE when no engine is connected."""
+        try:
+            with self._send_lock:
+                self._send_socket.send(encode(message), zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError):
+            if call is not None:
+                with self._lock:
+                    self._pending.pop(call, None)
+            if not quiet:
+                raise engine_gone() from None
+
+    def _wait(self, call: int, pending: Pending, *, deadline: float | None,
+              cancelled: threading.Event | None) -> dict[int, object]:
+        """The call's answers by item index; raises its refusal, or CANCELLED / DEADLINE_EXCEEDED (the engine is
+        then told to drop what it holds of it)."""
+        try:
+            while not pending.done.wait(POLL_SECONDS):
+                if cancelled is not None and cancelled.is_set():
+                    self._send(Abort(self.front, call), None, quiet=True)
+                    raise ScoringError(Refusal.CANCELLED, "the call was cancelled")
+                if deadline is not None and time.monotonic() > deadline:
+                    self._send(Abort(self.front, call), None, quiet=True)
+                    raise ScoringError(Refusal.DEADLINE_EXCEEDED,
+                                       "the deadline passed before the engine answered; dropped")
+        finally:
+            with self._lock:
+                self._pending.pop(call, None)
+        if pending.error is not None:
+            raise pending.error.detached()
+        return pending.answers
+
+    # --- receiving -----------------------------------------------------------------------------------------
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._receive_socket, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(100):
+                continue
+            data = self._receive_socket.recv(copy=False)
+            try:
+                message = decode_from_engine(data.buffer)
+            except Exception:
+                LOG.exception("a message from the engine this front cannot read: dropped")
+                continue
+            if isinstance(message, Facts):
+                self.facts, self._classes = message.facts(), dict(message.classes)
+                self._facts_known.set()
+                LOG.info("the engine is ready (%s)", self.facts.provider)
+                if self.on_ready is not None:
+                    self.on_ready(True)
+                continue
+            with self._lock:
+                pending = self._pending.get(message.call)
+            if pending is None:  # the call ended (cancelled, its deadline passed): nothing waits for it
+                continue
+            if isinstance(message, Failed):
+                pending.error = message.error()
+                pending.done.set()
+                continue
+            pending.answers[message.index if isinstance(message, Done) else 0] = message
+            if len(pending.answers) == pending.expected:
+                pending.done.set()
+        self._receive_socket.close(linger=0)
+
+    def _watch(self, monitor: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(monitor, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(100):
+                continue
+            if recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                LOG.error("the engine process went away: calls refused until it is back")
+                self._facts_known.clear()
+                if self.on_ready is not None:
+                    self.on_ready(False)
+                self._fail_all(engine_gone())
+        monitor.close(linger=0)
+
+    def _fail_all(self, error: ScoringError) -> None:
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for each in pending:
+            each.error = error
+            each.done.set()
+
+
+def engine_gone() -> ScoringError:
+    return ScoringError(Refusal.UNAVAILABLE, ENGINE_GONE, retry_after_seconds=retry_after(Transient.WARMING_UP))
+
+
+def kept_of(kept: tuple[slice, slice] | None) -> tuple[int, int, int, int] | None:
+    if kept is None:
+        return None
+    rows, columns = kept
+    return rows.start, rows.stop, columns.start, columns.stop
+
+
+def lattice_of(done: Done, slot: np.ndarray | None) -> np.ndarray | None:
+    """The item's lattice: a view of the place made for it, or its inline bytes."""
+    if not done.lattice_dtype:
+        return None
+    shape, dtype = tuple(done.lattice_shape), np.dtype(done.lattice_dtype)
+    if done.lattice:
+        return np.frombuffer(done.lattice, dtype=dtype).reshape(shape)
+    if slot.shape == shape and slot.dtype == dtype:
+        return slot
+    return slot.reshape(-1).view(np.uint8)[:int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)

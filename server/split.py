@@ -1,0 +1,277 @@
+"""`--fronts N`: one engine process and N front processes, supervised (vLLM V1's split of engine and API servers).
+
+    clients ──► front 0 ─┐  (gRPC and HTTP on the same ports, SO_REUSEPORT; admission, decode, assembly)
+            ──► front 1 ─┼─ ZMQ: typed messages ─► engine (plans, batcher, memory budget; one CUDA context)
+                 ...     ┘  shared memory: each front's canvases and lattices
+
+The supervisor (this module's `supervise`) reserves the ports, checks /dev/shm, starts the engine and then the
+fronts, passes SIGTERM on (fronts drain first, then the engine), and starts again whichever process ends
+unexpectedly: a new engine warms up and tells every front (health SERVING again), a new front takes the dead
+one's place while the engine frees what it held. Each process gets SIGTERM when the supervisor dies, even by
+SIGKILL (prctl's PDEATHSIG), and fronts unlink their shared memory as they exit. `ps` shows each one's role.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+
+from convert.arguments import format_bytes
+from server.settings import Settings
+from server.workers import STOP_MARGIN_SECONDS, announce, drained_with, reserved
+
+__all__ = ["engine_address", "front_address", "front_client", "run_engine", "supervise"]
+
+LOG = logging.getLogger("scoremap.serve")
+RESTART_PAUSE_SECONDS = 0.5  # between a process's unexpected end and its new start: a crash loop stays slow
+ROLE_ENGINE = "engine"
+ROLE_FRONT = "front"
+
+
+def engine_address(run: str) -> str:
+    return f"ipc://{run}/engine"
+
+
+def front_address(run: str, front: int) -> str:
+    return f"ipc://{run}/front-{front}"
+
+
+def run_name(run: str) -> str:
+    """The prefix of the server's shared-memory regions: its run folder's name, unique per server."""
+    return os.path.basename(run.rstrip("/"))
+
+
+def region_prefix(run: str, front: int) -> str:
+    """What the names of front `front`'s regions begin with, whichever process made them."""
+    return f"{run_name(run)}-front{front}-"
+
+
+def set_title(title: str) -> None:
+    """The process's name in `ps` and top, as PostgreSQL and nginx name theirs."""
+    import setproctitle
+
+    setproctitle.setproctitle(f"scoremap-serve: {title}")
+
+
+# --- the supervisor -------------------------------------------------------------------------------------------
+def shm_problem(settings: Settings) -> str | None:
+    """Why /dev/shm cannot hold every front's region, with how to give it more; None when it can."""
+    from server.engine.shm import free_shm_bytes
+
+    needed, free = settings.fronts * settings.front_shm_bytes, free_shm_bytes()
+    if needed <= free:
+        return None
+    return (f"--fronts {settings.fronts} need {format_bytes(needed)} of shared memory (--front-shm-bytes "
+            f"{format_bytes(settings.front_shm_bytes)} each) but /dev/shm has {format_bytes(free)} free: give the "
+            f"container more (docker run --shm-size={-(-needed // 2**20) + 64}m, or Kubernetes an emptyDir of "
+            "medium Memory at /dev/shm), or lower --front-shm-bytes or --fronts")
+
+
+def child_argv(argv: Sequence[str], *, role: str, run: str, extra: Sequence[str] = ()) -> list[str]:
+    """A process's command line: the server's own flags, then its part (argparse takes a flag's last value)."""
+    return [sys.executable, "-m", "server.main", *argv, "--fronts", "0", "--split-role", role, "--split-run", run,
+            *extra]
+
+
+@dataclasses.dataclass
+class Child:
+    """One supervised process and how to start it again."""
+
+    role: str
+    command: list[str]
+    env: dict[str, str]
+    process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True, env=self.env,
+                                        preexec_fn=drained_with(os.getpid()))
+
+
+def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings) -> int:
+    """Run the engine and `settings.fronts` fronts on host:port until SIGTERM or SIGINT; 0 once all drained,
+    2 when they could not start."""
+    problem = shm_problem(settings)
+    if problem is not None:
+        sys.stderr.write(f"scoremap-serve: {problem}\n")
+        return 2
+    run = tempfile.mkdtemp(prefix=f"scoremap-{os.getpid()}-")
+    try:
+        return _supervise(argv, host=host, port=port, settings=settings, run=run)
+    finally:
+        from server.engine.shm import remove_stale
+
+        remove_stale(run_name(run))
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings, run: str) -> int:
+    with contextlib.ExitStack() as ports:
+        port = ports.enter_context(reserved(host, port))
+        http_port = None if settings.http_port is None else ports.enter_context(reserved(host, settings.http_port))
+        engine_flags = ["--port", "0", "--reuse-port"]
+        if settings.metrics_port is not None:
+            engine_flags += ["--metrics-port", "0", "--metrics-address", "127.0.0.1"]
+        engine = Child(ROLE_ENGINE, child_argv(argv, role=f"{ROLE_ENGINE}:{settings.fronts}", run=run,
+                                               extra=engine_flags), dict(os.environ))
+        front_env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a front never makes a CUDA context
+        fronts = []
+        for index in range(settings.fronts):
+            extra = ["--reuse-port", "--budget-share", str(settings.fronts), "--port", str(port)]
+            if http_port is not None:
+                extra += ["--http-port", str(http_port)]
+            if settings.metrics_port is not None:  # its own, on loopback: the supervisor's scrape shows them all
+                extra += ["--metrics-port", "0", "--metrics-address", "127.0.0.1"]
+            fronts.append(Child(f"{ROLE_FRONT}:{index}",
+                                child_argv(argv, role=f"{ROLE_FRONT}:{index}", run=run, extra=extra), front_env))
+        engine.start()
+        for front in fronts:
+            front.start()
+        lines = [front.process.stdout.readline() for front in fronts]  # each says where it listens once it does
+    children = [engine, *fronts]
+    if not all("listening on" in line for line in lines):
+        stop(children, grace=0.0)
+        return next((child.process.returncode for child in children if child.process.returncode), 2)
+    threading.Thread(target=drain_output, args=(engine,), name="engine-stdout", daemon=True).start()
+    announce([front.process for front in fronts], lines)
+    if settings.metrics_port is not None:
+        from server.metrics import serve_processes
+
+        served = serve_processes(run, port=settings.metrics_port, address=settings.metrics_address)
+        sys.stdout.write(f"scoremap-serve metrics on http://{settings.metrics_address}:{served}/metrics\n")
+        sys.stdout.flush()
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    while not stopping.wait(0.1):
+        for child in children:
+            if child.process.poll() is None:
+                continue
+            LOG.error("the %s process %d ended with status %d: starting it again", child.role, child.process.pid,
+                      child.process.returncode)
+            if child is not engine:  # a killed front cannot unlink its region
+                from server.engine.shm import remove_stale
+
+                remove_stale(region_prefix(run, int(child.role.partition(":")[2])))
+            time.sleep(RESTART_PAUSE_SECONDS)
+            child.start()
+            relay = drain_output if child is engine else relay_output
+            threading.Thread(target=relay, args=(child,), name=f"{child.role}-stdout", daemon=True).start()
+    stop(fronts, grace=settings.grace_seconds)  # the fronts drain first: their calls in flight need the engine
+    stop([engine], grace=settings.grace_seconds)
+    return 0
+
+
+def drain_output(child: Child) -> None:
+    """Read what the engine prints (its listening line is for no one)."""
+    for _line in child.process.stdout:
+        pass
+
+
+def relay_output(child: Child) -> None:
+    """A front started again: its lines after the listening one, as the first fronts' are relayed."""
+    for line in child.process.stdout:
+        if "listening on" not in line:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def stop(children: Sequence[Child], *, grace: float) -> None:
+    """SIGTERM to each still running (each drains for `grace` seconds), SIGKILL to any that outlives it."""
+    for child in children:
+        if child.process is not None and child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    for child in children:
+        if child.process is None:
+            continue
+        try:
+            child.process.wait(grace + STOP_MARGIN_SECONDS)
+        except subprocess.TimeoutExpired:
+            LOG.error("the %s process %d did not stop within %.0f s: killed", child.role, child.process.pid,
+                      grace + STOP_MARGIN_SECONDS)
+            child.process.kill()
+            child.process.wait()
+
+
+# --- the engine process ---------------------------------------------------------------------------------------
+def run_engine(models, *, settings: Settings, fronts: int) -> int:
+    """The engine process: load and warm every model in-process, then serve the fronts until SIGTERM, finishing
+    what it holds first. 2: it could not load; 3: a warm-up pass failed."""
+    from server.engine.process import EngineLoop
+    from server.errors import ScoringError
+    from server.metrics import Metrics
+    from server.scoring.pipeline import Pipeline
+
+    set_title(ROLE_ENGINE)
+    run = settings.split_run
+    stop_asked = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop_asked.set())
+    metrics = Metrics()
+    try:
+        pipeline = Pipeline(models, settings=dataclasses.replace(settings, warm_up=False), metrics=metrics)
+    except ScoringError as error:
+        sys.stderr.write(f"scoremap-serve: the engine cannot start: {error.message}\n")
+        return 2
+    try:
+        if settings.warm_up:
+            pipeline.check_warm_up()
+            pipeline.warm_up()
+    except ScoringError as error:
+        sys.stderr.write(f"scoremap-serve: the engine's warm-up failed: {error.message}\n")
+        pipeline.close()
+        return 3
+    core = pipeline.engine
+    classes = {summary.name: summary.classes for summary in pipeline.models()}
+    loop = EngineLoop(core, input_address=engine_address(run),
+                      fronts={index: front_address(run, index) for index in range(fronts)},
+                      classes=classes, on_idle=lambda: core.went_idle(False))
+    loop.start()
+    if settings.metrics_port is not None:
+        publish_metrics(run, ROLE_ENGINE, metrics.serve(port=0, address=settings.metrics_address),
+                        address=settings.metrics_address)
+    sys.stdout.write("scoremap-serve engine listening on " + engine_address(run) + "\n")
+    sys.stdout.flush()
+    LOG.info("engine ready: %s on %s", ", ".join(classes), core.facts.provider)
+    if settings.warm_up:
+        threading.Thread(target=pipeline.warm_up_tiles, name="engine-tiles", daemon=True).start()
+    stop_asked.wait()
+    loop.drain(settings.grace_seconds + STOP_MARGIN_SECONDS)
+    loop.stop()
+    pipeline.close()
+    metrics.close()
+    return 0
+
+
+def publish_metrics(run: str, role: str, port: int, *, address: str) -> None:
+    """Name this process's metrics endpoint for the supervisor's scrape (server.metrics.ProcessesCollector)."""
+    path = pathlib.Path(run) / f"metrics-{role.replace(':', '-').replace(' ', '-')}"
+    path.write_text(f"http://{address}:{port}/metrics")
+
+
+# --- a front process ------------------------------------------------------------------------------------------
+def front_client(settings: Settings, index: int, *, stop: threading.Event):
+    """This front's client of the engine, once the engine has said it is warm; None when `stop` was set first."""
+    from server.engine.shm import region_name
+    from server.engine.remote import RemoteClient
+
+    set_title(f"front {index}")
+    run = settings.split_run
+    client = RemoteClient(front=index, engine_address=engine_address(run), results_address=front_address(run, index),
+                          region_name=region_name(run_name(run), index, os.getpid()),
+                          region_bytes=settings.front_shm_bytes)
+    while not client.wait_for_engine(0.1):
+        if stop.is_set():
+            client.close()
+            return None
+    return client

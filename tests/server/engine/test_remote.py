@@ -1,0 +1,157 @@
+"""The engine reached through `RemoteClient` and `EngineLoop`: real ZMQ sockets and shared memory in one process,
+so each test can look into the engine (its queue) while a front's pipeline calls it."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from server.errors import NoRoom, Refusal, ScoringError, Transient
+from server.scoring.pipeline import Pipeline
+from server.settings import Settings
+from tests.server.conftest import engine_process_in_this_one, raw_request
+
+PIXELS = np.random.default_rng(5).integers(0, 256, (96, 128, 3), dtype=np.uint8)
+MiB = 2**20
+
+
+def settings(**changed) -> Settings:
+    return dataclasses.replace(Settings(), intra_op_threads=1, warm_up=False, **changed)
+
+
+@pytest.fixture
+def front(tiny_model_path):
+    """A front's pipeline over an engine loop, and the engine's batcher of the tiny model."""
+    chosen = settings(queue_depth=4)
+    with engine_process_in_this_one([tiny_model_path], chosen) as client:
+        pipeline = Pipeline([tiny_model_path], settings=chosen, engine=client)
+        batcher = client.engine_loop.core.served("tiny").batcher
+        try:
+            yield pipeline, client, batcher
+        finally:
+            pipeline.close()
+
+
+def held(batcher) -> tuple[threading.Event, threading.Event]:
+    """Make the engine's batches wait for the first event; the second is set once one has started."""
+    gate, entered, run = threading.Event(), threading.Event(), batcher._run
+
+    def waiting(works):
+        entered.set()
+        gate.wait(30)
+        return run(works)
+
+    batcher._run = waiting
+    return gate, entered
+
+
+def test_answers_cross_as_in_one_process(tiny_model_path, front):
+    pipeline, _client, _batcher = front
+    alone = Pipeline([tiny_model_path], settings=settings())
+    try:
+        for fields in (dict(scales=[96, 128], flip=True, return_maps=True), dict(scales=[2560], return_maps=True,
+                                                                                 classes=[3])):
+            here, there = alone.score(raw_request(PIXELS, **fields)), pipeline.score(raw_request(PIXELS, **fields))
+            assert [p.index for p in there.top_k] == [p.index for p in here.top_k]
+            for one, other in zip(here.maps, there.maps):
+                assert one.scores.data == other.scores.data
+    finally:
+        alone.close()
+
+
+def test_a_region_too_small_sends_the_canvas_inline_with_the_same_answer(tiny_model_path):
+    """A front whose shared memory holds no canvas sends each through the socket: slower, never wrong."""
+    chosen = settings(front_shm_bytes=4096)
+    with engine_process_in_this_one([tiny_model_path], chosen) as client:
+        pipeline = Pipeline([tiny_model_path], settings=chosen, engine=client)
+        alone = Pipeline([tiny_model_path], settings=settings())
+        try:
+            request = raw_request(PIXELS, scales=[128], return_maps=True)
+            assert pipeline.score(request).maps[0].scores.data == alone.score(request).maps[0].scores.data
+            assert client.allocator.used_bytes == 0  # given back
+        finally:
+            pipeline.close()
+            alone.close()
+
+
+def test_the_engine_s_queue_refuses_with_its_numbers_across_the_boundary(front):
+    pipeline, client, batcher = front
+    places = client.reserve("tiny", 3, deadline=None)
+    assert places.items == 3 and batcher.depth() == 3
+    refused = client.reserve("tiny", 2, deadline=None)
+    assert isinstance(refused, NoRoom) and refused.why is Transient.QUEUE_FULL
+    assert (refused.waiting, refused.adding, refused.depth) == (3, 2, 4)
+    with pytest.raises(ScoringError, match=r"queue full: 3 items waiting or decoding, this request adds 2, the limit "
+                                           r"is 4 \(--queue-depth\)") as caught:
+        pipeline.score(raw_request(PIXELS, scales=[96, 128]))
+    assert caught.value.refusal is Refusal.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds
+    client.release("tiny", places)
+    assert wait_for(lambda: batcher.depth() == 0)
+
+
+def test_a_cancelled_call_frees_its_items_in_the_engine(front):
+    pipeline, _client, batcher = front
+    gate, entered = held(batcher)
+    first = threading.Thread(target=pipeline.score, args=(raw_request(PIXELS, scales=[96]),))
+    first.start()
+    assert entered.wait(30)  # the engine's runner is busy with it
+    cancelled, outcome = threading.Event(), {}
+
+    def call() -> None:
+        try:
+            pipeline.score(raw_request(PIXELS, scales=[96, 128]), cancelled=cancelled)
+        except ScoringError as error:
+            outcome["error"] = error
+
+    second = threading.Thread(target=call)
+    second.start()
+    assert wait_for(lambda: batcher.depth() == 2)  # both its items queued in the engine
+    cancelled.set()
+    second.join(30)
+    assert outcome["error"].refusal is Refusal.CANCELLED
+    assert wait_for(lambda: batcher.depth() == 0)  # the engine dropped them before running them
+    gate.set()
+    first.join(30)
+
+
+def test_an_expired_item_is_dropped_by_the_engine_before_it_runs(front):
+    pipeline, _client, batcher = front
+    gate, entered = held(batcher)
+    first = threading.Thread(target=pipeline.score, args=(raw_request(PIXELS, scales=[96]),))
+    first.start()
+    assert entered.wait(30)
+    with pytest.raises(ScoringError) as caught:
+        pipeline.score(raw_request(PIXELS, scales=[128]), deadline=time.monotonic() + 0.5)
+    assert caught.value.refusal in (Refusal.DEADLINE_EXCEEDED, Refusal.RESOURCE_EXHAUSTED)
+    gate.set()
+    first.join(30)
+    assert wait_for(lambda: batcher.depth() == 0)
+    ran = []
+    run = batcher._run
+    batcher._run = lambda works: ran.append(len(works)) or run(works)
+    assert pipeline.score(raw_request(PIXELS, scales=[96])).top_k
+    assert ran == [1]  # the expired item never ran
+
+
+def test_a_front_that_goes_away_frees_what_it_held(tiny_model_path):
+    chosen = settings(queue_depth=8)
+    with engine_process_in_this_one([tiny_model_path], chosen) as client:
+        loop = client.engine_loop
+        batcher = loop.core.served("tiny").batcher
+        assert not isinstance(client.reserve("tiny", 5, deadline=None), NoRoom)
+        assert batcher.depth() == 5
+        client.close()  # as a killed front's socket closes
+        assert wait_for(lambda: batcher.depth() == 0)
+
+
+def wait_for(condition, seconds: float = 30.0) -> bool:
+    until = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.02)
+    return True

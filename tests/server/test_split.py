@@ -1,0 +1,218 @@
+"""`scoremap-serve --fronts N`: one engine process, N front processes, real sockets and shared memory.
+
+Each test starts the real command; the single process (`--fronts 0`) is run beside it where the answer must be
+the same whatever the layout."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image
+
+from protos import RETRY_AFTER_KEY, scoring_pb2, scoring_pb2_grpc
+from tests.server.test_main import serve_command
+from tests.server.test_workers import alive, children, once_warm
+
+FRONTS = 2
+PIXELS = np.random.default_rng(11).integers(0, 256, (96, 128, 3), dtype=np.uint8)
+SHM = Path("/dev/shm")
+
+
+def titles(pid: int) -> dict[int, str]:
+    """The supervisor's children by their process title (what `ps` shows)."""
+    return {child: Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0].decode() for child in children(pid)}
+
+
+def regions(supervisor: int) -> list[str]:
+    return [path.name for path in SHM.glob(f"scoremap-{supervisor}-*")]
+
+
+def wait_until(condition, seconds: float = 60.0) -> bool:
+    until = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@contextlib.contextmanager
+def server(tmp_path, model_path: str, *flags: str, fronts: int = FRONTS) -> Iterator[tuple[subprocess.Popen, int]]:
+    """`scoremap-serve` (with `--fronts`, unless 0) until the block ends; every process killed if still running."""
+    log = tmp_path / f"serve-{fronts}.log"
+    process = subprocess.Popen(
+        serve_command() + [model_path, "--port", "0", "--fronts", str(fronts), "--intra-op-threads", "1", *flags],
+        stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
+    )
+    pids: list[int] = []
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("scoremap-serve listening on 127.0.0.1:"), (line, log.read_text())
+        pids = children(process.pid)
+        yield process, int(line.rsplit(":", 1)[1])
+    finally:
+        pids = pids or children(process.pid)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pid in filter(alive, pids):
+            os.kill(pid, signal.SIGKILL)
+        for name in regions(process.pid):
+            (SHM / name).unlink(missing_ok=True)
+
+
+def score(port: int, request: scoring_pb2.ScoreRequest, timeout: float = 60) -> scoring_pb2.ScoreResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return once_warm(lambda: scoring_pb2_grpc.DenseScoringStub(channel).Score(request, timeout=timeout),
+                         warming=lambda error: isinstance(error, grpc.RpcError)
+                         and error.code() == grpc.StatusCode.UNAVAILABLE)
+
+
+def health(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+
+def png(pixels: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_fronts_answer_as_one_process_does_and_show_their_roles(kit, tiny_model_path, tmp_path):
+    """The same requests (two scales and their mirrors, float32 and float16 maps, a few classes, a tiled scale)
+    get the same answers from the split server as from one process: the canvases and lattices cross through
+    shared memory, the rest in messages. Each process names its role in `ps`, and no front loads onnxruntime."""
+    requests = [
+        kit.raw_request(PIXELS, scales=[96, 128], flip=True, return_maps=True, top_k=3),
+        kit.raw_request(PIXELS, scales=[96], return_maps=True, map_dtype=scoring_pb2.FLOAT16, classes=[1, 4]),
+        kit.raw_request(PIXELS, scales=[2560], return_maps=True, classes=[0]),  # beyond the tile canvas: tiled
+        scoring_pb2.ScoreRequest(encoded=png(PIXELS), scales=[160], cell_top_k=2),
+    ]
+    answers = {}
+    for fronts in (0, FRONTS):
+        with server(tmp_path, tiny_model_path, fronts=fronts) as (process, port):
+            answers[fronts] = [score(port, request) for request in requests]
+            if fronts:
+                named = sorted(titles(process.pid).values())
+                assert named == ["scoremap-serve: engine", *(f"scoremap-serve: front {i}" for i in range(fronts))]
+                for pid, title in titles(process.pid).items():
+                    loaded = Path(f"/proc/{pid}/maps").read_text()
+                    assert ("onnxruntime" in loaded) == (title.endswith("engine")), title
+                assert len(regions(process.pid)) == fronts
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(60) == 0
+        assert not regions(process.pid)  # every front unlinked its shared memory
+    for single, split in zip(answers[0], answers[FRONTS]):
+        assert [(p.index, p.probability) for p in split.top_k] == [(p.index, p.probability) for p in single.top_k]
+        assert len(split.maps) == len(single.maps)
+        for one, other in zip(single.maps, split.maps):
+            assert one.height == other.height and one.width == other.width and one.scale == other.scale
+            for tensor in ("scores", "cell_top_k_indices", "cell_top_k_scores"):  # the same plans: the same bits
+                assert one.HasField(tensor) == other.HasField(tensor)
+                if one.HasField(tensor):
+                    np.testing.assert_array_equal(kit.decode_tensor(getattr(other, tensor)),
+                                                  kit.decode_tensor(getattr(one, tensor)))
+
+
+def test_a_killed_engine_is_refused_at_once_then_started_again(kit, tiny_model_path, tmp_path):
+    """SIGKILL to the engine: the fronts answer UNAVAILABLE with a retry hint (no call waits out its deadline) and
+    health says NOT_SERVING; the supervisor starts a new engine, and once it has warmed health says SERVING and
+    requests are answered again."""
+    request = kit.raw_request(PIXELS, scales=[96])
+    with server(tmp_path, tiny_model_path) as (process, port):
+        assert score(port, request).top_k
+        (engine,) = [pid for pid, title in titles(process.pid).items() if title.endswith("engine")]
+        os.kill(engine, signal.SIGKILL)
+        assert wait_until(lambda: health(port) == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as refused:
+                scoring_pb2_grpc.DenseScoringStub(channel).Score(request, timeout=30)
+            assert time.monotonic() - started < 30  # refused, not left to its deadline
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+        assert RETRY_AFTER_KEY in dict(refused.value.trailing_metadata() or ())
+        assert wait_until(lambda: health(port) == health_pb2.HealthCheckResponse.SERVING, 120)
+        assert score(port, request).top_k
+        assert engine not in titles(process.pid)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+
+
+def test_a_killed_front_is_replaced_and_the_others_answer_meanwhile(kit, tiny_model_path, tmp_path):
+    """SIGKILL to a front: the supervisor starts another in its place (removing the dead one's shared memory), and
+    calls go on being answered by the front that lived and then by both."""
+    request = kit.raw_request(PIXELS, scales=[96])
+    with server(tmp_path, tiny_model_path) as (process, port):
+        assert score(port, request).top_k
+        front = next(pid for pid, title in titles(process.pid).items() if title.endswith("front 0"))
+        os.kill(front, signal.SIGKILL)
+        for _ in range(10):  # new connections: the kernel gives them to the living front while the other is away
+            assert score(port, request).top_k
+        assert wait_until(lambda: any(title.endswith("front 0") for pid, title in titles(process.pid).items()
+                                      if pid != front))
+        assert wait_until(lambda: len(regions(process.pid)) == FRONTS)
+        assert not [name for name in regions(process.pid) if name.endswith(f"-{front}")]
+        for _ in range(10):
+            assert score(port, request).top_k
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+
+
+def test_nothing_of_the_server_outlives_its_killed_supervisor(tiny_model_path, tmp_path):
+    """SIGKILL leaves the supervisor no time to act: the kernel sends each process SIGTERM; the fronts unlink their
+    shared memory, and every process ends."""
+    with server(tmp_path, tiny_model_path, "--grace-seconds", "1") as (process, _port):
+        pids = children(process.pid)
+        assert len(pids) == FRONTS + 1 and len(regions(process.pid)) == FRONTS
+        process.kill()
+        process.wait()
+        assert wait_until(lambda: not any(map(alive, pids))), [pid for pid in pids if alive(pid)]
+        assert not regions(process.pid)
+
+
+def test_a_dev_shm_too_small_for_the_fronts_is_refused_at_start(tiny_model_path):
+    """Docker's 64 MB /dev/shm: refused before anything starts, with the size needed and how to give it."""
+    free = os.statvfs("/dev/shm")
+    too_much = free.f_bavail * free.f_frsize // FRONTS + 2**20
+    finished = subprocess.run(serve_command() + [tiny_model_path, "--port", "0", "--fronts", str(FRONTS),
+                                                 "--front-shm-bytes", str(too_much)],
+                              capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 2, finished.stderr
+    assert "--shm-size=" in finished.stderr and "/dev/shm has" in finished.stderr
+
+
+def test_one_scrape_shows_the_engine_s_and_every_front_s_series(kit, tiny_model_path, tmp_path):
+    """--metrics-port with --fronts: the supervisor's endpoint carries every process's series, each labelled with
+    its process: the engine's batches, queue and plan memory beside each front's requests."""
+    import urllib.request
+
+    with server(tmp_path, tiny_model_path, "--metrics-port", "0") as (process, port):
+        line = process.stdout.readline()
+        assert " metrics on " in line, line
+        for _ in range(6):
+            assert score(port, kit.raw_request(PIXELS, scales=[96])).top_k
+
+        def series() -> str:
+            return urllib.request.urlopen(line.split()[-1], timeout=10).read().decode()
+
+        assert wait_until(lambda: 'scoremap_batch_size_count{model="tiny",process="engine"}' in series())
+        text = series()
+        assert 'scoremap_plans_held_bytes{process="engine"}' in text
+        assert 'scoremap_queue_depth{model="tiny",process="engine"}' in text
+        answered = [float(row.split()[-1]) for row in text.splitlines()
+                    if row.startswith('scoremap_requests_total{code="OK",method="Score",model="tiny",process="front-')]
+        assert sum(answered) == 6, text
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
