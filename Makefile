@@ -52,7 +52,7 @@ demo: setup
 # definitions first; tests/test_docs.py checks the committed page and builds the site with --strict.
 docs: setup
 	$(BIN)/python -m docs.reference
-	$(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 bench: setup
 	$(BIN)/python -m bench

@@ -44,6 +44,14 @@ def citations(text: str) -> list[str]:
             for found in ISSUE_CITATION.finditer(text)]
 
 
+def test_the_readme_is_a_front_page():
+    """A user reads it in ten minutes; the rest is in docs/, which it links."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)", readme))
+    assert linked >= {page.name for page in HAND_WRITTEN if page.parent == DOCS} - {"index.md", "changelog.md"}
+
+
 def test_the_site_builds_with_no_warning_and_no_broken_link(tmp_path):
     built = mkdocs_build(ROOT / "mkdocs.yml", tmp_path / "site")
     log = built.stdout + built.stderr
