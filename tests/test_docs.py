@@ -98,6 +98,27 @@ def test_the_reference_has_every_flag_of_every_command():
     assert not missing, "\n".join(missing)
 
 
+def _same(shown: str, default: str) -> bool:
+    try:
+        return float(shown.replace(",", "")) == float(default)
+    except ValueError:
+        return shown == default
+
+
+def test_a_default_quoted_in_a_page_is_the_reference_s():
+    """A page may say "`--queue-depth` (128)" for the reader's sake; the value must be the one the code declares."""
+    defaults: dict[str, set[str]] = {}
+    for row in re.findall(r"^\| (`-.+?) \| (.*?) \|", reference.PAGE.read_text(), re.MULTILINE):
+        for flag in re.findall(r"`(--[\w-]+)`", row[0]):
+            defaults.setdefault(flag, set()).add(row[1])
+    wrong = []
+    for page in HAND_WRITTEN:
+        for flag, shown in re.findall(r"`(--[\w-]+)` \((\d[\d.,]*(?: [KMG]iB)?)[):]", page.read_text()):
+            if not any(_same(shown, default) for default in defaults.get(flag, ())):
+                wrong.append(f"{page.relative_to(ROOT)}: {flag} ({shown}), the code's default: {defaults.get(flag)}")
+    assert not wrong, "\n".join(wrong)
+
+
 @pytest.mark.parametrize("page", HAND_WRITTEN, ids=lambda page: str(page.relative_to(ROOT)))
 def test_no_page_cites_an_issue_number(page: Path):
     found = citations(page.read_text())
