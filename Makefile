@@ -11,7 +11,7 @@ GPU ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 || test -r /proc/driver/
 comma := ,
 EXTRAS := dev,triton,ray$(if $(filter 1,$(GPU)),$(comma)gpu)
 
-.PHONY: setup protos test demo bench bench-gpu clean FORCE
+.PHONY: setup protos test demo docs bench bench-gpu clean FORCE
 
 setup: $(BIN)/scoremap-convert $(CHROMIUM)
 
@@ -48,6 +48,12 @@ test: setup
 demo: setup
 	$(BIN)/python -m clients.batch.demo --model $(MODEL) --out out/demo samples
 
+# The documentation site, browsable offline (site/index.html). The reference page is made from the commands'
+# definitions first; tests/test_docs.py checks the committed page and builds the site with --strict.
+docs: setup
+	$(BIN)/python -m docs.reference
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 bench: setup
 	$(BIN)/python -m bench
 
@@ -57,6 +63,6 @@ bench-gpu: setup
 	$(BIN)/python -m bench.bench_gpu
 
 clean:
-	rm -rf $(VENV) models out *.egg-info
+	rm -rf $(VENV) models out site *.egg-info
 
 FORCE:

@@ -1,4 +1,4 @@
-"""The README's code blocks, run as written from the repository root (issue 24: its examples had drifted).
+"""The code blocks of the README and of every page of docs/, run as written from the repository root.
 
 Fenced blocks are run verbatim: ```python with this interpreter, ```sh with bash. ```text marks output
 shown, not run; any other fence fails here until it says which it is. A block that cannot run in a test
@@ -8,9 +8,10 @@ reader needs to know too: "With `scoremap-serve ...` running"; the test starts t
 at a time, on the port it names) and waits for its health to say SERVING. A block that talks to 127.0.0.1
 without such a sentence fails. models/default.onnx is converted first when `make demo` has not made it.
 
-Indented blocks are command synopses (placeholders such as `[more.onnx ...]`, ADDR, photos/ of your own)
-and a formula: they are not run, but each of this project's commands they show (scoremap-*, python -m,
-make) must exist and take every flag shown.
+Shell blocks find the project's commands as an activated environment would (this interpreter's bin/ first
+on PATH). Indented blocks are command synopses (placeholders such as `[more.onnx ...]`, ADDR, photos/ of your
+own) and a formula: they are not run, but each of this project's commands they show (scoremap-*, python -m,
+make) must exist and take every flag shown. Every model a page serves is one a page converts, under models/.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# docs/reference.md is made from the commands' help texts (tests/test_docs.py): synopses, no examples.
+PAGES = [README, *(page for page in sorted((ROOT / "docs").glob("*.md")) if page.name != "reference.md")]
 MODEL = ROOT / "models" / "default.onnx"
 SHELL = ["bash", "-euo", "pipefail", "-s"]
 RUN = {"python": [sys.executable, "-"], "sh": SHELL, "bash": SHELL, "shell": SHELL}
@@ -46,6 +49,7 @@ BLOCK_TIMEOUT_S = 300
 
 @dataclass(frozen=True)
 class Block:
+    page: str
     line: int
     language: str
     text: str
@@ -53,10 +57,10 @@ class Block:
     server: str = ""  # the scoremap-serve command the text before the block says must be running
 
     def __str__(self) -> str:
-        return f"line{self.line}-{self.language or 'untagged'}"
+        return f"{self.page}:line{self.line}-{self.language or 'untagged'}"
 
 
-def fenced_blocks(text: str) -> list[Block]:
+def fenced_blocks(text: str, page: str = "README.md") -> list[Block]:
     blocks, lines, n, prose_start = [], text.splitlines(), 0, 0
     while n < len(lines):
         if lines[n].startswith("```"):
@@ -66,7 +70,7 @@ def fenced_blocks(text: str) -> list[Block]:
                 n += 1
             reason = NOT_RUN.search(lines[start - 1]) if start else None
             server = NEEDS_SERVER.findall(" ".join(lines[prose_start:start]))
-            blocks.append(Block(start + 1, language, "\n".join(lines[start + 1:n]) + "\n",
+            blocks.append(Block(page, start + 1, language, "\n".join(lines[start + 1:n]) + "\n",
                                 reason.group(1) if reason else "", server[-1] if server else ""))
             prose_start = n + 1
         n += 1
@@ -105,7 +109,9 @@ def help_text(command: tuple[str, ...]) -> str:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
+    """This checkout first on the import path, and this interpreter's console scripts first on PATH."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return {**os.environ, "PYTHONPATH": str(ROOT), "PATH": path}
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +126,7 @@ def model() -> Path:
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    """serve(command) runs a `scoremap-serve ...` command line from the README until a block needs another
+    """serve(command) runs a `scoremap-serve ...` command line from a page until a block needs another
     (they may share a port) or the module ends, and waits until its health says SERVING."""
     from clients.batch.demo import stop_server, wait_until_serving
 
@@ -155,11 +161,15 @@ def server(model, tmp_path_factory):
         stop_server(process)
 
 
-BLOCKS = fenced_blocks(README.read_text())
+def _name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+BLOCKS = [block for page in PAGES for block in fenced_blocks(page.read_text(), _name(page))]
 
 
 def test_the_readme_has_runnable_blocks():
-    assert sum(block.language in RUN and not block.not_run for block in BLOCKS) >= 2
+    assert sum(block.language in RUN and not block.not_run and block.page == "README.md" for block in BLOCKS) >= 2
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=str)
@@ -167,30 +177,30 @@ def test_a_fenced_block_runs_as_written(block: Block, request):
     if block.language in SHOWN:
         return
     assert block.language in RUN, (
-        f"README.md line {block.line}: a fence tagged {block.language!r}; tag it python or sh/bash (run by this "
+        f"{block.page} line {block.line}: a fence tagged {block.language!r}; tag it python or sh/bash (run by this "
         f"test), text (output shown), or precede it with `<!-- readme: not run (why) -->`")
     if block.not_run:
-        pytest.skip(f"README.md marks it not run: {block.not_run}")
+        pytest.skip(f"{block.page} marks it not run: {block.not_run}")
     if block.server:
         request.getfixturevalue("server")(block.server)
     else:
         assert not SERVER_ADDRESS.search(block.text), (
-            f"README.md line {block.line} talks to a server: say which before it, \"With `scoremap-serve ...` running\"")
+            f"{block.page} line {block.line} talks to a server: say which before it, \"With `scoremap-serve ...` running\"")
     if "models/default.onnx" in block.text:
         request.getfixturevalue("model")
     done = subprocess.run(RUN[block.language], input=block.text, cwd=ROOT, env=_env(), capture_output=True,
                           text=True, timeout=BLOCK_TIMEOUT_S)
-    assert done.returncode == 0, f"README.md line {block.line} failed:\n{block.text}\n{done.stderr[-3000:]}"
-    assert done.stdout.strip(), f"README.md line {block.line} shows nothing when run; an example prints what it gets"
+    assert done.returncode == 0, f"{block.page} line {block.line} failed:\n{block.text}\n{done.stderr[-3000:]}"
+    assert done.stdout.strip(), f"{block.page} line {block.line} shows nothing when run; an example prints what it gets"
 
 
 def test_every_command_shown_exists_and_takes_its_flags():
     makefile = (ROOT / "Makefile").read_text()
     helps: dict[tuple[str, ...], str] = {}
     problems = []
-    for line, words in indented_commands(README.read_text()):
+    for page, line, words in _page_commands(indented_commands):
         if words[0] == "make":
-            problems += [f"line {line}: no make target {t!r}" for t in words[1:] if f"\n{t}:" not in makefile]
+            problems += [f"{page} line {line}: no make target {t!r}" for t in words[1:] if f"\n{t}:" not in makefile]
             continue
         if words[0] not in COMMANDS and words[:2] != ["python", "-m"]:
             continue  # Docker's, or not a command (the memory model's formula)
@@ -200,7 +210,7 @@ def test_every_command_shown_exists_and_takes_its_flags():
         for word in words:
             flag = word.strip("[]").split("=")[0]
             if flag.startswith("--") and flag not in helps[key]:
-                problems.append(f"line {line}: {' '.join(words[:2])} has no flag {flag}")
+                problems.append(f"{page} line {line}: {' '.join(words[:2])} has no flag {flag}")
     assert not problems, "\n".join(problems)
 
 
@@ -210,35 +220,40 @@ def _inline_commands(text: str) -> list[tuple[int, list[str]]]:
             for quoted in re.findall(r"`(scoremap-[^`]+)`", line)]
 
 
+def _page_commands(*finders) -> list[tuple[str, int, list[str]]]:
+    """(page, line, words) of the commands each finder finds, on every page."""
+    return [(_name(page), line, words) for page in PAGES for find in finders for line, words in find(page.read_text())]
+
+
 def test_models_are_written_under_models_and_served_from_where_they_were_written():
-    """Issue 24 follow-up: `scoremap-convert default -o os16.onnx` wrote to the repository root, and the
-    serving example then asked for models/os16.onnx, which did not exist. Every model the README converts is
-    written under models/ (ignored by git), and every model it serves is one it converts."""
-    text = README.read_text()
-    commands = indented_commands(text) + _inline_commands(text)
-    written = {words[words.index("-o") + 1] for _, words in commands if words[0] == "scoremap-convert"}
+    """`scoremap-convert default -o os16.onnx` once wrote to the repository root, and the serving example then asked
+    for models/os16.onnx, which did not exist. Every model a page converts is written under models/ (ignored by
+    git), and every model a page serves is one some page converts."""
+    commands = _page_commands(indented_commands, _inline_commands)
+    conversions = [(page, line, words[words.index("-o") + 1]) for page, line, words in commands
+                   if words[0] == "scoremap-convert" and "-o" in words]
+    written = {path for _, _, path in conversions}
     assert "models/default.onnx" in written
-    problems = [f"line {line}: `scoremap-convert ... -o {words[words.index('-o') + 1]}` writes outside models/"
-                for line, words in commands if words[0] == "scoremap-convert"
-                and not words[words.index("-o") + 1].startswith("models/")]
+    problems = [f"{page} line {line}: `scoremap-convert ... -o {path}` writes outside models/"
+                for page, line, path in conversions if not path.startswith("models/")]
     assert "/models/" in (ROOT / ".gitignore").read_text().splitlines()
-    for line, words in commands:
+    for page, line, words in commands:
         if words[0] == "scoremap-serve":
             served = [word.split("=", 1)[-1] for word in words[1:] if word.endswith(".onnx") and not word.startswith("[")]
-            problems += [f"line {line}: scoremap-serve {path}, which no example converts" for path in served
+            problems += [f"{page} line {line}: scoremap-serve {path}, which no example converts" for path in served
                          if path not in written]
     assert not problems, "\n".join(problems)
 
 
 def test_the_sizing_output_shown_is_what_the_command_prints(model, capsys):
-    """Issue 24 follow-up: the sizing block showed CPU MiB of an older memory model (52 / 130 / 1,689 where the
-    command printed 47 / 129 / 1,762). The ```text block after `python -m bench.sizing ...` is its output now."""
+    """The sizing block once showed CPU MiB of an older memory model (52 / 130 / 1,689 where the command printed
+    47 / 129 / 1,762). The ```text block after `python -m bench.sizing ...` is its output now."""
     from bench.sizing import main
 
-    text = README.read_text()
-    (line, words), = [(line, words) for line, words in indented_commands(text) if words[:3] == ["python", "-m", "bench.sizing"]]
-    shown = next(block for block in BLOCKS if block.line > line)
-    assert shown.language == "text", f"README.md line {line}: the sizing command's output follows it in a ```text block"
+    (page, line, words), = [(page, line, words) for page, line, words in _page_commands(indented_commands)
+                            if words[:3] == ["python", "-m", "bench.sizing"]]
+    shown = next(block for block in BLOCKS if block.page == page and block.line > line)
+    assert shown.language == "text", f"{page} line {line}: the sizing command's output follows it in a ```text block"
     assert main(words[3:]) == 0
     printed = capsys.readouterr().out
-    assert shown.text == printed, f"README.md line {shown.line}: paste the output of `{' '.join(words)}` again"
+    assert shown.text == printed, f"{page} line {shown.line}: paste the output of `{' '.join(words)}` again"

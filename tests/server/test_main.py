@@ -212,7 +212,7 @@ def test_numeric_flags_out_of_range_exit_2_naming_the_flag_before_models_load(tm
         assert "never-loaded" not in err and "Traceback" not in err
 
 
-def test_every_setting_is_a_flag_with_its_default_and_the_readme_table_is_made_from_them():
+def test_every_setting_is_a_flag_with_its_default_and_the_reference_table_is_made_from_them():
     import dataclasses
     import pathlib
 
@@ -223,10 +223,10 @@ def test_every_setting_is_a_flag_with_its_default_and_the_readme_table_is_made_f
     names = [field.name for field in dataclasses.fields(Settings)]
     grouped = [field.name for group in declared.GROUPS.values() for field in dataclasses.fields(group)]
     assert sorted(names) == sorted(grouped) and len(set(grouped)) == len(grouped)  # each in exactly one group
-    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
-    start = readme.index("<!-- settings table")
-    table = readme[readme.index("\n", start) + 1:readme.index("<!-- end of settings table -->")]
-    assert table == declared.markdown_table(), "regenerate it: python -m server.settings"
+    page = (pathlib.Path(__file__).parents[2] / "docs" / "reference.md").read_text()
+    start = page.index("<!-- settings table")
+    table = page[page.index("\n", start) + 1:page.index("<!-- end of settings table -->")]
+    assert table == declared.markdown_table(), "regenerate it: python -m docs.reference"
 
 
 def test_metrics_beyond_loopback_are_warned_of(tmp_path, capsys, caplog):
