@@ -66,6 +66,21 @@ def choose_providers(
     return ProviderChoice((CPU,), f"running on the CPU: {missing}", surprising=driver)
 
 
+# Providers with integer kernels for QDQ graphs (onnxruntime fuses each QuantizeLinear/DequantizeLinear pair with its
+# op into QLinearConv, ...). onnxruntime's CUDA provider has none for convolutions: it runs such a graph as float32
+# convolutions between Quantize/DequantizeLinear nodes, int8's loss without its speed.
+INT8_PROVIDERS = (CPU,)
+
+
+def int8_refusal(provider: str) -> str | None:
+    """Why an int8 graph is not served on `provider`, or None when it runs there on integer kernels."""
+    if provider in INT8_PROVIDERS:
+        return None
+    return (f"an int8 graph does not run on {provider}: onnxruntime's {provider} has no int8 convolution kernels (it "
+            "would compute in float32 between quantize/dequantize nodes: slower than the fp32 graph, with int8's "
+            "loss); serve the fp16 or fp32 model on a GPU, or this one with --provider cpu")
+
+
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(uint8)": np.uint8, "tensor(float16)": np.float16,
                 "tensor(int64)": np.int64}
 

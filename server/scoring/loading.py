@@ -19,11 +19,11 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from convert.arguments import format_bytes
-from convert.card import CardError, ImageInput, batch_shape, read_card
+from convert.card import CardError, ImageInput, Precision, batch_shape, read_card
 from convert.profile import ProfileError
 from protos import scoring_pb2
 from server.engine.device_graph import LATTICE, DeviceGraphError, scores_shape
-from server.engine.providers import Engine
+from server.engine.providers import Engine, int8_refusal
 from server.errors import Refusal, ScoringError, invalid
 from server.geometry import buckets, dense
 from server.memory.device import MemoryBudget, PlanMemory
@@ -62,6 +62,8 @@ def load(name: str, path: str, *, settings: Settings, engine: Engine, budget: Me
         imaging.resample_filter(image.resize_filter)
     except (CardError, imaging.ImageError) as error:
         raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
+    if card.precision == Precision.PRECISION_INT8 and (refusal := int8_refusal(engine.provider)):
+        raise ScoringError(Refusal.FAILED_PRECONDITION, f"{path}: {refusal}")
     name = name or card.name or pathlib.Path(path).stem  # never the folders, which ListModels would show
     runners = settings.runners_for(on_gpu=engine.on_gpu)
     plan_memory = PlanMemory(net, budget_bytes=budget.total_bytes // share if budget.total_bytes else None,
