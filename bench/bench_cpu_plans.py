@@ -326,3 +326,52 @@ def run() -> str:
         "",
         f"Server warnings during these runs: {len(warnings)}" + (f" (first: `{warnings[0]}`)" if warnings else ""),
     ])
+
+
+# --- int8 against fp32 ------------------------------------------------------------------------
+
+INT8_SHAPES = ((1, 384, 576, 1), (4, 384, 384, 1))  # batch, h, w, passes
+INT8_SPEED_TARGET = 1.8
+
+
+def int8_speed_rows(fp32_path: str, int8_path: str, *, rounds: int = SPEED_ROUNDS) -> list[tuple[str, float, float]]:
+    """(plan shape, fp32 plan ms, int8 plan ms): each model's plan graph in a session made as the server makes it,
+    in one process, runs alternated (each round in the other order), medians."""
+    from server.memory.runtime import configure_allocator
+    from server.engine.device_graph import PIXELS, VALID
+    from server.engine.providers import Engine
+    from server.engine.shared_weights import SharedWeights
+    from server.settings import Settings
+
+    configure_allocator()
+    engine = Engine(Settings(provider="cpu"))
+    nets = {"fp32": onnx.load(fp32_path), "int8": onnx.load(int8_path)}
+    weights = {name: SharedWeights() for name in nets}
+    rows = []
+    for batch, height, width, passes in INT8_SHAPES:
+        sessions = {name: engine.session(_plan_graph(net, batch, height, width, passes), weights=weights[name])
+                    for name, net in nets.items()}
+        valid_shape = next(value.shape for value in sessions["fp32"].get_inputs() if value.name == VALID)
+        feeds = {PIXELS: np.random.default_rng(0).integers(0, 256, (batch, height, width, 3), dtype=np.uint8),
+                 VALID: np.ones(valid_shape, np.float32)}
+        times: dict[str, list[float]] = {name: [] for name in sessions}
+        pair = list(sessions.items())
+        for round_ in range(rounds):
+            for name, session in pair if round_ % 2 == 0 else pair[::-1]:
+                start = time.perf_counter()
+                session.run(None, feeds)
+                times[name].append(time.perf_counter() - start)
+        rows.append((f"{batch}x{height}x{width}", 1000 * statistics.median(times["fp32"]),
+                     1000 * statistics.median(times["int8"])))
+        del sessions
+    return rows
+
+
+def cpu_int8_instructions() -> str:
+    """The x86 integer dot-product extensions this CPU offers (onnxruntime's MLAS picks its int8 kernels by them)."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "unknown"
+    found = [flag for flag in ("avx512_vnni", "avx_vnni", "amx_int8", "avx512bw", "avx2") if flag in flags]
+    return ", ".join(found) or "none of avx2/avx512/vnni"

@@ -68,8 +68,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--report", metavar="IMAGE", help="compare each dense cell with the classifier on its crop of IMAGE")
     p.add_argument("--size", type=number_in(int, 1, MAX_REPORT_SIZE),
                    help=f"side the --report image is resized to (square; default {DEFAULT_REPORT_SIZE}); needs --report")
-    p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
-                   help="fp16: half the memory, float32 at the edges, checked against fp32; for GPUs (slow on CPU)")
+    p.add_argument("--precision", choices=("fp32", "fp16", "int8"), default="fp32",
+                   help="fp16: half the memory, float32 at the edges, checked against fp32; for GPUs (slow on CPU). "
+                        "int8: int8 weights and uint8 activations, calibrated on photos and checked against fp32 "
+                        "(refused below the thresholds); for CPUs")
+    p.add_argument("--calibration", metavar="DIR",
+                   help="int8: a folder of photos like those the model will score (every 4th is held out to check "
+                        "the result; default: the project's samples and scikit-image's bundled photos)")
+    p.add_argument("--calibration-method", choices=("auto", "minmax", "entropy", "percentile"), default="auto",
+                   help="int8: how activation ranges are calibrated (auto: each tried, the one agreeing best with "
+                        "fp32 on the calibration photos kept)")
+    p.add_argument("--allow-precision-loss", action="store_true",
+                   help="int8: write the graph even below the agreement thresholds, with a warning in its card")
     p.add_argument("--verbose", action="store_true", help="show progress and third-party warnings (torch's exporter)")
     p.add_argument("--traceback", action="store_true", help="show the full traceback on failure")
     return p
@@ -181,6 +191,30 @@ def crop_report(source: str, converted: onnx.ModelProto, pixels: np.ndarray, arg
     )
 
 
+def calibration_photos(folder: str | None):
+    """The int8 photos, read before converting: a missing folder or too few photos fail at once."""
+    from convert.calibration import default_set, folder_set
+
+    return folder_set(folder) if folder else default_set()
+
+
+def int8_summary(card) -> str:
+    """The int8 check in a few lines: the method chosen, both photo sets' numbers, the worst layer."""
+    q = card.quantization
+    lines = [f"int8: {q.method} calibration (tried {', '.join(trial.method for trial in q.trials)}) on "
+             f"{len(q.calibration_images)} photos from {q.calibration_source}"]
+    for name, record in (("calibration", q.calibration), ("held out", q.held_out)):
+        lines.append(f"  {name}: {record.images} photos at sides {list(record.sides)}: top-1 agreement "
+                     f"{record.top1_agreement:.1%} of cells ({record.image_top1_agreement:.0%} of images), map "
+                     f"correlation min {record.map_correlation:.3f} (mean {record.mean_map_correlation:.3f}), "
+                     f"probability diff max {record.max_probability_diff:.3f}")
+    lines.append(f"  thresholds: top-1 >= {q.min_top1_agreement:.0%}, map correlation >= {q.min_map_correlation:g}; "
+                 f"worst layer {q.worst_layer}")
+    if q.warning:
+        lines.append(f"  WARNING: {q.warning}")
+    return "\n".join(lines)
+
+
 def configure_logging(*, verbose: bool) -> None:
     """Our warnings always; progress and third-party messages (torch's exporter) only with --verbose."""
     handler = logging.StreamHandler()
@@ -195,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     args = arguments.parse_args(argv)
     if args.size is not None and not args.report:
         arguments.error("--size is the side of the --report image; pass --report IMAGE with it, or drop --size")
+    int8_only = [flag for flag, given in (("--calibration", args.calibration is not None),
+                                          ("--calibration-method", args.calibration_method != "auto"),
+                                          ("--allow-precision-loss", args.allow_precision_loss)) if given]
+    if int8_only and args.precision != "int8":
+        arguments.error(f"{', '.join(int8_only)} apply to --precision int8; add it, or drop them")
     configure_logging(verbose=args.verbose)
     # A console script, unlike `python -m`, does not put the current folder on sys.path: do, so that
     # `scoremap-convert mynets:vgg_like` finds mynets.py where the user stands.
@@ -207,10 +246,16 @@ def main(argv: list[str] | None = None) -> int:
 
         refuse_converted(args.source)
         pixels = report_pixels(args.report, args.size or DEFAULT_REPORT_SIZE) if args.report else None
+        photos = calibration_photos(args.calibration) if args.precision == "int8" else None
         converted = convert_classifier(args.source, **conversion_options(args))
         report = crop_report(args.source, converted, pixels, args) if args.report else None
         if args.precision == "fp16":
             converted = to_fp16(converted)
+        elif args.precision == "int8":
+            from convert.quantize import CALIBRATION_METHODS, to_int8
+
+            methods = tuple(CALIBRATION_METHODS) if args.calibration_method == "auto" else (args.calibration_method,)
+            converted = to_int8(converted, photos, methods=methods, allow_precision_loss=args.allow_precision_loss)
         save(converted, args.output)
     except (ConversionError, OSError) as error:
         if args.traceback:
@@ -218,10 +263,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"scoremap-convert: {error}\n")
         return EXIT_USAGE if isinstance(error, UsageError) else EXIT_CONVERSION
     card = read_card(converted)
+    verified = ("int8, checked against fp32 on photos:" if card.HasField("quantization") else
+                f"verified max abs diff {card.verification.max_abs_diff:.3g} (allowed {card.verification.tolerance:.3g})")
     sys.stdout.write(
         f"wrote {args.output}: {card.name}, {len(card.labels)} classes ({label(OutputKind, card.output_kind)}), "
         f"stride {card.output_stride} (native {card.native_output_stride}), receptive field {card.receptive_field.size} px, "
-        f"verified max abs diff {card.verification.max_abs_diff:.3g} (allowed {card.verification.tolerance:.3g})\n")
+        f"{verified}\n")
+    if card.HasField("quantization"):
+        sys.stdout.write(int8_summary(card) + "\n")
     if report:
         sys.stdout.write(report + "\n")
     return EXIT_OK

@@ -62,6 +62,8 @@ MAX_SIDE = 16384
 
 # Ops whose output is a view of their first input (onnxruntime declares them as aliasing).
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Dropout"})
+# Quantization pairs around the ops of a QDQ (int8) graph, fused by onnxruntime into the ops' integer kernels.
+QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 # Element-wise ops whose output may overwrite an input that dies at the op.
 IN_PLACE_OPS = frozenset({
     "Relu", "LeakyRelu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Elu", "Selu",
@@ -359,6 +361,28 @@ def _profile(skeleton: Skeleton, height: int, width: int, batch: int, device: De
     for output in graph.output:
         last_read[output.name] = end
 
+    # A QDQ (int8) graph as onnxruntime runs it: each QuantizeLinear/DequantizeLinear pair fused with its op, so an
+    # op whose output only a QuantizeLinear reads writes the quantized bytes itself, a QuantizeLinear or
+    # DequantizeLinear of an activation writes nothing new, and a DequantizeLinear of a weight is part of the weights.
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    quantized_as: dict[str, str] = {}
+    weight_copies: set[str] = set()
+    for node in graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in weights:
+            weight_copies.add(node.output[0])
+        for name in node.output:
+            if name and (readers.get(name) and all(r.op_type == "QuantizeLinear" for r in readers[name])
+                         and node.op_type not in QDQ_OPS and name not in {o.name for o in graph.output}):
+                quantized_as[name] = readers[name][0].output[0]
+
+    def size_of(name: str, _size_of=size_of) -> tuple[tuple[int, ...], int, int]:
+        shape, count, nbytes = _size_of(name)
+        return (shape, count, count * _element_size(shapes[quantized_as[name]][1])) if name in quantized_as else (
+            shape, count, nbytes)
+
     image = skeleton.image_input
     _, input_activations, input_bytes = size_of(image)
     # Buffers: activation tensors map to buffers; aliasing tensors share one, which dies with the last.
@@ -371,7 +395,7 @@ def _profile(skeleton: Skeleton, height: int, width: int, batch: int, device: De
     naive_bytes = input_bytes
     layers: list[Layer] = []
     for index, node in enumerate(graph.node):
-        if node.op_type == "Constant":
+        if node.op_type == "Constant" or node.output[0] in weight_copies:
             continue
         params = sum(math.prod(weights[name][0]) for name in node.input if name in weights)
         first_shape: tuple[int, ...] = ()
@@ -410,7 +434,8 @@ def _profile(skeleton: Skeleton, height: int, width: int, batch: int, device: De
         height=height, width=width, batch=batch, dtype=skeleton.dtype, layers=tuple(layers),
         input_activations=input_activations, input_bytes=input_bytes, weights_bytes=weights_bytes,
         naive_activation_bytes=naive_bytes, peak_activation_bytes=peak_bytes, peak_layer=peak_layer,
-        terms=predict(device, weights_bytes=weights_bytes, peak_activation_bytes=peak_bytes),
+        terms=predict(device, weights_bytes=weights_bytes, peak_activation_bytes=peak_bytes,
+                      int8=skeleton.dtype == "int8"),
     )
 
 
@@ -419,7 +444,7 @@ def _reused_buffer(node: onnx.NodeProto, position: int, nbytes: int, index: int,
     """The input buffer this output may live in, or None when it needs a new one."""
     if position != 0:
         return None
-    if node.op_type in VIEW_OPS:
+    if node.op_type in VIEW_OPS or node.op_type in QDQ_OPS:
         return buffer_of.get(node.input[0]) if node.input else None
     if node.op_type not in IN_PLACE_OPS:
         return None

@@ -16,7 +16,7 @@ import onnxruntime
 from convert.card import spatial_axes
 from convert.errors import ConversionError
 from convert.preprocessing import to_input
-from protos.model_card_pb2 import Preprocessing, Verification
+from protos.model_card_pb2 import Agreement, Preprocessing, Verification
 
 # Max abs difference allowed at conversion, relative to the output's magnitude (max(1, max |output|)).
 TOLERANCE = 1e-4
@@ -143,3 +143,50 @@ def shift_and_stitch(model_or_session, tensor: np.ndarray, *, shift: int, factor
     for (a, b), out in runs.items():
         stitched[:, :, a::factor, b::factor] = out
     return stitched
+
+
+def probabilities(scores: np.ndarray, *, logits: bool) -> np.ndarray:
+    """Per-cell class probabilities of scores [N, K, h, w] (softmax over K when they are logits), float64."""
+    scores = scores.astype(np.float64)
+    if not logits:
+        return scores
+    shifted = np.exp(scores - scores.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def map_correlation(expected: np.ndarray, got: np.ndarray, *, classes: int = 5) -> float:
+    """Pearson correlation of the probability maps [1, K, h, w] of the reference's `classes` top image-level
+    classes (their maps side by side): how alike the two score maps look, where they matter."""
+    top = np.argsort(-expected[0].mean(axis=(1, 2)))[:classes]
+    a, b = expected[0, top].ravel(), got[0, top].ravel()
+    if a.std() == 0 or b.std() == 0:
+        return 1.0 if np.array_equal(a, b) else 0.0
+    return float(np.corrcoef(a, b)[0, 1])
+
+
+def agreement(reference, candidate, tensors: list[list[np.ndarray]], *, sides: tuple[int, ...],
+              logits: bool) -> Agreement:
+    """`candidate` against `reference` (models or sessions) on each image's input tensors, one per side (the last
+    the dense size, where the maps are correlated); the card's record."""
+    reference, candidate = (runner if isinstance(runner, onnxruntime.InferenceSession) else session(runner)
+                            for runner in (reference, candidate))
+    cells = agreed = images_agreed = runs = 0
+    largest, total, values = 0.0, 0.0, 0
+    correlations = []
+    for per_side in tensors:
+        for index, tensor in enumerate(per_side):
+            expected = probabilities(run(reference, tensor), logits=logits)
+            got = probabilities(run(candidate, tensor), logits=logits)
+            top_expected, top_got = expected.argmax(axis=1), got.argmax(axis=1)
+            cells += top_expected.size
+            agreed += int(np.sum(top_expected == top_got))
+            runs += 1
+            images_agreed += int(expected.mean(axis=(2, 3)).argmax() == got.mean(axis=(2, 3)).argmax())
+            diff = np.abs(expected - got)
+            largest, total, values = max(largest, float(diff.max())), total + float(diff.sum()), values + diff.size
+            if index == len(per_side) - 1:
+                correlations.append(map_correlation(expected, got))
+    return Agreement(images=len(tensors), sides=list(sides), top1_agreement=agreed / max(cells, 1),
+                     image_top1_agreement=images_agreed / max(runs, 1), max_probability_diff=largest,
+                     mean_probability_diff=total / max(values, 1), map_correlation=min(correlations, default=1.0),
+                     mean_map_correlation=float(np.mean(correlations)) if correlations else 1.0)

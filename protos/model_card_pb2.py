@@ -24,29 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/model_card.proto\x12\x0bscoremap.v1\"\xe9\x01\n\rPreprocessing\x12\x12\n\ninput_name\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0e\x32\x13.scoremap.v1.Layout\x12&\n\x05\x64type\x18\x03 \x01(\x0e\x32\x17.scoremap.v1.InputDtype\x12\x30\n\rchannel_order\x18\x04 \x01(\x0e\x32\x19.scoremap.v1.ChannelOrder\x12\x13\n\x0bpixel_scale\x18\x05 \x01(\x02\x12\x0c\n\x04mean\x18\x06 \x03(\x02\x12\x0b\n\x03std\x18\x07 \x03(\x02\x12\x15\n\rresize_filter\x18\x08 \x01(\t\"B\n\x0eReceptiveField\x12\x0c\n\x04size\x18\x01 \x01(\x05\x12\x10\n\x08\x63\x65nter_y\x18\x02 \x01(\x02\x12\x10\n\x08\x63\x65nter_x\x18\x03 \x01(\x02\"\x85\x01\n\x0cVerification\x12\x14\n\x0cmax_abs_diff\x18\x01 \x01(\x02\x12\x11\n\ttolerance\x18\x02 \x01(\x02\x12\x0f\n\x07samples\x18\x03 \x01(\x05\x12\x0e\n\x06passed\x18\x04 \x01(\x08\x12\x18\n\x10\x61rgmax_agreement\x18\x05 \x01(\x02\x12\x11\n\treference\x18\x06 \x01(\t\"\xd5\x03\n\tModelCard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12\x31\n\rpreprocessing\x18\x03 \x01(\x0b\x32\x1a.scoremap.v1.Preprocessing\x12\x17\n\x0ftraining_height\x18\x04 \x01(\x05\x12\x16\n\x0etraining_width\x18\x05 \x01(\x05\x12\x15\n\routput_stride\x18\x06 \x01(\x05\x12\x34\n\x0freceptive_field\x18\x07 \x01(\x0b\x32\x1b.scoremap.v1.ReceptiveField\x12\x13\n\x0bscores_name\x18\x08 \x01(\t\x12,\n\x0boutput_kind\x18\t \x01(\x0e\x32\x17.scoremap.v1.OutputKind\x12\x0e\n\x06source\x18\n \x01(\t\x12/\n\x0cverification\x18\x0b \x01(\x0b\x32\x19.scoremap.v1.Verification\x12)\n\tprecision\x18\x0c \x01(\x0e\x32\x16.scoremap.v1.Precision\x12\x15\n\rdefault_scale\x18\r \x01(\x05\x12\x15\n\rsize_multiple\x18\x0e \x01(\x05\x12\x1c\n\x14native_output_stride\x18\x0f \x01(\x05*B\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bLAYOUT_NCHW\x10\x01\x12\x0f\n\x0bLAYOUT_NHWC\x10\x02*r\n\nInputDtype\x12\x1b\n\x17INPUT_DTYPE_UNSPECIFIED\x10\x00\x12\x17\n\x13INPUT_DTYPE_FLOAT32\x10\x01\x12\x17\n\x13INPUT_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11INPUT_DTYPE_UINT8\x10\x03*[\n\x0c\x43hannelOrder\x12\x1d\n\x19\x43HANNEL_ORDER_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43HANNEL_ORDER_RGB\x10\x01\x12\x15\n\x11\x43HANNEL_ORDER_BGR\x10\x02*`\n\nOutputKind\x12\x1b\n\x17OUTPUT_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12OUTPUT_KIND_LOGITS\x10\x01\x12\x1d\n\x19OUTPUT_KIND_PROBABILITIES\x10\x02*N\n\tPrecision\x12\x19\n\x15PRECISION_UNSPECIFIED\x10\x00\x12\x12\n\x0ePRECISION_FP32\x10\x01\x12\x12\n\x0ePRECISION_FP16\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/model_card.proto\x12\x0bscoremap.v1\"\xe9\x01\n\rPreprocessing\x12\x12\n\ninput_name\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0e\x32\x13.scoremap.v1.Layout\x12&\n\x05\x64type\x18\x03 \x01(\x0e\x32\x17.scoremap.v1.InputDtype\x12\x30\n\rchannel_order\x18\x04 \x01(\x0e\x32\x19.scoremap.v1.ChannelOrder\x12\x13\n\x0bpixel_scale\x18\x05 \x01(\x02\x12\x0c\n\x04mean\x18\x06 \x03(\x02\x12\x0b\n\x03std\x18\x07 \x03(\x02\x12\x15\n\rresize_filter\x18\x08 \x01(\t\"B\n\x0eReceptiveField\x12\x0c\n\x04size\x18\x01 \x01(\x05\x12\x10\n\x08\x63\x65nter_y\x18\x02 \x01(\x02\x12\x10\n\x08\x63\x65nter_x\x18\x03 \x01(\x02\"\x85\x01\n\x0cVerification\x12\x14\n\x0cmax_abs_diff\x18\x01 \x01(\x02\x12\x11\n\ttolerance\x18\x02 \x01(\x02\x12\x0f\n\x07samples\x18\x03 \x01(\x05\x12\x0e\n\x06passed\x18\x04 \x01(\x08\x12\x18\n\x10\x61rgmax_agreement\x18\x05 \x01(\x02\x12\x11\n\treference\x18\x06 \x01(\t\"\xd4\x01\n\tAgreement\x12\x0e\n\x06images\x18\x01 \x01(\x05\x12\r\n\x05sides\x18\x02 \x03(\x05\x12\x16\n\x0etop1_agreement\x18\x03 \x01(\x02\x12\x1c\n\x14image_top1_agreement\x18\x04 \x01(\x02\x12\x1c\n\x14max_probability_diff\x18\x05 \x01(\x02\x12\x1d\n\x15mean_probability_diff\x18\x06 \x01(\x02\x12\x17\n\x0fmap_correlation\x18\x07 \x01(\x02\x12\x1c\n\x14mean_map_correlation\x18\x08 \x01(\x02\"O\n\x10\x43\x61librationTrial\x12\x0e\n\x06method\x18\x01 \x01(\t\x12+\n\x0b\x63\x61libration\x18\x02 \x01(\x0b\x32\x16.scoremap.v1.Agreement\"\xe7\x02\n\x0cQuantization\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x1a\n\x12\x63\x61libration_source\x18\x02 \x01(\t\x12\x1a\n\x12\x63\x61libration_images\x18\x03 \x03(\t\x12\x17\n\x0fheld_out_images\x18\x04 \x03(\t\x12+\n\x0b\x63\x61libration\x18\x05 \x01(\x0b\x32\x16.scoremap.v1.Agreement\x12(\n\x08held_out\x18\x06 \x01(\x0b\x32\x16.scoremap.v1.Agreement\x12\x1a\n\x12min_top1_agreement\x18\x07 \x01(\x02\x12\x1b\n\x13min_map_correlation\x18\x08 \x01(\x02\x12-\n\x06trials\x18\t \x03(\x0b\x32\x1d.scoremap.v1.CalibrationTrial\x12\x13\n\x0bworst_layer\x18\n \x01(\t\x12\x0f\n\x07warning\x18\x0b \x01(\t\x12\x11\n\tfloat_ops\x18\x0c \x03(\t\"\x86\x04\n\tModelCard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12\x31\n\rpreprocessing\x18\x03 \x01(\x0b\x32\x1a.scoremap.v1.Preprocessing\x12\x17\n\x0ftraining_height\x18\x04 \x01(\x05\x12\x16\n\x0etraining_width\x18\x05 \x01(\x05\x12\x15\n\routput_stride\x18\x06 \x01(\x05\x12\x34\n\x0freceptive_field\x18\x07 \x01(\x0b\x32\x1b.scoremap.v1.ReceptiveField\x12\x13\n\x0bscores_name\x18\x08 \x01(\t\x12,\n\x0boutput_kind\x18\t \x01(\x0e\x32\x17.scoremap.v1.OutputKind\x12\x0e\n\x06source\x18\n \x01(\t\x12/\n\x0cverification\x18\x0b \x01(\x0b\x32\x19.scoremap.v1.Verification\x12)\n\tprecision\x18\x0c \x01(\x0e\x32\x16.scoremap.v1.Precision\x12\x15\n\rdefault_scale\x18\r \x01(\x05\x12\x15\n\rsize_multiple\x18\x0e \x01(\x05\x12\x1c\n\x14native_output_stride\x18\x0f \x01(\x05\x12/\n\x0cquantization\x18\x10 \x01(\x0b\x32\x19.scoremap.v1.Quantization*B\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bLAYOUT_NCHW\x10\x01\x12\x0f\n\x0bLAYOUT_NHWC\x10\x02*r\n\nInputDtype\x12\x1b\n\x17INPUT_DTYPE_UNSPECIFIED\x10\x00\x12\x17\n\x13INPUT_DTYPE_FLOAT32\x10\x01\x12\x17\n\x13INPUT_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11INPUT_DTYPE_UINT8\x10\x03*[\n\x0c\x43hannelOrder\x12\x1d\n\x19\x43HANNEL_ORDER_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43HANNEL_ORDER_RGB\x10\x01\x12\x15\n\x11\x43HANNEL_ORDER_BGR\x10\x02*`\n\nOutputKind\x12\x1b\n\x17OUTPUT_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12OUTPUT_KIND_LOGITS\x10\x01\x12\x1d\n\x19OUTPUT_KIND_PROBABILITIES\x10\x02*b\n\tPrecision\x12\x19\n\x15PRECISION_UNSPECIFIED\x10\x00\x12\x12\n\x0ePRECISION_FP32\x10\x01\x12\x12\n\x0ePRECISION_FP16\x10\x02\x12\x12\n\x0ePRECISION_INT8\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.model_card_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LAYOUT']._serialized_start=952
-  _globals['_LAYOUT']._serialized_end=1018
-  _globals['_INPUTDTYPE']._serialized_start=1020
-  _globals['_INPUTDTYPE']._serialized_end=1134
-  _globals['_CHANNELORDER']._serialized_start=1136
-  _globals['_CHANNELORDER']._serialized_end=1227
-  _globals['_OUTPUTKIND']._serialized_start=1229
-  _globals['_OUTPUTKIND']._serialized_end=1325
-  _globals['_PRECISION']._serialized_start=1327
-  _globals['_PRECISION']._serialized_end=1405
+  _globals['_LAYOUT']._serialized_start=1659
+  _globals['_LAYOUT']._serialized_end=1725
+  _globals['_INPUTDTYPE']._serialized_start=1727
+  _globals['_INPUTDTYPE']._serialized_end=1841
+  _globals['_CHANNELORDER']._serialized_start=1843
+  _globals['_CHANNELORDER']._serialized_end=1934
+  _globals['_OUTPUTKIND']._serialized_start=1936
+  _globals['_OUTPUTKIND']._serialized_end=2032
+  _globals['_PRECISION']._serialized_start=2034
+  _globals['_PRECISION']._serialized_end=2132
   _globals['_PREPROCESSING']._serialized_start=41
   _globals['_PREPROCESSING']._serialized_end=274
   _globals['_RECEPTIVEFIELD']._serialized_start=276
   _globals['_RECEPTIVEFIELD']._serialized_end=342
   _globals['_VERIFICATION']._serialized_start=345
   _globals['_VERIFICATION']._serialized_end=478
-  _globals['_MODELCARD']._serialized_start=481
-  _globals['_MODELCARD']._serialized_end=950
+  _globals['_AGREEMENT']._serialized_start=481
+  _globals['_AGREEMENT']._serialized_end=693
+  _globals['_CALIBRATIONTRIAL']._serialized_start=695
+  _globals['_CALIBRATIONTRIAL']._serialized_end=774
+  _globals['_QUANTIZATION']._serialized_start=777
+  _globals['_QUANTIZATION']._serialized_end=1136
+  _globals['_MODELCARD']._serialized_start=1139
+  _globals['_MODELCARD']._serialized_end=1657
 # @@protoc_insertion_point(module_scope)

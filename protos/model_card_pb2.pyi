@@ -37,6 +37,7 @@ class Precision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PRECISION_UNSPECIFIED: _ClassVar[Precision]
     PRECISION_FP32: _ClassVar[Precision]
     PRECISION_FP16: _ClassVar[Precision]
+    PRECISION_INT8: _ClassVar[Precision]
 LAYOUT_UNSPECIFIED: Layout
 LAYOUT_NCHW: Layout
 LAYOUT_NHWC: Layout
@@ -53,6 +54,7 @@ OUTPUT_KIND_PROBABILITIES: OutputKind
 PRECISION_UNSPECIFIED: Precision
 PRECISION_FP32: Precision
 PRECISION_FP16: Precision
+PRECISION_INT8: Precision
 
 class Preprocessing(_message.Message):
     __slots__ = ("input_name", "layout", "dtype", "channel_order", "pixel_scale", "mean", "std", "resize_filter")
@@ -100,8 +102,64 @@ class Verification(_message.Message):
     reference: str
     def __init__(self, max_abs_diff: _Optional[float] = ..., tolerance: _Optional[float] = ..., samples: _Optional[int] = ..., passed: _Optional[bool] = ..., argmax_agreement: _Optional[float] = ..., reference: _Optional[str] = ...) -> None: ...
 
+class Agreement(_message.Message):
+    __slots__ = ("images", "sides", "top1_agreement", "image_top1_agreement", "max_probability_diff", "mean_probability_diff", "map_correlation", "mean_map_correlation")
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    SIDES_FIELD_NUMBER: _ClassVar[int]
+    TOP1_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOP1_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROBABILITY_DIFF_FIELD_NUMBER: _ClassVar[int]
+    MEAN_PROBABILITY_DIFF_FIELD_NUMBER: _ClassVar[int]
+    MAP_CORRELATION_FIELD_NUMBER: _ClassVar[int]
+    MEAN_MAP_CORRELATION_FIELD_NUMBER: _ClassVar[int]
+    images: int
+    sides: _containers.RepeatedScalarFieldContainer[int]
+    top1_agreement: float
+    image_top1_agreement: float
+    max_probability_diff: float
+    mean_probability_diff: float
+    map_correlation: float
+    mean_map_correlation: float
+    def __init__(self, images: _Optional[int] = ..., sides: _Optional[_Iterable[int]] = ..., top1_agreement: _Optional[float] = ..., image_top1_agreement: _Optional[float] = ..., max_probability_diff: _Optional[float] = ..., mean_probability_diff: _Optional[float] = ..., map_correlation: _Optional[float] = ..., mean_map_correlation: _Optional[float] = ...) -> None: ...
+
+class CalibrationTrial(_message.Message):
+    __slots__ = ("method", "calibration")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    calibration: Agreement
+    def __init__(self, method: _Optional[str] = ..., calibration: _Optional[_Union[Agreement, _Mapping]] = ...) -> None: ...
+
+class Quantization(_message.Message):
+    __slots__ = ("method", "calibration_source", "calibration_images", "held_out_images", "calibration", "held_out", "min_top1_agreement", "min_map_correlation", "trials", "worst_layer", "warning", "float_ops")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    HELD_OUT_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    HELD_OUT_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOP1_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    MIN_MAP_CORRELATION_FIELD_NUMBER: _ClassVar[int]
+    TRIALS_FIELD_NUMBER: _ClassVar[int]
+    WORST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    WARNING_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_OPS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    calibration_source: str
+    calibration_images: _containers.RepeatedScalarFieldContainer[str]
+    held_out_images: _containers.RepeatedScalarFieldContainer[str]
+    calibration: Agreement
+    held_out: Agreement
+    min_top1_agreement: float
+    min_map_correlation: float
+    trials: _containers.RepeatedCompositeFieldContainer[CalibrationTrial]
+    worst_layer: str
+    warning: str
+    float_ops: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, method: _Optional[str] = ..., calibration_source: _Optional[str] = ..., calibration_images: _Optional[_Iterable[str]] = ..., held_out_images: _Optional[_Iterable[str]] = ..., calibration: _Optional[_Union[Agreement, _Mapping]] = ..., held_out: _Optional[_Union[Agreement, _Mapping]] = ..., min_top1_agreement: _Optional[float] = ..., min_map_correlation: _Optional[float] = ..., trials: _Optional[_Iterable[_Union[CalibrationTrial, _Mapping]]] = ..., worst_layer: _Optional[str] = ..., warning: _Optional[str] = ..., float_ops: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ModelCard(_message.Message):
-    __slots__ = ("name", "labels", "preprocessing", "training_height", "training_width", "output_stride", "receptive_field", "scores_name", "output_kind", "source", "verification", "precision", "default_scale", "size_multiple", "native_output_stride")
+    __slots__ = ("name", "labels", "preprocessing", "training_height", "training_width", "output_stride", "receptive_field", "scores_name", "output_kind", "source", "verification", "precision", "default_scale", "size_multiple", "native_output_stride", "quantization")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     PREPROCESSING_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +175,7 @@ class ModelCard(_message.Message):
     DEFAULT_SCALE_FIELD_NUMBER: _ClassVar[int]
     SIZE_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     NATIVE_OUTPUT_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     name: str
     labels: _containers.RepeatedScalarFieldContainer[str]
     preprocessing: Preprocessing
@@ -132,4 +191,5 @@ class ModelCard(_message.Message):
     default_scale: int
     size_multiple: int
     native_output_stride: int
-    def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., preprocessing: _Optional[_Union[Preprocessing, _Mapping]] = ..., training_height: _Optional[int] = ..., training_width: _Optional[int] = ..., output_stride: _Optional[int] = ..., receptive_field: _Optional[_Union[ReceptiveField, _Mapping]] = ..., scores_name: _Optional[str] = ..., output_kind: _Optional[_Union[OutputKind, str]] = ..., source: _Optional[str] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ..., precision: _Optional[_Union[Precision, str]] = ..., default_scale: _Optional[int] = ..., size_multiple: _Optional[int] = ..., native_output_stride: _Optional[int] = ...) -> None: ...
+    quantization: Quantization
+    def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., preprocessing: _Optional[_Union[Preprocessing, _Mapping]] = ..., training_height: _Optional[int] = ..., training_width: _Optional[int] = ..., output_stride: _Optional[int] = ..., receptive_field: _Optional[_Union[ReceptiveField, _Mapping]] = ..., scores_name: _Optional[str] = ..., output_kind: _Optional[_Union[OutputKind, str]] = ..., source: _Optional[str] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ..., precision: _Optional[_Union[Precision, str]] = ..., default_scale: _Optional[int] = ..., size_multiple: _Optional[int] = ..., native_output_stride: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ...) -> None: ...

@@ -123,3 +123,20 @@ def assert_same_top_k(got, expected, provider: str) -> None:
     for label in got:
         if label.index in theirs:
             np.testing.assert_allclose(label.probability, theirs[label.index], **close)
+
+
+def int8_net(net: onnx.ModelProto, *, sides: tuple[int, ...] = (64, 96), seed: int = 0,
+             method: str = "minmax") -> onnx.ModelProto:
+    """`net` quantized to int8 (convert.quantize), calibrated on a few random photos at `sides`, its card carried over
+    with precision int8 (unchecked: for tests of what runs an int8 graph, not of its accuracy)."""
+    from convert.card import Precision
+    from convert.preprocessing import to_input
+    from convert.quantize import quantize
+
+    card = read_card(net)
+    rng = np.random.default_rng(seed)
+    tensors = [to_input(rng.integers(0, 256, (1, side, side, 3)).astype(np.float32), card.preprocessing)
+               for side in sides for _ in range(2)]
+    quantized = quantize(net, tensors, method=method)
+    card.precision = Precision.PRECISION_INT8
+    return write_card(quantized, card)

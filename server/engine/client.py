@@ -53,6 +53,14 @@ class EngineFacts:
     def on_gpu(self) -> bool:
         return self.device is Device.CUDA
 
+    def int8_refusal(self) -> str | None:
+        """Why an int8 graph is not served here, or None where it runs on integer kernels (the CPU's)."""
+        if self.device is Device.CPU:
+            return None
+        return (f"an int8 graph does not run on {self.provider}: onnxruntime's {self.provider} has no int8 convolution "
+                "kernels (it would compute in float32 between quantize/dequantize nodes: slower than the fp32 graph, "
+                "with int8's loss); serve the fp16 or fp32 model on a GPU, or this one with --provider cpu")
+
 
 class Places(Protocol):
     """A request's places in a model's queue, held from admission until its items are queued."""

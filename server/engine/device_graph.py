@@ -188,9 +188,10 @@ def _preprocess(b: _Builder, image: ImageInput, *, width: int, on_gpu: bool) -> 
 
 
 def _passes(b: _Builder, image: str, offsets, *, dtype: np.dtype, spatial: tuple[int, int], shape: list[int],
-            output: str) -> None:
+            output: str, zero_point: int | None = None) -> None:
     """Each pass the float32 `image` moved down dy and right dx in its canvas, 0-filled, as the net's
-    `dtype`; pass p of image b at b*P + p.
+    `dtype`; pass p of image b at b*P + p. With `zero_point`, `image` is already the net's quantized uint8
+    input, filled with its zero point (the value that dequantizes to 0).
 
     One Pad by the largest shift at the top and left, then each pass a window of it. The Pad runs in
     float32, before the cast to the net's dtype: onnxruntime's CUDA Pad has no uint8 kernel (issue 19),
@@ -201,8 +202,9 @@ def _passes(b: _Builder, image: str, offsets, *, dtype: np.dtype, spatial: tuple
     if top or left:
         pads = [0] * 8
         pads[y], pads[x] = top, left
-        padded = b.op("Pad", [image, b.ints(pads)], mode="constant")
-    if dtype != np.float32:
+        fill = [] if zero_point is None else [b.const(zero_point, np.uint8)]
+        padded = b.op("Pad", [image, b.ints(pads), *fill], mode="constant")
+    if dtype != np.float32 and zero_point is None:
         padded = b.op("Cast", [padded], to=helper.np_dtype_to_tensor_dtype(dtype))
     shifted = []
     for dy, dx in offsets:
@@ -213,6 +215,25 @@ def _passes(b: _Builder, image: str, offsets, *, dtype: np.dtype, spatial: tuple
         shifted.append(b.op("Unsqueeze", [moved, b.ints([1])]))
     stacked = b.op("Concat", shifted, axis=1) if len(shifted) > 1 else shifted[0]
     b.op("Reshape", [stacked, b.ints([shape[0] * len(offsets), *shape[1:]])], output=output)
+
+
+def _quantized_input(net: onnx.ModelProto, image: ImageInput) -> tuple[onnx.NodeProto, int] | None:
+    """The net's QuantizeLinear of its image input and its zero point, when the uint8 canvas already is its output:
+    the input's only reader, its scale pixel_scale / std and zero point mean / pixel_scale in every channel (an
+    int8 graph quantized on the pixel grid, convert.quantize.input_grid); else None."""
+    readers = [node for node in net.graph.node if image.name in node.input]
+    if len(readers) != 1 or readers[0].op_type != "QuantizeLinear" or readers[0].input[0] != image.name:
+        return None
+    quantize = readers[0]
+    constants = {tensor.name: numpy_helper.to_array(tensor) for tensor in net.graph.initializer}
+    scale, zero_point = (constants.get(name) for name in (list(quantize.input) + [""])[1:3])
+    if scale is None or zero_point is None or scale.size != 1 or zero_point.dtype != np.uint8 or image.dtype != np.float32:
+        return None
+    expected_scale = np.float32(image.pixel_scale) / np.asarray(image.std, np.float32)
+    expected_zero = np.asarray(image.mean, np.float64) / image.pixel_scale
+    if np.all(expected_scale == scale.reshape(-1)[0]) and np.all(expected_zero == float(zero_point.reshape(-1)[0])):
+        return quantize, int(zero_point.reshape(-1)[0])
+    return None
 
 
 def _renameable(net: onnx.ModelProto, name: str) -> bool:
@@ -269,8 +290,18 @@ def build_plan_graph(
     cells = [batch, classes, factor * h, factor * w]
 
     b = _Builder()
-    _passes(b, _preprocess(b, image, width=width, on_gpu=on_gpu), ordered, dtype=image.dtype,
-            spatial=image.spatial_axes, shape=pass_shape, output=NET_PREFIX + image.name)
+    # An int8 net quantized on the pixel grid takes the canvas as it is: its QuantizeLinear goes (CPU plans; a GPU
+    # does not run int8 graphs, server.engine.client.EngineFacts.int8_refusal).
+    quantized = None if on_gpu else _quantized_input(net, image)
+    if quantized is not None:
+        canvas = b.op("Transpose", [PIXELS], perm=[0, 3, 1, 2]) if image.channel_axis == 1 else PIXELS
+        if image.bgr:
+            canvas = b.op("Gather", [canvas, b.ints([2, 1, 0])], axis=image.channel_axis)
+        _passes(b, canvas, ordered, dtype=np.dtype(np.uint8), spatial=image.spatial_axes, shape=pass_shape,
+                output=NET_PREFIX + quantized[0].output[0], zero_point=quantized[1])
+    else:
+        _passes(b, _preprocess(b, image, width=width, on_gpu=on_gpu), ordered, dtype=image.dtype,
+                spatial=image.spatial_axes, shape=pass_shape, output=NET_PREFIX + image.name)
     before_net = len(b.nodes)
 
     # At factor 1 the net's float32 scores are the lattice: the node making them writes the output itself (no copy),
@@ -330,7 +361,8 @@ def build_plan_graph(
     plan.CopyFrom(net)
     compose.add_prefix(plan, NET_PREFIX, inplace=True)
     graph = plan.graph
-    net_nodes = list(graph.node)
+    net_nodes = [node for node in graph.node
+                 if quantized is None or list(node.output) != [NET_PREFIX + name for name in quantized[0].output]]
     graph.ClearField("node")
     if renamed:
         for node in net_nodes:

@@ -66,6 +66,9 @@ def choose_providers(
     return ProviderChoice((CPU,), f"running on the CPU: {missing}", surprising=driver)
 
 
+# Providers with integer kernels for QDQ graphs (onnxruntime fuses each QuantizeLinear/DequantizeLinear pair with its
+# op into QLinearConv, ...). onnxruntime's CUDA provider has none for convolutions: it runs such a graph as float32
+# convolutions between Quantize/DequantizeLinear nodes, int8's loss without its speed.
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(uint8)": np.uint8, "tensor(float16)": np.float16,
                 "tensor(int64)": np.int64}
 

@@ -17,7 +17,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from convert.arguments import format_bytes
-from convert.card import CardError, ImageInput, batch_shape, read_card
+from convert.card import CardError, ImageInput, Precision, batch_shape, read_card
 from convert.profile import ProfileError
 from protos import scoring_pb2
 from server.engine.client import EngineClient, EngineFacts, PlanKey
@@ -59,6 +59,8 @@ def load(name: str, path: str, *, settings: Settings, facts: EngineFacts, budget
         imaging.resample_filter(image.resize_filter)
     except (CardError, imaging.ImageError) as error:
         raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
+    if card.precision == Precision.PRECISION_INT8 and (refusal := facts.int8_refusal()):
+        raise ScoringError(Refusal.FAILED_PRECONDITION, f"{path}: {refusal}")
     name = name or card.name or pathlib.Path(path).stem  # never the folders, which ListModels would show
     total = facts.memory_budget_bytes
     plan_memory = PlanMemory(net, budget_bytes=total // share if total else None, device=facts.device, name=name,

@@ -25,7 +25,7 @@ from server.engine.device_graph import (
     lattice_cells,
 )
 from server.engine.providers import cuda_device_present
-from tests.tiny_models import coordinate_net, heavy_net, patch_net
+from tests.tiny_models import coordinate_net, heavy_net, int8_net, patch_net
 
 CUDA = "CUDAExecutionProvider"
 ON_GPU = CUDA in onnxruntime.get_available_providers() and cuda_device_present()
@@ -434,3 +434,29 @@ def test_every_op_of_a_plan_graph_has_a_cuda_kernel(request, net, batch, offsets
     plan = build_plan_graph(model, read_card(model), batch=batch, height=256, width=288, offsets=offsets,
                             factor=factor, stride=stride)
     assert not without_cuda_kernel(plan), f"no CUDA kernel listed for {sorted(without_cuda_kernel(plan))}"
+
+
+def imagenet_heavy_net() -> onnx.ModelProto:
+    """heavy_net normalised per channel (the imagenet preset): no one scale puts its input on the pixel grid."""
+    net = heavy_net()
+    card = read_card(net)
+    card.preprocessing.ClearField("mean")
+    card.preprocessing.ClearField("std")
+    card.preprocessing.MergeFrom(preset("imagenet"))
+    return write_card(net, card)
+
+
+@pytest.mark.parametrize("offsets, factor, stride", [(GRID, 2, S), (((0, 0),), 1, 32)], ids=["grid", "factor-1"])
+@pytest.mark.parametrize("build, on_grid", [(heavy_net, True), (imagenet_heavy_net, False)],
+                         ids=["pixel-grid", "per-channel-normalised"])
+def test_an_int8_plan_equals_its_net_on_host_preprocessed_passes(build, on_grid, offsets, factor, stride):
+    """An int8 net quantized on the pixel grid takes the uint8 canvas as its quantized input (its QuantizeLinear gone,
+    the padding its zero point); one normalised per channel is fed floats and quantizes them itself. Either way the
+    plan computes what the int8 net computes on the host's normalised, shifted, 0-filled canvases."""
+    net = int8_net(build())
+    outputs, (lattice, probabilities, _), running, plan = run_plan(net, batch=2, height=96, width=128, offsets=offsets,
+                                                                  factor=factor, stride=stride, on_gpu=False)
+    quantizes_pixels = any(node.op_type == "QuantizeLinear" and node.input[0] == "net/image" for node in plan.graph.node)
+    assert quantizes_pixels is not on_grid
+    assert_close(outputs[LATTICE], lattice, on=running)
+    assert_close(outputs[PROBABILITIES], probabilities, on=running)

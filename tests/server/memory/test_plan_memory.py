@@ -18,7 +18,7 @@ from bench.bench_cpu_plans import MEMORY_BOUND, server_plan_memory
 from bench.bench_memory import _wait_serving
 from server.memory.arena import IDLE_RELEASE_SECONDS
 from tests.server.conftest import raw_request
-from tests.tiny_models import heavy_net
+from tests.tiny_models import heavy_net, int8_net
 
 MiB = 2**20
 
@@ -34,6 +34,21 @@ def test_admission_predicts_what_each_plan_holds_in_the_server_process(tmp_path)
                                              "4x448x448x1 passes"]
     for plan in plans:
         assert plan.creation_growth > 20 * MiB, plan  # the plan really holds its activations
+        assert abs(plan.ratio - 1) <= MEMORY_BOUND, plan
+        assert abs(plan.steady_ratio - 1) <= MEMORY_BOUND, plan
+        assert abs(plan.held_ratio - 1) <= MEMORY_BOUND, plan
+    assert not warnings
+
+
+def test_admission_predicts_what_each_int8_plan_holds_in_the_server_process(tmp_path):
+    """The same plans of the same net quantized to int8 (uint8 activations, int32 accumulators): within the bound,
+    and the server never calls the memory model off."""
+    path = tmp_path / "heavy-int8.onnx"
+    onnx.save(int8_net(heavy_net()), path)
+    plans, warnings = server_plan_memory(str(path), sizes=(320, 448), batches=(1, 4), settle_seconds=0.5)
+    assert len(plans) == 4
+    for plan in plans:
+        assert plan.creation_growth > 20 * MiB, plan
         assert abs(plan.ratio - 1) <= MEMORY_BOUND, plan
         assert abs(plan.steady_ratio - 1) <= MEMORY_BOUND, plan
         assert abs(plan.held_ratio - 1) <= MEMORY_BOUND, plan

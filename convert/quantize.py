@@ -1,0 +1,260 @@
+"""int8: static QDQ quantization of a converted graph, calibrated and checked on photos fed as the server feeds them.
+
+onnxruntime's quantization tools write QuantizeLinear/DequantizeLinear pairs around every quantizable
+op (QDQ format): int8 weights per output channel, uint8 activations per tensor, ranges calibrated on
+photos (convert.calibration). onnxruntime's CPU provider fuses each pair with its op into an integer
+kernel (QLinearConv, ...); a graph without the pairs fused still computes the same values in float, which
+is what the check compares when it names the layer that loses the most.
+
+* The calibration method is chosen by measurement: each of CALIBRATION_METHODS quantizes the graph, and
+  the one whose result agrees best with the fp32 graph on the calibration photos (cells' top class,
+  then the maps' correlation) is kept; the held-out photos only check the choice.
+* Weights use 7 bits (`reduce_range`): onnxruntime's uint8 x int8 kernels on AVX2 CPUs without VNNI sum
+  pairs of products in 16 bits (VPMADDUBSW), which saturates with full-range weights; on the default model
+  the cells' top-1 agreement on the calibration photos went from 82% to 96% with it (bench_convert).
+* The image input is quantized on the pixel grid when the card's normalisation allows (one scale
+  pixel_scale / std and a whole-pixel mean for every channel: the default model's (x - 127) / 128): the
+  uint8 canvas then is the quantized input, and the server feeds it as it is (server/engine/device_graph.py).
+  Otherwise its range is the whole pixel range, so no pixel is clipped.
+* The check (convert.verify.agreement) gates the result: below MIN_TOP1_AGREEMENT or MIN_MAP_CORRELATION
+  on the calibration or the held-out photos, nothing is written unless the caller allows the loss, and
+  then the card carries a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import logging
+import os
+import tempfile
+
+import numpy as np
+import onnx
+import onnxruntime
+from onnx import helper
+from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+from convert import verify
+from convert.calibration import PhotoSet, as_fed, fed_sides
+from convert.card import CardError, ImageInput, Precision, is_logits, read_card, write_card
+from convert.errors import ConversionError
+from protos.model_card_pb2 import Agreement, CalibrationTrial, ModelCard, Quantization, Verification
+
+__all__ = ["CALIBRATION_METHODS", "MIN_TOP1_AGREEMENT", "MIN_MAP_CORRELATION", "to_int8", "quantize", "input_grid",
+           "layer_losses", "float_ops"]
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_METHODS = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+                       "percentile": CalibrationMethod.Percentile}
+# The gate, on the calibration and on the held-out photos alike. Cells whose two best classes nearly tie flip
+# under any perturbation, so agreement is never 100%: 97% of cells keep their top class, and the maps the
+# server returns keep their shape (Pearson >= 0.98 over the top-5 classes' probability maps at the dense size).
+MIN_TOP1_AGREEMENT = 0.97
+MIN_MAP_CORRELATION = 0.98
+# 7-bit weights: see the module docstring (AVX2 saturation).
+REDUCE_RANGE = True
+QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+
+
+class _Reader(CalibrationDataReader):
+    """The calibration tensors one at a time; `set_range` lets onnxruntime collect one run per call (its
+    histogram calibrators need one shape per call: photos come at several sizes)."""
+
+    def __init__(self, input_name: str, tensors: list[np.ndarray]) -> None:
+        self._name, self._tensors = input_name, tensors
+        self.set_range(0, len(tensors))
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def set_range(self, start_index: int, end_index: int) -> None:
+        self._next = iter(self._tensors[start_index:end_index])
+
+    def get_next(self) -> dict | None:
+        tensor = next(self._next, None)
+        return None if tensor is None else {self._name: tensor}
+
+
+def input_grid(card: ModelCard) -> tuple[float, int] | None:
+    """(scale, zero point) that make the uint8 pixels themselves the quantized image input, when the card's
+    normalisation is one x * scale - zero_point * scale for every channel with a whole zero point; else None."""
+    image = ImageInput.of(card)
+    scale = np.float32(image.pixel_scale) / np.asarray(image.std, np.float32)
+    zero_point = np.asarray(image.mean, np.float64) / image.pixel_scale
+    if (image.dtype != np.float32 or len(set(scale.tolist())) != 1 or len(set(zero_point.tolist())) != 1
+            or zero_point[0] != round(zero_point[0]) or not 0 <= zero_point[0] <= 255):
+        return None
+    return float(scale[0]), int(zero_point[0])
+
+
+def _input_overrides(card: ModelCard) -> dict:
+    """onnxruntime's TensorQuantOverrides for the image input: the pixel grid, else the whole pixel range."""
+    grid = input_grid(card)
+    if grid is not None:
+        scale, zero_point = grid
+        return {card.preprocessing.input_name: [{"scale": np.array(scale, np.float32), "zero_point": np.array(zero_point, np.uint8)}]}
+    image = ImageInput.of(card)
+    ends = [(value * image.pixel_scale - mean) / std for value in (0.0, 255.0) for mean, std in zip(image.mean, image.std)]
+    return {card.preprocessing.input_name: [{"rmin": np.array(min(ends), np.float32), "rmax": np.array(max(ends), np.float32)}]}
+
+
+def quantize(model: onnx.ModelProto, tensors: list[np.ndarray], *, method: str) -> onnx.ModelProto:
+    """The QDQ int8 graph of a converted fp32 `model`, calibrated by `method` on its input `tensors`."""
+    card = read_card(model)
+    with tempfile.TemporaryDirectory(prefix="scoremap-int8-") as folder:
+        source, path = os.path.join(folder, "fp32.onnx"), os.path.join(folder, "int8.onnx")
+        onnx.save(model, source)  # given a proto, quantize_static moves its weights out to a file in place
+        with contextlib.redirect_stdout(io.StringIO()):  # onnxruntime prints its calibration's progress
+            quantize_static(
+                source, path, _Reader(card.preprocessing.input_name, tensors), quant_format=QuantFormat.QDQ,
+                per_channel=True, reduce_range=REDUCE_RANGE, activation_type=QuantType.QUInt8,
+                weight_type=QuantType.QInt8, calibrate_method=CALIBRATION_METHODS[method],
+                calibration_providers=verify.PROVIDERS,
+                extra_options={"CalibStridedMinMax": 1, "TensorQuantOverrides": _input_overrides(card)})
+        quantized = onnx.load(path)
+    quantized.ir_version = model.ir_version
+    return quantized
+
+
+def float_ops(model: onnx.ModelProto) -> list[str]:
+    """Op types of a QDQ graph that run in float: no DequantizeLinear feeds them (onnxruntime fuses none)."""
+    dequantized = {node.output[0] for node in model.graph.node if node.op_type == "DequantizeLinear"}
+    return sorted({node.op_type for node in model.graph.node
+                   if node.op_type not in QDQ_OPS and not any(name in dequantized for name in node.input if name)})
+
+
+def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    present = {value.name for value in copy.graph.output}
+    copy.graph.output.extend(helper.make_empty_tensor_value_info(name) for name in names if name not in present)
+    return copy
+
+
+def layer_losses(reference: onnx.ModelProto, candidate: onnx.ModelProto, tensor: np.ndarray) -> list[tuple[str, float, float]]:
+    """(layer, signal-to-quantization-noise ratio of its output in dB, dB it lost against its inputs' worst) for
+    each layer of the fp32 graph, on one input: what the int8 graph's next layer sees (its dequantized copy)
+    against the fp32 value. The candidate runs unfused, in float, computing the values its kernels compute."""
+    dequantized = {}
+    quantized_from = {node.output[0]: node.input[0] for node in candidate.graph.node if node.op_type == "QuantizeLinear"}
+    for node in candidate.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in quantized_from:
+            dequantized[quantized_from[node.input[0]]] = node.output[0]
+    made = {name for node in candidate.graph.node for name in node.output}
+    layers = [node for node in reference.graph.node if node.output[0] in made]
+    names = [node.output[0] for node in layers]
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+    runs = []
+    for model, wanted in ((reference, names), (candidate, [dequantized.get(name, name) for name in names])):
+        session = onnxruntime.InferenceSession(_with_outputs(model, wanted).SerializeToString(), options,
+                                               providers=verify.PROVIDERS)
+        outputs = dict(zip([value.name for value in session.get_outputs()],
+                           session.run(None, {session.get_inputs()[0].name: tensor})))
+        runs.append([outputs[name].astype(np.float64) for name in wanted])
+    sqnr = {}
+    for name, expected, got in zip(names, *runs):
+        noise = float(np.sum((expected - got) ** 2))
+        sqnr[name] = float(10 * np.log10(max(float(np.sum(expected ** 2)), 1e-30) / max(noise, 1e-30)))
+    losses = []
+    for node in layers:
+        before = min((sqnr[name] for name in node.input if name in sqnr), default=None)
+        after = sqnr[node.output[0]]
+        losses.append((f"{node.op_type} {node.name or node.output[0]!r}", after, 0.0 if before is None else before - after))
+    return losses
+
+
+def _worst_layer(reference: onnx.ModelProto, candidate: onnx.ModelProto, tensor: np.ndarray) -> str:
+    layer, after, lost = max(layer_losses(reference, candidate, tensor), key=lambda entry: entry[2])
+    return f"{layer}: its output's signal-to-quantization-noise ratio falls by {lost:.1f} dB to {after:.1f} dB"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Trial:
+    method: str
+    model: onnx.ModelProto
+    calibration: Agreement
+
+    @property
+    def rank(self) -> tuple[float, float]:
+        return self.calibration.top1_agreement, self.calibration.mean_map_correlation
+
+
+def _shortfalls(name: str, record: Agreement, *, min_top1: float, min_correlation: float) -> list[str]:
+    problems = []
+    if record.top1_agreement < min_top1:
+        problems.append(f"{name}: top-1 agreement {record.top1_agreement:.1%} of cells (needs {min_top1:.0%})")
+    if record.map_correlation < min_correlation:
+        problems.append(f"{name}: map correlation {record.map_correlation:.3f} (needs {min_correlation:g})")
+    return problems
+
+
+def _describe(name: str, record: Agreement) -> str:
+    return (f"{name} ({record.images} photos at sides {list(record.sides)}): top-1 agreement "
+            f"{record.top1_agreement:.1%} of cells, {record.image_top1_agreement:.0%} of images; map correlation "
+            f"min {record.map_correlation:.3f}, mean {record.mean_map_correlation:.3f}; probability diff max "
+            f"{record.max_probability_diff:.3f}, mean {record.mean_probability_diff:.2g}")
+
+
+def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...] = tuple(CALIBRATION_METHODS),
+            allow_precision_loss: bool = False, min_top1_agreement: float = MIN_TOP1_AGREEMENT,
+            min_map_correlation: float = MIN_MAP_CORRELATION) -> onnx.ModelProto:
+    """The int8 graph of a converted fp32 graph, its card recording the calibration and the check.
+
+    Raises ConversionError, naming the numbers and the layer that loses the most, when the check falls below
+    the thresholds and `allow_precision_loss` is not given; with it, the card carries a warning."""
+    try:
+        card = read_card(model)
+    except CardError as error:
+        raise ConversionError(f"int8 needs a converted graph with its model card: {error}") from error
+    if card.precision != Precision.PRECISION_FP32:
+        raise ConversionError("int8 quantizes an fp32 graph; convert the classifier again with --precision int8")
+    unknown = [method for method in methods if method not in CALIBRATION_METHODS]
+    if unknown or not methods:
+        raise ConversionError(f"calibration methods {unknown or list(methods)}; expected some of {list(CALIBRATION_METHODS)}")
+    sides = fed_sides(card)
+    calibration = [[as_fed(photo, card, side=side) for side in sides] for photo in photos.calibration]
+    held_out = [[as_fed(photo, card, side=side) for side in sides] for photo in photos.held_out]
+    logits = is_logits(card)
+    reference = verify.session(model)
+    trials = []
+    for method in methods:
+        candidate = quantize(model, [tensor for per_photo in calibration for tensor in per_photo], method=method)
+        trials.append(_Trial(method, candidate, verify.agreement(reference, candidate, calibration, sides=sides,
+                                                                 logits=logits)))
+        log.info("int8 with %s calibration: %s", method, _describe("calibration", trials[-1].calibration))
+    best = max(trials, key=lambda trial: trial.rank)
+    held = verify.agreement(reference, best.model, held_out, sides=sides, logits=logits)
+    worst = _worst_layer(model, best.model, calibration[0][0])
+    record = Quantization(
+        method=best.method, calibration_source=photos.source,
+        calibration_images=[photo.name for photo in photos.calibration],
+        held_out_images=[photo.name for photo in photos.held_out], calibration=best.calibration, held_out=held,
+        min_top1_agreement=min_top1_agreement, min_map_correlation=min_map_correlation,
+        trials=[CalibrationTrial(method=trial.method, calibration=trial.calibration) for trial in trials],
+        worst_layer=worst, float_ops=float_ops(best.model))
+    problems = [*_shortfalls("calibration photos", best.calibration, min_top1=min_top1_agreement,
+                             min_correlation=min_map_correlation),
+                *_shortfalls("held-out photos", held, min_top1=min_top1_agreement, min_correlation=min_map_correlation)]
+    numbers = f"{_describe('calibration', best.calibration)}; {_describe('held out', held)}"
+    if problems and not allow_precision_loss:
+        raise ConversionError(
+            f"the int8 graph ({best.method} calibration, the best of {[trial.method for trial in trials]}) strays "
+            f"from the fp32 graph: {'; '.join(problems)}. {numbers}. The layer that loses the most: {worst}. "
+            "Nothing written: keep this model in fp32 (or fp16 on a GPU), calibrate on photos like those it will "
+            "score (--calibration DIR), or write it anyway with --allow-precision-loss")
+    if problems:
+        record.warning = f"written below the thresholds (--allow-precision-loss): {'; '.join(problems)}"
+        log.warning("int8: %s", record.warning)
+    card.precision = Precision.PRECISION_INT8
+    card.quantization.CopyFrom(record)
+    card.verification.CopyFrom(Verification(
+        max_abs_diff=held.max_probability_diff, samples=held.images,
+        passed=not problems, argmax_agreement=held.top1_agreement,
+        reference=f"fp32 graph on {held.images} held-out photos at sides {list(sides)}: cell probabilities "
+                  f"(max |diff|), cells' top-1 agreement; {numbers}"))
+    return write_card(best.model, card)

@@ -1,0 +1,162 @@
+"""int8 (convert.quantize, convert.calibration, scoremap-convert --precision int8): photos fed as the server feeds
+them, the calibration method chosen by measurement, the check recorded in the card, refusal below the thresholds
+naming the worst layer, --allow-precision-loss, and the profile of what onnxruntime runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from PIL import Image
+
+from convert.calibration import HELD_OUT_EVERY, as_fed, default_set, fed_sides, fed_size, folder_set
+from convert.card import Precision, read_card
+from convert.convert_cli import EXIT_CONVERSION, EXIT_OK, EXIT_USAGE, main
+from convert.errors import ConversionError, UsageError
+from convert.preprocessing import to_input
+from convert.profile import profile_model
+from convert.quantize import input_grid, layer_losses, quantize, to_int8
+from server.geometry.dense import resized_size
+from tests.tiny_models import heavy_net, int8_net, patch_net
+
+
+@pytest.fixture(scope="module")
+def photos():
+    return default_set()
+
+
+def small_net() -> onnx.ModelProto:
+    """heavy_net narrow and shallow: quantizes in a second."""
+    return heavy_net(width=8, depth=2)
+
+
+def photo_folder(folder, count: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    for index in range(count):
+        Image.fromarray(rng.integers(0, 256, (48 + index, 80, 3), dtype=np.uint8)).save(folder / f"p{index:02d}.png")
+    (folder / "notes.txt").write_text("not a photo")
+    return folder
+
+
+def test_photos_are_resized_as_a_request_at_each_side_is(photos):
+    card = read_card(small_net())
+    assert fed_sides(card) == (card.training_height, card.default_scale)
+    for height, width in [(300, 451), (512, 384), (97, 1000)]:
+        assert fed_size(height, width, side=224, multiple=32) == resized_size(height, width, scale=224, multiple=32)
+    tensor = as_fed(photos.calibration[0], card, side=64)
+    assert tensor.shape[0] == 1 and tensor.shape[1] == 3 and min(tensor.shape[2:]) == 64
+
+
+def test_a_folder_holds_out_every_fourth_photo_and_skips_what_is_no_image(tmp_path):
+    chosen = folder_set(photo_folder(tmp_path, 8))
+    assert [photo.name for photo in chosen.held_out] == [f"p{index:02d}.png" for index in range(8)
+                                                        if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
+    assert len(chosen.calibration) == 6
+    with pytest.raises(UsageError, match="holds 1 readable image"):
+        folder_set(photo_folder(tmp_path / "one", 1) if (tmp_path / "one").mkdir() is None else None)
+
+
+def test_the_default_set_holds_out_ten_photos_never_calibrated_on(photos):
+    assert len(photos.held_out) >= 10
+    assert not {photo.name for photo in photos.held_out} & {photo.name for photo in photos.calibration}
+
+
+def test_the_input_is_quantized_on_the_pixel_grid_when_the_normalisation_allows():
+    default = read_card(patch_net(classes=2))
+    assert input_grid(default) == (1.0, 0)
+    default.preprocessing.ClearField("mean")
+    default.preprocessing.ClearField("std")
+    default.preprocessing.mean.extend([127.0] * 3)
+    default.preprocessing.std.extend([128.0] * 3)
+    assert input_grid(default) == (1 / 128, 127)
+    default.preprocessing.mean[0] = 120.0
+    assert input_grid(default) is None
+
+
+def test_the_method_is_chosen_by_measurement_and_the_check_recorded(photos):
+    fp32 = small_net()
+    int8 = to_int8(fp32, photos, methods=("minmax", "percentile"))
+    card = read_card(int8)
+    record = card.quantization
+    assert card.precision == Precision.PRECISION_INT8 and card.verification.passed and not record.warning
+    assert [trial.method for trial in record.trials] == ["minmax", "percentile"]
+    best = max(record.trials, key=lambda trial: (trial.calibration.top1_agreement, trial.calibration.mean_map_correlation))
+    assert record.method == best.method
+    assert record.held_out.images == len(photos.held_out) and list(record.held_out.sides) == list(fed_sides(card))
+    assert record.held_out.top1_agreement >= record.min_top1_agreement
+    assert 0 < record.held_out.max_probability_diff < 1 and record.held_out.mean_probability_diff > 0
+    assert "Conv" in record.worst_layer and "dB" in record.worst_layer
+    assert any(node.op_type == "DequantizeLinear" for node in int8.graph.node)
+
+
+def test_a_net_that_quantizes_badly_is_refused_naming_its_worst_layer_unless_the_loss_is_allowed(photos):
+    """A first layer whose channels differ in scale by 10^4 feeding one activation range: the small channels round
+    to nothing, and the map with them."""
+    net = small_net()
+    weights = next(tensor for tensor in net.graph.initializer if tensor.name == "w0")
+    values = onnx.numpy_helper.to_array(weights).copy()
+    values[: values.shape[0] // 2] *= 1e4
+    weights.CopyFrom(onnx.numpy_helper.from_array(values, "w0"))
+    with pytest.raises(ConversionError, match=r"strays from the fp32 graph: .*top-1 agreement .*layer that loses the "
+                                              r"most: (Conv|Relu) .*--allow-precision-loss"):
+        to_int8(net, photos, methods=("minmax",))
+    written = read_card(to_int8(net, photos, methods=("minmax",), allow_precision_loss=True))
+    assert "below the thresholds" in written.quantization.warning and not written.verification.passed
+
+
+def test_only_a_converted_fp32_graph_is_quantized(photos):
+    with pytest.raises(ConversionError, match="int8 quantizes an fp32 graph"):
+        to_int8(int8_net(small_net()), photos)
+
+
+def test_layer_losses_follow_each_layer_of_the_fp32_graph():
+    fp32 = small_net()
+    tensor = to_input(np.random.default_rng(0).integers(0, 256, (1, 64, 64, 3)).astype(np.float32),
+                      read_card(fp32).preprocessing)
+    losses = layer_losses(fp32, quantize(fp32, [tensor], method="minmax"), tensor)
+    layers = [f"{node.op_type} {node.name or node.output[0]!r}" for node in fp32.graph.node]
+    named = [name for name, _, _ in losses]
+    assert named == [layer for layer in layers if layer in named] and named[-1] == "Conv 'scores'"
+    assert len(named) >= 3  # the activations fused into their convolutions are the convolutions' outputs
+    assert all(np.isfinite(sqnr) for _, sqnr, _ in losses)
+
+
+def test_an_int8_profile_counts_int8_weights_and_uint8_activations():
+    fp32 = heavy_net()
+    int8 = int8_net(fp32)
+    full, quantized = (profile_model(model, height=320, width=320, batch=2) for model in (fp32, int8))
+    assert quantized.dtype == "int8"
+    assert 0.2 < quantized.weights_bytes / full.weights_bytes < 0.3  # int8 weights, int32 biases, float scales
+    assert 0.2 < quantized.peak_activation_bytes / full.peak_activation_bytes < 0.35
+
+
+def test_the_cli_writes_an_int8_model_and_prints_its_check(tmp_path, capsys):
+    source, out = tmp_path / "small.onnx", tmp_path / "int8.onnx"
+    onnx.save(patch_classifier(), source)
+    code = main([str(source), "-o", str(out), "--preprocessing", "raw", "--precision", "int8",
+                 "--calibration", str(photo_folder(tmp_path / "photos", 6) if (tmp_path / "photos").mkdir() is None
+                                      else None), "--calibration-method", "minmax", "--allow-precision-loss"])
+    printed = capsys.readouterr().out
+    assert code == EXIT_OK, printed
+    assert read_card(str(out)).precision == Precision.PRECISION_INT8
+    assert "int8: minmax calibration" in printed and "held out: 1 photos" in printed
+
+
+def test_int8_options_without_int8_and_a_missing_folder_are_usage_errors(tmp_path, capsys):
+    source = tmp_path / "small.onnx"
+    onnx.save(patch_classifier(), source)
+    with pytest.raises(SystemExit) as exit_:
+        main([str(source), "-o", str(tmp_path / "out.onnx"), "--preprocessing", "raw", "--calibration", str(tmp_path)])
+    assert exit_.value.code == EXIT_USAGE and "apply to --precision int8" in capsys.readouterr().err
+    assert main([str(source), "-o", str(tmp_path / "out.onnx"), "--preprocessing", "raw", "--precision", "int8",
+                 "--calibration", str(tmp_path / "none")]) == EXIT_USAGE
+    assert "is not a folder" in capsys.readouterr().err
+    assert not (tmp_path / "out.onnx").exists()
+    assert EXIT_CONVERSION != EXIT_USAGE
+
+
+def patch_classifier() -> onnx.ModelProto:
+    """A classifier (not yet converted) the CLI converts: conv 3x3 stride 2, ReLU, a 16x16 head, at 32x32."""
+    from tests.convert.test_convert_cli import small_classifier
+
+    return small_classifier()

@@ -1,0 +1,59 @@
+"""An int8 graph served like any other: tiles stitched to the one-pass int8 answer, and refused at load where the
+provider has no int8 kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx
+import pytest
+
+from convert import convert_classifier
+from protos.scoring_pb2 import SHIFT_GRID, SHIFT_NONE
+from convert.memory_model import Device
+from server.engine.client import EngineFacts
+from server.engine.providers import CPU, CUDA
+from server.errors import ScoringError
+from server.scoring import loading
+from server.scoring.pipeline import Pipeline
+from server.settings import Settings
+from tests.clients.slides.nets import UNIT, tiny_classifier
+from tests.server.scoring.test_tiled_scoring import (SETTINGS, SMALL, assert_same_answer, image, one_pass_bucket,
+                                                     plan_shapes, request_of)
+from tests.tiny_models import int8_net
+
+
+@pytest.fixture(scope="module")
+def int8_path(tmp_path_factory) -> str:
+    """The tiling tests' tiny padded classifier, converted, then quantized to int8."""
+    path = tmp_path_factory.mktemp("int8") / "tiny-int8.onnx"
+    net = convert_classifier(tiny_classifier(padded=True, nhwc=False, size=64), preprocessing=UNIT)
+    onnx.save(int8_net(net, sides=(64, 128)), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("fields", [dict(output_stride=32, shift=SHIFT_NONE), dict(output_stride=16, shift=SHIFT_GRID)],
+                         ids=["stride 32", "grid"])
+def test_an_int8_image_larger_than_every_bucket_is_tiled_to_the_one_pass_int8_answer(int8_path, fields):
+    pixels = image(617, 541)
+    whole_bucket = one_pass_bucket(pixels, native_stride=32, output_stride=fields["output_stride"],
+                                   shift=fields["shift"], multiple=32)
+    small = Pipeline([int8_path], settings=dataclasses.replace(SETTINGS, shape_buckets=SMALL))
+    whole = Pipeline([int8_path], settings=dataclasses.replace(SETTINGS, shape_buckets=(whole_bucket,)))
+    try:
+        tiled, reference = small.score(request_of(pixels, **fields)), whole.score(request_of(pixels, **fields))
+        assert plan_shapes(small) <= set(SMALL) and plan_shapes(whole) == {whole_bucket}
+    finally:
+        small.close()
+        whole.close()
+    assert tiled.maps[0].tiling.tiles >= 4 and tiled.maps[0].tiling.exact
+    assert_same_answer(tiled, reference)
+
+
+def test_an_int8_model_is_refused_at_load_where_the_provider_has_no_int8_kernels(int8_path):
+    """Forced: an engine that chose CUDA (this machine may have none) refuses the int8 model, saying why."""
+    assert EngineFacts(CPU, Device.CPU, None, 1, 1).int8_refusal() is None
+    on_cuda = EngineFacts(CUDA, Device.CUDA, 2**30, 1, 8)
+    with pytest.raises(ScoringError, match="no int8 convolution kernels.*fp16 or fp32 model on a GPU"):
+        loading.load("", int8_path, settings=Settings(warm_up=False), facts=on_cuda, budget=None, host_budget=None,
+                     metrics=None, share=1)
