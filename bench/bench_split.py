@@ -150,6 +150,8 @@ def run() -> str:
             verdicts.append((name, engine_own <= ENGINE_TARGET_MS, front_cpu <= single["cpu"],
                              added <= LATENCY_TARGET_MS, rate >= RATE_TARGET))
         image, scale = photos()["cat.jpg 451x300 enlarged to 384"]
+        alone = level(model, folder, fronts=0, clients=CLIENTS, image=image, scale=scale)
+        workers = level(model, folder, fronts=0, clients=CLIENTS, image=image, scale=scale, flags=("--workers", "2"))
         batching = {}
         for clients in (1, 4):
             rates = {mode: statistics.mean(level(model, folder, fronts=FRONTS, clients=clients, image=image,
@@ -183,6 +185,9 @@ def run() -> str:
         f"- Batching on / off with `--fronts {FRONTS}` (cat.jpg, two levels each): "
         + ", ".join(f"{ratio:.3f}x at {clients} client{'s' * (clients > 1)}" for clients, ratio in batching.items())
         + f"; target >= {BATCHING_TARGET}x: {said(min(batching.values()) >= BATCHING_TARGET)}.",
+        f"- `--workers 2` (two whole servers) at {CLIENTS} clients, cat.jpg: {workers['rate']:.1f} req/s, "
+        f"{workers['rate'] / alone['rate']:.2f}x one process's {alone['rate']:.1f} in the same run, "
+        f"{workers['cpu']:.2f} against {alone['cpu']:.2f} ms of server CPU per request.",
         f"- Idle with {FRONTS} fronts after one request of each photo: {idle:.0f} MiB PSS in all ("
         + ", ".join(f"{role} {mib:.0f}" for role, mib in sorted(each.items()))
         + f", the supervisor the rest); target <= {idle_target} MiB: {said(idle <= idle_target)}.",

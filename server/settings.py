@@ -355,6 +355,9 @@ class Settings(Exposure, ServiceEdge, RequestLimits, BatchPolicy, EngineOptions)
         self.check_call_limits()
         self.check_queue()
         self.check_scales()
+        if self.fronts and self.workers > 1:
+            raise ValueError(f"--fronts {self.fronts} and --workers {self.workers} both split the server into "
+                             "processes: give one (--fronts on a GPU: one engine for every front)")
 
     def check_scales(self) -> None:
         """--min-scale above --max-scale, or a warm-up scale outside them, before any model loads (issue 24)."""

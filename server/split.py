@@ -80,8 +80,8 @@ def shm_problem(settings: Settings) -> str | None:
 
 def child_argv(argv: Sequence[str], *, role: str, run: str, extra: Sequence[str] = ()) -> list[str]:
     """A process's command line: the server's own flags, then its part (argparse takes a flag's last value)."""
-    return [sys.executable, "-m", "server.main", *argv, "--fronts", "0", "--split-role", role, "--split-run", run,
-            *extra]
+    return [sys.executable, "-m", "server.main", *argv, "--fronts", "0", "--workers", "1", "--split-role", role,
+            "--split-run", run, *extra]
 
 
 @dataclasses.dataclass

@@ -216,3 +216,10 @@ def test_one_scrape_shows_the_engine_s_and_every_front_s_series(kit, tiny_model_
         assert sum(answered) == 6, text
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
+
+
+def test_fronts_and_workers_together_are_refused_naming_both(tiny_model_path):
+    finished = subprocess.run(serve_command() + [tiny_model_path, "--port", "0", "--fronts", "2", "--workers", "2"],
+                              capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 2
+    assert "--fronts 2 and --workers 2 both split the server into processes: give one" in finished.stderr
