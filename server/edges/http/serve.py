@@ -57,13 +57,15 @@ class HttpServer:
     """The app served by uvicorn in a daemon thread; `stop` lets calls in flight finish within a grace period."""
 
     def __init__(self, app: FastAPI, *, host: str, port: int, tls: tuple[bytes, bytes] | None,
-                 reuse_port: bool = False) -> None:
+                 max_header_bytes: int, reuse_port: bool = False) -> None:
         sock = bind(host, port, reuse_port=reuse_port)
         self.port: int = sock.getsockname()[1]
         self.scheme = "https" if tls else "http"
         context = tls_context(*tls) if tls else None
         config = uvicorn.Config(
             app, lifespan="off", log_config=None, access_log=False, server_header=False,
+            # h11 by name, whose bound on the request line and headers (--http-max-header-bytes) is configurable.
+            http="h11", h11_max_incomplete_event_size=max_header_bytes,
             proxy_headers=False,  # the peer is the socket's address, as gRPC's: no X-Forwarded-For from anyone
             ssl_context_factory=(lambda _config, _default: context) if context else None,
         )

@@ -234,12 +234,12 @@ def test_ctrl_c_while_waiting_for_the_server_stops_at_once(photos, tmp_path):
 def test_summary_lists_distinct_errors_with_examples_and_skipped_files(server, photos, tmp_path, capsys):
     for name in ("torn1.jpg", "torn2.jpg"):
         (photos / name).write_bytes((photos / "photo000.jpg").read_bytes()[:300])
-    (photos / "anim.gif").write_bytes(b"GIF89a" + bytes(40))  # not an image we score: skipped, counted
+    (photos / "paper.pdf").write_bytes(b"%PDF-1.7\n" + bytes(40))  # not an image we score: skipped, counted
     out, summary = tmp_path / "out", tmp_path / "summary.json"
     assert main([str(photos), "--out", str(out), "--server", server, "--no-progress",
                  "--summary-json", str(summary)]) == EXIT_FAILURES
     printed = capsys.readouterr().out
-    assert re.search(r"not images \(skipped\)\s+2\n", printed), printed  # notes.txt and anim.gif
+    assert re.search(r"not images \(skipped\)\s+2\n", printed), printed  # notes.txt and paper.pdf
     assert re.search(r"errors \(1 distinct\):\n\s+2 x INVALID_ARGUMENT: .+\n\s+e\.g\. .+torn\d\.jpg", printed), printed
     report = json.loads(summary.read_text())
     assert (report["found"], report["scored"], report["failed"], report["not_images"]) == (8, 6, 2, 2)
