@@ -1,9 +1,10 @@
 """Values out of range and malformed bodies at every entrance, over real sockets: each is the caller's error
 (INVALID_ARGUMENT / 400) naming the field, the value and its range, in the same words over gRPC and HTTP,
-with no traceback in the log."""
+with no traceback in the log; and HTTP's accepted connections send without Nagle's delay."""
 
 import io
 import logging
+import os
 import socket
 
 import grpc
@@ -158,3 +159,31 @@ def test_kserve_over_grpc_and_rest_refuse_int64_parameters_alike(kit, tiny_model
         answer = httpx.post(f"http://127.0.0.1:{server.http.port}/v2/models/tiny/infer",
                             json={**INFER_PIXELS, "parameters": {"stride": 2**40}})
         assert answer.status_code == 400 and answer.json()["error"] == refused.value.message()
+
+
+def accepted_socket(client: socket.socket) -> socket.socket:
+    """This process's accepted end of `client`'s connection (the server runs in the test's process)."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            candidate = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        try:
+            if candidate.type == socket.SOCK_STREAM and candidate.getsockname() == client.getpeername() \
+                    and candidate.getpeername() == client.getsockname():
+                return candidate
+        except OSError:
+            pass
+        candidate.close()
+    raise AssertionError("no accepted socket for the client's connection")
+
+
+def test_accepted_http_connections_have_nagle_off(kit, tiny_model_path):
+    with kit.serving([tiny_model_path], http_port=0) as (server, _port, _stub):
+        with socket.create_connection(("127.0.0.1", server.http.port)) as client:
+            client.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert client.recv(65536).startswith(b"HTTP/1.1 200 ")  # accepted and answered
+            with accepted_socket(client) as accepted:
+                assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
