@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -138,7 +139,7 @@ def _encoded(tensor: InputTensor) -> bytes:
 
         try:
             (encoded,) = deserialize_bytes_tensor(tensor.raw)
-        except (ValueError, IndexError) as error:
+        except (ValueError, IndexError, struct.error) as error:  # struct.error: a length beyond the bytes
             raise invalid(f"{IMAGE_INPUT}: its raw contents are not one length-prefixed BYTES element "
                           f"({len(tensor.raw)} bytes): {error}") from error
         return encoded
