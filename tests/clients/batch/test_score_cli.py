@@ -46,6 +46,24 @@ def test_server_and_local_give_the_same_results(server, tiny_model, photos, tmp_
                 np.testing.assert_allclose(a[name], b[name], atol=1e-6)
 
 
+def test_heic_avif_and_gif_photos_are_found_and_scored(server, photos, tmp_path):
+    import pillow_heif
+
+    pillow_heif.register_heif_opener()
+    phone = tmp_path / "phone"
+    phone.mkdir()
+    pixels = Image.open(sorted(photos.glob("*.jpg"))[0]).convert("RGB")
+    for suffix, fmt in ((".heic", "HEIF"), (".HEIF", "HEIF"), (".avif", "AVIF"), (".gif", "GIF")):
+        pixels.save(phone / f"photo{suffix}", format=fmt)
+    pixels.save(phone / "no-suffix", format="AVIF")  # found by its first bytes
+    out = tmp_path / "out"
+    assert main([str(phone), "--out", str(out), "--server", server, "--no-progress"]) == EXIT_OK
+    records = read_records(out / "results.jsonl")
+    assert sorted(Path(r["path"]).name for r in records.values()) == [
+        "no-suffix", "photo.HEIF", "photo.avif", "photo.gif", "photo.heic"]
+    assert {r["status"] for r in records.values()} == {"OK"}
+
+
 def test_a_corrupt_image_is_recorded_and_the_rest_scored(server, photos, tmp_path, capsys):
     (photos / "broken.jpg").write_bytes((photos / "photo000.jpg").read_bytes()[:300])  # a torn JPEG
     out = tmp_path / "out"
