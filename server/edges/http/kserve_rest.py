@@ -38,6 +38,16 @@ def _spec(spec: TensorSpec) -> dict:
     return {"name": spec.name, "datatype": spec.datatype, "shape": list(spec.shape)}
 
 
+def _utf8(text: str) -> bool:
+    """Whether UTF-8 holds `text`: JSON's escapes can spell a lone surrogate ("\\ud800"), which no protobuf
+    string takes."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _object(value, what: str) -> dict:
     if not isinstance(value, dict):
         raise invalid(f"{what} is {type(value).__name__}: expected a JSON object")
@@ -220,8 +230,8 @@ def router(edge: Edge) -> APIRouter:
             options = infer_options(document)
             call.deadline = options.deadline
             request_id = document.get("id", "")
-            if not isinstance(request_id, str):
-                raise invalid(f"id {request_id!r}: expected a string")
+            if not isinstance(request_id, str) or not _utf8(request_id):
+                raise invalid(f"id {request_id!r}: expected a string of text UTF-8 can hold (no lone surrogate)")
             wanted = score_request(model=name, version=version, request_id=request_id,
                                    inputs=_inputs(document, binary), parameters=options.parameters,
                                    outputs=list(options.outputs))

@@ -323,7 +323,7 @@ def kserve_rest(http: httpx.Client, draw) -> str:
     parameters = draw(options(WILD_JSON, broken=broken == "options"))
     if broken == "timeout":
         parameters["timeout"] = draw(WILD_JSON)
-    document: dict = {"parameters": parameters}
+    document: dict = {"parameters": parameters, "id": draw(st.text(max_size=4) | st.just("\ud800"))}
     binary = b""
     if draw(st.booleans()):
         image = draw(image_bytes(mutated=broken == "image"))
