@@ -158,7 +158,7 @@ class ServiceEdge:
         "back", parse=SECONDS, metavar="SECONDS")
     http_max_header_bytes: int = setting(
         16 * 1024, "largest request line and headers an HTTP call may send together; beyond it the call is answered "
-        "400 and closed before any route reads it", parse=number_in(int, 1024, 2**24), metavar="BYTES")
+        "431 (400 while the head is still arriving) and closed before any route reads it", parse=number_in(int, 1024, 2**24), metavar="BYTES")
     http_max_json_depth: int = setting(
         32, "deepest nesting of arrays and objects a KServe v2 JSON request may have (the protocol's own requests "
         "need 6: an image's pixels as [H, W, C] lists); a deeper body is refused (400) before it is parsed",
