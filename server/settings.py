@@ -156,6 +156,16 @@ class ServiceEdge:
     http_body_idle_seconds: float = setting(
         30.0, "an HTTP call whose body stops arriving for this long gets 408 and is closed, giving its call slot "
         "back", parse=SECONDS, metavar="SECONDS")
+    http_max_header_bytes: int = setting(
+        16 * 1024, "largest request line and headers an HTTP call may send together; beyond it the call is answered "
+        "431 (400 while the head is still arriving) and closed before any route reads it", parse=number_in(int, 1024, 2**24), metavar="BYTES")
+    http_max_json_depth: int = setting(
+        32, "deepest nesting of arrays and objects a KServe v2 JSON request may have (the protocol's own requests "
+        "need 6: an image's pixels as [H, W, C] lists); a deeper body is refused (400) before it is parsed",
+        parse=number_in(int, 2, 512), metavar="N")
+    http_max_form_parts: int = setting(
+        8, "parts a multipart score form may have (it needs one: the file `image`); a form with more, or with a "
+        "second file, is refused (400) as it is parsed", parse=number_in(int, 1, 1024), metavar="N")
     metrics_port: int | None = setting(None, "Prometheus /metrics port (0: a free one)", parse=PORT, metavar="PORT",
                                        shown="off")
     metrics_address: str = setting(LOOPBACK, "address the metrics endpoint binds (no TLS, no token: beyond "

@@ -18,6 +18,7 @@ from pathlib import Path, PurePath
 from typing import Any, Callable, Iterable, Iterator
 
 from clients.api.images import ImageLike, looks_like_image
+from protos.image_formats import SUFFIXES
 
 __all__ = ["ImageFile", "PARTIAL_SUFFIX", "ResultsLog", "atomic_write", "find_images", "is_image_file",
            "read_records", "remove_partials", "unique_label"]
@@ -28,7 +29,7 @@ PARTIAL_SUFFIX = ".partial"
 SIGNATURE_BYTES = 16
 # Files with these suffixes are kept even when their bytes are not an image: a zero-byte or
 # garbled "photo.jpg" is a failure to record, not a file to skip in silence.
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff"})
+IMAGE_SUFFIXES = SUFFIXES
 # The mode a new file asks for before the umask takes its bits away (as open() does).
 NEW_FILE_MODE = 0o666
 

@@ -36,6 +36,7 @@ from clients.batch.run_options import OptionsChanged
 from clients.slides import cli as slides
 from convert.arguments import host_port, number_in, number_list
 from protos import version
+from protos import image_formats
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_FAILURES", "EXIT_USAGE", "EXIT_UNAVAILABLE",
            "EXIT_REFUSED", "EXIT_INTERRUPTED"]
@@ -192,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(error))
     if not images:
         skipped = f" ({len(not_images)} other files skipped, e.g. {str(not_images[0])!r})" if not_images else ""
-        log.error("no images (JPEG, PNG, WebP, BMP, TIFF) found under %s%s; check the paths",
+        log.error("no images (%s) found under %s%s; check the paths", image_formats.NAMES,
                   ", ".join(repr(p) for p in args.paths), skipped)
         return EXIT_USAGE
     target = args.local or args.server

@@ -6,7 +6,7 @@ the same mistakes with the same words, and answer with the same tensors (issue 2
 
 One inference request is one image:
 
-    inputs      IMAGE   BYTES [1]        encoded JPEG/PNG/WebP/BMP/TIFF
+    inputs      IMAGE   BYTES [1]        an encoded image (server/scoring/imaging.py FORMATS)
             or  PIXELS  UINT8 [H, W, C]  decoded pixels
     parameters  scales ("384,512" or an int), stride, shift (none|grid|diagonal|atrous), flip,
                 top_k, cell_top_k, classes ("3,7"), map_dtype (float32|float16)
@@ -23,6 +23,8 @@ used: scoremap's own REST routes read parameters with `apply_parameters` without
 from __future__ import annotations
 
 import json
+import math
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,6 +34,7 @@ from google.protobuf import json_format
 
 from protos import scoring_pb2
 from server.errors import Refusal, ScoringError
+from server.scoring.fields import checked
 
 if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2
@@ -82,39 +85,39 @@ def invalid(message: str) -> ScoringError:
 
 
 # --- request -> ScoreRequest ------------------------------------------------------------------------
-def _int_list(name: str, value: Parameter) -> list[int]:
+def _int_list(name: str, value: Parameter, field: str) -> list[int]:
     if isinstance(value, int) and not isinstance(value, bool):
-        return [value]
+        return [checked(name, value, field)]
     try:
-        return [int(item) for item in str(value).split(",") if item.strip()]
+        numbers = [int(item) for item in str(value).split(",") if item.strip()]
     except ValueError:
         raise invalid(f"parameter {name}={value!r}: expected an integer or integers separated by commas, "
                       "e.g. \"384,512\"") from None
+    return [checked(name, number, field) for number in numbers]
 
 
-def _int(name: str, value: Parameter) -> int:
+def _int(name: str, value: Parameter, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid(f"parameter {name}={value!r}: expected an int64 parameter")
-    return value
+    return checked(name, value, field)
 
 
 def _choice(name: str, value: Parameter, choices: dict[str, int]) -> int:
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:
         raise invalid(f"parameter {name}={value!r}: expected one of {', '.join(choices)}")
     return choices[value]
 
 
 def apply_parameters(request: scoring_pb2.ScoreRequest, parameters: Mapping[str, Parameter]) -> None:
-    """Set the ScoreRequest's options from request parameters as plain values (unknown names refused)."""
+    """Set the ScoreRequest's options from request parameters as plain values (unknown names refused), each
+    number checked against its field's range (server/scoring/fields.py) before the int32 field takes it."""
     for name, value in parameters.items():
-        if name == "scales":
-            request.scales[:] = _int_list(name, value)
-        elif name == "classes":
-            request.classes[:] = _int_list(name, value)
+        if name in ("scales", "classes"):
+            getattr(request, name)[:] = _int_list(name, value, name)
         elif name == "stride":
-            request.output_stride = _int(name, value)
+            request.output_stride = _int(name, value, "output_stride")
         elif name in ("top_k", "cell_top_k"):
-            setattr(request, name, _int(name, value))
+            setattr(request, name, _int(name, value, name))
         elif name == "flip":
             if not isinstance(value, bool):
                 raise invalid(f"parameter flip={value!r}: expected a bool parameter")
@@ -128,7 +131,7 @@ def apply_parameters(request: scoring_pb2.ScoreRequest, parameters: Mapping[str,
 
 
 def _encoded(tensor: InputTensor) -> bytes:
-    if tensor.datatype != "BYTES" or int(np.prod(tensor.shape)) != 1:
+    if tensor.datatype != "BYTES" or math.prod(tensor.shape) != 1:
         raise invalid(f"{IMAGE_INPUT} is {tensor.datatype} {list(tensor.shape)}: expected BYTES [1] holding one "
                       "encoded image (send several images as several requests, or stream them)")
     if tensor.raw is not None:
@@ -136,7 +139,7 @@ def _encoded(tensor: InputTensor) -> bytes:
 
         try:
             (encoded,) = deserialize_bytes_tensor(tensor.raw)
-        except (ValueError, IndexError) as error:
+        except (ValueError, IndexError, struct.error) as error:  # struct.error: a length beyond the bytes
             raise invalid(f"{IMAGE_INPUT}: its raw contents are not one length-prefixed BYTES element "
                           f"({len(tensor.raw)} bytes): {error}") from error
         return encoded
@@ -148,7 +151,7 @@ def _encoded(tensor: InputTensor) -> bytes:
 
 def _pixels(tensor: InputTensor) -> scoring_pb2.RawImage:
     shape = list(tensor.shape)
-    if tensor.datatype != "UINT8" or len(shape) != 3 or min(shape) < 1:
+    if tensor.datatype != "UINT8" or len(shape) != 3 or min(shape) < 1 or shape[2] not in (1, 3, 4):
         raise invalid(f"{PIXELS_INPUT} is {tensor.datatype} {shape}: expected UINT8 [H, W, C] with C 1, 3 or 4")
     try:
         data = tensor.raw if tensor.raw is not None else bytes(bytearray(tensor.elements or ()))
@@ -156,6 +159,8 @@ def _pixels(tensor: InputTensor) -> scoring_pb2.RawImage:
         raise invalid(f"{PIXELS_INPUT}: its elements are not all integers 0..255 ({error}): "
                       "UINT8 pixels are 0..255") from None
     height, width, channels = shape
+    checked(f"{PIXELS_INPUT}'s height", height, "height")
+    checked(f"{PIXELS_INPUT}'s width", width, "width")
     return scoring_pb2.RawImage(data=data, height=height, width=width, channels=channels)
 
 

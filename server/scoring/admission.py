@@ -22,7 +22,7 @@ from server.errors import NoRoom, Refusal, ScoringError, Transient, invalid, ret
 from server.geometry import dense
 from server.memory.host import RGB, HostEstimate
 from server.memory.host_budget import admit_host
-from server.scoring import footprint, imaging
+from server.scoring import fields, footprint, imaging
 from server.scoring.fitting import scale_job
 from server.scoring.request import ScaleJob
 
@@ -97,16 +97,16 @@ def check_scales(ticket: Ticket) -> ScoringError | None:
 
 def check_fields(ticket: Ticket) -> ScoringError | None:
     request, model = ticket.request, ticket.model
-    if request.top_k < 0 or request.cell_top_k < 0:
-        return invalid(f"top_k and cell_top_k must be >= 0; received {request.top_k} and {request.cell_top_k}")
+    for name in ("top_k", "cell_top_k", "output_stride"):
+        refused = fields.outside(name, getattr(request, name), name)
+        if refused is not None:
+            return refused
     bad = [c for c in request.classes if not 0 <= c < model.classes]
     if bad:
         return invalid(f"classes {bad} are out of range: model {model.name} has classes 0..{model.classes - 1}")
     if request.map_dtype not in scoring_pb2.MapDtype.values():
         return invalid(f"map_dtype {request.map_dtype} is not a MapDtype; use one of "
                        f"{', '.join(scoring_pb2.MapDtype.keys())}")
-    if request.output_stride < 0:
-        return invalid(f"output_stride must be 0 (native) or positive; received {request.output_stride}")
     return None
 
 
@@ -125,7 +125,7 @@ def check_image_field(ticket: Ticket) -> ScoringError | None:
     """The image is there, and its first bytes are an image's: a permanent refusal stays one under load."""
     kind = ticket.request.WhichOneof("image")
     if kind is None:
-        return invalid("the request has no image: set `encoded` (JPEG, PNG, WebP, BMP, TIFF bytes) or `raw` pixels")
+        return invalid(f"the request has no image: set `encoded` ({imaging.FORMAT_NAMES} bytes) or `raw` pixels")
     if kind == "encoded":
         try:
             imaging.check_encoded(ticket.request.encoded)

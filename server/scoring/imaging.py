@@ -23,13 +23,15 @@ from dataclasses import dataclass
 import cv2
 import imagecodecs
 import numpy as np
+import pillow_heif
 from PIL import Image, ImageOps
 
+from protos import image_formats
 from protos.scoring_pb2 import RawImage
 from server.geometry import dense
 from server.scoring.request import ItemKey, ScaleJob
 
-__all__ = ["FILTERS", "FORMATS", "ImageError", "OpenedImage", "check_encoded", "check_pixels", "decode", "direct_path",
+__all__ = ["FILTERS", "FORMATS", "FORMAT_NAMES", "ImageError", "OpenedImage", "check_encoded", "check_pixels", "decode", "direct_path",
            "from_raw", "load", "open_image", "resample_filter", "resize", "to_rgb"]
 
 FILTERS = {
@@ -40,15 +42,22 @@ FILTERS = {
     "box": Image.Resampling.BOX,
     "hamming": Image.Resampling.HAMMING,
 }
-FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "TIFF")
+FORMATS = tuple(image_formats.FORMATS)  # PIL's names of the formats opened (protos/image_formats.py)
+FORMAT_NAMES = image_formats.NAMES
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 TRANSPOSED_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 EXIF_ORIENTATION = 0x0112
 JPEG_END = b"\xff\xd9"  # the EOI marker a whole JPEG ends with
+# What the decoders raise for bytes they cannot read (UnidentifiedImageError is an OSError; Pillow's AVIF
+# decoder raises RuntimeError for some broken files).
+DECODE_ERRORS = (OSError, SyntaxError, ValueError, RuntimeError)
 DRAFT_FACTOR = 2  # draft-decode only when the image is at least this much larger than needed
 # `check_pixels` applies --max-image-pixels to every image's header before any pixel is decoded; PIL's
 # own fixed guard (89 Mpx) would otherwise refuse larger images whatever the flag says.
 Image.MAX_IMAGE_PIXELS = None
+# HEIC through pillow-heif, which applies the container's rotation and mirror as it decodes and reports the
+# EXIF orientation 1 (the original in info["original_orientation"]), so an image is turned once, as a JPEG is.
+pillow_heif.register_heif_opener()
 # One thread per resize: the server already decodes several requests at once (--decode-threads, one per core),
 # and OpenCV's own pool would only contend with them.
 cv2.setNumThreads(1)
@@ -80,9 +89,11 @@ def signature(data: bytes) -> str | None:
 def check_encoded(data: bytes) -> None:
     """Refuse bytes that cannot be an accepted image, from their first bytes alone (no header parsed)."""
     if not data:
-        raise ImageError("the image is empty (0 bytes); send JPEG, PNG, WebP, BMP or TIFF bytes, or raw pixels")
+        raise ImageError(f"the image is empty (0 bytes); send the bytes of an image file ({FORMAT_NAMES}), or raw "
+                         "pixels")
     if signature(data) is None:
-        raise ImageError(f"{len(data)} bytes starting {data[:8]!r} are not a JPEG, PNG, WebP, BMP or TIFF image")
+        raise ImageError(f"{len(data)} bytes starting {data[:8]!r} are not an image this server reads: it takes "
+                         f"{FORMAT_NAMES}")
 
 
 def open_image(data: bytes, *, max_pixels: int) -> OpenedImage:
@@ -97,7 +108,7 @@ def open_image(data: bytes, *, max_pixels: int) -> OpenedImage:
         orientation = Image.Image.getexif(image).get(EXIF_ORIENTATION, 1)
     except ImageError:
         raise
-    except (OSError, SyntaxError, ValueError) as error:  # UnidentifiedImageError is an OSError
+    except DECODE_ERRORS as error:
         raise ImageError(f"cannot decode the {signature(data)} image ({len(data)} bytes): {error}") from error
     height, width = image.height, image.width
     if orientation in TRANSPOSED_ORIENTATIONS and stored_size(image) == (width, height):
@@ -122,7 +133,7 @@ def load(opened: OpenedImage, *, largest: tuple[int, int]) -> Image.Image:
             image.draft("RGB", (needed[1], needed[0]))
         image.load()
         ImageOps.exif_transpose(image, in_place=True)  # not a copy of every upright image
-    except (OSError, SyntaxError, ValueError) as error:
+    except DECODE_ERRORS as error:
         raise ImageError(f"cannot decode the {image.format} image ({opened.encoded_bytes} bytes): {error}") from error
     return to_rgb(image)
 

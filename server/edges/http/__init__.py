@@ -21,4 +21,4 @@ def serve(front: Front, *, host: str, port: int, tls: tuple[bytes, bytes] | None
           token: str | None, version: str, reuse_port: bool = False) -> HttpServer:
     """Serve the HTTP face of `front`'s pipeline on host:port (0: a free one), with its TLS and token."""
     return HttpServer(create_app(Edge(front, token=token, version=version)), host=host, port=port, tls=tls,
-                      reuse_port=reuse_port)
+                      max_header_bytes=front.settings.http_max_header_bytes, reuse_port=reuse_port)

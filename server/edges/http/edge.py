@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import anyio
 from fastapi import Request
-from fastapi.exceptions import HTTPException
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Message
 
@@ -37,6 +37,7 @@ from server.errors import Refusal, Retry, ScoringError
 from server.metrics import NO_MODEL
 from server.edges.call_slots import CallSlots
 from server.edges.front import Front
+from server.scoring.fields import checked
 
 LOG = logging.getLogger(__name__)
 METHOD_PREFIX = "http/"  # scoremap_requests_total{method="http/Score"}: the transport in the method label
@@ -44,7 +45,6 @@ UNAUTHENTICATED = "UNAUTHENTICATED"
 UNKNOWN = "UNKNOWN"
 DISCONNECT_POLL_SECONDS = 0.1  # how often a scoring call looks whether its client went away
 ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}  # request bodies' Content-Encoding: zlib's wbits
-MAX_FORM_FIELDS = 16  # the score form has one file and no other field; a few more are refused, not parsed
 STATUS = {
     Refusal.INVALID_ARGUMENT: 400,
     Refusal.FAILED_PRECONDITION: 400,
@@ -245,7 +245,7 @@ class Edge:
             return request.state.limited
         limit = self.settings.max_message_bytes
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        if declared.isascii() and declared.isdigit() and int(declared) > limit:
             raise self._too_large(declared)
         received = 0
 
@@ -289,19 +289,21 @@ class Edge:
         return inflated
 
     async def form(self, request: Request) -> FormData:
-        """The multipart form, within `--max-message-bytes`, parsed from the body read whole (and kept: a
-        refusal recognises the same form sent again by it)."""
+        """The multipart form, within `--max-message-bytes` and `--http-max-form-parts` (one file), parsed from the
+        body read whole (and kept: a refusal recognises the same form sent again by it)."""
         await self._whole(request)
+        parts = self.settings.http_max_form_parts
         try:
-            return await self._limited(request).form(max_files=1, max_fields=MAX_FORM_FIELDS)
-        except HTTPException as error:  # python-multipart's complaint about the form
-            raise ScoringError(Refusal.INVALID_ARGUMENT, f"the multipart form is malformed: {error.detail}") from None
+            return await self._limited(request).form(max_files=1, max_fields=parts - 1)
+        except HTTPException as error:  # python-multipart's complaint about the form, or a limit above
+            raise ScoringError(Refusal.INVALID_ARGUMENT, f"the multipart form is refused: {error.detail} (the score "
+                               f"form takes one file, in the field 'image', and at most {parts} parts in all: "
+                               "--http-max-form-parts)") from None
 
 
-def deadline_after(milliseconds: float | None) -> float | None:
-    """The time.monotonic deadline `milliseconds` from now (None: no deadline)."""
-    if milliseconds is None:
+def deadline_after(timeout: float | None, *, name: str, field: str, per_second: float) -> float | None:
+    """The time.monotonic deadline `timeout` from now, given in units `per_second` (None: no deadline); a timeout
+    outside its range (server/scoring/fields.py: above 0, finite, at most gRPC's longest) refused naming `name`."""
+    if timeout is None:
         return None
-    if milliseconds <= 0:
-        raise ScoringError(Refusal.INVALID_ARGUMENT, f"timeout {milliseconds:g} ms: give a time above 0, or none")
-    return time.monotonic() + milliseconds / 1000
+    return time.monotonic() + checked(name, timeout, field) / per_second

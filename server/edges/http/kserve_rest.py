@@ -10,6 +10,7 @@ request parameter (microseconds) is the call's deadline.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,23 +38,51 @@ def _spec(spec: TensorSpec) -> dict:
     return {"name": spec.name, "datatype": spec.datatype, "shape": list(spec.shape)}
 
 
+def _utf8(text: str) -> bool:
+    """Whether UTF-8 holds `text`: JSON's escapes can spell a lone surrogate ("\\ud800"), which no protobuf
+    string takes."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _object(value, what: str) -> dict:
     if not isinstance(value, dict):
         raise invalid(f"{what} is {type(value).__name__}: expected a JSON object")
     return value
 
 
-def split_body(body: bytes, header_length: str | None) -> tuple[dict, memoryview]:
-    """The request's JSON and the binary data after it."""
+# A JSON string, escapes included: what `json_depth` leaves out, so brackets inside names or text do not count.
+JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+NOT_BRACKETS = bytes(code for code in range(256) if code not in b"[]{}")
+BRACKET_STEPS = bytes.maketrans(b"[{]}", bytes([1, 1, 255, 255]))  # as int8: +1 opening, -1 closing
+
+
+def json_depth(text: bytes) -> int:
+    """The deepest nesting of arrays and objects in JSON `text`, counted from its brackets outside strings
+    without parsing it (the parser recurses once per level: a body nested thousands deep would exhaust it)."""
+    steps = np.frombuffer(JSON_STRING.sub(b"", text).translate(BRACKET_STEPS, NOT_BRACKETS), np.int8)
+    return int(steps.astype(np.int32).cumsum().max()) if steps.size else 0
+
+
+def split_body(body: bytes, header_length: str | None, *, max_depth: int) -> tuple[dict, memoryview]:
+    """The request's JSON, nested at most `max_depth` deep (--http-max-json-depth), and the binary data after it."""
     size = len(body)
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > size:
+        if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > size:
             raise invalid(f"{HEADER_LENGTH}: {header_length!r} for a body of {size} bytes: give the JSON part's "
                           "length in bytes, at most the body's")
         size = int(header_length)
+    text = bytes(body[:size])
+    depth = json_depth(text)
+    if depth > max_depth:
+        raise invalid(f"the inference request's JSON is nested {depth} deep, beyond this server's limit of "
+                      f"{max_depth} (--http-max-json-depth): an inference request needs 6 at most")
     try:
-        document = json.loads(bytes(body[:size]))
-    except (ValueError, UnicodeDecodeError) as error:
+        document = json.loads(text)
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
         raise invalid(f"the inference request is not JSON ({error}); with binary tensors, set {HEADER_LENGTH} "
                       "to the length of the JSON before them") from None
     return _object(document, "the inference request"), memoryview(body)[size:]
@@ -88,7 +117,10 @@ def _inputs(document: dict, binary: memoryview) -> list[InputTensor]:
             if not all(isinstance(item, str) for item in data):
                 raise invalid(f"input {name}: BYTES data in JSON are strings; send an encoded image as binary "
                               f"data (tritonclient's default), with {BINARY_SIZE} in the input's parameters")
-            data = [item.encode() for item in data]
+            try:
+                data = [item.encode() for item in data]
+            except UnicodeEncodeError as error:  # a lone surrogate escape, "\ud800": no UTF-8 holds it
+                raise invalid(f"input {name}: its BYTES data are not text UTF-8 can hold ({error})") from None
         inputs.append(InputTensor(name, kind, tuple(shape), elements=data))
     if offset != len(binary):
         raise invalid(f"{len(binary) - offset} bytes of binary data follow the inputs: {BINARY_SIZE} of each input "
@@ -134,7 +166,7 @@ def infer_options(document: dict) -> InferOptions:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int)):
         raise invalid(f"parameter {TIMEOUT}={timeout!r}: expected microseconds as an integer")
     return InferOptions(parameters, _outputs(document), binary_all,
-                        deadline_after(timeout / 1000) if timeout is not None else None)
+                        deadline_after(timeout, name=TIMEOUT, field="timeout_us", per_second=1_000_000))
 
 
 def router(edge: Edge) -> APIRouter:
@@ -193,12 +225,13 @@ def router(edge: Edge) -> APIRouter:
     @routes.post("/models/{name}/versions/{version}/infer", summary="Score one image")
     async def infer(request: Request, name: str, version: str = ""):
         async def work(call: HttpCall):
-            document, binary = split_body(await edge.body(request), request.headers.get(HEADER_LENGTH))
+            document, binary = split_body(await edge.body(request), request.headers.get(HEADER_LENGTH),
+                                          max_depth=edge.settings.http_max_json_depth)
             options = infer_options(document)
             call.deadline = options.deadline
             request_id = document.get("id", "")
-            if not isinstance(request_id, str):
-                raise invalid(f"id {request_id!r}: expected a string")
+            if not isinstance(request_id, str) or not _utf8(request_id):
+                raise invalid(f"id {request_id!r}: expected a string of text UTF-8 can hold (no lone surrogate)")
             wanted = score_request(model=name, version=version, request_id=request_id,
                                    inputs=_inputs(document, binary), parameters=options.parameters,
                                    outputs=list(options.outputs))

@@ -43,11 +43,17 @@ def tls_context(certificate: bytes, key: bytes) -> ssl.SSLContext:
 
 def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """A listening socket on host:port (port 0: a free one), shared with other processes when `reuse_port`;
-    UNAVAILABLE naming --http-port when it cannot."""
+    UNAVAILABLE naming --http-port when it cannot.
+
+    Its protocol is IPPROTO_TCP by name: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on accepted
+    sockets whose `proto` says TCP, and an accepted socket takes the listening one's. With `proto` 0, as
+    `socket.create_server` makes it, an answer's body (h11 sends the headers, then the body) waited for the
+    client's delayed ACK, about 40 ms an answer."""
     host = host.strip("[]")
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family, reuse_port=reuse_port)
+        made = socket.create_server((host, port), family=family, reuse_port=reuse_port)
+        return socket.socket(made.family, made.type, socket.IPPROTO_TCP, fileno=made.detach())
     except OSError as error:
         raise ScoringError(Refusal.UNAVAILABLE, f"could not serve HTTP on {host}:{port} (--http-port): "
                            f"{error.strerror or error}") from error
@@ -57,13 +63,15 @@ class HttpServer:
     """The app served by uvicorn in a daemon thread; `stop` lets calls in flight finish within a grace period."""
 
     def __init__(self, app: FastAPI, *, host: str, port: int, tls: tuple[bytes, bytes] | None,
-                 reuse_port: bool = False) -> None:
+                 max_header_bytes: int, reuse_port: bool = False) -> None:
         sock = bind(host, port, reuse_port=reuse_port)
         self.port: int = sock.getsockname()[1]
         self.scheme = "https" if tls else "http"
         context = tls_context(*tls) if tls else None
         config = uvicorn.Config(
             app, lifespan="off", log_config=None, access_log=False, server_header=False,
+            # h11 by name, whose bound on the request line and headers (--http-max-header-bytes) is configurable.
+            http="h11", h11_max_incomplete_event_size=max_header_bytes,
             proxy_headers=False,  # the peer is the socket's address, as gRPC's: no X-Forwarded-For from anyone
             ssl_context_factory=(lambda _config, _default: context) if context else None,
         )

@@ -19,6 +19,7 @@ from starlette.datastructures import UploadFile
 
 from protos import scoring_pb2
 from server.errors import Refusal, ScoringError
+from protos import image_formats
 from server.edges.open_inference import MAP_DTYPES, PARAMETERS, SHIFTS, apply_parameters
 from server.edges.http.edge import Edge, HttpCall, deadline_after
 
@@ -27,7 +28,7 @@ QUERY = (*PARAMETERS, "maps", "timeout_ms")  # the score route's query options, 
 UPLOAD = {"requestBody": {"required": True, "content": {
     "multipart/form-data": {"schema": {"type": "object", "required": [IMAGE_FIELD], "properties": {
         IMAGE_FIELD: {"type": "string", "format": "binary",
-                      "description": "the encoded image: JPEG, PNG, WebP, BMP or TIFF"}}}},
+                      "description": f"the encoded image: {image_formats.NAMES}"}}}},
     "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
 ERRORS = {status: {"description": meaning, "content": {"application/json": {"example": {"error": "why, and what to do",
                                                                                           "code": code}}}}
@@ -92,7 +93,7 @@ def router(edge: Edge) -> APIRouter:
             if unknown:  # FastAPI ignores names its signature lacks: `?scale=512` would score at the default
                 raise ScoringError(Refusal.INVALID_ARGUMENT, f"unknown query option {unknown[0]!r}: this route "
                                    f"takes {', '.join(QUERY)}")
-            call.deadline = deadline_after(timeout_ms)
+            call.deadline = deadline_after(timeout_ms, name="timeout_ms", field="timeout_ms", per_second=1000)
             wanted = scoring_pb2.ScoreRequest(model=name, return_maps=maps, encoded=await _image(edge, request))
             apply_parameters(wanted, options)
             return JSONResponse(as_json(await edge.score(call, wanted)))

@@ -31,6 +31,33 @@ def test_scores_paths_bytes_pil_and_arrays_alike(server, photos):
     assert scale.geometry.stride_x > 0 and from_path.image_width == Image.open(path).width
 
 
+def phone_formats(folder: Path, path: Path) -> dict[str, Path]:
+    """The photo at `path` as HEIC, AVIF and GIF files, made by their encoders, and the PNG of each file's own
+    decoded pixels (what the server should see), by suffix."""
+    import pillow_heif
+
+    pillow_heif.register_heif_opener()
+    pixels = Image.open(path).convert("RGB")
+    made = {}
+    for suffix, fmt in ((".heic", "HEIF"), (".avif", "AVIF"), (".gif", "GIF")):
+        made[suffix] = folder / f"photo{suffix}"
+        pixels.save(made[suffix], format=fmt)
+        decoded = Image.open(made[suffix]).convert("RGB")
+        decoded.save(folder / f"photo{suffix}.png")
+    return made
+
+
+def test_heic_avif_and_gif_files_score_as_their_decoded_pixels(server, photos, tmp_path):
+    made = phone_formats(tmp_path, sorted(photos.glob("*.jpg"))[0])
+    with ScoremapClient(server) as client:
+        for suffix, path in made.items():
+            scored = client.score(path, stride=32)
+            expected = client.score(path.with_name(path.name + ".png"), stride=32)
+            assert [p.index for p in scored.top_k] == [p.index for p in expected.top_k], suffix
+            np.testing.assert_allclose(scored.maps[0].scores, expected.maps[0].scores, atol=1e-6)
+            assert client.score(path.read_bytes(), stride=32).top_k[0].index == scored.top_k[0].index
+
+
 def test_models_card_health_and_stream(server, photos):
     images = sorted(photos.rglob("photo*"))
     with ScoremapClient(server) as client:

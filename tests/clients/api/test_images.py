@@ -45,7 +45,7 @@ def test_arrays_and_pil_images_travel_as_raw_pixels():
     (np.zeros((4, 4, 2), np.uint8), "shape (4, 4, 2); expected"),
     (np.zeros((2, 4, 4, 3), np.uint8), "shape (2, 4, 4, 3)"),
     (np.zeros((0, 4, 3), np.uint8), "must be positive"),
-    (b"hello world", "starting b'hello wo' are not a JPEG, PNG, WebP, BMP or TIFF image"),
+    (b"hello world", "starting b'hello wo' are not an image this server reads: it takes JPEG, PNG, WebP, BMP, TIFF, GIF, HEIC, AVIF"),
     (12, "type int"),
 ])
 def test_bad_images_say_what_was_received_and_expected(bad, says):
@@ -58,7 +58,7 @@ def test_bad_images_say_what_was_received_and_expected(bad, says):
 def test_a_text_file_is_not_an_image(tmp_path):
     path = tmp_path / "notes.jpg"
     path.write_text("not a picture")
-    with pytest.raises(ScoremapError, match=r"notes.jpg'?: 13 bytes starting b'not a pi' are not a JPEG"):
+    with pytest.raises(ScoremapError, match=r"notes.jpg'?: 13 bytes starting b'not a pi' are not an image"):
         image_fields(path)
     assert not looks_like_image(path.read_bytes())
     assert looks_like_image(png_bytes())

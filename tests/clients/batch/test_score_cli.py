@@ -46,6 +46,24 @@ def test_server_and_local_give_the_same_results(server, tiny_model, photos, tmp_
                 np.testing.assert_allclose(a[name], b[name], atol=1e-6)
 
 
+def test_heic_avif_and_gif_photos_are_found_and_scored(server, photos, tmp_path):
+    import pillow_heif
+
+    pillow_heif.register_heif_opener()
+    phone = tmp_path / "phone"
+    phone.mkdir()
+    pixels = Image.open(sorted(photos.glob("*.jpg"))[0]).convert("RGB")
+    for suffix, fmt in ((".heic", "HEIF"), (".HEIF", "HEIF"), (".avif", "AVIF"), (".gif", "GIF")):
+        pixels.save(phone / f"photo{suffix}", format=fmt)
+    pixels.save(phone / "no-suffix", format="AVIF")  # found by its first bytes
+    out = tmp_path / "out"
+    assert main([str(phone), "--out", str(out), "--server", server, "--no-progress"]) == EXIT_OK
+    records = read_records(out / "results.jsonl")
+    assert sorted(Path(r["path"]).name for r in records.values()) == [
+        "no-suffix", "photo.HEIF", "photo.avif", "photo.gif", "photo.heic"]
+    assert {r["status"] for r in records.values()} == {"OK"}
+
+
 def test_a_corrupt_image_is_recorded_and_the_rest_scored(server, photos, tmp_path, capsys):
     (photos / "broken.jpg").write_bytes((photos / "photo000.jpg").read_bytes()[:300])  # a torn JPEG
     out = tmp_path / "out"
@@ -234,12 +252,12 @@ def test_ctrl_c_while_waiting_for_the_server_stops_at_once(photos, tmp_path):
 def test_summary_lists_distinct_errors_with_examples_and_skipped_files(server, photos, tmp_path, capsys):
     for name in ("torn1.jpg", "torn2.jpg"):
         (photos / name).write_bytes((photos / "photo000.jpg").read_bytes()[:300])
-    (photos / "anim.gif").write_bytes(b"GIF89a" + bytes(40))  # not an image we score: skipped, counted
+    (photos / "paper.pdf").write_bytes(b"%PDF-1.7\n" + bytes(40))  # not an image we score: skipped, counted
     out, summary = tmp_path / "out", tmp_path / "summary.json"
     assert main([str(photos), "--out", str(out), "--server", server, "--no-progress",
                  "--summary-json", str(summary)]) == EXIT_FAILURES
     printed = capsys.readouterr().out
-    assert re.search(r"not images \(skipped\)\s+2\n", printed), printed  # notes.txt and anim.gif
+    assert re.search(r"not images \(skipped\)\s+2\n", printed), printed  # notes.txt and paper.pdf
     assert re.search(r"errors \(1 distinct\):\n\s+2 x INVALID_ARGUMENT: .+\n\s+e\.g\. .+torn\d\.jpg", printed), printed
     report = json.loads(summary.read_text())
     assert (report["found"], report["scored"], report["failed"], report["not_images"]) == (8, 6, 2, 2)

@@ -102,9 +102,9 @@ def test_refusals_have_score_s_messages_and_their_http_status(kit, layout, tiny_
         def score(image: bytes, query: str = "scales=64", model: str = "tiny") -> httpx.Response:
             return httpx.post(f"{base}/v1/models/{model}/score?{query}", files={"image": ("photo", image)})
 
-        answer = score(b"GIF89a is not served")
+        answer = score(b"%PDF-1.7 is not an image")
         with pytest.raises(Exception) as grpc_refusal:
-            stub.Score(scoring_pb2.ScoreRequest(encoded=b"GIF89a is not served", scales=[64]))
+            stub.Score(scoring_pb2.ScoreRequest(encoded=b"%PDF-1.7 is not an image", scales=[64]))
         assert answer.status_code == 400 and answer.json() == {"error": grpc_refusal.value.details(),
                                                                "code": "INVALID_ARGUMENT"}
         assert score(png(PIXELS), model="absent").status_code == 404

@@ -179,7 +179,8 @@ def raw(height, width, channels, length=None) -> scoring_pb2.RawImage:
 BAD_REQUESTS = {
     "no image": (scoring_pb2.ScoreRequest(), "has no image"),
     "empty bytes": (scoring_pb2.ScoreRequest(encoded=b""), "the image is empty (0 bytes)"),
-    "non-image bytes": (scoring_pb2.ScoreRequest(encoded=b"GIF89a-no-thanks"), "not a JPEG, PNG"),
+    "non-image bytes": (scoring_pb2.ScoreRequest(encoded=b"%PDF-1.7 no-thanks"), "not an image this server reads"),
+    "a GIF header only": (scoring_pb2.ScoreRequest(encoded=b"GIF89a-no-thanks"), "cannot decode the GIF image"),
     "truncated": (scoring_pb2.ScoreRequest(encoded=encoded((300, 300))[:200]), "cannot decode"),
     "bomb": (scoring_pb2.ScoreRequest(encoded=bomb()), "exceeds the limit of 20000000 pixels"),
     "zero scale": (scoring_pb2.ScoreRequest(encoded=encoded(), scales=[0]), "scale 0 is below 32"),
@@ -191,7 +192,7 @@ BAD_REQUESTS = {
         scoring_pb2.ScoreRequest(encoded=encoded(), output_stride=16, shift=scoring_pb2.SHIFT_ATROUS), "--output-stride"
     ),
     "classes": (scoring_pb2.ScoreRequest(encoded=encoded(), classes=[3, 10]), "classes [10] are out of range"),
-    "negative top-k": (scoring_pb2.ScoreRequest(encoded=encoded(), top_k=-1), "must be >= 0"),
+    "negative top-k": (scoring_pb2.ScoreRequest(encoded=encoded(), top_k=-1), "top_k -1 is out of range: it takes 0.."),
 }
 # No size cap by default (issue 31): a scale too large for one request's host memory is refused as too large,
 # naming the largest that fits, before its tiles are planned.

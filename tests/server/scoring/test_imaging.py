@@ -43,6 +43,69 @@ def test_exif_orientation_is_applied():
     assert decoded.size == (30, 40)
 
 
+@pytest.mark.parametrize("fmt", ["HEIF", "AVIF"])
+def test_heic_and_avif_decode_to_the_same_rgb_as_jpeg_within_its_loss(fmt):
+    """Their own encoders (pillow-heif's libheif, Pillow's libavif) at quality 95, as JPEG's test: within the
+    chroma subsampling's loss of the source."""
+    source = gradient()
+    decoded = imaging.decode(encode(source, fmt, quality=95), max_pixels=LIMIT)
+    assert decoded.mode == "RGB" and decoded.size == source.size
+    assert imaging.open_image(encode(source, fmt), max_pixels=LIMIT).image.format == fmt
+    assert np.abs(np.asarray(decoded, int) - np.asarray(source, int)).max() <= 12
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "HEIF", "AVIF"])
+@pytest.mark.parametrize("orientation, turn", [(6, Image.Transpose.ROTATE_90), (8, Image.Transpose.ROTATE_270),
+                                               (3, Image.Transpose.ROTATE_180)])
+def test_a_stored_turned_photo_with_its_exif_orientation_opens_and_decodes_upright(fmt, orientation, turn):
+    """A camera stores the sensor's pixels and an EXIF orientation: HEIC (whose container turns it, pillow-heif
+    applying that) and AVIF (Pillow reads the container's turn as the EXIF orientation) open at the upright
+    size before decoding, and decode upright, as JPEG."""
+    upright = gradient(40, 30)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(upright.transpose(turn), fmt, exif=exif.tobytes(), quality=95)
+    opened = imaging.open_image(data, max_pixels=LIMIT)
+    assert (opened.width, opened.height) == upright.size
+    decoded = imaging.load(opened, largest=(opened.height, opened.width))
+    assert decoded.size == upright.size
+    assert np.abs(np.asarray(decoded, int) - np.asarray(upright, int)).mean() < 3
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "HEIF", "AVIF"])
+def test_an_icc_profile_leaves_the_pixels_as_stored_in_every_format(fmt):
+    """The pixels are the ones stored, whatever profile comes with them: HEIC and AVIF as JPEG."""
+    from PIL import ImageCms
+
+    profile = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    plain, profiled = (encode(gradient(), fmt, quality=95, **options) for options in ({}, {"icc_profile": profile}))
+    assert imaging.open_image(profiled, max_pixels=LIMIT).image.info.get("icc_profile")
+    assert np.array_equal(np.asarray(imaging.decode(plain, max_pixels=LIMIT)),
+                          np.asarray(imaging.decode(profiled, max_pixels=LIMIT)))
+
+
+def test_a_gif_is_its_first_frame():
+    frames = [Image.new("RGB", (20, 10), colour) for colour in ((200, 30, 30), (30, 200, 30))]
+    data = encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    decoded = imaging.decode(data, max_pixels=LIMIT)
+    assert decoded.mode == "RGB" and decoded.size == (20, 10)
+    assert (np.asarray(decoded) == (200, 30, 30)).all()
+
+
+def test_a_format_not_taken_is_refused_naming_those_taken():
+    with pytest.raises(imaging.ImageError) as refused:
+        imaging.check_encoded(b"%PDF-1.7\n" + bytes(40))
+    assert "it takes JPEG, PNG, WebP, BMP, TIFF, GIF, HEIC, AVIF" in str(refused.value)
+
+
+@pytest.mark.parametrize("fmt", ["HEIF", "AVIF"])
+def test_a_broken_heic_or_avif_says_cannot_decode(fmt):
+    data = encode(gradient(96, 64), fmt)
+    for cut in (data[:len(data) // 2], data[:40] + bytes(len(data) - 40)):
+        with pytest.raises(imaging.ImageError, match="cannot decode"):
+            imaging.decode(cut, max_pixels=LIMIT)
+
+
 @pytest.mark.parametrize("mode", ["L", "LA", "P", "RGBA", "CMYK", "I;16"])
 def test_any_mode_becomes_rgb(mode):
     if mode == "I;16":
@@ -59,7 +122,7 @@ def test_any_mode_becomes_rgb(mode):
 
 @pytest.mark.parametrize("data, words", [
     (b"", "empty"),
-    (b"this is not an image at all", "not a JPEG, PNG"),
+    (b"this is not an image at all", "not an image this server reads: it takes JPEG, PNG"),
 ])
 def test_bad_bytes_say_what_was_received(data, words):
     with pytest.raises(imaging.ImageError, match=words):

@@ -241,7 +241,7 @@ def test_a_full_queue_is_refused_before_the_image_is_even_parsed(pipeline_of):
                 pipeline.score(request)
             assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
         for request, words in ((scoring_pb2.ScoreRequest(), "no image"),  # what the fields show is never transient
-                               (scoring_pb2.ScoreRequest(encoded=b"GIF89a" + b"\x00" * 64), "are not a JPEG")):
+                               (scoring_pb2.ScoreRequest(encoded=b"%PDF-1.7" + b"\x00" * 64), "are not an image")):
             with pytest.raises(ScoringError, match=words) as caught:
                 pipeline.score(request)
             assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
