@@ -161,8 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if engine is None:
             return 0
     try:
+        # A front warms its own path (the engine is warm already, so it takes a moment) before it says it listens:
+        # its supervisor says the server listens once every front does, so no call meets one still warming.
         server, port = create_server(args.models, address=f"{args.host}:{args.port}", settings=settings, token=token,
-                                     tls=tls, wait_until_ready=False, engine=engine)
+                                     tls=tls, wait_until_ready=engine is not None, engine=engine)
     except ScoringError as error:
         sys.stderr.write(f"scoremap-serve: cannot start: {error.message}\n")
         return 2
