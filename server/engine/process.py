@@ -105,6 +105,9 @@ class EngineLoop:
 
     # --- input ---------------------------------------------------------------------------------------------
     def _receive(self) -> None:
+        # The input thread answers room and refusals on sockets of its own: a hand-over to the output thread would
+        # add a thread's wake-up to every request's round trip.
+        self._replies = {index: self._connect(address) for index, address in self._fronts.items()}
         poller = zmq.Poller()
         poller.register(self._input, zmq.POLLIN)
         while not self._stopping.is_set():
@@ -120,6 +123,8 @@ class EngineLoop:
                 self._dispatch(message)
             except Exception:  # a bug in one call's handling never stops the engine's input
                 LOG.exception("the engine failed handling %s", type(message).__name__)
+        for socket in self._replies.values():
+            socket.close(linger=LINGER_MS)
 
     def _dispatch(self, message) -> None:
         if isinstance(message, Reserve):
@@ -140,14 +145,14 @@ class EngineLoop:
         try:
             held = self.core.reserve(message.model, message.items, deadline=message.deadline)
         except ScoringError as error:
-            self._answer(message.front, Failed.of(message.call, error))
+            self._reply(message.front, Failed.of(message.call, error))
             return
         if isinstance(held, NoRoom):
-            self._answer(message.front, Room.refused(message.call, held))
+            self._reply(message.front, Room.refused(message.call, held))
             return
         with self._lock:
             self._calls[(message.front, message.call)] = Call(message.model, held)
-        self._answer(message.front, Room(message.call, True))
+        self._reply(message.front, Room(message.call, True))
 
     def _submit(self, message: Submit) -> None:
         key = (message.front, message.call)
@@ -160,7 +165,7 @@ class EngineLoop:
             except OSError as error:
                 self._calls.pop(key, None)
                 self._release(call)
-                self._answer(message.front, Failed.of(message.call, ScoringError(
+                self._reply(message.front, Failed.of(message.call, ScoringError(
                     Refusal.INTERNAL, f"the engine cannot map the front's shared memory {message.region}: {error}")))
                 return
         call.region, call.specs, call.left = region, message.items, len(message.items)
@@ -171,7 +176,7 @@ class EngineLoop:
         except ScoringError as error:
             with self._lock:
                 self._calls.pop(key, None)
-            self._answer(message.front, Failed.of(message.call, error))
+            self._reply(message.front, Failed.of(message.call, error))
         finally:
             call.places = None  # queued with its items (or given back by the refusal)
 
@@ -206,6 +211,19 @@ class EngineLoop:
     def _finished(self, front: int, call_id: int, work: Work) -> None:
         """A batcher runner ended one of a call's items: the answer goes out on the output thread."""
         self._out.put((front, call_id, work))
+
+    def _reply(self, front: int, message) -> None:
+        """Answer on the input thread's own socket (the input thread only)."""
+        try:
+            self._replies[front].send(encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            LOG.warning("front %d is not taking answers; one dropped", front)
+
+    def _connect(self, address: str) -> zmq.Socket:
+        socket = self._context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, LINGER_MS)
+        socket.connect(address)
+        return socket
 
     def _answer(self, front: int, message) -> None:
         self._out.put((front, encode(message)))
