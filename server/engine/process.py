@@ -2,10 +2,11 @@
 
 As vLLM V1's `EngineCoreProc`: an input thread receives every front's messages on one socket and acts on them
 (room, release, submit, abort go straight to the in-process engine, whose batcher is thread-safe; a warm-up runs
-on a thread of its own), an output thread answers each front on its own socket, and a watch thread hears when a
-front connects (it is told the engine's facts, so a front started again finds the engine) or goes away (what
-it held is freed: its places, its queued items, its shared-memory region). ZMQ releases the GIL while it waits,
-so these threads cost the runners little.
+on a thread of its own) and answers room and refusals itself; each batcher runner sends its items' results as it
+ends them; an output thread sends the rest (facts, warm-ups); a watch thread hears when a front connects (it is
+told the engine's facts, so a front started again finds the engine) or goes away (what it held is freed: its
+places, its queued items, its shared-memory region). Each thread has its own sockets, as ZMQ wants; a hand-over
+between threads would add a wake-up to every request's round trip.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class EngineLoop:
         self._on_idle = on_idle
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._local = threading.local()  # each batcher runner's sockets to the fronts
+        self._thread_sockets: list[dict[int, zmq.Socket]] = []
 
     def start(self) -> None:
         ready = threading.Event()
@@ -100,6 +103,10 @@ class EngineLoop:
         self._out.put(None)
         for thread in self._threads:
             thread.join(timeout=5)
+        with self._lock:
+            for sockets in self._thread_sockets:
+                for socket in sockets.values():
+                    socket.close(linger=LINGER_MS)
         self._input.close(linger=LINGER_MS)
         self._context.destroy(linger=LINGER_MS)
 
@@ -209,8 +216,22 @@ class EngineLoop:
 
     # --- output --------------------------------------------------------------------------------------------
     def _finished(self, front: int, call_id: int, work: Work) -> None:
-        """A batcher runner ended one of a call's items: the answer goes out on the output thread."""
-        self._out.put((front, call_id, work))
+        """A batcher runner ended one of a call's items: answered from that thread, on its own sockets (a hand-over
+        to the output thread would add a thread's wake-up to every request)."""
+        data = self._done(front, call_id, work)
+        if data is None or self._stopping.is_set():
+            return
+        sockets = getattr(self._local, "sockets", None)
+        if sockets is None:
+            sockets = self._local.sockets = {index: self._connect(address) for index, address in self._fronts.items()}
+            with self._lock:
+                self._thread_sockets.append(sockets)
+        try:
+            sockets[front].send(data, zmq.NOBLOCK)
+        except zmq.Again:
+            LOG.warning("front %d is not taking answers; one dropped", front)
+        except zmq.ZMQError:  # the loop stopped meanwhile
+            pass
 
     def _reply(self, front: int, message) -> None:
         """Answer on the input thread's own socket (the input thread only)."""
@@ -240,12 +261,7 @@ class EngineLoop:
             entry = self._out.get()
             if entry is None:
                 break
-            if len(entry) == 2:
-                front, data = entry
-            else:
-                front, data = entry[0], self._done(*entry)
-                if data is None:
-                    continue
+            front, data = entry
             if data == b"facts":
                 data = self._facts
             try:
