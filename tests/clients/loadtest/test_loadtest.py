@@ -117,7 +117,7 @@ def gated():
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield servicer, scoring_pb2_grpc.DenseScoringStub(channel)
+    yield servicer, channel
     servicer.release.set()
     channel.close()
     server.stop(0)
@@ -158,7 +158,7 @@ def test_until_stable_runs_windows_until_the_rate_settles(server):
     try:
         plan = LevelPlan(duration_s=0.2, max_requests=100_000, timeout_s=5, warmup=2, until_stable=True,
                          stable_tolerance=0.9)
-        report = closed_loop(scoring_pb2_grpc.DenseScoringStub(channel), load_inputs(None, [(64, 64)],
+        report = closed_loop(channel, load_inputs(None, [(64, 64)],
                              ScoreOptions(), limits=LoadLimits()).requests, concurrency=1, plan=plan, limits=LoadLimits())
     finally:
         channel.close()
@@ -235,7 +235,7 @@ def test_defaults_come_from_the_client_settings():
     (["--server", "127.0.0.1:70000"], "--server", "port from 0 to 65535"),
     (["--concurrency", "0"], "--concurrency", "from 1 to 256"),
     (["--concurrency", "1,300"], "--concurrency", "from 1 to 256"),
-    (["--rate", "0"], "--rate", "from 0.01 to 2000"),
+    (["--rate", "0"], "--rate", "from 0.01 to 20000"),
     (["--duration", "-1"], "--duration", "from 0.001 to 600"),
     (["--requests", "0"], "--requests", "from 1 to 100000"),
     (["--stable-within", "0"], "--stable-within", "from 0.1 to 100"),
