@@ -65,9 +65,10 @@ class LevelReport:
     server_inference_ms: float = math.nan
     server_postprocess_ms: float = math.nan
     server_batch_size: float = math.nan
-    # The load tester's own CPU over the window, every process of it: cores used, that as a share of its capacity
-    # (one core per sending process, no more than its cores), CPU ms per request answered; `client_bound` when
-    # the share passed the warning (the figures may be the load tester's limit, not the server's). NaN unmeasured.
+    # The load tester over the window, every process of it: cores of CPU used; busy, the time its threads ran or
+    # waited to run as a share of its capacity (one core per sending process, no more than its cores); CPU ms per
+    # request answered; `client_bound` when busy passed the warning (the figures may be the load tester's limit,
+    # not the server's). NaN unmeasured.
     client_processes: int = 1
     client_cpu_cores: float = math.nan
     client_busy: float = math.nan
@@ -81,11 +82,13 @@ class LevelReport:
 
 def summarise(mode: str, level: float, samples: Sequence[Sample], *, sent: int, start_s: float, end_s: float,
               in_flight_at_end: int = 0, windows: int = 1, stable: bool | None = None,
-              server: dict[str, float] | None = None, client_cpu_s: float | None = None, processes: int = 1,
+              server: dict[str, float] | None = None, client_cpu_s: float | None = None,
+              client_busy_s: float | None = None, processes: int = 1,
               capacity_cores: int = 1, busy_warning: float = LoadLimits.client_busy_warning, server_cpu_s: float | None = None) -> LevelReport:
     """The report of the window (start_s, end_s]: samples completed outside it are left out;
     latency percentiles are over OK requests (NaN when none). `client_cpu_s` and `server_cpu_s`: CPU seconds
-    spent over the window by the load tester (its `processes`, on `capacity_cores`) and by a local server."""
+    spent over the window by the load tester (its `processes`, on `capacity_cores`) and by a local server;
+    `client_busy_s`, the seconds the load tester's threads ran or waited to run (its CPU when None)."""
     inside = [s for s in samples if start_s < s.done_s <= end_s]
     ok = np.array([s.latency_s for s in inside if s.status == "OK"], dtype=np.float64) * 1000
     errors = Counter(s.status for s in inside if s.status != "OK")
@@ -98,10 +101,10 @@ def summarise(mode: str, level: float, samples: Sequence[Sample], *, sent: int, 
     split = {f"server_{name}": value for name, value in (server or {}).items()}
     usage: dict[str, float | bool] = {}
     if duration > 0 and client_cpu_s is not None:
-        cores = client_cpu_s / duration
-        usage.update(client_cpu_cores=cores, client_busy=cores / capacity_cores,
+        busy = (client_cpu_s if client_busy_s is None else client_busy_s) / duration / capacity_cores
+        usage.update(client_cpu_cores=client_cpu_s / duration, client_busy=busy,
                      client_cpu_ms=1000 * client_cpu_s / len(inside) if inside else math.nan,
-                     client_bound=cores / capacity_cores > busy_warning)
+                     client_bound=busy > busy_warning)
     if duration > 0 and server_cpu_s is not None:
         usage.update(server_cpu_cores=server_cpu_s / duration,
                      server_cpu_ms=1000 * server_cpu_s / len(inside) if inside else math.nan)
@@ -165,9 +168,10 @@ def client_bound_warning(report: LevelReport, *, busy_warning: float) -> str | N
     if not report.client_bound:
         return None
     processes = f"{report.client_processes} process{'es' * (report.client_processes > 1)}"
-    return (f"{report.mode} {report.level:g}: the load tester used {report.client_busy:.0%} of what its {processes} "
-            f"can use ({report.client_cpu_cores:.2f} cores, over {busy_warning:.0%}): these figures may be its own "
-            "limit, not the server's; give it more processes (--processes) or cores, or run it on another machine")
+    return (f"{report.mode} {report.level:g}: the load tester was {report.client_busy:.0%} busy (running or waiting "
+            f"to run, over {busy_warning:.0%} of the one core per process its {processes} can use; it used "
+            f"{report.client_cpu_cores:.2f} cores): these figures may be its own limit, not the server's; give it "
+            "more processes (--processes) or cores, or run it on another machine")
 
 
 def format_table(reports: Iterable[LevelReport]) -> str:

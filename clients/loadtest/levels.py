@@ -17,7 +17,7 @@ from clients.loadtest.server_metrics import MetricsSnapshot, server_split
 from clients.loadtest.settings import LoadLimits
 from clients.loadtest.traffic import Counts, clock
 
-__all__ = ["LevelPlan", "Meters", "run_level", "LIVE_POLL_S"]
+__all__ = ["LevelPlan", "Meters", "Reading", "run_level", "LIVE_POLL_S"]
 
 # How often (seconds) a level checks whether its window has closed.
 LIVE_POLL_S = 0.02
@@ -42,19 +42,35 @@ class LevelPlan:
 
 
 @dataclass(frozen=True)
+class Reading:
+    """The meters at one window edge (None: not measured)."""
+
+    client_cpu: float | None = None
+    client_busy: float | None = None
+    server_cpu: float | None = None
+    metrics: MetricsSnapshot | None = None
+
+
+@dataclass(frozen=True)
 class Meters:
-    """What is read at each window edge besides the samples: the load tester's own CPU seconds (every process of
-    it) and the cores it may use for them (`capacity_cores`), a local server's CPU seconds, its metrics."""
+    """What is read at each window edge besides the samples: the load tester's own CPU seconds and the seconds its
+    threads ran or waited to run (every process of it, clients.loadtest.usage), the cores it may use for them
+    (`capacity_cores`), a local server's CPU seconds, the server's metrics."""
 
     client_cpu: Callable[[], float] | None = None
+    client_busy: Callable[[], float | None] | None = None
     processes: int = 1
     capacity_cores: int = 1
     server_cpu: Callable[[], float] | None = None
     metrics: Callable[[], MetricsSnapshot | None] | None = None
 
-    def read(self) -> tuple[float | None, float | None, MetricsSnapshot | None]:
-        return (self.client_cpu() if self.client_cpu else None, self.server_cpu() if self.server_cpu else None,
-                self.metrics() if self.metrics else None)
+    def read(self) -> Reading:
+        return Reading(*(meter() if meter else None
+                         for meter in (self.client_cpu, self.client_busy, self.server_cpu, self.metrics)))
+
+
+def _spent(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else max(0.0, after - before)
 
 
 def _live(traffic: Counts, window: int, start: float, length: float) -> str:
@@ -75,7 +91,7 @@ def run_level(traffic: Counts, plan: LevelPlan, *, limits: LoadLimits, meters: M
     tty = live is not None and live.isatty()
     rates: list[float] = []
     bounds: list[float] = []  # the windows' edges
-    readings: list[tuple[float | None, float | None, MetricsSnapshot | None]] = []  # meters at each edge
+    readings: list[Reading] = []  # the meters at each edge
     traffic.send_limit = plan.warmup + plan.max_requests
     traffic.start()
     try:
@@ -110,15 +126,17 @@ def run_level(traffic: Counts, plan: LevelPlan, *, limits: LoadLimits, meters: M
     in_flight = traffic.in_flight_at(bounds[-1] if len(bounds) > 1 else clock())
     span = min(len(rates), plan.stable_windows) if plan.until_stable else 1
     first = len(bounds) - 1 - span
-    (client_before, server_before, before), (client_after, server_after, after) = readings[first], readings[-1]
+    before, after = readings[first], readings[-1]
     with traffic.lock:
         samples, sent = list(traffic.samples), len(traffic.sent_at)
     return summarise(traffic.mode, traffic.level, samples, sent=sent, start_s=bounds[first], end_s=bounds[-1],
                      in_flight_at_end=in_flight, windows=len(rates),
                      stable=stable(rates, count=plan.stable_windows, tolerance=plan.stable_tolerance)
                      if plan.until_stable else None,
-                     server=server_split(before, after) if before is not None and after is not None else None,
-                     client_cpu_s=None if client_before is None else client_after - client_before,
+                     server=server_split(before.metrics, after.metrics)
+                     if before.metrics is not None and after.metrics is not None else None,
+                     client_cpu_s=_spent(before.client_cpu, after.client_cpu),
+                     client_busy_s=_spent(before.client_busy, after.client_busy),
                      processes=meters.processes, capacity_cores=meters.capacity_cores,
                      busy_warning=limits.client_busy_warning,
-                     server_cpu_s=None if server_before is None else server_after - server_before)
+                     server_cpu_s=_spent(before.server_cpu, after.server_cpu))

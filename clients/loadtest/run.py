@@ -56,7 +56,7 @@ from clients.loadtest.server_metrics import MetricsSnapshot, scrape
 from clients.loadtest.settings import MIN_RATE, MIN_STABLE_PERCENT, LoadLimits
 from clients.loadtest.spread import LoadTester, LoadTesterError, Target
 from clients.loadtest.traffic import Closed, Open, Payloads, raw_calls
-from clients.loadtest.usage import cpu_seconds, usable_cores
+from clients.loadtest.usage import busy_seconds, cpu_seconds, usable_cores
 from convert.arguments import host_port, number_in, number_list, size_pair
 from protos import scoring_pb2, version
 
@@ -138,7 +138,8 @@ def open_loop(channel: grpc.Channel, requests: Sequence[scoring_pb2.ScoreRequest
 
 
 def _this_process(metrics: Callable[[], MetricsSnapshot | None] | None) -> Meters:
-    return Meters(client_cpu=lambda: cpu_seconds([os.getpid()]), metrics=metrics)
+    return Meters(client_cpu=lambda: cpu_seconds([os.getpid()]), client_busy=lambda: busy_seconds([os.getpid()]),
+                  metrics=metrics)
 
 
 def calibrate(tester: LoadTester, mode: str, level: float, plan: LevelPlan, *, limits: LoadLimits,

@@ -34,7 +34,7 @@ from clients.loadtest.levels import LevelPlan, Meters, run_level
 from clients.loadtest.server_metrics import MetricsSnapshot
 from clients.loadtest.settings import LoadLimits
 from clients.loadtest.traffic import Closed, Counts, Open, Payloads, clock, raw_calls
-from clients.loadtest.usage import capacity_cores, cpu_seconds, tree_cpu_seconds
+from clients.loadtest.usage import busy_seconds, capacity_cores, cpu_seconds, tree_cpu_seconds
 
 __all__ = ["Target", "LoadTester", "LoadTesterError", "split"]
 
@@ -286,7 +286,8 @@ class LoadTester:
         """What each window's edges read: every process of the load tester, this one included, whose
         capacity is one core per sending process at work, and a local server's CPU (`server_pid`)."""
         pids = [os.getpid(), *self.pids]
-        return Meters(client_cpu=lambda: cpu_seconds(pids), processes=active, capacity_cores=capacity_cores(active),
+        return Meters(client_cpu=lambda: cpu_seconds(pids), client_busy=lambda: busy_seconds(pids),
+                      processes=active, capacity_cores=capacity_cores(active),
                       server_cpu=(lambda: tree_cpu_seconds(self.server_pid)) if self.server_pid else None,
                       metrics=metrics)
 

@@ -219,10 +219,14 @@ class Open(_Sending):
         self.slots = threading.BoundedSemaphore(in_flight or self.limits.max_in_flight)
         self.threads = [threading.Thread(target=self._sender, name="loadtest-sender", daemon=True)]
 
+    def scheduled(self, index: int) -> float:
+        """When this process's `index`th arrival is due: the level's arrival first + index * step."""
+        return self.started + (self.first + index * self.step) / self.level
+
     def _sender(self) -> None:
         index = 0
         while True:
-            scheduled = self.started + (self.first + index * self.step) / self.level
+            scheduled = self.scheduled(index)
             if self.stop.wait(max(0.0, scheduled - clock())):
                 return
             # At the in-flight bound the send waits (its latency still counts from `scheduled`),

@@ -3,7 +3,9 @@ local server's (a process and its descendants: its workers, its engine process).
 
 A load tester busy near its capacity measures itself, not the server: perf_analyzer warns when its own CPU
 passes 80%, and so does scoremap-loadtest (`client_bound`). Its capacity is one core per sending process (each
-process's Python work holds one interpreter lock), never more than the cores it may run on.
+process's Python work holds one interpreter lock), never more than the cores it may run on. Busy counts the time
+its threads ran *or waited to run* (/proc/PID/task/TID/schedstat): on a machine whose cores are shared, a load
+tester that gets little CPU cannot keep up either, though its CPU time alone says it was idle.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import pathlib
 from collections.abc import Iterable
 
-__all__ = ["cpu_seconds", "tree_cpu_seconds", "usable_cores", "capacity_cores"]
+__all__ = ["cpu_seconds", "busy_seconds", "tree_cpu_seconds", "usable_cores", "capacity_cores"]
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PROC = pathlib.Path("/proc")
@@ -37,6 +39,21 @@ def cpu_seconds(pids: Iterable[int]) -> float:
         elif (fields := _stat(pid)) is not None:
             total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
     return total
+
+
+def busy_seconds(pids: Iterable[int]) -> float | None:
+    """Seconds the threads of these processes ran or waited on a run queue (the first two fields of
+    /proc/PID/task/TID/schedstat, in ns), or None where the kernel does not keep them."""
+    total, found = 0.0, False
+    for pid in pids:
+        for path in (PROC / str(pid) / "task").glob("*/schedstat"):
+            try:
+                ran, waited = path.read_text().split()[:2]
+            except (OSError, ValueError):  # the thread ended meanwhile
+                continue
+            total += (int(ran) + int(waited)) / 1e9
+            found = True
+    return total if found else None
 
 
 def tree_cpu_seconds(pid: int) -> float:
