@@ -17,10 +17,12 @@ from clients.loadtest.server_metrics import MetricsSnapshot, server_split
 from clients.loadtest.settings import LoadLimits
 from clients.loadtest.traffic import Counts, clock
 
-__all__ = ["LevelPlan", "Meters", "Reading", "run_level", "LIVE_POLL_S"]
+__all__ = ["LevelPlan", "Meters", "Reading", "run_level", "LIVE_POLL_S", "TIMED_POLL_S"]
 
-# How often (seconds) a level checks whether its window has closed.
+# How often (seconds) a level checks whether its window has closed: often when its requests are counted (the
+# window closes once they are answered), seldom when only its length bounds it (each check wakes this process).
 LIVE_POLL_S = 0.02
+TIMED_POLL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -93,10 +95,12 @@ def run_level(traffic: Counts, plan: LevelPlan, *, limits: LoadLimits, meters: M
     bounds: list[float] = []  # the windows' edges
     readings: list[Reading] = []  # the meters at each edge
     traffic.send_limit = plan.warmup + plan.max_requests
+    poll = LIVE_POLL_S if plan.max_requests < limits.max_requests else TIMED_POLL_S
     traffic.start()
     try:
         bounds.append(traffic.warm_up(plan.warmup, clock() + plan.timeout_s))
         readings.append(meters.read())
+        traffic.opened()
         while True:
             start = bounds[-1]
             end = min(start + plan.duration_s, level_end)
@@ -106,8 +110,12 @@ def run_level(traffic: Counts, plan: LevelPlan, *, limits: LoadLimits, meters: M
                     live.write("\r" + _live(traffic, len(bounds), start, plan.duration_s))
                     live.flush()
                     next_line += limits.live_every_s
-                time.sleep(min(LIVE_POLL_S, end - now))
-            bounds.append(clock())
+                time.sleep(min(poll, end - now, max(next_line - now, 0.0) if tty else poll))
+            if traffic.window_closed():  # every request answered: the window ends with the last answer
+                with traffic.lock:
+                    bounds.append(max([start, *(s.done_s for s in traffic.samples)]))
+            else:
+                bounds.append(clock())
             readings.append(meters.read())
             traffic.settle(bounds[-1])
             with traffic.lock:

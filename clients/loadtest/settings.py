@@ -38,8 +38,10 @@ class LoadLimits:
     max_processes: int = 64
     # Most connections (channels with a subchannel of their own) per sending process (--connections).
     max_connections: int = 64
-    # How often (seconds) each sending process hands its new sends and answers to the process that merges them.
-    stream_every_s: float = 0.02
+    # How often (seconds) each sending process hands its new sends and answers to the process that merges them;
+    # during a level's warm-up more often, so that the window opens (and its edge is read) on time.
+    stream_every_s: float = 0.1
+    warm_up_every_s: float = 0.002
     # How long (seconds) a sending process may take to start (import gRPC, open its channels).
     process_start_s: float = 60.0
     # How far ahead (seconds) of a level's start its processes are told, so that they all start at one instant.

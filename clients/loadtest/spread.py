@@ -101,9 +101,13 @@ def _sending_process(connection, target: Target, encoded: list[bytes], limits: L
             traffic.send_limit = options["send_limit"]
             traffic.start(at=options["at"])
             sent = answered = 0
-            while not connection.poll(limits.stream_every_s):
+            every = limits.warm_up_every_s  # until the window opens, its edge waits on these hand-overs
+            while True:
+                if connection.poll(every):
+                    if connection.recv()[0] == "stop":
+                        break
+                    every = limits.stream_every_s  # "opened"
                 sent, answered = _hand_over(connection, traffic, sent, answered)
-            connection.recv()  # "stop"
             traffic.finish()
             _hand_over(connection, traffic, sent, answered)
             connection.send(("finished", None))
@@ -139,6 +143,10 @@ class _Spread(Counts):
             self.tester._tell(k, ("level", self.mode, self.shares[k], {
                 "timeout_s": self.timeout_s, "first": position, "step": len(workers), "send_limit": limit,
                 "at": self.started, "rate": self.level}))
+
+    def opened(self) -> None:
+        for k in self.active:
+            self.tester._tell(k, ("opened",))
 
     def take(self, k: int, message: tuple) -> None:
         """Process k's hand-over (its sends and answers since the last) or its word that it finished."""
@@ -199,8 +207,9 @@ class LoadTester:
     to end the processes."""
 
     def __init__(self, target: Target, requests: Sequence, *, processes: int = 1, limits: LoadLimits = LoadLimits(),
-                 server_pid: int | None = None) -> None:
+                 server_pid: int | None = None, count_this_process: bool = True) -> None:
         self.target, self.limits, self.server_pid = target, limits, server_pid
+        self.count_this_process = count_this_process  # False where this process does other work (hosts a server)
         self.encoded = [r if isinstance(r, bytes) else r.SerializeToString() for r in requests]
         Payloads(self.encoded)  # refuses an empty list here, before any process starts
         self.context = multiprocessing.get_context("spawn")
@@ -267,7 +276,7 @@ class LoadTester:
         while not self.closing.is_set():
             with self.lock:
                 connections = [c for c in self.connections if c not in self.gone]
-            for ready in multiprocessing.connection.wait(connections, timeout=0.1):
+            for ready in multiprocessing.connection.wait(connections, timeout=1.0):
                 try:
                     message = ready.recv()
                 except (EOFError, OSError):
@@ -283,9 +292,9 @@ class LoadTester:
                     self.level.take(self.connections.index(ready), message)
 
     def meters(self, active: int, *, metrics: Callable[[], MetricsSnapshot | None] | None = None) -> Meters:
-        """What each window's edges read: every process of the load tester, this one included, whose
-        capacity is one core per sending process at work, and a local server's CPU (`server_pid`)."""
-        pids = [os.getpid(), *self.pids]
+        """What each window's edges read: every process of the load tester (this one too, with count_this_process),
+        whose capacity is one core per sending process at work, and a local server's CPU (`server_pid`)."""
+        pids = [os.getpid(), *self.pids] if self.count_this_process else list(self.pids)
         return Meters(client_cpu=lambda: cpu_seconds(pids), client_busy=lambda: busy_seconds(pids),
                       processes=active, capacity_cores=capacity_cores(active),
                       server_cpu=(lambda: tree_cpu_seconds(self.server_pid)) if self.server_pid else None,

@@ -95,6 +95,9 @@ class Counts:
         with self.lock:
             return len(self.sent_at) >= self.send_limit and len(self.samples) >= len(self.sent_at)
 
+    def opened(self) -> None:
+        """The window has opened (its edge read): the warm-up's prompt accounting may relax."""
+
     def settle(self, instant: float) -> None:
         """Return once every send and answer up to `instant` is counted here (at once in the process sending)."""
 
