@@ -5,8 +5,8 @@ scale 384, stride 16, top-5, closed loops over gRPC at 1, 16 and 64 clients, eac
 process(es) on the provider `auto` picks. Each level is one `scoremap-loadtest` command: it starts as many
 sending processes as it finds it needs (one Python process driving 64 clients was itself the ceiling on an H200,
 bench/RESULTS.md), merges their latencies, and says how busy it was beside the server's CPU. Each row is printed
-as soon as it is measured (a time limit keeps what was measured). Meant for a GPU; on the CPU it runs too, where a second process only shares
-the same cores.
+as soon as it is measured (a time limit keeps what was measured). Meant for a GPU; on the CPU it runs too, where a
+second process only shares the same cores.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def run(*, seconds: float = SECONDS, provider: str = "auto", out=sys.stdout,
         configs: tuple[tuple[int, int], ...] = CONFIGS) -> str:
     header = ["## Served by server processes (bench_workers, issue 29)", "",
               f"The default model, samples/cat.jpg at scale {SCALE}, stride {STRIDE}, top-5; `scoremap-serve --workers N "
-              f"--max-batch B` on provider {provider}, closed loops of {seconds:g} s over gRPC from one `scoremap-loadtest` "
-              f"command per level (its sending processes as many as it finds it needs, {CONNECTIONS} connections each, "
+              f"--max-batch B` on provider {provider}, closed loops of {seconds:g} s over gRPC from one "
+              f"`scoremap-loadtest` command per level (its sending processes as many as it finds it needs, {CONNECTIONS} connections each, "
               "latencies merged); server CPU per request answered in the window, every server process "
               "(--server-pid); load tester busy: the time its processes ran or waited to run, over one core each "
               "(* over 80%: the level may be the load tester's limit).", "",

@@ -65,10 +65,10 @@ class LevelReport:
     server_inference_ms: float = math.nan
     server_postprocess_ms: float = math.nan
     server_batch_size: float = math.nan
-    # The load tester over the window, every process of it: cores of CPU used; busy, the time its threads ran or
-    # waited to run as a share of its capacity (one core per sending process, no more than its cores); CPU ms per
-    # request answered; `client_bound` when busy passed the warning (the figures may be the load tester's limit,
-    # not the server's). NaN unmeasured.
+    # The load tester over the window: cores of CPU used and CPU ms per request answered, every process of it;
+    # busy, the time its sending processes' threads ran or waited to run as a share of its capacity (one core per
+    # sending process, no more than its cores); `client_bound` when busy passed the warning (the figures may be
+    # the load tester's limit, not the server's). NaN unmeasured.
     client_processes: int = 1
     client_cpu_cores: float = math.nan
     client_busy: float = math.nan
@@ -84,7 +84,8 @@ def summarise(mode: str, level: float, samples: Sequence[Sample], *, sent: int, 
               in_flight_at_end: int = 0, windows: int = 1, stable: bool | None = None,
               server: dict[str, float] | None = None, client_cpu_s: float | None = None,
               client_busy_s: float | None = None, processes: int = 1,
-              capacity_cores: int = 1, busy_warning: float = LoadLimits.client_busy_warning, server_cpu_s: float | None = None) -> LevelReport:
+              capacity_cores: int = 1, busy_warning: float = LoadLimits.client_busy_warning,
+              server_cpu_s: float | None = None) -> LevelReport:
     """The report of the window (start_s, end_s]: samples completed outside it are left out;
     latency percentiles are over OK requests (NaN when none). `client_cpu_s` and `server_cpu_s`: CPU seconds
     spent over the window by the load tester (its `processes`, on `capacity_cores`) and by a local server;

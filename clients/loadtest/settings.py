@@ -40,7 +40,7 @@ class LoadLimits:
     max_connections: int = 64
     # How often (seconds) each sending process hands its new sends and answers to the process that merges them;
     # during a level's warm-up more often, so that the window opens (and its edge is read) on time.
-    stream_every_s: float = 0.1
+    stream_every_s: float = 0.25
     warm_up_every_s: float = 0.002
     # How long (seconds) a sending process may take to start (import gRPC, open its channels).
     process_start_s: float = 60.0

@@ -102,15 +102,15 @@ def _sending_process(connection, target: Target, encoded: list[bytes], limits: L
             traffic.start(at=options["at"])
             sent = answered = 0
             every = limits.warm_up_every_s  # until the window opens, its edge waits on these hand-overs
-            while True:
-                if connection.poll(every):
-                    if connection.recv()[0] == "stop":
-                        break
-                    every = limits.stream_every_s  # "opened"
+            while (word := connection.recv()[0] if connection.poll(every) else "") in ("", "opened"):
+                if word == "opened":
+                    every = limits.stream_every_s
                 sent, answered = _hand_over(connection, traffic, sent, answered)
-            traffic.finish()
+            traffic.finish()  # "stop", or "close": the load tester is ending
             _hand_over(connection, traffic, sent, answered)
             connection.send(("finished", None))
+            if word == "close":
+                break
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass  # the load tester went away, or the user stopped it: nothing left to send to
     finally:
@@ -243,8 +243,8 @@ class LoadTester:
         started = []
         while len(self.processes) + len(started) < processes:
             ours, theirs = self.context.Pipe()
-            process = self.context.Process(target=_sending_process, args=(theirs, self.target, self.encoded, self.limits),
-                                           name="scoremap-loadtest-sender", daemon=True)
+            process = self.context.Process(target=_sending_process, name="scoremap-loadtest-sender", daemon=True,
+                                           args=(theirs, self.target, self.encoded, self.limits))
             process.start()
             theirs.close()
             started.append((process, ours))
@@ -292,10 +292,12 @@ class LoadTester:
                     self.level.take(self.connections.index(ready), message)
 
     def meters(self, active: int, *, metrics: Callable[[], MetricsSnapshot | None] | None = None) -> Meters:
-        """What each window's edges read: every process of the load tester (this one too, with count_this_process),
-        whose capacity is one core per sending process at work, and a local server's CPU (`server_pid`)."""
+        """What each window's edges read: the CPU of every process of the load tester (this one too, with
+        count_this_process); the time its sending processes ran or waited to run, whose capacity is one core per
+        sending process at work; a local server's CPU (`server_pid`)."""
         pids = [os.getpid(), *self.pids] if self.count_this_process else list(self.pids)
-        return Meters(client_cpu=lambda: cpu_seconds(pids), client_busy=lambda: busy_seconds(pids),
+        senders = list(self.pids)  # busy: the processes whose capacity it is a share of
+        return Meters(client_cpu=lambda: cpu_seconds(pids), client_busy=lambda: busy_seconds(senders),
                       processes=active, capacity_cores=capacity_cores(active),
                       server_cpu=(lambda: tree_cpu_seconds(self.server_pid)) if self.server_pid else None,
                       metrics=metrics)

@@ -174,9 +174,10 @@ def test_a_load_tester_given_one_core_against_a_fast_server_says_it_is_the_limit
 
 
 def test_no_warning_when_the_server_is_the_limit(sleeper, tmp_path, capsys):
-    _, address = sleeper(fast_s=0.2, slow_s=0.2)
+    """Two callers of a server that takes half a second: the sending process waits (a few wakeups a second)."""
+    _, address = sleeper(fast_s=0.5, slow_s=0.5)
     report = tmp_path / "report.json"
-    assert main(["--server", address, "--processes", "1", "--concurrency", "2", "--requests", "6", "--sizes", "32x32",
+    assert main(["--server", address, "--processes", "1", "--concurrency", "2", "--requests", "8", "--sizes", "32x32",
                  "--json", str(report), "--quiet"]) == EXIT_OK
     [level] = json.loads(report.read_text())
     assert level["client_busy"] < LoadLimits().client_busy_warning and level["client_bound"] is False
