@@ -244,6 +244,10 @@ def test_defaults_come_from_the_client_settings():
     (["--stride", "-1"], "--stride", ">= 0"),
     (["--timeout", "-1"], "--timeout", ">= 0.001"),
     (["--warmup", "-1"], "--warmup", "from 0 to 100000"),
+    (["--processes", "0"], "--processes", "from 1 to 64"),
+    (["--processes", "many"], "--processes", "expected an integer from 1 to 64"),
+    (["--connections", "0"], "--connections", "from 1 to 64"),
+    (["--server-pid", "0"], "--server-pid", ">= 1"),
 ])
 def test_every_numeric_flag_is_range_checked_before_anything_is_sent(capsys, argv, flag, says):
     """Issue 24: exit 2 naming the flag, before the (unreachable) server is contacted."""
@@ -273,6 +277,12 @@ def test_bad_files_in_images_are_skipped_counted_and_named(server, photos, tmp_p
     inputs = load_inputs(str(photos), [], ScoreOptions(), limits=LoadLimits())
     assert len(inputs.requests) == 6 and sorted(Path(p).name for p, _ in inputs.skipped) == \
         ["empty.png", "text.jpg", "truncated.jpg"]
+
+
+def test_a_server_pid_that_is_no_process_here_is_refused(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--server", "127.0.0.1:1", "--server-pid", str(2**22 + 1)])  # above Linux's largest pid
+    assert exited.value.code == 2 and "no such process on this machine" in capsys.readouterr().err
 
 
 def test_a_folder_of_only_bad_files_is_refused_naming_them(tmp_path, capsys):
