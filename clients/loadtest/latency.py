@@ -82,14 +82,15 @@ class LevelReport:
 
 def summarise(mode: str, level: float, samples: Sequence[Sample], *, sent: int, start_s: float, end_s: float,
               in_flight_at_end: int = 0, windows: int = 1, stable: bool | None = None,
-              server: dict[str, float] | None = None, client_cpu_s: float | None = None,
+              server: dict[str, float] | None = None, metered_s: float | None = None, client_cpu_s: float | None = None,
               client_busy_s: float | None = None, processes: int = 1,
               capacity_cores: int = 1, busy_warning: float = LoadLimits.client_busy_warning,
               server_cpu_s: float | None = None) -> LevelReport:
     """The report of the window (start_s, end_s]: samples completed outside it are left out;
     latency percentiles are over OK requests (NaN when none). `client_cpu_s` and `server_cpu_s`: CPU seconds
     spent over the window by the load tester (its `processes`, on `capacity_cores`) and by a local server;
-    `client_busy_s`, the seconds the load tester's threads ran or waited to run (its CPU when None)."""
+    `client_busy_s`, the seconds the load tester's threads ran or waited to run (its CPU when None); all three
+    over `metered_s` seconds (the window's length when None), the time between the readings."""
     inside = [s for s in samples if start_s < s.done_s <= end_s]
     ok = np.array([s.latency_s for s in inside if s.status == "OK"], dtype=np.float64) * 1000
     errors = Counter(s.status for s in inside if s.status != "OK")
@@ -101,13 +102,14 @@ def summarise(mode: str, level: float, samples: Sequence[Sample], *, sent: int, 
     duration = end_s - start_s
     split = {f"server_{name}": value for name, value in (server or {}).items()}
     usage: dict[str, float | bool] = {}
-    if duration > 0 and client_cpu_s is not None:
-        busy = (client_cpu_s if client_busy_s is None else client_busy_s) / duration / capacity_cores
-        usage.update(client_cpu_cores=client_cpu_s / duration, client_busy=busy,
+    metered = duration if metered_s is None else metered_s
+    if metered > 0 and client_cpu_s is not None:
+        busy = (client_cpu_s if client_busy_s is None else client_busy_s) / metered / capacity_cores
+        usage.update(client_cpu_cores=client_cpu_s / metered, client_busy=busy,
                      client_cpu_ms=1000 * client_cpu_s / len(inside) if inside else math.nan,
                      client_bound=busy > busy_warning)
-    if duration > 0 and server_cpu_s is not None:
-        usage.update(server_cpu_cores=server_cpu_s / duration,
+    if metered > 0 and server_cpu_s is not None:
+        usage.update(server_cpu_cores=server_cpu_s / metered,
                      server_cpu_ms=1000 * server_cpu_s / len(inside) if inside else math.nan)
     return LevelReport(
         mode=mode, level=level, sent=sent, completed=int(ok.size), duration_s=duration,

@@ -45,8 +45,9 @@ class LevelPlan:
 
 @dataclass(frozen=True)
 class Reading:
-    """The meters at one window edge (None: not measured)."""
+    """The meters at one window edge (None: not measured), read at `at`."""
 
+    at: float = 0.0
     client_cpu: float | None = None
     client_busy: float | None = None
     server_cpu: float | None = None
@@ -67,8 +68,8 @@ class Meters:
     metrics: Callable[[], MetricsSnapshot | None] | None = None
 
     def read(self) -> Reading:
-        return Reading(*(meter() if meter else None
-                         for meter in (self.client_cpu, self.client_busy, self.server_cpu, self.metrics)))
+        return Reading(clock(), *(meter() if meter else None
+                                  for meter in (self.client_cpu, self.client_busy, self.server_cpu, self.metrics)))
 
 
 def _spent(before: float | None, after: float | None) -> float | None:
@@ -120,7 +121,7 @@ def run_level(traffic: Counts, plan: LevelPlan, *, limits: LoadLimits, meters: M
             traffic.settle(bounds[-1])
             with traffic.lock:
                 ok = sum(1 for s in traffic.samples if start < s.done_s <= bounds[-1] and s.status == "OK")
-            rates.append(ok / (bounds[-1] - start))
+            rates.append(ok / (bounds[-1] - start) if bounds[-1] > start else 0.0)
             if live is not None:
                 live.write(("\r" if tty else "") + _live(traffic, len(rates), start, plan.duration_s) + "\n")
                 live.flush()
@@ -143,7 +144,7 @@ def run_level(traffic: Counts, plan: LevelPlan, *, limits: LoadLimits, meters: M
                      if plan.until_stable else None,
                      server=server_split(before.metrics, after.metrics)
                      if before.metrics is not None and after.metrics is not None else None,
-                     client_cpu_s=_spent(before.client_cpu, after.client_cpu),
+                     metered_s=after.at - before.at, client_cpu_s=_spent(before.client_cpu, after.client_cpu),
                      client_busy_s=_spent(before.client_busy, after.client_busy),
                      processes=meters.processes, capacity_cores=meters.capacity_cores,
                      busy_warning=limits.client_busy_warning,

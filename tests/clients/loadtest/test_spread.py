@@ -235,3 +235,17 @@ def test_the_warning_and_the_table_mark_a_client_bound_level():
     assert "95% busy" in warning and "2 processes" in warning and "--processes" in warning
     table = format_table([bound, fine])
     assert "95%*" in table and "20%" in table and "may be its own limit" in table
+
+
+def test_the_load_testers_share_is_its_time_running_or_waiting_over_its_capacity():
+    from clients.loadtest.latency import Sample, summarise
+
+    samples = [Sample(0.5 + n / 100, 0.01, "OK") for n in range(50)]
+    common = dict(sent=50, start_s=0.0, end_s=1.0, processes=2, capacity_cores=2, busy_warning=0.8)
+    idle = summarise("closed", 8, samples, client_cpu_s=0.5, client_busy_s=0.6, metered_s=1.25, **common)
+    assert idle.client_cpu_cores == pytest.approx(0.4) and idle.client_busy == pytest.approx(0.24)
+    assert idle.client_cpu_ms == pytest.approx(10.0) and not idle.client_bound  # 0.5 s over 50 answers
+    starved = summarise("closed", 8, samples, client_cpu_s=0.5, client_busy_s=2.5, metered_s=1.25, **common)
+    assert starved.client_busy == pytest.approx(1.0) and starved.client_bound  # waited for its cores
+    unmetered = summarise("closed", 8, samples, **common)
+    assert unmetered.client_busy != unmetered.client_busy and not unmetered.client_bound  # NaN: not measured
