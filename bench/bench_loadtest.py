@@ -7,7 +7,8 @@ and this one) is set against the yardstick of bench_host, the CPU PIL takes to d
 (bench_host.decode_and_resize, median of YARDSTICK_CALLS, measured before and after each level in this run).
 Target: the load tester's CPU per request <= 0.1x decode + resize, at every level, so that a load tester on the
 server's host takes a small share of what the server's host path needs. Beside it, how busy the load tester was
-(ran or waited to run, over its one core) and the server's CPU per request. About 1 minute.
+(ran or waited to run, over its one core) and the server's CPU per request; and gRPC's own floor, one bare blocking
+call at a time from one process, for what no arrangement of the load tester's work can go below. About 1 minute.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import statistics
 import tempfile
 import time
 
+import grpc
+
 from bench.bench_host import SAMPLE, SCALE, decode_and_resize
 from bench.bench_overload import start_server
 from bench.models import null_model
 from clients.loadtest.latency import LevelReport
 from clients.loadtest.run import LevelPlan, LoadLimits, LoadTester, Target
+from clients.loadtest.traffic import SCORE_METHOD
 from protos import scoring_pb2
 
 IN_FLIGHT = (1, 16, 64)
@@ -45,9 +49,24 @@ def yardstick_ms(data: bytes, *, calls: int = YARDSTICK_CALLS) -> float:
     return 1000 * statistics.median(times)
 
 
+def bare_grpc_ms(address: str, request: scoring_pb2.ScoreRequest, *, seconds: float) -> tuple[float, float]:
+    """gRPC's own floor: (process CPU ms per call, calls/s) of one blocking call at a time from this process, the
+    request serialized once, no answer parsed, nothing else done (no deadline, no bookkeeping)."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(SCORE_METHOD)
+        payload = request.SerializeToString()
+        call(payload)
+        calls, started, cpu = 0, time.perf_counter(), time.process_time()
+        while time.perf_counter() - started < seconds:
+            call(payload)
+            calls += 1
+        return 1000 * (time.process_time() - cpu) / calls, calls / (time.perf_counter() - started)
+
+
 def measure(*, seconds: float = SECONDS, in_flight: tuple[int, ...] = IN_FLIGHT,
-            processes: int = PROCESSES) -> list[tuple[LevelReport, float]]:
-    """Each level's report and the yardstick around it (the mean of the one before and the one after)."""
+            processes: int = PROCESSES) -> tuple[list[tuple[LevelReport, float]], tuple[float, float]]:
+    """Each level's report and the yardstick around it (the mean of the one before and the one after); then
+    gRPC's own floor at one call at a time (bare_grpc_ms)."""
     data = SAMPLE.read_bytes()
     request = scoring_pb2.ScoreRequest(encoded=data, scales=[SCALE])
     rows = []
@@ -67,14 +86,15 @@ def measure(*, seconds: float = SECONDS, in_flight: tuple[int, ...] = IN_FLIGHT,
                     after = yardstick_ms(data)
                     rows.append((report, (before + after) / 2))
                     before = after
+            floor = bare_grpc_ms(address, request, seconds=seconds)
         finally:
             server.terminate()
             server.wait(30)
-    return rows
+    return rows, floor
 
 
 def run(*, seconds: float = SECONDS) -> str:
-    rows = measure(seconds=seconds)
+    rows, (floor_ms, floor_rate) = measure(seconds=seconds)
     ratios = [report.client_cpu_ms / yardstick for report, yardstick in rows]
     verdict = "met" if max(ratios) <= TARGET else "missed"
     return "\n".join([
@@ -94,6 +114,11 @@ def run(*, seconds: float = SECONDS) -> str:
         "",
         f"Target: the load tester's CPU per request <= {TARGET}x decode + resize at every level: worst "
         f"{max(ratios):.3f}x, {verdict}.",
+        "",
+        f"gRPC's own floor on the same server and request, after the levels: one blocking call at a time from one "
+        f"process, serialized once, nothing else done: {floor_ms:.3f} ms of CPU per call at {floor_rate:.1f} calls/s "
+        f"({floor_ms / yardstick_ms(SAMPLE.read_bytes()):.3f}x decode + resize); the load tester at 1 in flight, "
+        f"every process of it: {rows[0][0].client_cpu_ms / floor_ms:.2f}x that.",
     ])
 
 
