@@ -17,8 +17,9 @@ Measured (default model, samples/cat.jpg, scale 384):
   probabilities copied back, IO binding) in a tight loop, against a bare onnxruntime loop on the
   same graph whose inputs and outputs stay on the device; target >= 80%.
 - requests/s, p50, p99 and the longest request at 1/4/16/64 clients, 4-pass grid and à trous,
-  batching on (the GPU default) and off (max batch 1), through gRPC (create_server and
-  clients.loadtest.run's closed loop) and in-process (Pipeline.score from as many threads).
+  batching on (the GPU default) and off (max batch 1), through gRPC (create_server, and scoremap-loadtest's
+  LoadTester: sending processes of their own, their latencies merged) and in-process (Pipeline.score from as
+  many threads).
 Targets (issue 29, `verdicts`): gRPC req/s at 16 clients >= 80% of the batch-8 plan's device-bound img/s, grid
 and à trous; 64 clients no slower than 16; p50 at 1 client <= the batch-1 plan's run + 3 ms; no request over
 100 ms at 16 clients; batching on never slower than off. A target whose level or plan the run left out is said to
@@ -38,7 +39,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import grpc
 import numpy as np
 import onnx
 import onnxruntime
@@ -49,10 +49,11 @@ from bench.__main__ import record
 from bench.bench_memory import GPU_CASES, gpu_section
 from bench.models import converted, null_model
 from clients.loadtest.latency import LevelReport, Sample, summarise
-from clients.loadtest.run import LevelPlan, LoadLimits, closed_loop
+from clients.api.settings import ClientSettings
+from clients.loadtest.run import LevelPlan, LoadTester, Target, calibrate
 from convert.card import ImageInput, read_card
 from convert.preprocessing import to_input
-from protos import scoring_pb2, scoring_pb2_grpc
+from protos import scoring_pb2
 from server.geometry import buckets, dense
 from server.geometry.dense import resized_size
 from server.engine.device_graph import LATTICE, PIXELS, PROBABILITIES, VALID, build_plan_graph, lattice_cells
@@ -86,10 +87,12 @@ class Config:
     # bench_memory's (side, batch) cases per model for the memory table; None: every one (GPU_CASES).
     memory_cases: dict[str, tuple[tuple[int, int], ...]] | None = None
     note: str = ""  # said under the section's title
+    # scoremap-loadtest's sending processes for the gRPC levels; None: as many as its calibration finds it needs.
+    load_processes: int | None = None
 
 
 DRY_RUN = Config(clients=(1, 16), level_seconds=0.3, batches=(1, SERVED_BATCH), device_seconds=0.2, max_requests=200,
-                 shape_rounds=3)
+                 shape_rounds=3, load_processes=2)
 # `--quick`: three levels, 1-s windows, two batch sizes, three memory cases (about 3 minutes on an H200, estimated
 # from the 2026-11-27 run's parts; the time limit holds it under 4 whatever the machine does).
 QUICK = Config(clients=(1, 16, 64), level_seconds=1.0, batches=(1, SERVED_BATCH), device_seconds=0.5, shape_rounds=3,
@@ -297,19 +300,22 @@ def score_request(scheme: Scheme) -> scoring_pb2.ScoreRequest:
 
 
 def served(scheme: Scheme, settings: Settings, config: Config) -> list[LevelReport]:
-    """Every concurrency level through gRPC, then in-process, on one warmed-up server."""
+    """Every concurrency level through gRPC, then in-process, on one warmed-up server. The gRPC levels come from
+    scoremap-loadtest's sending processes (as many as its calibration at the most clients finds it needs, so that
+    neither they nor this process's interpreter lock are the ceiling), their samples merged."""
     request = score_request(scheme)
     server, port = create_server([scheme.model], settings=settings)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)])
-    stub = scoring_pb2_grpc.DenseScoringStub(channel)
+    target = Target(f"127.0.0.1:{port}", settings=ClientSettings(timeout_s=TIMEOUT_S, max_message_bytes=64 << 20))
     try:
         level = LevelPlan(duration_s=config.level_seconds, max_requests=config.max_requests, timeout_s=TIMEOUT_S)
-        reports = [closed_loop(stub, [request], concurrency=clients, plan=level, limits=LoadLimits())
-                   for clients in config.clients]
+        # This process serves: the load tester's CPU is its sending processes' alone.
+        with LoadTester(target, [request], processes=config.load_processes or 1, count_this_process=False) as tester:
+            if config.load_processes is None:
+                calibrate(tester, "closed", max(config.clients), level, limits=tester.limits)
+            reports = [tester.closed(clients, level) for clients in config.clients]
         reports += [in_process_loop(server.pipeline, request, concurrency=clients, seconds=config.level_seconds,
                                     max_requests=config.max_requests) for clients in config.clients]
     finally:
-        channel.close()
         server.stop(0).wait(30)
     return reports
 
@@ -322,8 +328,9 @@ def report_rows(scheme: str, batching: str, reports: Sequence[LevelReport]) -> l
     rows = []
     for r in reports:
         errors = ", ".join(f"{code} {count}" for code, count in r.errors.items()) or "-"
+        busy = "-" if r.client_busy != r.client_busy else f"{r.client_busy:.0%}" + "*" * r.client_bound
         rows.append(f"| {scheme} | {batching} | {PATHS[r.mode]} | {r.level:g} | {r.throughput_rps:.1f} | {r.p50_ms:.1f} | "
-                    f"{r.p99_ms:.1f} | {r.max_ms:.1f} | {errors} |")
+                    f"{r.p99_ms:.1f} | {r.max_ms:.1f} | {errors} | {busy} |")
     return rows
 
 
@@ -425,12 +432,13 @@ def measure(folder: str, config: Config, *, dry_run: bool, report: Report, clock
             results[(scheme.name, mode)] = served(scheme, modes[mode], config)
             return "\n".join([
                 f"Closed loop, {scheme.name}, batching {mode}: {config.level_seconds:g} s per level, after the server "
-                "reported SERVING (its warm-up done); gRPC on localhost (clients.loadtest.run's closed loop, its own "
-                "warm-up requests first) and in-process (Pipeline.score from as many threads); max = the longest "
-                "request:",
+                "reported SERVING (its warm-up done); gRPC on localhost (scoremap-loadtest's sending processes, their "
+                "latencies merged, its own warm-up requests first) and in-process (Pipeline.score from as many "
+                "threads); max = the longest request; load tester busy = the time its processes ran or waited to "
+                "run over one core each (* over 80%: the level may be the load tester's limit):",
                 "",
-                "| scheme | batching | path | clients | req/s | p50 ms | p99 ms | max ms | errors |",
-                "|---|---|---|---|---|---|---|---|---|",
+                "| scheme | batching | path | clients | req/s | p50 ms | p99 ms | max ms | errors | load tester busy |",
+                "|---|---|---|---|---|---|---|---|---|---|",
                 *report_rows(scheme.name, mode, results[(scheme.name, mode)]),
             ])
         return table

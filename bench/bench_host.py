@@ -184,7 +184,7 @@ def served_level(model: str, flags: tuple[str, ...], clients: int, *, seconds: f
             stub = scoring_pb2_grpc.DenseScoringStub(channel)
             stub.Score(request, timeout=120)
             before = process_cpu_seconds(server.pid)
-            report = closed_loop(stub, [request], concurrency=clients, plan=plan, limits=limits)
+            report = closed_loop(channel, [request], concurrency=clients, plan=plan, limits=limits)
             cpu = process_cpu_seconds(server.pid) - before
     finally:
         server.terminate()

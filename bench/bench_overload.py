@@ -233,12 +233,12 @@ def own_time_ms(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreR
     return statistics.median(times)
 
 
-def capacity(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreRequest, *, seconds: float) -> LevelReport:
+def capacity(channel: grpc.Channel, job: scoring_pb2.ScoreRequest, *, seconds: float) -> LevelReport:
     """Closed loop of CAPACITY_CLIENTS callers: the requests per second the server completes."""
     limits = LoadLimits()
     plan = LevelPlan(duration_s=seconds, max_requests=limits.max_requests, timeout_s=TIMEOUT_S,
                      warmup=CAPACITY_CLIENTS)
-    return closed_loop(stub, [job], concurrency=CAPACITY_CLIENTS, plan=plan, limits=limits)
+    return closed_loop(channel, [job], concurrency=CAPACITY_CLIENTS, plan=plan, limits=limits)
 
 
 def open_loop(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreRequest, metrics_url: str, *,
@@ -372,10 +372,10 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
             with grpc.insecure_channel(address) as channel, grpc.insecure_channel(unpaced_address) as unpaced_channel:
                 stub = scoring_pb2_grpc.DenseScoringStub(channel)
                 own_ms = own_time_ms(stub, job)
-                before = capacity(stub, job, seconds=capacity_seconds)
+                before = capacity(channel, job, seconds=capacity_seconds)
                 levels = [open_loop(stub, job, metrics_url, factor=factor, rate=factor * before.throughput_rps,
                                     seconds=overload_seconds) for factor in OVERLOAD_FACTORS]
-                after = capacity(stub, job, seconds=capacity_seconds)  # the machine's pace drifts by a few %
+                after = capacity(channel, job, seconds=capacity_seconds)  # the machine's pace drifts by a few %
                 servers = {True: dict(stub=stub, server_pid=server.pid, metrics_url=metrics_url),
                            False: dict(stub=scoring_pb2_grpc.DenseScoringStub(unpaced_channel),
                                        server_pid=unpaced.pid, metrics_url=unpaced_metrics)}
@@ -384,11 +384,11 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
                 resent, local = [], []  # each level, and the capacity measured on its server before and after it
                 for clients in RESEND_CLIENTS:
                     for paced in (True, False, False, True):  # ABBA: drift cancels
-                        level_stub = servers[paced]["stub"]
-                        before_level = capacity(level_stub, job, seconds=capacity_seconds / 2).throughput_rps
+                        level_channel = channel if paced else unpaced_channel
+                        before_level = capacity(level_channel, job, seconds=capacity_seconds / 2).throughput_rps
                         resent.append(resend_at_once(job=job, clients=clients, paced=paced, seconds=resend_seconds,
                                                      **servers[paced]))
-                        after_level = capacity(level_stub, job, seconds=capacity_seconds / 2).throughput_rps
+                        after_level = capacity(level_channel, job, seconds=capacity_seconds / 2).throughput_rps
                         local.append((before_level, after_level))
         finally:
             for process in (server, unpaced):

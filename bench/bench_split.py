@@ -101,7 +101,7 @@ def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image:
             whole = process_cpu_seconds(server.pid)
             limits = LoadLimits()
             plan = LevelPlan(duration_s=SECONDS, max_requests=limits.max_requests, timeout_s=120.0, warmup=clients)
-            report = closed_loop(stub, [request], concurrency=clients, plan=plan, limits=limits)
+            report = closed_loop(channel, [request], concurrency=clients, plan=plan, limits=limits)
             sent = max(report.sent, 1)
             inference = 1000 * (runner_cpu_seconds(processes.get("engine")) - runs_before) / sent
             figures = {"rate": report.throughput_rps, "p50": report.p50_ms, "inference": inference,

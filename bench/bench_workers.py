@@ -2,11 +2,11 @@
 
 The default model at its native stride (grid, 4 shifted passes for stride 16) and à trous, samples/cat.jpg at
 scale 384, stride 16, top-5, closed loops over gRPC at 1, 16 and 64 clients, each server in its own
-process(es) on the provider `auto` picks. The clients are `scoremap-loadtest` processes (LOAD_PROCESSES of
-them, the clients split among them, their windows run together): one Python process driving 64 client threads
-was itself the ceiling on an H200 (bench/RESULTS.md). Each row is printed as soon as it is measured (a time
-limit keeps what was measured). Meant for a GPU; on the CPU it runs too, where a second process only shares
-the same cores.
+process(es) on the provider `auto` picks. Each level is one `scoremap-loadtest` command: it starts as many
+sending processes as it finds it needs (one Python process driving 64 clients was itself the ceiling on an H200,
+bench/RESULTS.md), merges their latencies, and says how busy it was beside the server's CPU. Each row is printed
+as soon as it is measured (a time limit keeps what was measured). Meant for a GPU; on the CPU it runs too, where a
+second process only shares the same cores.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.bench_overload import process_cpu_seconds, start_server
+from bench.bench_overload import start_server
 from bench.models import converted
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -35,7 +34,7 @@ CONFIGS = (  # (workers, max batch)
     (1, 1), (1, 8), (4, 8),
 )
 SERVING_PROBES = 20  # fresh connections that must all find a SERVING process (the kernel spreads them)
-LOAD_PROCESSES = 4  # load generator processes at 16 clients and more
+CONNECTIONS = 4  # per sending process of the load tester: the kernel spreads connections over the server's processes
 
 
 def all_serving(address: str, *, seconds: float = 300.0) -> None:
@@ -51,24 +50,20 @@ def all_serving(address: str, *, seconds: float = 300.0) -> None:
         time.sleep(0.05 if in_a_row else 0.5)
 
 
-def load(address: str, *, clients: int, shift: str, seconds: float) -> dict:
-    """A closed loop of `clients` over LOAD_PROCESSES `scoremap-loadtest` processes at once (one below
-    LOAD_PROCESSES clients): req/s summed, p50 the processes' median, p99 and max their largest, errors summed."""
-    processes = min(LOAD_PROCESSES, clients)
-    shares = [clients // processes + (n < clients % processes) for n in range(processes)]
+def load(address: str, *, clients: int, shift: str, seconds: float, server_pid: int) -> dict:
+    """One `scoremap-loadtest` command: a closed loop of `clients` from as many sending processes as it finds it
+    needs (its --processes auto), CONNECTIONS each, its latencies merged; its report of the level (JSON)."""
     command = [sys.executable, "-m", "clients.loadtest.run", "--server", address, "--images", str(ROOT / "samples"),
                "--scales", str(SCALE), "--stride", str(STRIDE), "--shift", shift, "--duration", str(seconds),
-               "--json", "-", "--quiet"]
-    runs = [subprocess.Popen(command + ["--concurrency", str(share), "--warmup", str(2 * share)],
-                             stdout=subprocess.PIPE, text=True) for share in shares]
-    reports = [json.loads(run.communicate(timeout=seconds + 300)[0])[0] for run in runs]
-    errors: dict[str, int] = {}
-    for report in reports:
-        for code, count in report["errors"].items():
-            errors[code] = errors.get(code, 0) + count
-    return {"throughput_rps": sum(r["throughput_rps"] for r in reports),
-            "p50_ms": statistics.median(r["p50_ms"] for r in reports), "p99_ms": max(r["p99_ms"] for r in reports),
-            "max_ms": max(r["max_ms"] for r in reports), "sent": sum(r["sent"] for r in reports), "errors": errors}
+               "--concurrency", str(clients), "--warmup", str(2 * clients), "--connections", str(CONNECTIONS),
+               "--server-pid", str(server_pid), "--json", "-", "--quiet"]
+    ran = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=seconds + 600, check=True)
+    return json.loads(ran.stdout)[0]
+
+
+def figure(value: float | None, form: str = ".1f") -> str:
+    """A report's figure, or '-' where the level had none (JSON null: no request answered in its window)."""
+    return "-" if value is None else format(value, form)
 
 
 def measure(model: str, scheme: str, *, provider: str, seconds: float, folder: pathlib.Path, out,
@@ -81,13 +76,12 @@ def measure(model: str, scheme: str, *, provider: str, seconds: float, folder: p
         try:
             all_serving(address)
             for clients in CLIENTS:
-                cpu = process_cpu_seconds(server.pid)
-                level = load(address, clients=clients, shift=shift, seconds=seconds)
-                cpu = process_cpu_seconds(server.pid) - cpu
+                level = load(address, clients=clients, shift=shift, seconds=seconds, server_pid=server.pid)
                 errors = ", ".join(f"{code} {n}" for code, n in level["errors"].items()) or "-"
+                busy = figure(level["client_busy"], ".0%") + ("*" if level["client_bound"] else "")
                 row = (f"| {scheme} | {workers} | {max_batch} | {clients} | {level['throughput_rps']:.1f} | "
-                       f"{level['p50_ms']:.1f} | {level['p99_ms']:.1f} | {level['max_ms']:.1f} | "
-                       f"{1000 * cpu / max(level['sent'], 1):.2f} | {errors} |")
+                       f"{figure(level['p50_ms'])} | {figure(level['p99_ms'])} | {figure(level['max_ms'])} | "
+                       f"{figure(level['server_cpu_ms'], '.2f')} | {level['client_processes']} | {busy} | {errors} |")
                 rows.append(row)
                 print(row, file=out, flush=True)
         finally:
@@ -100,10 +94,14 @@ def run(*, seconds: float = SECONDS, provider: str = "auto", out=sys.stdout,
         configs: tuple[tuple[int, int], ...] = CONFIGS) -> str:
     header = ["## Served by server processes (bench_workers, issue 29)", "",
               f"The default model, samples/cat.jpg at scale {SCALE}, stride {STRIDE}, top-5; `scoremap-serve --workers N "
-              f"--max-batch B` on provider {provider}, closed loops of {seconds:.0f} s over gRPC from up to {LOAD_PROCESSES} "
-              "`scoremap-loadtest` processes; server CPU per request over every server process (warm-ups included).", "",
-              "| scheme | workers | max batch | clients | req/s | p50 ms | p99 ms | max ms | server CPU ms/req | errors |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              f"--max-batch B` on provider {provider}, closed loops of {seconds:g} s over gRPC from one "
+              f"`scoremap-loadtest` command per level (its sending processes as many as it finds it needs, {CONNECTIONS} connections each, "
+              "latencies merged); server CPU per request answered in the window, every server process "
+              "(--server-pid); load tester busy: the time its processes ran or waited to run, over one core each "
+              "(* over 80%: the level may be the load tester's limit).", "",
+              "| scheme | workers | max batch | clients | req/s | p50 ms | p99 ms | max ms | server CPU ms/req | "
+              "load tester processes | load tester busy | errors |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(header), file=out, flush=True)
     with tempfile.TemporaryDirectory() as folder:
         rows = []

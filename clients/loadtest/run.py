@@ -2,6 +2,7 @@
 
     scoremap-loadtest --server HOST:PORT --concurrency 1,4,16 --duration 10
     scoremap-loadtest --server HOST:PORT --rate 5,20 --requests 200
+    scoremap-loadtest --server HOST:PORT --concurrency 64 --processes 4 --server-pid PID
 
 Closed loop: N callers each send the next request as soon as the last one returns (a concurrency
 sweep). Open loop: requests are scheduled at a fixed arrival rate and each latency is measured
@@ -17,76 +18,58 @@ apart (perf_analyzer's rule). With --metrics-url (the server's /metrics) the ser
 beside the client's figures. A bearer token is read from $SCOREMAP_TOKEN (sent only over --tls or to
 loopback). Every level is bounded in requests and time, and only the target given is contacted;
 a non-loopback target needs --allow-remote.
+
+The requests go from sending processes of their own (--processes), the levels divided among them and their
+latencies merged into one report. Each level shows the load tester's own CPU (every process of it: cores
+used, and busy as a share of its capacity, one core per sending process) beside a local server's
+(--server-pid), and warns, as perf_analyzer does, when the load tester was busy enough that the figures
+may be its own limit, not the server's. --processes auto (the default) finds how many it needs: short
+calibration windows at the sweep's heaviest level, more processes (at least twice as many) while the load
+tester is busier than it should be, up to the cores it may run on and, closed loop, one process per caller.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import dataclasses
 import logging
+import math
+import os
 import sys
 import threading
-import time
 import urllib.parse
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence, TextIO
 
 import grpc
 import numpy as np
 
-from clients.api.client import ScoremapClient, is_loopback, open_channel
+from clients.api.client import ScoremapClient, is_loopback
 from clients.api.errors import ScoremapError
 from clients.api.images import open_photo
-from clients.api.options import SHIFTS, ScoreOptions, as_new_work, build_request
+from clients.api.options import SHIFTS, ScoreOptions, build_request
 from clients.api.settings import MIN_TIMEOUT_S, ClientSettings, env_token
 from clients.batch.files import find_images
-from clients.loadtest.latency import LevelReport, Sample, format_table, stable, summarise, to_csv, to_json
-from clients.loadtest.server_metrics import MetricsSnapshot, scrape, server_split
+from clients.loadtest.latency import LevelReport, client_bound_warning, format_table, to_csv, to_json
+from clients.loadtest.levels import LevelPlan, Meters, run_level
+from clients.loadtest.server_metrics import MetricsSnapshot, scrape
+from clients.loadtest.settings import MIN_RATE, MIN_STABLE_PERCENT, LoadLimits
+from clients.loadtest.spread import LoadTester, LoadTesterError, Target
+from clients.loadtest.traffic import Closed, Open, Payloads, raw_calls
+from clients.loadtest.usage import busy_seconds, cpu_seconds, usable_cores
 from convert.arguments import host_port, number_in, number_list, size_pair
-from protos import version
-from protos import scoring_pb2, scoring_pb2_grpc
+from protos import scoring_pb2, version
 
-__all__ = ["Inputs", "LoadLimits", "LevelPlan", "closed_loop", "open_loop", "run_level", "load_inputs", "synthetic_images",
-           "main", "EXIT_OK", "EXIT_USAGE", "EXIT_UNAVAILABLE", "EXIT_REFUSED"]
+__all__ = ["Inputs", "LoadLimits", "LevelPlan", "LoadTester", "Target", "closed_loop", "open_loop", "run_level",
+           "calibrate", "load_inputs", "synthetic_images", "main", "EXIT_OK", "EXIT_USAGE", "EXIT_UNAVAILABLE",
+           "EXIT_REFUSED", "EXIT_LOAD_TESTER"]
 
 log = logging.getLogger("scoremap-loadtest")
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
 EXIT_REFUSED = 4
-# The slowest open-loop rate (--rate, per second): one arrival per 100 s, some within a 600 s level.
-MIN_RATE = 0.01
-# The tightest --stable-within (percent): below it, window rates of a real server never agree.
-MIN_STABLE_PERCENT = 0.1
-
-
-@dataclass(frozen=True)
-class LoadLimits:
-    """Hard bounds of a load test, whatever the command line asks."""
-
-    # Longest a level may run (seconds).
-    max_duration_s: float = 600.0
-    # Most requests one level may send.
-    max_requests: int = 100_000
-    # Most concurrent callers (closed loop) or requests in flight (open loop).
-    max_in_flight: int = 256
-    # Most arrivals per second (open loop).
-    max_rate: float = 2_000.0
-    # Most input images held in memory.
-    max_inputs: int = 64
-    # After a level's sending stops, how long (seconds) its last answers are awaited beyond the deadline.
-    drain_grace_s: float = 5.0
-    # Most measurement windows of one level with --until-stable (and max_duration_s in all).
-    max_windows: int = 20
-    # How often (seconds) a level's live line is redrawn on a terminal.
-    live_every_s: float = 1.0
-    # How long (seconds) reading the server's /metrics may take.
-    metrics_timeout_s: float = 5.0
-
-
-# How often (seconds) a level checks whether its window has closed.
-LIVE_POLL_S = 0.02
+EXIT_LOAD_TESTER = 5  # a sending process failed to start or went away
 
 
 def synthetic_images(sizes: Sequence[tuple[int, int]], *, seed: int = 0) -> list[np.ndarray]:
@@ -131,248 +114,61 @@ def _listed(skipped: Sequence[tuple[str, str]], *, shown: int = 5) -> str:
     return text + (f"; and {len(skipped) - shown} more" if len(skipped) > shown else "")
 
 
-@dataclass(frozen=True)
-class LevelPlan:
-    """How one level is measured: its own warm-up, then one window (or, `until_stable`, windows
-    until the last `stable_windows` rates agree within `stable_tolerance`)."""
-
-    # Length of a measurement window (seconds).
-    duration_s: float
-    # Most requests sent after the warm-up's; the window also ends once they are all answered.
-    max_requests: int
-    # Deadline of each request (seconds).
-    timeout_s: float
-    # Requests answered (closed loop) or arrivals (open loop) before the window opens, per level.
-    warmup: int = 2
-    until_stable: bool = False
-    stable_windows: int = 3
-    stable_tolerance: float = 0.05
-
-
-class _Traffic:
-    """One level's requests in flight and their completions; subclasses decide when to send."""
-
-    mode = ""
-
-    def __init__(self, stub: scoring_pb2_grpc.DenseScoringStub, requests: Sequence[scoring_pb2.ScoreRequest], *,
-                 timeout_s: float, limits: LoadLimits, metadata: Sequence[tuple[str, str]]) -> None:
-        self.stub, self.requests, self.timeout_s, self.limits, self.metadata = stub, requests, timeout_s, limits, metadata
-        self.lock = threading.Lock()
-        self.changed = threading.Condition(self.lock)
-        self.samples: list[Sample] = []
-        self.sent_at: list[float] = []
-        self.send_limit = limits.max_requests  # the level's warm-up + its measured requests
-        self.stop = threading.Event()
-        self.calls: set[grpc.Future] = set()
-        self.threads: list[threading.Thread] = []
-        self.started = time.perf_counter()
-
-    def _claim(self) -> int | None:
-        """The next request's number, or None when sending has ended."""
-        with self.lock:
-            if self.stop.is_set() or len(self.sent_at) >= self.send_limit:
-                return None
-            self.sent_at.append(time.perf_counter())
-            return len(self.sent_at) - 1
-
-    def _send(self, n: int, scheduled: float, on_done=None) -> grpc.Future:
-        call = self.stub.Score.future(as_new_work(self.requests[n % len(self.requests)], n), timeout=self.timeout_s,
-                                      metadata=self.metadata)
-        with self.lock:
-            self.calls.add(call)
-
-        def done(finished: grpc.Future) -> None:
-            now = time.perf_counter()
-            code = finished.code() if not finished.cancelled() else grpc.StatusCode.CANCELLED
-            with self.changed:
-                self.calls.discard(finished)
-                self.samples.append(Sample(now, now - scheduled, "OK" if code == grpc.StatusCode.OK else code.name))
-                self.changed.notify_all()
-            if on_done:
-                on_done()
-
-        call.add_done_callback(done)
-        return call
-
-    def start(self) -> None:
-        self.started = time.perf_counter()
-        for thread in self.threads:
-            thread.start()
-
-    def finish(self) -> None:
-        """Stop sending; wait `timeout_s` + the drain grace for answers, then cancel what is left."""
-        self.stop.set()
-        until = time.perf_counter() + self.timeout_s + self.limits.drain_grace_s
-        with self.changed:
-            while self.calls and self.changed.wait(max(0.0, until - time.perf_counter())):
-                pass
-            left = list(self.calls)
-        for call in left:
-            call.cancel()  # calls the server never answered end with the level
-        for thread in self.threads:
-            thread.join(max(0.0, until - time.perf_counter()) + 1.0)
-
-    def answered(self) -> int:
-        with self.lock:
-            return len(self.samples)
-
-    def window_closed(self) -> bool:
-        """Whether every request the window may send was sent and answered."""
-        with self.lock:
-            return len(self.sent_at) >= self.send_limit and len(self.samples) >= len(self.sent_at)
-
-    def in_flight_at(self, instant: float) -> int:
-        with self.lock:
-            return (sum(1 for t in self.sent_at if t <= instant)
-                    - sum(1 for s in self.samples if s.done_s <= instant))
-
-
-class _Closed(_Traffic):
-    """`concurrency` callers, each sending its next request when its last one is answered."""
-
-    mode = "closed"
-
-    def __init__(self, *args, concurrency: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.level = concurrency
-        self.threads = [threading.Thread(target=self._caller, name=f"loadtest-caller-{n}", daemon=True)
-                        for n in range(concurrency)]
-
-    def _caller(self) -> None:
-        while (n := self._claim()) is not None:
-            answered = threading.Event()
-            self._send(n, time.perf_counter(), answered.set)
-            answered.wait()
-
-    def warm_up(self, count: int, until: float) -> float:
-        """Wait for `count` answers (until `until` at most); the instant the window opens."""
-        with self.changed:
-            while len(self.samples) < count and self.changed.wait(max(0.0, until - time.perf_counter())):
-                pass
-            if count == 0:
-                return self.started
-            return self.samples[count - 1].done_s if len(self.samples) >= count else time.perf_counter()
-
-
-class _Open(_Traffic):
-    """Arrivals at `rate` per second, each latency counted from its scheduled send time."""
-
-    mode = "open"
-
-    def __init__(self, *args, rate: float, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.level = rate
-        self.slots = threading.BoundedSemaphore(self.limits.max_in_flight)
-        self.threads = [threading.Thread(target=self._sender, name="loadtest-sender", daemon=True)]
-
-    def _sender(self) -> None:
-        for n in itertools.count():
-            scheduled = self.started + n / self.level
-            if self.stop.wait(max(0.0, scheduled - time.perf_counter())):
-                return
-            # At the in-flight bound the send waits (its latency still counts from `scheduled`),
-            # until the level stops.
-            while not self.slots.acquire(timeout=0.05):
-                if self.stop.is_set():
-                    return
-            claimed = self._claim()
-            if claimed is None:
-                self.slots.release()
-                return
-            self._send(claimed, scheduled, self.slots.release)
-
-    def warm_up(self, count: int, until: float) -> float:
-        """Let the first `count` arrivals pass; the instant the window opens (the next one's schedule)."""
-        opens = self.started + count / self.level
-        self.stop.wait(max(0.0, min(until, opens) - time.perf_counter()))
-        return min(opens, time.perf_counter())
-
-
-def _live(traffic: _Traffic, window: int, start: float, length: float) -> str:
-    """The level's live line: how the current window is going."""
-    elapsed = time.perf_counter() - start
-    with traffic.lock:
-        inside = [s for s in traffic.samples if s.done_s > start]
-    ok = sum(s.status == "OK" for s in inside)
-    return (f"{traffic.mode} {traffic.level:g}: window {window}  {elapsed:4.1f}/{length:g} s  {ok} ok  "
-            f"{len(inside) - ok} errors  {ok / elapsed if elapsed > 0 else 0.0:.1f}/s")
-
-
-def run_level(traffic: _Traffic, plan: LevelPlan, *, limits: LoadLimits,
-              metrics: Callable[[], MetricsSnapshot | None] | None = None, live: TextIO | None = None) -> LevelReport:
-    """Drive `traffic`: its warm-up, then its window(s); the report of the window (with
-    `until_stable`, of the last `stable_windows` windows together)."""
-    level_end = time.perf_counter() + limits.max_duration_s
-    tty = live is not None and live.isatty()
-    rates: list[float] = []
-    bounds: list[float] = []  # the windows' edges
-    snapshots: list[MetricsSnapshot | None] = []  # the server's metrics at each edge
-    traffic.send_limit = plan.warmup + plan.max_requests
-    traffic.start()
-    try:
-        bounds.append(traffic.warm_up(plan.warmup, time.perf_counter() + plan.timeout_s))
-        snapshots.append(metrics() if metrics else None)
-        while True:
-            start = bounds[-1]
-            end = min(start + plan.duration_s, level_end)
-            next_line = start + limits.live_every_s
-            while (now := time.perf_counter()) < end and not traffic.window_closed():
-                if tty and now >= next_line:
-                    live.write("\r" + _live(traffic, len(bounds), start, plan.duration_s))
-                    live.flush()
-                    next_line += limits.live_every_s
-                time.sleep(min(LIVE_POLL_S, end - now))
-            bounds.append(time.perf_counter())
-            snapshots.append(metrics() if metrics else None)
-            with traffic.lock:
-                ok = sum(1 for s in traffic.samples if start < s.done_s <= bounds[-1] and s.status == "OK")
-            rates.append(ok / (bounds[-1] - start))
-            if live is not None:
-                live.write(("\r" if tty else "") + _live(traffic, len(rates), start, plan.duration_s) + "\n")
-                live.flush()
-            if (not plan.until_stable or stable(rates, count=plan.stable_windows, tolerance=plan.stable_tolerance)
-                    or traffic.window_closed() or bounds[-1] >= level_end or len(rates) >= limits.max_windows):
-                break
-    finally:
-        in_flight = traffic.in_flight_at(bounds[-1] if len(bounds) > 1 else time.perf_counter())
-        traffic.finish()
-    span = min(len(rates), plan.stable_windows) if plan.until_stable else 1
-    first = len(bounds) - 1 - span
-    before, after = snapshots[first], snapshots[-1]
-    with traffic.lock:
-        samples, sent = list(traffic.samples), len(traffic.sent_at)
-    return summarise(traffic.mode, traffic.level, samples, sent=sent, start_s=bounds[first], end_s=bounds[-1],
-                     in_flight_at_end=in_flight, windows=len(rates),
-                     stable=stable(rates, count=plan.stable_windows, tolerance=plan.stable_tolerance)
-                     if plan.until_stable else None,
-                     server=server_split(before, after) if before is not None and after is not None else None)
-
-
-def closed_loop(stub: scoring_pb2_grpc.DenseScoringStub, requests: Sequence[scoring_pb2.ScoreRequest], *,
-                concurrency: int, plan: LevelPlan, limits: LoadLimits, metadata: Sequence[tuple[str, str]] = (),
+def closed_loop(channel: grpc.Channel, requests: Sequence[scoring_pb2.ScoreRequest], *, concurrency: int,
+                plan: LevelPlan, limits: LoadLimits, metadata: Sequence[tuple[str, str]] = (),
                 metrics: Callable[[], MetricsSnapshot | None] | None = None, live: TextIO | None = None) -> LevelReport:
-    """`concurrency` callers back to back: warm-up, then the window(s)."""
-    traffic = _Closed(stub, requests, timeout_s=plan.timeout_s, limits=limits, metadata=metadata,
-                      concurrency=concurrency)
-    return run_level(traffic, plan, limits=limits, metrics=metrics, live=live)
+    """`concurrency` callers back to back from this process, on `channel`: warm-up, then the window(s). The
+    load tester's CPU is this process's, all of it (LoadTester sends from processes of their own)."""
+    traffic = Closed(raw_calls([channel]), Payloads.of(requests), callers=concurrency, timeout_s=plan.timeout_s,
+                     limits=limits, metadata=metadata)
+    return run_level(traffic, plan, limits=limits, meters=_this_process(metrics), live=live)
 
 
-def open_loop(stub: scoring_pb2_grpc.DenseScoringStub, requests: Sequence[scoring_pb2.ScoreRequest], *,
-              rate: float, plan: LevelPlan, limits: LoadLimits, metadata: Sequence[tuple[str, str]] = (),
+def open_loop(channel: grpc.Channel, requests: Sequence[scoring_pb2.ScoreRequest], *, rate: float, plan: LevelPlan,
+              limits: LoadLimits, metadata: Sequence[tuple[str, str]] = (),
               metrics: Callable[[], MetricsSnapshot | None] | None = None, live: TextIO | None = None) -> LevelReport:
-    """Requests at `rate` per second, latency from each one's scheduled send time.
+    """Requests at `rate` per second from this process, on `channel`, latency from each one's scheduled send time.
 
     Sending stops when the window closes even when the in-flight bound holds arrivals back (a
     stalled server), and answers are awaited `timeout_s` + `limits.drain_grace_s` longer, no more.
     """
-    traffic = _Open(stub, requests, timeout_s=plan.timeout_s, limits=limits, metadata=metadata, rate=rate)
-    return run_level(traffic, plan, limits=limits, metrics=metrics, live=live)
+    traffic = Open(raw_calls([channel]), Payloads.of(requests), rate=rate, timeout_s=plan.timeout_s, limits=limits,
+                   metadata=metadata)
+    return run_level(traffic, plan, limits=limits, meters=_this_process(metrics), live=live)
+
+
+def _this_process(metrics: Callable[[], MetricsSnapshot | None] | None) -> Meters:
+    return Meters(client_cpu=lambda: cpu_seconds([os.getpid()]), client_busy=lambda: busy_seconds([os.getpid()]),
+                  metrics=metrics)
+
+
+def calibrate(tester: LoadTester, mode: str, level: float, plan: LevelPlan, *, limits: LoadLimits,
+              live: TextIO | None = None) -> int:
+    """--processes auto: the fewest sending processes that keep the load tester at most `limits.auto_busy` of its
+    capacity at `level` (the sweep's heaviest), found with short windows (`limits.calibration_s`), from the
+    processes `tester` has, at least doubling each time, up to the cores it may use (and, closed loop, one
+    process per caller). Grows `tester`; its process count."""
+    most = min(usable_cores(), limits.max_processes, int(level) if mode == "closed" else limits.max_processes)
+    probe = dataclasses.replace(plan, duration_s=limits.calibration_s, max_requests=limits.max_requests,
+                                until_stable=False)
+    while True:
+        report = tester.closed(int(level), probe) if mode == "closed" else tester.open(level, probe)
+        if live is not None:
+            live.write(f"calibrating --processes: {tester.count} at {mode} {level:g}: "
+                       f"{report.client_busy:.0%} of their capacity busy\n")
+            live.flush()
+        if not report.client_busy > limits.auto_busy or tester.count >= most:  # NaN: nothing answered to judge by
+            return tester.count
+        tester.grow(min(most, max(2 * tester.count, math.ceil(tester.count * report.client_busy / limits.auto_busy))))
 
 
 def build_parser() -> argparse.ArgumentParser:
     limits = LoadLimits()
-    parser = argparse.ArgumentParser(prog="scoremap-loadtest", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="scoremap-loadtest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"The load tester warns when it was over {limits.client_busy_warning:.0%} busy (its CPU over one core "
+               f"per sending process, no more than its cores); --processes auto adds processes while it is over "
+               f"{limits.auto_busy:.0%} busy in {limits.calibration_s:g}-s calibration windows.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     parser.add_argument("--server", required=True, metavar="HOST:PORT", type=host_port, help="the one target contacted")
     parser.add_argument("--allow-remote", action="store_true", help="allow a target that is not loopback")
@@ -410,8 +206,29 @@ def build_parser() -> argparse.ArgumentParser:
                              "http://127.0.0.1:9100/metrics: adds the server's per-stage times and batch size")
     parser.add_argument("--json", metavar="PATH", help="write the reports as JSON ('-' for stdout)")
     parser.add_argument("--csv", metavar="PATH", help="write the reports as CSV ('-' for stdout)")
+    parser.add_argument("--processes", type=_processes(limits), default=None, metavar="N|auto",
+                        help="sending processes, each with its own connections (default auto: as many as short "
+                             "calibration windows at the heaviest level find it needs, up to the cores it may use; "
+                             f"at most {limits.max_processes})")
+    parser.add_argument("--connections", type=number_in(int, 1, limits.max_connections), default=1,
+                        help="connections per sending process, each its own TCP connection (default 1; more spread "
+                             "the load over a server of several processes behind one port)")
+    parser.add_argument("--server-pid", type=number_in(int, 1), metavar="PID",
+                        help="a server on this machine: its CPU (the process and its descendants) is shown beside "
+                             "the load tester's")
     parser.add_argument("--quiet", action="store_true", help="no live line per level on stderr")
     return parser
+
+
+def _processes(limits: LoadLimits):
+    """An argparse type: `auto` (None) or a count of sending processes."""
+    count = number_in(int, 1, limits.max_processes)
+
+    def parse(text: str) -> int | None:
+        return None if text == "auto" else count(text)
+
+    parse.__name__ = "processes"
+    return parse
 
 
 def _metrics_reader(url: str, *, model: str, limits: LoadLimits) -> Callable[[], MetricsSnapshot | None]:
@@ -439,7 +256,8 @@ def _write(path: str, text: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit EXIT_OK when every level ran (errors are reported, not fatal), EXIT_USAGE on a bad
     command line, EXIT_UNAVAILABLE when the server is not SERVING, EXIT_REFUSED when the client
-    will not start (a token in clear text off this machine, an unreadable --root-cert)."""
+    will not start (a token in clear text off this machine, an unreadable --root-cert),
+    EXIT_LOAD_TESTER when a sending process failed to start or went away."""
     limits = LoadLimits()
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -450,6 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     duration = args.duration if args.duration is not None else (limits.max_duration_s if args.requests else 10.0)
     requests_cap = args.requests if args.requests is not None else limits.max_requests
     levels = args.concurrency or ([] if args.rate else [1, 4, 16])
+    if args.server_pid is not None and not Path(f"/proc/{args.server_pid}").exists():
+        parser.error(f"--server-pid {args.server_pid}: no such process on this machine; give the pid of a local "
+                     "server (scoremap-serve prints nothing else to find it: `pgrep -f scoremap-serve`)")
     if args.metrics_url:
         parts = urllib.parse.urlsplit(args.metrics_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -487,18 +308,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                      until_stable=args.until_stable, stable_tolerance=args.stable_within / 100)
     metrics = _metrics_reader(args.metrics_url, model=args.model, limits=limits) if args.metrics_url else None
     live = None if args.quiet else sys.stderr
-    channel = open_channel(args.server, tls=args.tls, root_certificates=root, settings=settings)
+    target = Target(args.server, tls=args.tls, root_certificates=root, metadata=metadata, settings=settings,
+                    connections=args.connections)
+    reports: list[LevelReport] = []
     try:
-        stub = scoring_pb2_grpc.DenseScoringStub(channel)
-        reports: list[LevelReport] = []
-        for concurrency in levels:
-            reports.append(closed_loop(stub, inputs, concurrency=concurrency, plan=plan, limits=limits,
-                                       metadata=metadata, metrics=metrics, live=live))
-        for rate in args.rate or []:
-            reports.append(open_loop(stub, inputs, rate=rate, plan=plan, limits=limits, metadata=metadata,
-                                     metrics=metrics, live=live))
-    finally:
-        channel.close()
+        with LoadTester(target, inputs, processes=args.processes or 1, limits=limits,
+                        server_pid=args.server_pid) as tester:
+            if args.processes is None:
+                heaviest = ("closed", max(levels)) if levels else ("open", max(args.rate))
+                calibrate(tester, *heaviest, plan, limits=limits, live=live)
+            for mode, level in [("closed", c) for c in levels] + [("open", r) for r in args.rate or []]:
+                report = (tester.closed(level, plan, metrics=metrics, live=live) if mode == "closed" else
+                          tester.open(level, plan, metrics=metrics, live=live))
+                reports.append(report)
+                if warning := client_bound_warning(report, busy_warning=limits.client_busy_warning):
+                    log.warning("%s", warning)
+    except LoadTesterError as error:
+        log.error("%s", error)
+        return EXIT_LOAD_TESTER
     if args.json:
         _write(args.json, to_json(reports))
     if args.csv:

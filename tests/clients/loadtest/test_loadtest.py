@@ -117,7 +117,7 @@ def gated():
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield servicer, scoring_pb2_grpc.DenseScoringStub(channel)
+    yield servicer, channel
     servicer.release.set()
     channel.close()
     server.stop(0)
@@ -158,7 +158,7 @@ def test_until_stable_runs_windows_until_the_rate_settles(server):
     try:
         plan = LevelPlan(duration_s=0.2, max_requests=100_000, timeout_s=5, warmup=2, until_stable=True,
                          stable_tolerance=0.9)
-        report = closed_loop(scoring_pb2_grpc.DenseScoringStub(channel), load_inputs(None, [(64, 64)],
+        report = closed_loop(channel, load_inputs(None, [(64, 64)],
                              ScoreOptions(), limits=LoadLimits()).requests, concurrency=1, plan=plan, limits=LoadLimits())
     finally:
         channel.close()
@@ -235,7 +235,7 @@ def test_defaults_come_from_the_client_settings():
     (["--server", "127.0.0.1:70000"], "--server", "port from 0 to 65535"),
     (["--concurrency", "0"], "--concurrency", "from 1 to 256"),
     (["--concurrency", "1,300"], "--concurrency", "from 1 to 256"),
-    (["--rate", "0"], "--rate", "from 0.01 to 2000"),
+    (["--rate", "0"], "--rate", "from 0.01 to 20000"),
     (["--duration", "-1"], "--duration", "from 0.001 to 600"),
     (["--requests", "0"], "--requests", "from 1 to 100000"),
     (["--stable-within", "0"], "--stable-within", "from 0.1 to 100"),
@@ -244,6 +244,10 @@ def test_defaults_come_from_the_client_settings():
     (["--stride", "-1"], "--stride", ">= 0"),
     (["--timeout", "-1"], "--timeout", ">= 0.001"),
     (["--warmup", "-1"], "--warmup", "from 0 to 100000"),
+    (["--processes", "0"], "--processes", "from 1 to 64"),
+    (["--processes", "many"], "--processes", "expected an integer from 1 to 64"),
+    (["--connections", "0"], "--connections", "from 1 to 64"),
+    (["--server-pid", "0"], "--server-pid", ">= 1"),
 ])
 def test_every_numeric_flag_is_range_checked_before_anything_is_sent(capsys, argv, flag, says):
     """Issue 24: exit 2 naming the flag, before the (unreachable) server is contacted."""
@@ -273,6 +277,12 @@ def test_bad_files_in_images_are_skipped_counted_and_named(server, photos, tmp_p
     inputs = load_inputs(str(photos), [], ScoreOptions(), limits=LoadLimits())
     assert len(inputs.requests) == 6 and sorted(Path(p).name for p, _ in inputs.skipped) == \
         ["empty.png", "text.jpg", "truncated.jpg"]
+
+
+def test_a_server_pid_that_is_no_process_here_is_refused(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--server", "127.0.0.1:1", "--server-pid", str(2**22 + 1)])  # above Linux's largest pid
+    assert exited.value.code == 2 and "no such process on this machine" in capsys.readouterr().err
 
 
 def test_a_folder_of_only_bad_files_is_refused_naming_them(tmp_path, capsys):
