@@ -144,14 +144,16 @@ def predictable_session_options(*, on_gpu: bool = False) -> onnxruntime.SessionO
     return options
 
 
-def first_cpu_run(session: onnxruntime.InferenceSession, feeds: dict[str, np.ndarray]) -> None:
+def first_cpu_run(session: onnxruntime.InferenceSession, feeds: dict[str, np.ndarray],
+                  runs: onnxruntime.RunOptions | None = None) -> None:
     """A CPU session's first run, after which the shared arena gives back what the run left free.
 
     onnxruntime records the memory pattern during a session's first run, which allocates buffer by
     buffer; the second run takes the pattern's one block from the arena. The arena extends by regions
     that are never merged, so without handing the first run's regions back it would keep both: a further
-    1.4x the live activations on top of the block (issues 22 and 33, server.memory.arena)."""
-    session.run(None, feeds)
+    1.4x the live activations on top of the block (issues 22 and 33, server.memory.arena). `runs`: the options
+    it runs under (server.engine.providers.Engine.runs)."""
+    session.run(None, feeds, runs)
     CPU_ARENA.shrink()
 
 
@@ -224,12 +226,15 @@ class HostActivity:
         self._begun = 0
 
     @contextlib.contextmanager
-    def busy(self) -> Iterator[None]:
+    def busy(self) -> Iterator[tuple[int, int]]:
+        """Counted as running until the block ends; yields the `mark` as it began, itself counted: equal to a
+        mark taken later in the block when no other work ran meanwhile, and (1, ...) when none ran as it began."""
         with self._lock:
             self._running += 1
             self._begun += 1
+            entered = self._running, self._begun
         try:
-            yield
+            yield entered
         finally:
             with self._lock:
                 self._running -= 1
@@ -238,6 +243,10 @@ class HostActivity:
         """(running now, begun so far): equal marks with none running mean none ran in between."""
         with self._lock:
             return self._running, self._begun
+
+    def alone_since(self, began: tuple[int, int]) -> bool:
+        """Inside the `busy` block that yielded `began`: no other work ran as it began, nor has since."""
+        return began[0] == 1 and self.mark() == began
 
 
 HOST_ACTIVITY = HostActivity()  # process-wide, as the resident set it guards is

@@ -55,6 +55,8 @@ class Pipeline:
         self.settings = settings or Settings()
         self.metrics = metrics
         self._models: dict[str, Model] = {}
+        self._closing = threading.Event()  # set by `close`: a warm-up stops at its next plan
+        self._warming = threading.Lock()  # held by a warm-up while it makes or runs plans
         self._decoder = ThreadPoolExecutor(self.settings.decode_threads or os.cpu_count() or 1,
                                            thread_name_prefix="decode")
         try:
@@ -99,12 +101,14 @@ class Pipeline:
     def warm_up(self) -> None:
         """Every configured plan of every model made and run, then a request scored at each offered stride;
         ScoringError(UNAVAILABLE) naming every failure, so health never says SERVING over a broken model."""
-        loading.warm_up(list(self._models.values()), self.settings.warm_up_scales,
-                       lambda request: self.score(request, record=False))
+        with self._warming:
+            loading.warm_up(list(self._models.values()), self.settings.warm_up_scales,
+                           lambda request: self.score(request, record=False), stop=self._closing)
 
     def warm_up_tiles(self) -> None:
         """Every model's tile canvas plans made and run (failures logged: loading.warm_up_tiles)."""
-        loading.warm_up_tiles(list(self._models.values()))
+        with self._warming:
+            loading.warm_up_tiles(list(self._models.values()), stop=self._closing)
         # Warm-up runs pass no host budget: the tile canvas's block (600 MiB for the default model) would stay in
         # the CPU arena until a first request ended.
         CPU_ARENA.went_idle(release=False)
@@ -194,8 +198,16 @@ class Pipeline:
                                     resize_filter=model.image.resize_filter)
 
     def close(self) -> None:
-        """Stop the batchers (queued work fails with UNAVAILABLE) and the decoding threads."""
+        """Stop the batchers (queued work fails with UNAVAILABLE), the warm-up and the decoding threads.
+
+        Runs under way end at once (Engine.stop_runs); a warm-up stops at its next plan, and close waits for the
+        one being made: a thread inside onnxruntime when the process exits aborts it (std::terminate), a death by
+        signal instead of the drain's exit 0."""
+        self._closing.set()
+        self.engine.stop_runs()
         for model in self._models.values():
             model.batcher.close()
+        with self._warming:  # the plan a warm-up is making, done
+            pass
         self._models.clear()
         self._decoder.shutdown(wait=False, cancel_futures=True)
