@@ -213,10 +213,16 @@ class Burst:
     unknown_ms: np.ndarray  # NOT_FOUND answers to the bursts naming no served model
     rounds: list[float]  # each round's ratio of medians, queue-full to unknown-model
     others: dict[str, int]  # other statuses (the admitted requests: OK)
+    mixed_full_ms: np.ndarray  # the same two refusals in bursts of both kinds of call, sent together
+    mixed_unknown_ms: np.ndarray
 
     @property
     def ratio(self) -> float:
         return percentile(self.full_ms, 50) / percentile(self.unknown_ms, 50)
+
+    @property
+    def mixed_ratio(self) -> float:
+        return percentile(self.mixed_full_ms, 50) / percentile(self.mixed_unknown_ms, 50)
 
 
 def burst_photo() -> bytes:
@@ -230,12 +236,13 @@ def burst_photo() -> bytes:
     return encoded.getvalue()
 
 
-def at_once(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreRequest, calls: int) -> list[tuple[float, str]]:
-    """`calls` callers sending `job` together (one channel, as one client's threads): each answer's latency in ms
-    and status."""
+def at_once(stub: scoring_pb2_grpc.DenseScoringStub, jobs: Sequence[scoring_pb2.ScoreRequest],
+            calls: int) -> list[tuple[float, str]]:
+    """`calls` callers sending `jobs` in turn together (one channel, as one client's threads): each answer's latency
+    in ms and status."""
     together, answers, lock = threading.Barrier(calls), [], threading.Lock()
 
-    def call() -> None:
+    def call(job: scoring_pb2.ScoreRequest) -> None:
         together.wait()
         started = time.perf_counter()
         try:
@@ -246,7 +253,7 @@ def at_once(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreReque
         with lock:
             answers.append((1000 * (time.perf_counter() - started), status))
 
-    threads = [threading.Thread(target=call) for _ in range(calls)]
+    threads = [threading.Thread(target=call, args=(jobs[n % len(jobs)],)) for n in range(calls)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -256,17 +263,18 @@ def at_once(stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.ScoreReque
 
 def refusal_bursts(stub: scoring_pb2_grpc.DenseScoringStub, model: str, *, rounds: int = BURST_ROUNDS) -> Burst:
     """Bursts of BURST_CALLS calls of one two-scale photo request, alternately naming the served `model` (one is
-    admitted, the rest refused: queue full) and a model the server lacks (all refused: not found)."""
+    admitted, the rest refused: queue full) and a model the server lacks (all refused: not found); then bursts of
+    both kinds of call together, where the two refusals meet the same contention."""
     photo = burst_photo()
     full = scoring_pb2.ScoreRequest(encoded=photo, scales=BURST_SCALES, model=model)
     unknown = scoring_pb2.ScoreRequest(encoded=photo, scales=BURST_SCALES, model=UNKNOWN_MODEL)
     stub.Score(full, timeout=TIMEOUT_S)  # its plans made: the bursts measure refusals, not planning
-    full_ms, unknown_ms, ratios, others = [], [], [], Counter()
+    full_ms, unknown_ms, ratios, others, mixed = [], [], [], Counter(), []
     for _ in range(rounds):
         answers = {}
         for name, job in (("full", full), ("unknown", unknown)):
             time.sleep(BURST_PAUSE_SECONDS)
-            answers[name] = at_once(stub, job, BURST_CALLS)
+            answers[name] = at_once(stub, [job], BURST_CALLS)
         refused = [ms for ms, status in answers["full"] if status == REJECTED]
         missing = [ms for ms, status in answers["unknown"] if status == grpc.StatusCode.NOT_FOUND.name]
         others.update(status for ms, status in answers["full"] + answers["unknown"]
@@ -275,7 +283,12 @@ def refusal_bursts(stub: scoring_pb2_grpc.DenseScoringStub, model: str, *, round
         unknown_ms += missing
         if refused and missing:
             ratios.append(statistics.median(refused) / statistics.median(missing))
-    return Burst(len(photo), np.array(full_ms), np.array(unknown_ms), ratios, dict(others))
+    for _ in range(rounds):
+        time.sleep(BURST_PAUSE_SECONDS)
+        mixed += at_once(stub, [full, unknown], BURST_CALLS)
+    return Burst(len(photo), np.array(full_ms), np.array(unknown_ms), ratios, dict(others),
+                 mixed_full_ms=np.array([ms for ms, status in mixed if status == REJECTED]),
+                 mixed_unknown_ms=np.array([ms for ms, status in mixed if status == grpc.StatusCode.NOT_FOUND.name]))
 
 
 def burst_lines(burst: Burst) -> list[str]:
@@ -301,6 +314,9 @@ def burst_lines(burst: Burst) -> list[str]:
         f"<= {BURST_RATIO_TARGET:g}x: {said}); burst by burst {', '.join(f'{r:.2f}' for r in burst.rounds)}x. Other "
         f"answers: {by_status(burst.others)}. The queue-full bursts also carry the admitted call's decode and run, on "
         "the same cores, which the unknown-model bursts do not.",
+        f"- In {len(burst.rounds)} bursts of both kinds of call together (same contention for both): queue full p50 "
+        f"{percentile(burst.mixed_full_ms, 50):.0f} ms ({burst.mixed_full_ms.size}), unknown model p50 "
+        f"{percentile(burst.mixed_unknown_ms, 50):.0f} ms ({burst.mixed_unknown_ms.size}): {burst.mixed_ratio:.2f}x.",
     ]
 
 
@@ -473,7 +489,7 @@ def resent_verdict(level: Resent, capacity_rps: float, refusal_cpu_ms: float) ->
 
 
 def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float = OVERLOAD_SECONDS,
-        resend_seconds: float = RESEND_SECONDS) -> str:
+        resend_seconds: float = RESEND_SECONDS, burst_rounds: int = BURST_ROUNDS) -> str:
     """The section; shorter durations prove the module works (timings then mean little)."""
     load_before = os.getloadavg()[0]
     defaults = Settings()
@@ -509,6 +525,15 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
             for process in (server, unpaced):
                 process.terminate()
                 process.wait(30)
+        bursting, burst_address, _ = start_server(model, pathlib.Path(folder) / "burst.log",
+                                                  ("--queue-depth", str(BURST_DEPTH)))
+        try:
+            with grpc.insecure_channel(burst_address) as channel:
+                burst = refusal_bursts(scoring_pb2_grpc.DenseScoringStub(channel), pathlib.Path(model).stem,
+                                       rounds=burst_rounds)
+        finally:
+            bursting.terminate()
+            bursting.wait(30)
     capacity_rps = (before.throughput_rps + after.throughput_rps) / 2
     cpu_per_answer_s = reference.server_cpu_s / max(reference.ok_ms.size, 1)
     # What a refusal costs, from the unpaced levels: there refusals are most of the server's work, so the
@@ -577,6 +602,8 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
         "latency includes the hold, and for a request dropped after its decode its time in the queue too; OK "
         "latency includes the wait at the door. "
         f"Load generator CPU: this process's, sharing the server's {os.cpu_count()} cores.",
+        "",
+        *burst_lines(burst),
     ])
 
 

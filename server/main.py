@@ -40,9 +40,9 @@ health service and reflection. Give each model as a path, or as NAME=PATH to ser
 name than its card's (two versions of one model side by side). Binds 127.0.0.1 unless --host says
 otherwise; beyond loopback it wants TLS or a token (or --insecure).
 
-exit status: 0 stopped by SIGTERM/SIGINT after draining; 2 refused to start (bad command line,
-unreadable or empty token, port in use, unloadable model); 3 a warm-up pass failed, so the server
-could never report SERVING."""
+exit status: 0 stopped by SIGTERM/SIGINT after draining, at any moment (while the models load or warm
+up too); 2 refused to start (bad command line, unreadable or empty token, port in use, unloadable
+model); 3 a warm-up pass failed, so the server could never report SERVING."""
 
 
 def __getattr__(name: str) -> Any:
