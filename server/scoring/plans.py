@@ -285,7 +285,8 @@ class PlanCache:
         try:
             with PLANS_BEING_MADE.busy() as began:
                 alone = functools.partial(PLANS_BEING_MADE.alone_since, began)
-                plan = self._make_on_gpu(key, alone=alone) if self._engine.on_gpu else self._make_on_cpu(key, alone=alone)
+                make = self._make_on_gpu if self._engine.on_gpu else self._make_on_cpu
+                plan = make(key, alone=alone)
         except BaseException:
             self._memory.plan_evicted(key)
             raise
