@@ -40,8 +40,8 @@ from server.scoring.request import GroupKey, Item, Scored
 
 LOG = logging.getLogger(__name__)
 MAKING = threading.Lock()  # held while a request's plan is made and measured: the readings are process-wide
-PLANS_BEING_MADE = HostActivity()  # every plan being made, the background's too: a reading is a plan's alone if none
-# other was made meanwhile
+# Every plan being made, the background's too: a footprint reading is its plan's alone if no other was made meanwhile.
+PLANS_BEING_MADE = HostActivity()
 
 
 @dataclass(frozen=True)
