@@ -171,10 +171,10 @@ class RemoteClient(EngineClient):
                                       batch_id=done.batch_id)
         return ran
 
-    def warm(self, model: str, keys: Sequence[PlanKey]) -> list[str]:
+    def warm(self, model: str, keys: Sequence[PlanKey], *, background: bool = False) -> list[str]:
         call, pending = self._open()
-        self._send(Warm(self.front, call, model, [(k.height, k.width, k.batch, PassesSpec.of(k.passes)) for k in keys]),
-                   call)
+        self._send(Warm(self.front, call, model, [(k.height, k.width, k.batch, PassesSpec.of(k.passes)) for k in keys],
+                        background), call)
         warmed = self._wait(call, pending, deadline=None, cancelled=None)[0]
         assert isinstance(warmed, Warmed)
         return list(warmed.failures)

@@ -110,7 +110,7 @@ class CallLimits(ExemptingInterceptor):
 
     @contextlib.contextmanager
     def _slot(self, context: grpc.ServicerContext, request: Message | None, *, method: str) -> Iterator[None]:
-        key = functools.partial(resend_key, method, request)
+        key = functools.cache(functools.partial(resend_key, method, request))  # read at the door and in a hold: once
         if request is not None and self.pacer.refusing:
             woken = threading.Event()
             with self.pacer.door(key(), wake=woken.set, deadline=Call(context, woken).deadline) as seconds:
