@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+from setproctitle import setthreadtitle
+
 from server.errors import Dropped, NoRoom, Refusal, ScoringError, Transient, retry_after
 
 LOG = logging.getLogger(__name__)
@@ -332,6 +334,7 @@ class Batcher:
             LOG.exception("the drop hook failed")
 
     def _loop(self) -> None:
+        setthreadtitle(threading.current_thread().name[:15])  # what top -H and /proc/PID/task/TID/comm show
         while (batch := self._take_batch()) is not None:
             try:
                 self._run_batch(batch)
