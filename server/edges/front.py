@@ -1,5 +1,5 @@
 """The front every edge of one server shares, transport-free: readiness, draining, calls in flight, the
-refusal pace and the request checks an edge makes before the pipeline (issue 30).
+refusal pace and the request checks an edge makes before the pipeline.
 
 The gRPC servicer and the HTTP edge each hold the one `Front` of their server, so neither reaches into
 the other for shared state.

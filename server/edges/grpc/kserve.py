@@ -1,7 +1,7 @@
 """The Open Inference Protocol (KServe v2, `inference.GRPCInferenceService`) over the same Pipeline.
 
 Fleets that already speak Triton's / KServe's protocol (tritonclient, KServe transformers, load
-balancers with its health checks) call scoremap without its own client (issue 11, item 1). The
+balancers with its health checks) call scoremap without its own client. The
 protocol's messages are the generated ones shipped in `tritonclient.grpc` (the `triton` extra),
 not a copy of its .proto files; without the extra the server runs without this service. Inputs,
 parameters and outputs are server/edges/open_inference.py's, shared with the HTTP edge; this module

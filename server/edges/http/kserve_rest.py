@@ -1,4 +1,4 @@
-"""KServe v2 (the Open Inference Protocol) over HTTP/REST, as tritonclient.http speaks it (issue 21, item 2).
+"""KServe v2 (the Open Inference Protocol) over HTTP/REST, as tritonclient.http speaks it.
 
 The JSON request and its binary-data extension (`Inference-Header-Content-Length`: that many bytes
 of JSON, then each input's `binary_data_size` bytes in order) become server/edges/open_inference.py's
