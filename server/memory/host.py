@@ -1,15 +1,13 @@
 """Host memory of one request, budgeted from the image header before anything is decoded.
 
 A dense request multiplies its image: decoded once, resized per scale, cut into passes (shifts x
-flips) and turned into model inputs, each pass answered by a score map: a 2432x640 PNG at 8 scales,
-stride 16 and flip can need ~10 GB of host memory (~1 GB each) if nothing but the model's run is budgeted.
-`estimate_request` counts every
-copy the pipeline holds at once; admission (server.memory.host_budget.admit_host) refuses, with the
-numbers, a request whose estimate exceeds `Settings.max_request_host_bytes`, and the requests in flight
-share `HostBudget`. That estimate, not a size cap, decides how large a request may be (a
-phone photo at its own size needs a few hundred MiB, which a pixel cap derived from the worst request the limits
-allow would refuse: docs/design.md): an image no canvas bucket holds is tiled, so only its host memory grows
-with it.
+flips) and turned into model inputs, each pass answered by a score map: a 2432x640 PNG at 8 scales, stride 16
+and flip can need ~10 GB of host memory (~1 GB each) if nothing but the model's run is budgeted.
+`estimate_request` counts every copy the pipeline holds at once; admission (server.memory.host_budget.admit_host)
+refuses, with the numbers, a request whose estimate exceeds `Settings.max_request_host_bytes`, and the requests in
+flight share `HostBudget`. That estimate, not a size cap, decides how large a request may be: a phone photo at its
+own size needs a few hundred MiB, which a pixel cap derived from the worst request the limits allow would refuse
+(docs/design.md). An image no canvas bucket holds is tiled, so only its host memory grows with it.
 
 How a pipeline holds a scale is a `HostPath`: `DEVICE_PASSES` is the server's (one uint8 canvas per
 scale and orientation; passes, lattice and probabilities made on the device);
