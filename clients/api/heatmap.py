@@ -31,7 +31,7 @@ _VIRIDIS = np.array([
 # How much of the map colour shows over the photo.
 OVERLAY_ALPHA = 0.55
 # Cells no pass scored (NaN: a diagonal shift's quincunx holes) are drawn in this neutral grey, which is
-# no colour of viridis, so a hole never reads as a low score (issue 24); the legend says so.
+# no colour of viridis, so a hole never reads as a low score; the legend says so.
 HOLE_COLOUR = (128, 128, 128)
 # Legend text height as a fraction of the photo's shorter side (bounded below for small photos).
 LEGEND_TEXT_FRACTION = 1 / 22
@@ -102,7 +102,7 @@ def _nearest_cells(size: int, factor: int, center: float, stride: float, cells: 
 def render_heatmap(photo: Image.Image, result: ScoreResult) -> Image.Image:
     """`photo` (the scored image, original size) with the top class's map overlaid and a legend,
     enlarged by canvas_scale() when it is small. The photo is converted to RGB as the server converts
-    it for scoring (16-bit scaled, not clipped: issue 24), so the map lies over the image that was scored."""
+    it for scoring (16-bit scaled, not clipped), so the map lies over the image that was scored."""
     photo = open_photo(photo)
     if (photo.height, photo.width) != (result.image_height, result.image_width):
         raise HeatmapError(

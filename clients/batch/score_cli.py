@@ -157,7 +157,7 @@ def _advice(error: ScoremapError) -> str:
 
 def _path_error(error: OSError, args: argparse.Namespace) -> str:
     """An OSError of the run as one line naming the flag whose path failed, and the fix (a bare `[Errno 2]`
-    named neither: issue 24)."""
+    names neither)."""
     failed = Path(error.filename) if error.filename else None
     reason = error.strerror or str(error)
     if failed is not None and (failed == args.out or failed in args.out.parents or args.out in failed.parents):
