@@ -192,7 +192,7 @@ class MemoryTerms:
 
     @property
     def transient(self) -> int:
-        """What a run needs and gives back when it returns: nothing on either provider now (the CPU's
+        """What a run needs and gives back when it returns: nothing on either provider (the CPU's
         and CUDA's arenas keep what the first runs grew them to); kept for a provider that frees."""
         if PROVIDER_TERMS[self.device].keeps_run_memory:
             return 0
