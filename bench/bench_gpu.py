@@ -281,7 +281,7 @@ def in_process_loop(pipeline: Pipeline, request: scoring_pb2.ScoreRequest, *, co
                 pipeline.score(request, deadline=time.monotonic() + TIMEOUT_S)
                 status = "OK"
             except ScoringError as error:
-                status = error.code.name
+                status = error.refusal.name
             done = time.perf_counter()
             with lock:
                 samples.append(Sample(done, done - began, status))

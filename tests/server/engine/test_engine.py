@@ -1,10 +1,10 @@
-import grpc
 import numpy as np
 import onnx
 import onnxruntime
 import pytest
 
 from server.engine.providers import CPU, CUDA, Engine, EngineError, choose_providers
+from server.errors import Refusal
 from server.settings import GPU_DEFAULT_MAX_BATCH, Settings
 from tests.tiny_models import assert_same_top_k, tolerance
 
@@ -124,7 +124,7 @@ def test_require_gpu_refuses_to_start_on_this_machine_without_cuda(tiny_model_pa
         Engine(Settings(require_gpu=True))
     with pytest.raises(ScoringError, match="a GPU is required") as caught:
         Pipeline([tiny_model_path], settings=Settings(require_gpu=True, warm_up=False))
-    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert caught.value.refusal is Refusal.FAILED_PRECONDITION
 
 
 def test_max_batch_defaults_to_batching_on_gpu_only_and_obeys_an_explicit_setting():

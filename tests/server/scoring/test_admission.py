@@ -6,7 +6,7 @@ import pytest
 
 from convert.memory_model import Device
 from convert.profile import largest_batch, profile_model
-from server.errors import ScoringError
+from server.errors import Refusal, ScoringError
 
 
 def predicted(path: str, side: int, batch: int = 1, device: Device = Device.CPU) -> int:
@@ -235,7 +235,7 @@ def test_a_plan_that_cannot_fit_alone_is_refused_with_the_numbers(tiny_model_pat
     tiny.make_room("small", height=128, width=128, batch=1)
     with pytest.raises(ScoringError) as caught:
         tiny.make_room("big", height=512, width=512, batch=1, scale=512, largest_scale=lambda: 256)
-    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert caught.value.refusal is Refusal.RESOURCE_EXHAUSTED
     needed = predicted(tiny_model_path, 512)
     assert f"plan big for scale 512 needs a predicted {needed} bytes" in caught.value.message
     assert f"the memory budget is {budget.total_bytes} bytes" in caught.value.message
@@ -333,7 +333,7 @@ def test_a_request_too_large_for_host_memory_is_refused_before_decoding():
     assert estimate.inputs == inputs and estimate.decoded == 3000 * 4000 * 7
     with pytest.raises(ScoringError) as caught:
         admit_host(estimate, limit_bytes=inputs)
-    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert caught.value.refusal is Refusal.RESOURCE_EXHAUSTED
     assert f"needs an estimated {estimate.total} bytes of host memory" in caught.value.message
     assert f"inputs {inputs / 2**20:,.0f} MiB" in caught.value.message
     admit_host(estimate, limit_bytes=estimate.total)
@@ -412,7 +412,7 @@ def test_requests_in_flight_share_the_host_budget():
         with pytest.raises(ScoringError) as caught:
             with budget.hold(request):
                 pass
-        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert caught.value.refusal is Refusal.RESOURCE_EXHAUSTED
         assert caught.value.retry_after_seconds is not None  # transient: the others will finish
         assert "requests in flight hold 200 of the server's 250 bytes" in caught.value.message
     assert budget.in_flight_bytes() == 0

@@ -302,7 +302,7 @@ def test_admission_counts_a_tiled_request_s_tiles_in_its_queue_places_host_bytes
         with pytest.raises(ScoringError, match=rf"this request is {items} items .* --queue-depth\): it never fits") \
                 as caught:
             small_queue.score(request_of(pixels, **fields))
-        assert caught.value.code.name == "RESOURCE_EXHAUSTED" and caught.value.retry_after_seconds is None
+        assert caught.value.refusal.name == "RESOURCE_EXHAUSTED" and caught.value.retry_after_seconds is None
     finally:
         small_queue.close()
     tight = Pipeline([tiny_paths[True]], settings=dataclasses.replace(SETTINGS, shape_buckets=SMALL,
