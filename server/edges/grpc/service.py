@@ -37,7 +37,6 @@ class DenseScoringServicer(scoring_pb2_grpc.DenseScoringServicer):
         self.front = front
         self.pipeline = front.pipeline
         self.settings = front.settings
-        self.metrics = front.metrics
         self.limits = limits  # the call limits it runs under, which hold its transient refusals
 
     @contextlib.contextmanager

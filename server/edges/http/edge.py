@@ -95,7 +95,6 @@ class Edge:
         self.version = version
         self.pipeline = front.pipeline
         self.settings = front.settings
-        self.metrics = front.metrics
         self._token = Token(token) if token is not None else None
         self._slots = CallSlots(total=self.settings.scoring_workers, per_peer=self.settings.max_calls_per_peer,
                                 pacer=front.pacer)
