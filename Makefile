@@ -15,7 +15,7 @@ EXTRAS := dev,triton,ray$(if $(filter 1,$(GPU)),$(comma)gpu)
 
 setup: $(BIN)/scoremap-convert $(CHROMIUM)
 
-# The viewer's browser test (tests/server/test_viewer.py) drives Debian's Chromium: Playwright never
+# The viewer's browser test (tests/server/edges/http/test_viewer.py) drives Debian's Chromium: Playwright never
 # downloads a browser. Installed when missing (as root, as CI runs on Debian).
 $(CHROMIUM):
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium

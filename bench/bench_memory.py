@@ -33,7 +33,7 @@ from convert.precision import fp16_graph
 from convert.profile import profile_model
 from server.memory.runtime import cuda_used_bytes, measure_peak
 
-# The issue's acceptance bound on predicted / measured.
+# The acceptance bound on predicted / measured.
 BOUND = 0.25
 # The soak: how long the burst lasts (`make bench`; tests pass a few seconds), how many clients,
 # the image sizes (height, width) they send in turn, as JPEG, and the scales each request asks for
@@ -296,7 +296,7 @@ def soak_section(model_path: str, *, seconds: float = SOAK_SECONDS) -> str:
 # --- the CUDA provider ------------------------------------------------------------------------
 
 def gpu_section(cases: dict[str, tuple[tuple[int, int], ...]] = GPU_CASES, *, default_model: str | None = None) -> str:
-    """Every term of the CUDA memory model, predicted and measured, for the issue-14 shapes (`cases`: (side,
+    """Every term of the CUDA memory model, predicted and measured, for the shapes it was fitted on (`cases`: (side,
     batch) per model, `bench_gpu --quick` measures three); a line saying why not where CUDA does not load (for
     `make bench-gpu`, bench/bench_gpu.py). `default_model`: the default model already converted, if at hand."""
     if cuda_used_bytes() is None or "CUDAExecutionProvider" not in onnxruntime.get_available_providers():

@@ -94,7 +94,7 @@ def latency(model: str, settings: Settings) -> tuple[list[float], list[float]]:
 
 
 def portrait_jpeg() -> bytes:
-    """samples/cat.jpg resized to a 512x600 portrait, as a JPEG (the issue's photo shape)."""
+    """samples/cat.jpg resized to a 512x600 portrait, as a JPEG (a phone photo's shape)."""
     image = Image.open(ROOT / "samples" / "cat.jpg").convert("RGB").resize(PORTRAIT[::-1], Image.Resampling.BILINEAR)
     buffer = io.BytesIO()
     image.save(buffer, format="JPEG", quality=90)

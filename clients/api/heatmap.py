@@ -3,8 +3,7 @@
 Every pixel takes the colour of the cell whose centre is nearest (MapGeometry: centre = center +
 i * stride), so each cell covers the stride-sized box around its centre and the border cells
 reach out to the photo's edges: the whole photo is coloured, where painting only the boxes
-around the centres would leave a band of half a receptive field uncoloured on every side (issue
-12), and the overlay lines up with the photo at any scale, shift or stride. The legend says so.
+around the centres would leave a band of half a receptive field uncoloured on every side, and the overlay lines up with the photo at any scale, shift or stride. The legend says so.
 Small photos are enlarged (by a whole factor, nearest neighbour) so the legend stays readable.
 The colormap is viridis, interpolated from nine stops: perceptually uniform and
 readable by colour-blind viewers, and not worth a matplotlib dependency for one lookup table.
@@ -95,7 +94,7 @@ def canvas_scale(width: int, height: int) -> int:
 
 def _nearest_cells(size: int, factor: int, center: float, stride: float, cells: int) -> np.ndarray:
     """For each canvas pixel along one axis, the index of the cell whose centre is nearest."""
-    photo_pixels = (np.arange(size) + 0.5) / factor - 0.5  # pixel i is centred at i (README)
+    photo_pixels = (np.arange(size) + 0.5) / factor - 0.5  # pixel i is centred at i (docs/concepts.md)
     return np.clip(np.round((photo_pixels - center) / stride), 0, cells - 1).astype(np.intp)
 
 

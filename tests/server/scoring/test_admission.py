@@ -16,7 +16,7 @@ def predicted(path: str, side: int, batch: int = 1, device: Device = Device.CPU)
 @pytest.fixture(scope="module")
 def device() -> Device:
     """The device a server started here predicts its plans for: the one its engine picks (CUDA's terms add
-    ~140 MiB of session state and workspace to a tiny net, issue 29), so budgets are sized from it."""
+    ~140 MiB of session state and workspace to a tiny net), so budgets are sized from it."""
     from server.engine.providers import Engine
     from server.settings import Settings
 
@@ -153,7 +153,7 @@ def test_plans_of_every_model_share_one_budget_and_the_least_recently_used_go(ti
 
 def test_cpu_plans_of_a_model_hold_its_weights_once_and_its_largest_running_batch(tiny_model_path,
                                                                                 coordinate_model_path):
-    """On the CPU a model's plans share its weights and one arena (issue 33): a further plan costs its own state,
+    """On the CPU a model's plans share its weights and one arena: a further plan costs its own state,
     a larger one the growth of the largest running batch; another model's plans hold their own weights and batch."""
     from server.memory.device import held_bytes
 
@@ -296,8 +296,8 @@ def test_admission_predicts_for_the_device_the_model_runs_on(tiny_model_path):
 # --- host memory ------------------------------------------------------------------------------
 
 def test_by_default_no_size_cap_the_request_s_own_estimate_decides():
-    """Issue 31: --max-scale and --max-resized-pixels were derived from the worst request the limits allowed
-    (11.8 Mpx), refusing a 12 Mpx phone photo at its own size that needs a fraction of the 4 GiB limit."""
+    """No --max-scale or --max-resized-pixels by default: a cap derived from the worst request the limits allow
+    (11.8 Mpx) would refuse a 12 Mpx phone photo at its own size that needs a fraction of the 4 GiB limit."""
     from server.memory.host import TiledScale, estimate_request
     from server.settings import Settings
 

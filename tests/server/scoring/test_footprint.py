@@ -1,4 +1,4 @@
-"""A request too large for a limit is refused naming what would fit, and what it names is admitted (issue 31).
+"""A request too large for a limit is refused naming what would fit, and what it names is admitted.
 
 No size cap by default: the request's own host memory estimate and response size decide. Each refusal here
 is checked both ways: the largest scale, class count or cell top-k it names is admitted, one step more is not.
@@ -81,7 +81,7 @@ def named(pattern: str, message: str) -> int:
 
 
 def test_a_photo_at_its_own_size_is_admitted_by_default(pipeline_of, photo):
-    """The issue's request: 4000x3008 at scale 3008, stride 32, float32 maps (here of 1000 classes)."""
+    """A phone photo at its own size: 4000x3008 at scale 3008, stride 32, float32 maps (here of 1000 classes)."""
     pipeline = pipeline_of()
     request = scoring_pb2.ScoreRequest(encoded=photo, scales=[3008], return_maps=True, top_k=5)
     with admission.admit(request, pipeline._model(""), engine=pipeline.engine, deadline=None) as ticket:

@@ -180,7 +180,7 @@ def test_cpu_runners_score_side_by_side_as_one_runner_does(kit, heavy_model_path
 @pytest.mark.parametrize("stride, shift", [(32, 0), (16, scoring_pb2.SHIFT_GRID), (16, scoring_pb2.SHIFT_DIAGONAL)])
 @pytest.mark.parametrize("flip", [False, True])
 def test_every_response_is_finite_or_an_error(pipeline_of, side, stride, shift, flip):
-    """Issue 10 item 1: a one-cell-wide map with flip gave a NaN top-k."""
+    """Every number of every answer is finite, a one-cell-wide map with flip's top-k included."""
     pipeline = pipeline_of(patch_net(classes=4, end_pad=16))
     pixels = np.random.default_rng(side).integers(0, 256, (side, side + 7, 3), dtype=np.uint8)
     request = raw(pixels, scales=[32, 64], output_stride=stride, shift=shift, flip=flip, return_maps=True, cell_top_k=2)
@@ -393,7 +393,7 @@ def test_float16_maps_beyond_its_range_are_an_error_not_infinities(pipeline_of):
 
 @pytest.mark.parametrize("orientation, turn", [(6, Image.Transpose.ROTATE_90), (8, Image.Transpose.ROTATE_270)])
 def test_a_rotated_tiff_scores_as_its_upright_image(default_model_path, orientation, turn):
-    """A TIFF tagged Orientation 6 or 8 is scored upright, not squashed into the transposed shape (issue 24)."""
+    """A TIFF tagged Orientation 6 or 8 is scored upright, not squashed into the transposed shape."""
     upright = Image.open("samples/cat.jpg").convert("RGB")
     exif = Image.Exif()
     exif[0x0112] = orientation
