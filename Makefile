@@ -30,7 +30,7 @@ $(BIN)/scoremap-convert: pyproject.toml $(VENV)/extras
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
 	# nvidia-pytriton pins numpy<2 for its Python-backend stub only: the stub gets its own small
-	# environment of this interpreter with numpy<2 (tests/server/test_triton_binding.py, README).
+	# environment of this interpreter with numpy<2 (tests/server/edges/test_triton_binding.py, docs/scale-out.md).
 	$(BIN)/pip install --quiet --no-deps nvidia-pytriton==0.7.0
 	$(BIN)/python -m venv --without-pip $(VENV)/triton-stub
 	$(BIN)/pip install --quiet --no-deps --target "$$($(VENV)/triton-stub/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" numpy==1.26.4 pyzmq==27.3.0

@@ -186,7 +186,7 @@ class OpenSlideReader(Reader):
 
 class PilReader(Reader):
     """Anything PIL opens; PIL decodes the whole image, so its header must be within `max_pixels` and its pixels
-    within MAX_DECODE_BYTES (PIL's own bomb guard is off once server.imaging is imported, as --local does)."""
+    within MAX_DECODE_BYTES (PIL's own bomb guard is off once server.scoring.imaging is imported, as --local does)."""
 
     def __init__(self, path: Path, *, level: int, max_pixels: int = DEFAULT_MAX_SLIDE_PIXELS) -> None:
         from PIL import Image
