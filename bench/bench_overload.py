@@ -17,12 +17,17 @@ against the same server (by default its refusals are paced by the calls it answe
 waits at the door for room) and against one that does neither (`UNPACED`: every refusal answered at once):
 goodput must stay >= 90% of capacity (issue 22, item 4), with the refusals answered per second and the
 server CPU each costs.
+Then refusals in a burst: BURST_CALLS callers send one two-scale request of a photo (BURST_JPEG_BYTES or so) at
+once to a server with --queue-depth 2, and as many send the same bytes naming a model the server does not have;
+the queue-full refusal must cost at most BURST_RATIO_TARGET times the unknown-model one (median latency), which
+costs what reading the request costs (issue 42, item 3).
 The server runs without a per-peer call limit: one loopback address stands here for many clients.
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import os
 import pathlib
 import statistics
@@ -38,6 +43,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from PIL import Image
 
 from bench.models import converted
 from clients.api.options import ScoreOptions, as_new_work, build_request
@@ -69,6 +76,14 @@ RESEND_SECONDS = 20.0  # window per closed-loop level, after SETTLE_SECONDS
 REFERENCE_CLIENTS = CAPACITY_CLIENTS  # the closed loop with no refusals: the server CPU an answer costs
 UNPACED = ("--refusals-per-second", "0", "--refusals-per-answer", "0",  # every refusal answered at once,
            "--resend-memory-seconds", "0")  # and no door
+BURST_CALLS = 40  # callers sending at once
+BURST_SCALES = (SCALE, 512)
+BURST_DEPTH = 2  # --queue-depth: one request's two scales fill it, so the rest of a burst is refused
+BURST_JPEG_BYTES = 276_000  # about what a phone photo weighs
+BURST_ROUNDS = 6  # bursts of each kind, alternated
+BURST_PAUSE_SECONDS = 0.5  # between bursts: the last burst's answer still within the refusal pace's window
+BURST_RATIO_TARGET = 1.5
+UNKNOWN_MODEL = "no-such-model"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 ESTIMATE_MIN_RATE = 100  # refusals/s below which a level's own CPU per refusal is lost in the answers' noise
 
@@ -187,6 +202,122 @@ def resend_at_once(*, stub: scoring_pb2_grpc.DenseScoringStub, job: scoring_pb2.
         others={code: n for code, n in statuses.items() if code not in (grpc.StatusCode.OK.name, REJECTED)},
         dropped=dropped, server_cpu_s=server_cpu, client_cpu_s=client_cpu,
     )
+
+
+@dataclass(frozen=True)
+class Burst:
+    """Alternated bursts of one photo's request: the queue-full refusals' latencies and the unknown-model ones'."""
+
+    jpeg_bytes: int
+    full_ms: np.ndarray  # RESOURCE_EXHAUSTED answers to the bursts naming the served model
+    unknown_ms: np.ndarray  # NOT_FOUND answers to the bursts naming no served model
+    rounds: list[float]  # each round's ratio of medians, queue-full to unknown-model
+    others: dict[str, int]  # other statuses (the admitted requests: OK)
+    mixed_full_ms: np.ndarray  # the same two refusals in bursts of both kinds of call, sent together
+    mixed_unknown_ms: np.ndarray
+
+    @property
+    def ratio(self) -> float:
+        return percentile(self.full_ms, 50) / percentile(self.unknown_ms, 50)
+
+    @property
+    def mixed_ratio(self) -> float:
+        return percentile(self.mixed_full_ms, 50) / percentile(self.mixed_unknown_ms, 50)
+
+
+def burst_photo() -> bytes:
+    """A photo of about BURST_JPEG_BYTES: samples/astronaut.jpg at 1400 px with sensor-like noise, as a camera
+    writes it (the sample alone compresses to a fifth of that)."""
+    image = Image.open(ROOT / "samples" / "astronaut.jpg").convert("RGB").resize((1400, 1400))
+    noise = np.random.default_rng(0).integers(-12, 12, (1400, 1400, 3))
+    pixels = (np.asarray(image).astype(np.int16) + noise).clip(0, 255).astype(np.uint8)
+    encoded = io.BytesIO()
+    Image.fromarray(pixels).save(encoded, format="JPEG", quality=77)
+    return encoded.getvalue()
+
+
+def at_once(stub: scoring_pb2_grpc.DenseScoringStub, jobs: Sequence[scoring_pb2.ScoreRequest],
+            calls: int) -> list[tuple[float, str]]:
+    """`calls` callers sending `jobs` in turn together (one channel, as one client's threads): each answer's latency
+    in ms and status."""
+    together, answers, lock = threading.Barrier(calls), [], threading.Lock()
+
+    def call(job: scoring_pb2.ScoreRequest) -> None:
+        together.wait()
+        started = time.perf_counter()
+        try:
+            stub.Score(job, timeout=TIMEOUT_S)
+            status = grpc.StatusCode.OK.name
+        except grpc.RpcError as error:
+            status = error.code().name
+        with lock:
+            answers.append((1000 * (time.perf_counter() - started), status))
+
+    threads = [threading.Thread(target=call, args=(jobs[n % len(jobs)],)) for n in range(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return answers
+
+
+def refusal_bursts(stub: scoring_pb2_grpc.DenseScoringStub, model: str, *, rounds: int = BURST_ROUNDS) -> Burst:
+    """Bursts of BURST_CALLS calls of one two-scale photo request, alternately naming the served `model` (one is
+    admitted, the rest refused: queue full) and a model the server lacks (all refused: not found); then bursts of
+    both kinds of call together, where the two refusals meet the same contention."""
+    photo = burst_photo()
+    full = scoring_pb2.ScoreRequest(encoded=photo, scales=BURST_SCALES, model=model)
+    unknown = scoring_pb2.ScoreRequest(encoded=photo, scales=BURST_SCALES, model=UNKNOWN_MODEL)
+    stub.Score(full, timeout=TIMEOUT_S)  # its plans made: the bursts measure refusals, not planning
+    full_ms, unknown_ms, ratios, others, mixed = [], [], [], Counter(), []
+    for _ in range(rounds):
+        answers = {}
+        for name, job in (("full", full), ("unknown", unknown)):
+            time.sleep(BURST_PAUSE_SECONDS)
+            answers[name] = at_once(stub, [job], BURST_CALLS)
+        refused = [ms for ms, status in answers["full"] if status == REJECTED]
+        missing = [ms for ms, status in answers["unknown"] if status == grpc.StatusCode.NOT_FOUND.name]
+        others.update(status for ms, status in answers["full"] + answers["unknown"]
+                      if status not in (REJECTED, grpc.StatusCode.NOT_FOUND.name))
+        full_ms += refused
+        unknown_ms += missing
+        if refused and missing:
+            ratios.append(statistics.median(refused) / statistics.median(missing))
+    for _ in range(rounds):
+        time.sleep(BURST_PAUSE_SECONDS)
+        mixed += at_once(stub, [full, unknown], BURST_CALLS)
+    return Burst(len(photo), np.array(full_ms), np.array(unknown_ms), ratios, dict(others),
+                 mixed_full_ms=np.array([ms for ms, status in mixed if status == REJECTED]),
+                 mixed_unknown_ms=np.array([ms for ms, status in mixed if status == grpc.StatusCode.NOT_FOUND.name]))
+
+
+def burst_lines(burst: Burst) -> list[str]:
+    said = "met" if burst.ratio <= BURST_RATIO_TARGET else "missed"
+    return [
+        "### Refusals in a burst (issue 42, item 3)",
+        "",
+        f"{BURST_CALLS} callers at once (one channel, each its own thread) send one request of a {burst.jpeg_bytes:,} "
+        f"byte JPEG at scales {' and '.join(map(str, BURST_SCALES))} to a server with --queue-depth {BURST_DEPTH} "
+        f"(the defaults otherwise): one is admitted, the rest refused for a full queue. Then as many send the same "
+        f"bytes naming a model the server does not have: each is refused once read. {len(burst.rounds)} bursts of "
+        f"each, alternated, {BURST_PAUSE_SECONDS:g} s apart (the admitted call's answer still counted by the refusal "
+        "pace and the resend door).",
+        "",
+        "| refusal | count | p50 ms | p90 ms |",
+        "|---|---|---|---|",
+        f"| queue full (RESOURCE_EXHAUSTED) | {burst.full_ms.size} | {percentile(burst.full_ms, 50):.0f} | "
+        f"{percentile(burst.full_ms, 90):.0f} |",
+        f"| unknown model (NOT_FOUND) | {burst.unknown_ms.size} | {percentile(burst.unknown_ms, 50):.0f} | "
+        f"{percentile(burst.unknown_ms, 90):.0f} |",
+        "",
+        f"- A queue-full refusal costs {burst.ratio:.2f}x an unknown-model refusal of the same bytes (medians; target "
+        f"<= {BURST_RATIO_TARGET:g}x: {said}); burst by burst {', '.join(f'{r:.2f}' for r in burst.rounds)}x. Other "
+        f"answers: {by_status(burst.others)}. The queue-full bursts also carry the admitted call's decode and run, on "
+        "the same cores, which the unknown-model bursts do not.",
+        f"- In {len(burst.rounds)} bursts of both kinds of call together (same contention for both): queue full p50 "
+        f"{percentile(burst.mixed_full_ms, 50):.0f} ms ({burst.mixed_full_ms.size}), unknown model p50 "
+        f"{percentile(burst.mixed_unknown_ms, 50):.0f} ms ({burst.mixed_unknown_ms.size}): {burst.mixed_ratio:.2f}x.",
+    ]
 
 
 def request() -> scoring_pb2.ScoreRequest:
@@ -358,7 +489,7 @@ def resent_verdict(level: Resent, capacity_rps: float, refusal_cpu_ms: float) ->
 
 
 def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float = OVERLOAD_SECONDS,
-        resend_seconds: float = RESEND_SECONDS) -> str:
+        resend_seconds: float = RESEND_SECONDS, burst_rounds: int = BURST_ROUNDS) -> str:
     """The section; shorter durations prove the module works (timings then mean little)."""
     load_before = os.getloadavg()[0]
     defaults = Settings()
@@ -394,6 +525,15 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
             for process in (server, unpaced):
                 process.terminate()
                 process.wait(30)
+        bursting, burst_address, _ = start_server(model, pathlib.Path(folder) / "burst.log",
+                                                  ("--queue-depth", str(BURST_DEPTH)))
+        try:
+            with grpc.insecure_channel(burst_address) as channel:
+                burst = refusal_bursts(scoring_pb2_grpc.DenseScoringStub(channel), pathlib.Path(model).stem,
+                                       rounds=burst_rounds)
+        finally:
+            bursting.terminate()
+            bursting.wait(30)
     capacity_rps = (before.throughput_rps + after.throughput_rps) / 2
     cpu_per_answer_s = reference.server_cpu_s / max(reference.ok_ms.size, 1)
     # What a refusal costs, from the unpaced levels: there refusals are most of the server's work, so the
@@ -462,6 +602,8 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
         "latency includes the hold, and for a request dropped after its decode its time in the queue too; OK "
         "latency includes the wait at the door. "
         f"Load generator CPU: this process's, sharing the server's {os.cpu_count()} cores.",
+        "",
+        *burst_lines(burst),
     ])
 
 

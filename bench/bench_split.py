@@ -107,7 +107,11 @@ def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image:
             figures = {"rate": report.throughput_rps, "p50": report.p50_ms, "inference": inference,
                        "cpu": 1000 * (process_cpu_seconds(server.pid) - whole) / sent}
             for role, pid in processes.items():
-                figures[role] = 1000 * (own_cpu_seconds(pid) - before[role]) / sent
+                try:
+                    figures[role] = 1000 * (own_cpu_seconds(pid) - before[role]) / sent
+                except FileNotFoundError:
+                    log = (folder / "server.log").read_text()[-3000:]
+                    raise RuntimeError(f"the {role} process ended during the level: {log}") from None
             if report.errors:
                 raise RuntimeError(f"--fronts {fronts}, {clients} clients: requests failed: {report.errors}")
     finally:

@@ -4,7 +4,8 @@ The flags are made from the settings' declarations (server/settings.py); the exp
 token, bind address, ports) are server/edges/exposure.py's, checked before any model loads; the server
 itself is `server.serving.create_server` (port 0 picks a free port). SIGTERM drains: health goes
 NOT_SERVING, new calls get UNAVAILABLE, in-flight calls get `--grace-seconds` to finish, then the
-process exits 0. Nothing heavy (grpc, onnxruntime, numpy) is imported before the command line is
+process exits 0; a SIGTERM while the models load, warm up or make their background plans does the same
+once the plan being made is done. Nothing heavy (grpc, onnxruntime, numpy) is imported before the command line is
 parsed, so `--help` and usage errors answer at once.
 """
 
@@ -18,26 +19,30 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protos import is_loopback, version
 from server import settings as declared
 from server.edges.exposure import StartRefused, check_exposure, check_port_free, read_tls, read_token
 from server.settings import Settings
 
+if TYPE_CHECKING:
+    from server.serving import ScoringServer
+
 __all__ = ["StartRefused", "create_server", "main", "model_sources", "parse_args", "read_token", "settings_from"]
 
 LOG = logging.getLogger("scoremap.serve")
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # either drains the server, then it exits 0
 DESCRIPTION = """\
 Serve converted models (scoremap-convert) over gRPC: scoremap.v1.DenseScoring, the standard
 health service and reflection. Give each model as a path, or as NAME=PATH to serve it under another
 name than its card's (two versions of one model side by side). Binds 127.0.0.1 unless --host says
 otherwise; beyond loopback it wants TLS or a token (or --insecure).
 
-exit status: 0 stopped by SIGTERM/SIGINT after draining; 2 refused to start (bad command line,
-unreadable or empty token, port in use, unloadable model); 3 a warm-up pass failed, so the server
-could never report SERVING."""
+exit status: 0 stopped by SIGTERM/SIGINT after draining, at any moment (while the models load or warm
+up too); 2 refused to start (bad command line, unreadable or empty token, port in use, unloadable
+model); 3 a warm-up pass failed, so the server could never report SERVING."""
 
 
 def __getattr__(name: str) -> Any:
@@ -107,6 +112,30 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    stop = threading.Event()
+    # Caught before anything else runs: a SIGTERM while the models load or warm up is a stop like any other (the
+    # server drains once it can), never a death by signal. Put back when no server started (a refused start, or a
+    # test calling main in its own process); a started server's process exits with them still caught.
+    previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in STOP_SIGNALS}
+    try:
+        started = start(argv, stop)
+    except BaseException:
+        put_back(previous)
+        raise
+    if isinstance(started, int):
+        put_back(previous)
+        return started
+    return serve(*started, stop=stop)
+
+
+def put_back(handlers: dict[int, Any]) -> None:
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+
+
+def start(argv: Sequence[str] | None, stop: threading.Event) -> tuple[ScoringServer, int, argparse.Namespace] | int:
+    """The command line checked and the server started: (server, port, args), or the exit status of a refused
+    start (2) or of --workers' supervisor, which `stop` stops too."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -134,31 +163,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         from server.split import supervise as supervise_split
 
         return supervise_split(sys.argv[1:] if argv is None else argv, host=args.host, port=args.port,
-                               settings=settings)
+                               settings=settings, stopping=stop)
     if settings.workers > 1:
         from server.workers import supervise
 
-        return supervise(sys.argv[1:] if argv is None else argv, host=args.host, port=args.port, settings=settings)
+        return supervise(sys.argv[1:] if argv is None else argv, host=args.host, port=args.port, settings=settings,
+                         stopping=stop)
     role, _, number = (settings.split_role or "").partition(":")
     if role == "engine":
         from server.split import run_engine
 
-        return run_engine(args.models, settings=settings, fronts=int(number))
+        return run_engine(args.models, settings=settings, fronts=int(number), stop=stop)
 
     from server.errors import ScoringError
     from server.memory.runtime import configure_allocator
     from server.serving import create_server
 
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
     configure_allocator()  # before any thread allocates: glibc keeps to one heap only if told before it has several
+    LOG.info("starting: loading %s", ", ".join(args.models.values() if isinstance(args.models, dict) else args.models))
     engine = None
     if role == "front":
         from server.split import front_client
 
         engine = front_client(settings, int(number), stop=stop)
-        if engine is None:
+        if engine is None:  # stopped before the engine was ready
             return 0
     try:
         # A front warms its own path (the engine is warm already, so it takes a moment) before it says it listens:
@@ -168,6 +196,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ScoringError as error:
         sys.stderr.write(f"scoremap-serve: cannot start: {error.message}\n")
         return 2
+    return server, port, args
+
+
+def serve(server: ScoringServer, port: int, args: argparse.Namespace, *, stop: threading.Event) -> int:
+    """Say where `server` listens, then wait for `stop` (SIGTERM, SIGINT) and drain: 0, or 3 when a warm-up pass
+    failed first. A stop asked for while the models loaded drains at once."""
+    settings = server.front.settings
+    role, _, number = (settings.split_role or "").partition(":")
     sys.stdout.write(f"scoremap-serve listening on {args.host}:{port}\n")
     if server.http is not None:
         sys.stdout.write(f"scoremap-serve HTTP on {server.http.scheme}://{args.host}:{server.http.port}/\n")

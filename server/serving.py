@@ -219,8 +219,8 @@ def create_server(
             for service in ("", SERVICE_NAME):
                 health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
             LOG.info("ready: health SERVING")
-        if settings.warm_up and engine is None:  # an engine process warms its own
-            pipeline.warm_up_tiles()  # only images larger than every bucket wait for it
+        if settings.warm_up and engine is None and not front.draining.is_set():  # an engine process warms its own
+            pipeline.warm_up_tiles()  # in the background: only images larger than every bucket use it
 
     if wait_until_ready:
         become_ready()

@@ -98,16 +98,18 @@ class Child:
                                         preexec_fn=drained_with(os.getpid()))
 
 
-def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings) -> int:
+def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
+              stopping: threading.Event | None = None) -> int:
     """Run the engine and `settings.fronts` fronts on host:port until SIGTERM or SIGINT; 0 once all drained,
-    2 when they could not start."""
+    2 when they could not start. `stopping`: the event the caller's own handlers of those signals set."""
     problem = shm_problem(settings)
     if problem is not None:
         sys.stderr.write(f"scoremap-serve: {problem}\n")
         return 2
     run = tempfile.mkdtemp(prefix=f"scoremap-{os.getpid()}-")
     try:
-        return _supervise(argv, host=host, port=port, settings=settings, run=run)
+        return _supervise(argv, host=host, port=port, settings=settings, run=run,
+                          stopping=threading.Event() if stopping is None else stopping)
     finally:
         from server.engine.shm import remove_stale
 
@@ -115,7 +117,8 @@ def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings) 
         shutil.rmtree(run, ignore_errors=True)
 
 
-def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings, run: str) -> int:
+def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings, run: str,
+               stopping: threading.Event) -> int:
     with contextlib.ExitStack() as ports:
         port = ports.enter_context(reserved(host, port))
         http_port = None if settings.http_port is None else ports.enter_context(reserved(host, settings.http_port))
@@ -150,7 +153,6 @@ def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
         served = serve_processes(run, port=settings.metrics_port, address=settings.metrics_address)
         sys.stdout.write(f"scoremap-serve metrics on http://{settings.metrics_address}:{served}/metrics\n")
         sys.stdout.flush()
-    stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
     while not stopping.wait(0.1):
@@ -204,9 +206,9 @@ def stop(children: Sequence[Child], *, grace: float) -> None:
 
 
 # --- the engine process ---------------------------------------------------------------------------------------
-def run_engine(models, *, settings: Settings, fronts: int) -> int:
-    """The engine process: load and warm every model in-process, then serve the fronts until SIGTERM, finishing
-    what it holds first. 2: it could not load; 3: a warm-up pass failed."""
+def run_engine(models, *, settings: Settings, fronts: int, stop: threading.Event) -> int:
+    """The engine process: load and warm every model in-process, then serve the fronts until `stop` (SIGTERM),
+    finishing what it holds first. 2: it could not load; 3: a warm-up pass failed; 0 when stopped, at any moment."""
     from server.engine.process import EngineLoop
     from server.errors import ScoringError
     from server.metrics import Metrics
@@ -214,9 +216,6 @@ def run_engine(models, *, settings: Settings, fronts: int) -> int:
 
     set_title(ROLE_ENGINE)
     run = settings.split_run
-    stop_asked = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop_asked.set())
     metrics = Metrics()
     try:
         pipeline = Pipeline(models, settings=dataclasses.replace(settings, warm_up=False), metrics=metrics)
@@ -226,11 +225,26 @@ def run_engine(models, *, settings: Settings, fronts: int) -> int:
     try:
         if settings.warm_up:
             pipeline.check_warm_up()
+            warming = threading.Event()
+            warming.set()
+
+            def close_if_warming() -> None:  # a stop while warming up ends the warm-up at its next plan
+                stop.wait()
+                if warming.is_set():
+                    pipeline.close()
+
+            threading.Thread(target=close_if_warming, name="engine-stop-warm-up", daemon=True).start()
             pipeline.warm_up()
+            warming.clear()
     except ScoringError as error:
-        sys.stderr.write(f"scoremap-serve: the engine's warm-up failed: {error.message}\n")
         pipeline.close()
+        if stop.is_set():
+            return 0
+        sys.stderr.write(f"scoremap-serve: the engine's warm-up failed: {error.message}\n")
         return 3
+    if stop.is_set():
+        pipeline.close()
+        return 0
     core = pipeline.engine
     classes = {summary.name: summary.classes for summary in pipeline.models()}
     loop = EngineLoop(core, input_address=engine_address(run),
@@ -245,7 +259,7 @@ def run_engine(models, *, settings: Settings, fronts: int) -> int:
     LOG.info("engine ready: %s on %s", ", ".join(classes), core.facts.provider)
     if settings.warm_up:
         threading.Thread(target=pipeline.warm_up_tiles, name="engine-tiles", daemon=True).start()
-    stop_asked.wait()
+    stop.wait()
     loop.drain(settings.grace_seconds + STOP_MARGIN_SECONDS)
     loop.stop()
     pipeline.close()

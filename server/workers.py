@@ -57,9 +57,11 @@ def worker_argv(argv: Sequence[str], *, settings: Settings, port: int, http_port
     return command
 
 
-def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings) -> int:
+def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
+              stopping: threading.Event | None = None) -> int:
     """Run `settings.workers` server processes on host:port until SIGTERM or SIGINT (passed on to each) or until
-    one of them ends (the others are then stopped); the exit status of the first to end, or 0."""
+    one of them ends (the others are then stopped); the exit status of the first to end, or 0. `stopping`: the
+    event the caller's own handlers of those signals set (a signal that came before this was called stops it)."""
     with contextlib.ExitStack() as ports:
         port = ports.enter_context(reserved(host, port))
         http_port = None if settings.http_port is None else ports.enter_context(reserved(host, settings.http_port))
@@ -71,7 +73,7 @@ def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings) 
         stop(workers, grace=0.0)
         return max((worker.returncode or 0 for worker in workers), default=0) or 2
     announce(workers, lines)
-    stopping = threading.Event()
+    stopping = threading.Event() if stopping is None else stopping
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
     ended = None

@@ -135,8 +135,9 @@ class EngineClient(abc.ABC):
         DEADLINE_EXCEEDED when its deadline passes in the queue."""
 
     @abc.abstractmethod
-    def warm(self, model: str, keys: Sequence[PlanKey]) -> list[str]:
-        """Make and run the plans of `keys` (each once: a plan made already is kept); the failures, one line each."""
+    def warm(self, model: str, keys: Sequence[PlanKey], *, background: bool = False) -> list[str]:
+        """Make and run the plans of `keys` (each once: a plan made already is kept); the failures, one line each.
+        `background`: made beside requests' own plans, never before them (the tile canvas, once SERVING)."""
 
     @property
     def ready(self) -> bool:

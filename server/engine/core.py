@@ -121,11 +121,11 @@ class EngineCore(EngineClient):
         """Take the items that have not started out of the queue."""
         self.served(model).batcher.cancel(works)
 
-    def warm(self, model: str, keys: Sequence[PlanKey]) -> list[str]:
+    def warm(self, model: str, keys: Sequence[PlanKey], *, background: bool = False) -> list[str]:
         plans, failures = self.served(model).plans, []
         for key in keys:
             try:
-                plans.run_plan(key, [], lattice=LATTICE)
+                plans.run_plan(key, [], lattice=LATTICE, background=background)
             except Exception as error:  # any failure is named: warm-up keeps health NOT_SERVING with it
                 failures.append(f"{model} plan {key}: {one_line(error)}")
         # Warm-up runs hold no host budget, whose idle moment would otherwise shrink the CPU arena: a warmed tile
@@ -140,6 +140,8 @@ class EngineCore(EngineClient):
         CPU_ARENA.went_idle(release=release)
 
     def close(self) -> None:
+        """Runs under way end at once (Engine.stop_runs), then every batcher closes (queued work: UNAVAILABLE)."""
+        self.engine.stop_runs()
         with self._lock:
             served, self._served = list(self._served.values()), {}
         for each in served:

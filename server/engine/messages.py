@@ -98,6 +98,7 @@ class Warm(msgspec.Struct, **STRUCT):
     call: int
     model: str
     keys: list[tuple[int, int, int, PassesSpec]]
+    background: bool = False
 
 
 # --- engine to front ----------------------------------------------------------------------------------------

@@ -12,10 +12,11 @@ bucket, with the valid mask saying which cells each item keeps (a tile: the cell
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 import onnx
@@ -24,13 +25,13 @@ import onnxruntime
 from server.engine.shared_weights import SharedWeights
 from server.memory.arena import CPU_ARENA
 from server.memory.device import MEASUREMENT_RESOLUTION_BYTES, PlanMemory
-from server.memory.runtime import HOST_ACTIVITY, measure_footprint
+from server.memory.runtime import HOST_ACTIVITY, HostActivity, measure_footprint
 from protos.model_card_pb2 import ModelCard
 from server.geometry.buckets import Buckets
 from server.geometry.dense import Passes
 from server.engine.device_graph import (LATTICE, LATTICE_FP16, PIXELS, PROBABILITIES, VALID, DeviceGraphError,
                                  build_plan_graph)
-from server.engine.providers import Engine, EngineError
+from server.engine.providers import Engine, EngineError, stoppable
 from server.errors import Refusal, ScoringError
 from server.metrics import Metrics
 from server.engine.batcher import Work, paced
@@ -38,7 +39,9 @@ from server.engine.client import PlanKey
 from server.scoring.request import GroupKey, Item, Scored
 
 LOG = logging.getLogger(__name__)
-MAKING = threading.Lock()  # held while a plan is made and measured: the readings are process-wide
+MAKING = threading.Lock()  # held while a request's plan is made and measured: the readings are process-wide
+# Every plan being made, the background's too: a footprint reading is its plan's alone if no other was made meanwhile.
+PLANS_BEING_MADE = HostActivity()
 
 
 class Plan:
@@ -46,9 +49,10 @@ class Plan:
     `arena_bytes` from the process's shared arena (server.memory.arena) and hand them back."""
 
     def __init__(self, key: PlanKey, session: onnxruntime.InferenceSession, *, on_gpu: bool,
-                 arena_bytes: int = 0) -> None:
+                 arena_bytes: int = 0, runs: onnxruntime.RunOptions | None = None) -> None:
         self.key = key
         self.session = session
+        self._runs = runs  # the engine's (Engine.runs): closing the pipeline ends a run under way
         self.arena_bytes = arena_bytes
         self._lock = threading.Lock()
         shapes = {output.name: tuple(output.shape) for output in session.get_outputs()}
@@ -80,13 +84,14 @@ class Plan:
         response needs one."""
         if self._binding is None:  # a CPU session runs batches side by side (--cpu-runners)
             names = [LATTICE, PROBABILITIES] if lattice else [PROBABILITIES]
-            with CPU_ARENA.running(self.arena_bytes):
-                outputs = self.session.run(names, {PIXELS: pixels, VALID: valid})
+            with CPU_ARENA.running(self.arena_bytes), stoppable(self._runs):
+                outputs = self.session.run(names, {PIXELS: pixels, VALID: valid}, self._runs)
             return (outputs[0] if lattice else None), outputs[-1]
         with self._lock:  # the bound buffers take one batch at a time (warm-up runs beside traffic)
             self._inputs[PIXELS].update_inplace(pixels)
             self._inputs[VALID].update_inplace(valid)
-            self.session.run_with_iobinding(self._binding)
+            with stoppable(self._runs):
+                self.session.run_with_iobinding(self._binding, self._runs)
             maps = self._outputs[lattice].numpy() if lattice else None
             return maps, self._outputs[PROBABILITIES].numpy()
 
@@ -107,7 +112,8 @@ class PlanCache:
 
     PlanMemory (server/memory/device.py) accounts every plan of every model in one budget: it reserves a
     new plan's predicted bytes (evicting what it must, here or in other models' caches through
-    `drop`), then gets the plan's measured footprint. Plans are made one at a time, server-wide.
+    `drop`), then gets the plan's measured footprint. Requests' plans are made one at a time, server-wide; a
+    background plan beside them (`get`).
     """
 
     def __init__(self, net: onnx.ModelProto, card: ModelCard, engine: Engine, plan_memory: PlanMemory, *,
@@ -124,6 +130,7 @@ class PlanCache:
         self._weights = None if engine.on_gpu else SharedWeights()  # the model's, shared by its CPU plans
         self._max_plans = max(1, max_plans)
         self._plans: dict[PlanKey, Plan] = {}  # in no order: the memory budget keeps the one LRU order
+        self._beside: dict[PlanKey, threading.Event] = {}  # plans being made in the background, set once made
         self._lock = threading.Lock()
         self.made = 0
         self._seconds_per_item: dict[PlanKey, float] = {}  # CPU: full batches' pace per plan (the batcher's threads)
@@ -166,11 +173,12 @@ class PlanCache:
     def _key(group: GroupKey, size: int) -> PlanKey:
         return PlanKey(group.height, group.width, size, group.passes)
 
-    def run_plan(self, key: PlanKey, items: list[Item], *, lattice: str | None) -> list[Scored]:
+    def run_plan(self, key: PlanKey, items: list[Item], *, lattice: str | None,
+                 background: bool = False) -> list[Scored]:
         """Run `items` (at most key.batch; the rest of the batch is padding) through the plan of `key`;
-        no items: a warm-up run."""
+        no items: a warm-up run (`background`: made beside requests' plans, `get`)."""
         try:
-            plan, planning = self.get(key)
+            plan, planning = self.get(key, background=background)
         except (DeviceGraphError, EngineError) as error:
             raise ScoringError(Refusal.FAILED_PRECONDITION, f"model {self._name} cannot run {key}: {error}") from error
         if planning and items and self._metrics is not None:
@@ -209,15 +217,36 @@ class PlanCache:
         with self._lock:
             self._plans.pop(key, None)
 
-    def get(self, key: PlanKey) -> tuple[Plan, float]:
+    def get(self, key: PlanKey, *, background: bool = False) -> tuple[Plan, float]:
         """The plan of `key` and the seconds spent making it (0 when it existed); ScoringError
-        (RESOURCE_EXHAUSTED, with the numbers) when it cannot fit the memory budget."""
+        (RESOURCE_EXHAUSTED, with the numbers) when it cannot fit the memory budget.
+
+        Requests' plans are made one at a time, server-wide (MAKING): a footprint is a process-wide reading. A
+        `background` plan (the tile canvas made once SERVING) starts when no request's plan is being made, and is
+        made outside MAKING: a request never waits behind it, unless for that very plan. A plan made beside another
+        is not measured (PLANS_BEING_MADE): the budget keeps its prediction."""
         plan = self._cached(key)
         if plan is not None:
             return plan, 0.0
-        with MAKING:  # one plan made at a time, server-wide: its footprint is a process-wide reading
-            plan = self._cached(key)  # made by another thread meanwhile
-            return (plan, 0.0) if plan is not None else self._make_measured(key)
+        while True:
+            with MAKING:
+                plan = self._cached(key)  # made by another thread meanwhile
+                if plan is not None:
+                    return plan, 0.0
+                with self._lock:
+                    beside = self._beside.get(key)
+                    if beside is None and background:
+                        beside = self._beside[key] = threading.Event()
+                        break  # made below, once MAKING is free for requests
+                if beside is None:
+                    return self._make_measured(key)
+            beside.wait()  # the background is making this very plan: sooner done than made again
+        try:
+            return self._make_measured(key)
+        finally:
+            with self._lock:
+                del self._beside[key]
+            beside.set()
 
     def _cached(self, key: PlanKey) -> Plan | None:
         with self._lock:
@@ -241,7 +270,10 @@ class PlanCache:
             LOG.info("%s: plan %s evicted (least recently used)", self._card.name, evicted)
             self.drop(evicted)
         try:
-            plan = self._make_on_gpu(key) if self._engine.on_gpu else self._make_on_cpu(key)
+            with PLANS_BEING_MADE.busy() as began:
+                alone = functools.partial(PLANS_BEING_MADE.alone_since, began)
+                make = self._make_on_gpu if self._engine.on_gpu else self._make_on_cpu
+                plan = make(key, alone=alone)
         except BaseException:
             self._memory.plan_evicted(key)
             raise
@@ -250,26 +282,31 @@ class PlanCache:
         self.made += 1
         return plan, time.monotonic() - started
 
-    def _make_on_gpu(self, key: PlanKey) -> Plan:
-        """A plan's session, run once, measured together (CUDA's arena keeps what the run took, per plan)."""
+    def _make_on_gpu(self, key: PlanKey, *, alone: Callable[[], bool]) -> Plan:
+        """A plan's session, run once, measured together (CUDA's arena keeps what the run took, per plan); the
+        reading is used when no other plan was made meanwhile (`alone`)."""
         plan, footprint = measure_footprint(lambda: self._warm(Plan(key, self._engine.session(self._graph(key)),
-                                                                    on_gpu=True)), on_gpu=True)
-        self._memory.plan_created(key, footprint.device_bytes)
+                                                                    on_gpu=True, runs=self._engine.runs)), on_gpu=True)
+        if alone():
+            self._memory.plan_created(key, footprint.device_bytes)
+        else:
+            LOG.debug("%s: plan %s measured while another plan was made: not used", self._card.name, key)
         return plan
 
-    def _make_on_cpu(self, key: PlanKey) -> Plan:
+    def _make_on_cpu(self, key: PlanKey, *, alone: Callable[[], bool]) -> Plan:
         """A plan's session on the model's shared weights, then its warm-up run, measured apart: what the session
         keeps (the weights new to the model are the model's, not the plan's) and what its run takes from the shared
-        arena, which the measurement starts empty (server.memory.runtime.measure_footprint)."""
+        arena, which the measurement starts empty (server.memory.runtime.measure_footprint); used when no other
+        work ran in the process meanwhile (HOST_ACTIVITY) and no other plan was made (`alone`)."""
         graph = self._graph(key)
         weights_before = self._weights.bytes
         session, built = measure_footprint(lambda: self._engine.session(graph, weights=self._weights), on_gpu=False)
         predicted_run = self._memory.terms(key.height, key.width, key.batch * len(key.passes.offsets)).per_run
-        plan = Plan(key, session, on_gpu=False, arena_bytes=predicted_run)
+        plan = Plan(key, session, on_gpu=False, arena_bytes=predicted_run, runs=self._engine.runs)
         _, ran = measure_footprint(lambda: self._warm(plan), on_gpu=False)
         own = built.host_bytes - (self._weights.bytes - weights_before)
         self._memory.weights_held = self._weights.bytes  # exact: what the shared values hold
-        if (built.host_shared or ran.host_shared or own < -MEASUREMENT_RESOLUTION_BYTES
+        if (built.host_shared or ran.host_shared or not alone() or own < -MEASUREMENT_RESOLUTION_BYTES
                 or ran.host_bytes < predicted_run // 2):
             # decoding beside it grew (or shrank) the resident set too, or memory was freed elsewhere meanwhile (a
             # run holds at least its live activations): admission keeps the prediction. A session a little below its

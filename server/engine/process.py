@@ -202,7 +202,8 @@ class EngineLoop:
 
     def _warm(self, message: Warm) -> None:
         try:
-            failures = self.core.warm(message.model, [plan_key(key) for key in message.keys])
+            failures = self.core.warm(message.model, [plan_key(key) for key in message.keys],
+                                      background=message.background)
         except ScoringError as error:
             failures = [error.message]
         self._answer(message.front, Warmed(message.call, failures))

@@ -9,9 +9,11 @@ so the engine's first CUDA session finds them without LD_LIBRARY_PATH (issue 29)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +22,7 @@ import onnxruntime
 from convert.cuda import INSTALL_HINT, cuda_free_bytes, driver_present, preload_libraries, why_no_cuda
 from convert.memory_model import Device
 from server.engine.shared_weights import SharedWeights, optimize
+from server.errors import Refusal, ScoringError
 from server.memory.arena import CPU_ARENA
 from server.memory.runtime import PREDICTABLE_CUDA_OPTIONS, first_cpu_run, predictable_session_options, warm_up_runtime
 from server.settings import Settings
@@ -73,7 +76,19 @@ _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(uint8)": np.uint8, "tensor(
                 "tensor(int64)": np.int64}
 
 
-def _first_run(session: onnxruntime.InferenceSession) -> None:
+@contextlib.contextmanager
+def stoppable(runs: onnxruntime.RunOptions | None) -> Iterator[None]:
+    """Around a run under `runs`: one ended by `Engine.stop_runs` raises ScoringError(UNAVAILABLE), the server's
+    word for a stopping server (onnxruntime's own is its generic Fail, which would read as a failed inference)."""
+    try:
+        yield
+    except Exception as error:
+        if runs is not None and runs.terminate:
+            raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down") from error
+        raise
+
+
+def _first_run(session: onnxruntime.InferenceSession, runs: onnxruntime.RunOptions) -> None:
     """A fixed-shape CPU session's first run, on zeros (server.memory.runtime.first_cpu_run says why);
     a session whose inputs are not all fixed is left alone."""
     feeds = {}
@@ -81,7 +96,7 @@ def _first_run(session: onnxruntime.InferenceSession) -> None:
         if value.type not in _NUMPY_TYPES or not all(isinstance(dim, int) for dim in value.shape):
             return
         feeds[value.name] = np.zeros(value.shape, _NUMPY_TYPES[value.type])
-    first_cpu_run(session, feeds)
+    first_cpu_run(session, feeds, runs)
 
 
 def cuda_device_present() -> bool:
@@ -111,6 +126,7 @@ class Engine:
         else:
             LOG.log(logging.WARNING if choice.surprising else logging.INFO, "%s", choice.reason)
         self.provider = CUDA if CUDA in choice.providers else CPU
+        self.runs = onnxruntime.RunOptions()  # every run of every plan, its first included: `stop_runs` ends them
         if not self.on_gpu:  # so the first plan's measured footprint is the plan's, not the runtime's first use
             warm_up_runtime([CPU])
             CPU_ARENA.idle_held_bytes = settings.max_idle_arena_bytes
@@ -118,6 +134,12 @@ class Engine:
     @property
     def on_gpu(self) -> bool:
         return self.provider == CUDA
+
+    def stop_runs(self) -> None:
+        """End the runs under way at their next node, and fail every later one (RunOptions.terminate): a server
+        that closes waits for no batch or plan's run, and a process exiting with a thread inside onnxruntime aborts
+        (std::terminate) instead of exiting 0."""
+        self.runs.terminate = True
 
     @property
     def device(self) -> Device:
@@ -166,7 +188,8 @@ class Engine:
             LOG.warning("%s; running on the CPU", why)
             self.provider = actual
         if not self.on_gpu:
-            _first_run(session)
+            with stoppable(self.runs):
+                _first_run(session, self.runs)
         return session
 
     @staticmethod

@@ -33,6 +33,7 @@ __all__ = ["RemoteClient", "ShmCanvases"]
 
 LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting call looks at its cancellation flag
+SEND_WAIT_MS = 2000  # how long a message waits for the engine's connection before the call is refused
 ENGINE_GONE = "the engine process is not running (it is being started again); retry shortly"
 
 
@@ -170,10 +171,10 @@ class RemoteClient(EngineClient):
                                       batch_id=done.batch_id)
         return ran
 
-    def warm(self, model: str, keys: Sequence[PlanKey]) -> list[str]:
+    def warm(self, model: str, keys: Sequence[PlanKey], *, background: bool = False) -> list[str]:
         call, pending = self._open()
-        self._send(Warm(self.front, call, model, [(k.height, k.width, k.batch, PassesSpec.of(k.passes)) for k in keys]),
-                   call)
+        self._send(Warm(self.front, call, model, [(k.height, k.width, k.batch, PassesSpec.of(k.passes)) for k in keys],
+                        background), call)
         warmed = self._wait(call, pending, deadline=None, cancelled=None)[0]
         assert isinstance(warmed, Warmed)
         return list(warmed.failures)
@@ -204,9 +205,17 @@ class RemoteClient(EngineClient):
 
     def _send(self, message, call: int | None, *, quiet: bool = False) -> None:
         """Send to the engine, or (unless `quiet`) refuse the call with UNAVAILABLE when no engine is connected."""
+        data = encode(message)
         try:
             with self._send_lock:
-                self._send_socket.send(encode(message), zmq.NOBLOCK)
+                try:
+                    self._send_socket.send(data, zmq.NOBLOCK)
+                except zmq.Again:
+                    # Not connected yet (the engine's facts come on its own connection, which may be up first) or
+                    # its queue full: a live engine takes it within moments, a gone one was heard going.
+                    if not (self._facts_known.is_set() and self._send_socket.poll(SEND_WAIT_MS, zmq.POLLOUT)):
+                        raise
+                    self._send_socket.send(data, zmq.NOBLOCK)
         except (zmq.Again, zmq.ZMQError):
             if call is not None:
                 with self._lock:

@@ -24,12 +24,15 @@ class HostActivity:
         self._begun = 0
 
     @contextlib.contextmanager
-    def busy(self) -> Iterator[None]:
+    def busy(self) -> Iterator[tuple[int, int]]:
+        """Counted as running until the block ends; yields the `mark` as it began, itself counted: equal to a
+        mark taken later in the block when no other work ran meanwhile, and (1, ...) when none ran as it began."""
         with self._lock:
             self._running += 1
             self._begun += 1
+            entered = self._running, self._begun
         try:
-            yield
+            yield entered
         finally:
             with self._lock:
                 self._running -= 1
@@ -38,6 +41,10 @@ class HostActivity:
         """(running now, begun so far): equal marks with none running mean none ran in between."""
         with self._lock:
             return self._running, self._begun
+
+    def alone_since(self, began: tuple[int, int]) -> bool:
+        """Inside the `busy` block that yielded `began`: no other work ran as it began, nor has since."""
+        return began[0] == 1 and self.mark() == began
 
 
 HOST_ACTIVITY = HostActivity()  # process-wide, as the resident set it guards is

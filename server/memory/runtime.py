@@ -142,15 +142,17 @@ def predictable_session_options(*, on_gpu: bool = False) -> onnxruntime.SessionO
     return options
 
 
-def first_cpu_run(session: onnxruntime.InferenceSession, feeds: dict[str, np.ndarray]) -> None:
+def first_cpu_run(session: onnxruntime.InferenceSession, feeds: dict[str, np.ndarray],
+                  runs: onnxruntime.RunOptions | None = None) -> None:
     """A CPU session's first run, after which the shared arena gives back what the run left free.
 
     onnxruntime records the memory pattern during a session's first run, which allocates buffer by
     buffer; the second run takes the pattern's one block from the arena. The arena extends by regions
     that are never merged, so without handing the first run's regions back it would keep both: a further
-    1.4x the live activations on top of the block (issues 22 and 33, server.memory.arena)."""
+    1.4x the live activations on top of the block (issues 22 and 33, server.memory.arena). `runs`: the options
+    it runs under (server.engine.providers.Engine.runs)."""
     from server.memory.arena import CPU_ARENA
-    session.run(None, feeds)
+    session.run(None, feeds, runs)
     CPU_ARENA.shrink()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -168,17 +169,25 @@ def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
 
 
 def warm_up(models: list[Model], scales: tuple[int, ...], engine: EngineClient,
-            score: Callable[[scoring_pb2.ScoreRequest], scoring_pb2.ScoreResponse]) -> None:
+            score: Callable[[scoring_pb2.ScoreRequest], scoring_pb2.ScoreResponse], *,
+            stop: threading.Event | None = None) -> None:
     """Make and run every configured plan of every model, then `score` a gray request at each offered stride;
-    ScoringError(UNAVAILABLE) naming every failure."""
+    ScoringError(UNAVAILABLE) naming every failure. Once `stop` is set (the server is stopping) it returns at the
+    next plan or request, with no error: a plan being made cannot be interrupted."""
+    stop = threading.Event() if stop is None else stop
     failures = []
     for model in models:
-        failures += engine.warm(model.name, configured_plans(model, scales))
+        for key in configured_plans(model, scales):
+            if stop.is_set():
+                return
+            failures += engine.warm(model.name, [key])  # any failure keeps the server NOT_SERVING, and says why
         if failures:
             continue
         scale = (scales or (model.default_scale,))[0]
         gray = np.full((scale, scale, 3), 128, dtype=np.uint8)
         for stride in model.strides:
+            if stop.is_set():
+                return
             request = scoring_pb2.ScoreRequest(
                 model=model.name, scales=[scale], output_stride=stride, return_maps=True,
                 raw=scoring_pb2.RawImage(data=gray.tobytes(), height=scale, width=scale, channels=3),
@@ -187,21 +196,26 @@ def warm_up(models: list[Model], scales: tuple[int, ...], engine: EngineClient,
                 score(request)
             except ScoringError as error:
                 failures.append(f"{model.name} at scale {scale} stride {stride}: {error.message}")
-    if failures:
+    if failures and not stop.is_set():  # stopping fails what was queued: no failure of the model's
         shown = failures[:WARM_UP_FAILURES_SHOWN]
         more = f"; and {len(failures) - len(shown)} more" if len(failures) > len(shown) else ""
         raise ScoringError(Refusal.UNAVAILABLE, "warm-up failed: " + "; ".join(shown) + more)
 
 
-def warm_up_tiles(models: list[Model], engine: EngineClient) -> None:
+def warm_up_tiles(models: list[Model], engine: EngineClient, *, stop: threading.Event | None = None) -> None:
     """Make and run every model's tile canvas plans (`tiled_plans`), which only images larger than every bucket
     use: the server does it once SERVING (2 s of its start-up for the default model on 2 cores), so a phone photo
-    arriving later makes no plan. A failure is logged: such an image makes the plan on demand, or is refused
-    with the reason."""
+    arriving later makes no plan. They are made in the background (server.engine.plans.PlanCache.get): a request's
+    own plan is never made behind one. A failure is logged: such an image makes the plan on demand, or is refused with the reason.
+    Once `stop` is set it returns at the next plan."""
     for model in models:
         for key in tiled_plans(model):
-            failed = engine.warm(model.name, [key])
+            if stop is not None and stop.is_set():
+                return
+            failed = engine.warm(model.name, [key], background=True)
             if failed:
+                if stop is not None and stop.is_set():
+                    return  # its run was ended: the server is stopping
                 LOG.warning("%s: tile canvas plan not made: %s", model.name, failed[0])
             else:
                 LOG.info("%s: tile canvas plan %s ready", model.name, key)

@@ -54,6 +54,8 @@ class Pipeline:
         self.settings = settings or Settings()
         self.metrics = metrics
         self._models: dict[str, Model] = {}
+        self._closing = threading.Event()  # set by `close`: a warm-up stops at its next plan
+        self._warming = threading.Lock()  # held by a warm-up while it makes or runs plans
         self._decoder = ThreadPoolExecutor(self.settings.decode_threads or os.cpu_count() or 1,
                                            thread_name_prefix="decode")
         core = None
@@ -101,12 +103,14 @@ class Pipeline:
     def warm_up(self) -> None:
         """Every configured plan of every model made and run, then a request scored at each offered stride;
         ScoringError(UNAVAILABLE) naming every failure, so health never says SERVING over a broken model."""
-        loading.warm_up(list(self._models.values()), self.settings.warm_up_scales, self.engine,
-                        lambda request: self.score(request, record=False))
+        with self._warming:
+            loading.warm_up(list(self._models.values()), self.settings.warm_up_scales, self.engine,
+                            lambda request: self.score(request, record=False), stop=self._closing)
 
     def warm_up_tiles(self) -> None:
         """Every model's tile canvas plans made and run (failures logged: loading.warm_up_tiles)."""
-        loading.warm_up_tiles(list(self._models.values()), self.engine)
+        with self._warming:
+            loading.warm_up_tiles(list(self._models.values()), self.engine, stop=self._closing)
 
     # --- queries ------------------------------------------------------------------------------
     def models(self) -> list[scoring_pb2.ModelSummary]:
@@ -196,7 +200,13 @@ class Pipeline:
                                     resize_filter=model.image.resize_filter, allocate=ticket.canvases.allocate)
 
     def close(self) -> None:
-        """Stop the engine (queued work fails with UNAVAILABLE) and the decoding threads."""
+        """Stop the engine (runs under way end at once, queued work fails with UNAVAILABLE), the warm-up and the
+        decoding threads. A warm-up stops at its next plan, and close waits for the one being made: a thread inside
+        onnxruntime when the process exits aborts it (std::terminate), a death by signal instead of the drain's
+        exit 0."""
+        self._closing.set()
         self.engine.close()
+        with self._warming:  # the plan a warm-up is making, done
+            pass
         self._models.clear()
         self._decoder.shutdown(wait=False, cancel_futures=True)

@@ -25,3 +25,12 @@ def test_cpu_per_refusal_is_what_the_answers_did_not_spend_per_refusal():
     assert level.cpu_per_refusal_ms(0.08) == pytest.approx(0.5)  # (8.2 s - 100 x 80 ms) / 400
     assert np.isnan(Resent(4, True, 10.0, ok_ms=np.full(100, 900.0), refused_ms=np.array([]), hinted=0, others={},
                            dropped=0, server_cpu_s=8.0, client_cpu_s=1.0).cpu_per_refusal_ms(0.08))
+
+
+def test_the_burst_photo_weighs_what_a_phone_photo_does_and_the_ratio_is_of_medians():
+    from bench.bench_overload import BURST_JPEG_BYTES, Burst, burst_photo
+
+    assert 0.8 * BURST_JPEG_BYTES < len(burst_photo()) < 1.2 * BURST_JPEG_BYTES
+    burst = Burst(1, full_ms=np.array([10.0, 30.0, 90.0]), unknown_ms=np.array([5.0, 20.0, 21.0]), rounds=[1.5],
+                  others={}, mixed_full_ms=np.array([4.0]), mixed_unknown_ms=np.array([8.0]))
+    assert burst.ratio == pytest.approx(1.5) and burst.mixed_ratio == pytest.approx(0.5)

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import time
 import sys
+import threading
 import urllib.request
 
 import grpc
@@ -20,6 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import scoring_pb2, scoring_pb2_grpc
 from server.main import StartRefused, main, model_sources, parse_args, settings_from
+from tests.server.conftest import raw_request
+from tests.tiny_models import heavy_net
 
 PIXELS = np.random.default_rng(5).integers(0, 256, (64, 64, 3), dtype=np.uint8)
 
@@ -147,6 +150,8 @@ def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_zero(kit, tin
             assert list(answers) == []
         assert process.wait(60) == 0 and "draining" in log.read_text()
     finally:
+        if channel is not None:
+            channel.close()
         if process.poll() is None:
             process.kill()
             process.wait()
@@ -451,3 +456,87 @@ def test_a_file_that_is_not_onnx_is_named_with_the_fix(tmp_path, capsys, content
     message = refusal([str(path), "--port", "0", "--no-warm-up"], capsys)
     assert f"{path} is not an ONNX file" in message and "scoremap-convert" in message, message
     assert "Wire format" not in message
+
+
+class Served:
+    """`scoremap-serve` in a subprocess with its stderr read as it comes, so a test can act at a moment it names."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.process = subprocess.Popen(serve_command() + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+        self.lines: list[str] = []
+        self._said = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            with self._said:
+                self.lines.append(line)
+                self._said.notify_all()
+        with self._said:
+            self.lines.append("")  # the end of stderr
+            self._said.notify_all()
+
+    def wait_for(self, words: str) -> None:
+        """Until stderr says `words` (the process ending first fails the test)."""
+        with self._said:
+            self._said.wait_for(lambda: any(words in line for line in self.lines) or "" in self.lines, timeout=300)
+            assert any(words in line for line in self.lines), "".join(self.lines)
+
+    @property
+    def log(self) -> str:
+        with self._said:
+            return "".join(self.lines)
+
+
+def slow_tile_canvas_net(path) -> str:
+    """A net whose 1024x1024 tile canvas plan takes a while to make (two runs of full-resolution 3x3 convolutions)
+    while its 64 px warm-up plans take little: background planning is still under way once SERVING."""
+    onnx.save(heavy_net(width=16, depth=2), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("moment", ["loading", "warming up", "planning in the background", "under load", "draining"])
+def test_sigterm_at_any_moment_ends_in_a_clean_exit_0(tmp_path, moment):
+    """SIGTERM while the models load, during the warm-up, just after SERVING while the tile canvas plan is made in
+    the background, with calls in flight, or again during the drain once its grace is over with batches running:
+    exit status 0 each time. A thread inside onnxruntime as the process exited aborted it (exit 134, issue 42)."""
+    grace = "0.2" if moment == "draining" else "10"
+    served = Served([slow_tile_canvas_net(tmp_path / "heavy.onnx"), "--port", "0", "--metrics-port", "0",
+                     "--intra-op-threads", "1", "--warm-up-scales", "64", "--tile-canvas", "1024x1024",
+                     "--grace-seconds", grace])
+    process, calls, channel = served.process, [], None
+    try:
+        if moment == "loading":
+            served.wait_for("starting: loading")
+        else:
+            line = process.stdout.readline()
+            assert "listening on" in line, served.log
+            port, metrics_url = int(line.rsplit(":", 1)[1]), process.stdout.readline().split()[-1]
+            if moment == "warming up":
+                served.wait_for("planned")  # the first warm-up plan is made; others follow
+            else:
+                served.wait_for("ready: health SERVING")  # the tile canvas plan is being made in the background
+        if moment in ("under load", "draining"):
+            channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+            stub = scoring_pb2_grpc.DenseScoringStub(channel)
+            pixels = np.random.default_rng(7).integers(0, 256, (512, 512, 3), dtype=np.uint8)
+            calls = [stub.Score.future(raw_request(pixels, scales=[512], request_id=str(n)), timeout=120)
+                     for n in range(3)]
+            while in_flight_calls(metrics_url) < 1:
+                time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        if moment == "draining":
+            served.wait_for("draining")
+            process.send_signal(signal.SIGTERM)  # impatient: a second one changes nothing
+        assert process.wait(300) == 0, served.log
+        for call in calls:  # answered, scored or refused, never failed inside the server
+            assert call.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), call.details()
+        assert "Traceback" not in served.log and "terminate called" not in served.log, served.log
+        assert "stopped" in served.log.splitlines()[-1], served.log
+    finally:
+        if channel is not None:
+            channel.close()
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -109,7 +109,7 @@ class CallLimits(ExemptingInterceptor):
 
     @contextlib.contextmanager
     def _slot(self, context: grpc.ServicerContext, request: Message | None, *, method: str) -> Iterator[None]:
-        key = functools.partial(message_key, method, request)
+        key = functools.cache(functools.partial(message_key, method, request))  # read at the door and in a hold: once
         if request is not None and self.pacer.refusing:
             woken = threading.Event()
             context.add_callback(woken.set)

@@ -258,9 +258,9 @@ def test_mixed_traffic_from_224_to_8000_px_runs_only_the_configured_plan_shapes(
     plans = pipeline.engine.served(pipeline._model("").name).plans
     get = plans.get
 
-    def recorded(key: PlanKey):
+    def recorded(key: PlanKey, **options):
         made.append(key)
-        return get(key)
+        return get(key, **options)
 
     plans.get = recorded
     sizes = [(224, 224), (300, 500), (480, 640), (1200, 900), (2000, 3000), (1200, 8000), (8000, 700)]
