@@ -500,7 +500,7 @@ def slow_tile_canvas_net(path) -> str:
 def test_sigterm_at_any_moment_ends_in_a_clean_exit_0(tmp_path, moment):
     """SIGTERM while the models load, during the warm-up, just after SERVING while the tile canvas plan is made in
     the background, with calls in flight, or again during the drain once its grace is over with batches running:
-    exit status 0 each time. A thread inside onnxruntime as the process exited aborted it (exit 134, issue 42)."""
+    exit status 0 each time, never 134 (a thread left inside onnxruntime as the process exits aborts it)."""
     grace = "0.2" if moment == "draining" else "10"
     served = Served([slow_tile_canvas_net(tmp_path / "heavy.onnx"), "--port", "0", "--metrics-port", "0",
                      "--intra-op-threads", "1", "--warm-up-scales", "64", "--tile-canvas", "1024x1024",
