@@ -143,7 +143,7 @@ class Edge:
             except Exception:
                 self.front.failed(call)
                 return JSONResponse({"error": f"{method} failed inside the server; its log says why",
-                                     "code": "UNKNOWN"}, status_code=500)
+                                     "code": call.code}, status_code=500)
             finally:
                 if place is not None:
                     place.leave()  # its place, given back, for a resend at the door
