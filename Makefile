@@ -15,7 +15,7 @@ EXTRAS := dev,triton,ray$(if $(filter 1,$(GPU)),$(comma)gpu)
 
 setup: $(BIN)/scoremap-convert $(CHROMIUM)
 
-# The viewer's browser test (tests/server/test_viewer.py) drives Debian's Chromium: Playwright never
+# The viewer's browser test (tests/server/edges/http/test_viewer.py) drives Debian's Chromium: Playwright never
 # downloads a browser. Installed when missing (as root, as CI runs on Debian).
 $(CHROMIUM):
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
@@ -30,7 +30,7 @@ $(BIN)/scoremap-convert: pyproject.toml $(VENV)/extras
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
 	# nvidia-pytriton pins numpy<2 for its Python-backend stub only: the stub gets its own small
-	# environment of this interpreter with numpy<2 (tests/server/test_triton_binding.py, README).
+	# environment of this interpreter with numpy<2 (tests/server/edges/test_triton_binding.py, docs/scale-out.md).
 	$(BIN)/pip install --quiet --no-deps nvidia-pytriton==0.7.0
 	$(BIN)/python -m venv --without-pip $(VENV)/triton-stub
 	$(BIN)/pip install --quiet --no-deps --target "$$($(VENV)/triton-stub/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" numpy==1.26.4 pyzmq==27.3.0

@@ -1,4 +1,4 @@
-"""Dense evaluation vs crops, and à trous vs literal shift-and-stitch (issue 2's speed targets).
+"""Dense evaluation vs crops, and à trous vs literal shift-and-stitch, against their speed targets.
 
 Every ratio is measured within this one run on the same machine: baseline and candidate alternate,
 and each side keeps its fastest run, so load on a shared machine hits both sides alike.

@@ -1,4 +1,4 @@
-"""CPU plans: their speed against onnxruntime's defaults, and their memory in the server's own process (issues 22, 33).
+"""CPU plans: their speed against onnxruntime's defaults, and their memory in the server's own process.
 
 * Speed: the default model's plan graph (server/engine/device_graph.py) at several plan shapes, run by a
   session made as the server makes it (server/engine/providers.py: `predictable_session_options` with the
@@ -279,7 +279,7 @@ def run() -> str:
     worst_held = max(abs(plan.held_ratio - 1) for _, plan in memory)
     memory_verdict = "met" if max(worst, worst_steady, worst_held) <= MEMORY_BOUND else "NOT met"
     return "\n".join([
-        "## CPU plans: speed against onnxruntime's defaults, memory in the server's own process (issues 22, 33)",
+        "## CPU plans: speed against onnxruntime's defaults, memory in the server's own process",
         "",
         "The CPU configuration: onnxruntime's default session options (its memory pattern on), one CPU arena for "
         "the whole process (server.memory.arena: each run takes its plan's block and hands it back), each plan's "

@@ -1,4 +1,4 @@
-"""`make bench-gpu`: the GPU engine against issue 29's targets, on the machine it runs on.
+"""`make bench-gpu`: the GPU engine against its targets (`TARGETS`), on the machine it runs on.
 
 Runs only where onnxruntime's CUDAExecutionProvider really loads (a session is made and its
 providers read back); elsewhere it says why and exits 0 without touching bench/RESULTS.md.
@@ -6,7 +6,7 @@ providers read back); elsewhere it says why and exits 0 without touching bench/R
 benchmark is known to work on a machine without a GPU; it prints the section and updates no results file.
 
 Each table is printed the moment it is measured, and appended to OUT_DIR/bench_gpu.md (`--out-dir`,
-else $OUT when set), so a run stopped by a time limit or killed keeps every table it finished (issue 29).
+else $OUT when set), so a run stopped by a time limit or killed keeps every table it finished.
 `--time-limit S` starts no table after S seconds and says which it left out. `--quick` measures fewer
 levels (1, 16 and 64 clients), shorter windows and three memory cases, under a 200-s limit, so it fits one
 10-minute call on a lent GPU machine together with the test suite; it updates bench/RESULTS.md only when
@@ -20,7 +20,7 @@ Measured (default model, samples/cat.jpg, scale 384):
   batching on (the GPU default) and off (max batch 1), through gRPC (create_server, and scoremap-loadtest's
   LoadTester: sending processes of their own, their latencies merged) and in-process (Pipeline.score from as
   many threads).
-Targets (issue 29, `verdicts`): gRPC req/s at 16 clients >= 80% of the batch-8 plan's device-bound img/s, grid
+Targets (`verdicts`): gRPC req/s at 16 clients >= 80% of the batch-8 plan's device-bound img/s, grid
 and à trous; 64 clients no slower than 16; p50 at 1 client <= the batch-1 plan's run + 3 ms; no request over
 100 ms at 16 clients; batching on never slower than off. A target whose level or plan the run left out is said to
 be not measured.
@@ -70,7 +70,7 @@ CUDA = "CUDAExecutionProvider"
 SCALE = 384
 RESIZED = resized_size(*reversed(Image.open(SAMPLE).size), scale=SCALE, multiple=32)  # (384, 576)
 TIMEOUT_S = 30.0
-SERVED_BATCH = 8  # issue 29 judges 16 clients against this batch's device-bound plan: every config measures it
+SERVED_BATCH = 8  # the targets judge 16 clients against this batch's device-bound plan: every config measures it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +100,7 @@ QUICK = Config(clients=(1, 16, 64), level_seconds=1.0, batches=(1, SERVED_BATCH)
                note="A --quick run: clients 1, 16 and 64, 1-s levels, batches 1 and 8, three memory cases.")
 QUICK_TIME_LIMIT_S = 200.0
 REPORT_FILE = "bench_gpu.md"
-# Issue 29's targets, and issue 9's for the plan against a bare loop.
+# The served engine's targets, and the plan's against a bare loop (docs/design.md: one session per shape).
 TARGETS = {"device_ratio": 0.8, "served_share": 0.8, "p50_1_over_run_ms": 3.0, "max_16_ms": 100.0}
 
 
@@ -244,8 +244,8 @@ def device_bound(scheme: Scheme, *, batch: int, engine: Engine, seconds: float) 
 # --- what a change of input shape costs a session ----------------------------------------------
 def shape_change_cost(model: str, *, engine: Engine, rounds: int) -> tuple[float, float]:
     """(median ms of a run at the shape the session ran last, median ms of a run at the other shape):
-    the plain converted net (symbolic N, H, W) alternating batch 1 and 2 at one canvas (issue 9's
-    first measured fact: 0.35-0.8 s per change on a CUDA session, none on the CPU)."""
+    the plain converted net (symbolic N, H, W) alternating batch 1 and 2 at one canvas (the fact
+    fixed-shape plans rest on: 0.35-0.8 s per change on a CUDA session, none on the CPU)."""
     card = read_card(model)
     image = ImageInput.of(card)
     session = engine.session(onnx.load(model).SerializeToString())
@@ -281,7 +281,7 @@ def in_process_loop(pipeline: Pipeline, request: scoring_pb2.ScoreRequest, *, co
                 pipeline.score(request, deadline=time.monotonic() + TIMEOUT_S)
                 status = "OK"
             except ScoringError as error:
-                status = error.code.name
+                status = error.refusal.name
             done = time.perf_counter()
             with lock:
                 samples.append(Sample(done, done - began, status))
@@ -335,7 +335,7 @@ def report_rows(scheme: str, batching: str, reports: Sequence[LevelReport]) -> l
 
 
 def verdicts(device: list[DeviceRate], results: dict[tuple[str, str], list[LevelReport]]) -> list[str]:
-    """One line per issue 29 target (and issue 9's plan against the bare loop): the measured values and met or
+    """One line per target (`TARGETS`, the plan against the bare loop included): the measured values and met or
     missed, or not measured (a level, a batching mode or a plan the run left out, as a time limit may)."""
     def grpc_level(scheme: str, batching: str, clients: int) -> LevelReport | None:
         return next((r for r in results.get((scheme, batching), []) if r.mode == "closed" and r.level == clients), None)
@@ -458,7 +458,7 @@ def measure(folder: str, config: Config, *, dry_run: bool, report: Report, clock
             report.add(f"Not measured, the time limit of {clock.limit_s:g} s having passed: {left}.")
             break
         report.add(step())
-    report.add("\n".join(["Issue 29 targets, on what was measured:", "", *verdicts(device, results)]))
+    report.add("\n".join(["Targets, on what was measured:", "", *verdicts(device, results)]))
 
 
 def run(*, dry_run: bool = False, config: Config | None = None, out_dir: str | os.PathLike | None = None,

@@ -1,4 +1,4 @@
-"""The halo as a trade-off (issue 20, item 3): difference from one pass, and compute, against the tile halo.
+"""The halo as a trade-off: difference from one pass, and compute, against the tile halo.
 
 Each sample is resized (shorter side `side`, sides multiples of 32) and scored once whole and then
 tile by tile through the in-process Pipeline (`scoremap-score --local`'s path) at stride 32, with

@@ -5,10 +5,10 @@ wall time less the plan's run (`timings.inference_ms`, the device's share; on th
 the plan's own pre- and post-processing run there too). With a model that does next to
 nothing (bench/models.py: a converted stride-32 classifier reading one pixel per cell), compared with PIL alone
 decoding and resizing the same image, alternated call by call so the shared machine's load hits
-both alike, each side's fastest call taken as its undisturbed cost (medians shown too); target
-(issue 9, item 5): host path <= 1.5x decode + resize.
+both alike, each side's fastest call taken as its undisturbed cost (medians shown too); target:
+host path <= 1.5x decode + resize.
 
-Served (issue 29): `scoremap-serve` with the null model in its own process, closed loops over gRPC; the
+Served: `scoremap-serve` with the null model in its own process, closed loops over gRPC; the
 server's CPU time per request (every server process counted, /proc), at 16 clients, stride 32 top-5 at 384
 (target <= 3 ms; the mean of CPU_PER_REQUEST_LEVELS levels), and batching on against off at 1 and 4 clients
 (target >= 0.95x; levels in BATCHING_ORDER, so that a drift in the machine's load hits both alike). About 4
@@ -128,7 +128,7 @@ def run() -> str:
         f"Target: host path <= {TARGET}x decode + resize (stride 32, top-5): {first:.2f}x, {verdict}.",
         "",
         "A JPEG's decode stage's CPU on the direct path (libjpeg-turbo straight into numpy, OpenCV's bilinear onto "
-        "the canvas) against PIL's (issue 29): cat.jpg enlarged to 384x576 {:.2f} against {:.2f} ms ({:.2f}x); sent "
+        "the canvas) against PIL's: cat.jpg enlarged to 384x576 {:.2f} against {:.2f} ms ({:.2f}x); sent "
         "at the size asked for (re-encoded at 384x576) {:.2f} against {:.2f} ms ({:.2f}x).".format(
             *enlarged, enlarged[0] / enlarged[1], *as_sent, as_sent[0] / as_sent[1]),
         "",
@@ -221,7 +221,7 @@ def served(*, alone_ms: float, seconds: float = SERVED_SECONDS) -> str:
     cpu_verdict = "met" if cpu_ms <= CPU_TARGET_MS else "missed"
     batching_verdict = "met" if min(ratios.values()) >= BATCHING_TARGET else "missed"
     return "\n".join([
-        "### Served over gRPC (issue 29)",
+        "### Served over gRPC",
         "",
         f"`scoremap-serve` with the null model in its own process (CPU provider), samples/cat.jpg at scale {SCALE}, "
         f"stride 32, top-5; closed loops of {seconds:.0f} s from this process, each on a server of its own; server "

@@ -1,4 +1,4 @@
-"""Memory: predicted vs measured, and a server's host memory idle and under load (issues 3, 14 and 33).
+"""Memory: predicted vs measured, and a server's host memory idle and under load.
 
 * `run()` (`make bench`): fp16 against fp32 bytes for the default model and a VGG16-style dense
   model; a default server idle after its warm-up and at the peak of 16 clients sending photos at its
@@ -33,7 +33,7 @@ from convert.precision import fp16_graph
 from convert.profile import profile_model
 from server.memory.runtime import cuda_used_bytes, measure_peak
 
-# The issue's acceptance bound on predicted / measured.
+# The acceptance bound on predicted / measured.
 BOUND = 0.25
 # The soak: how long the burst lasts (`make bench`; tests pass a few seconds), how many clients,
 # the image sizes (height, width) they send in turn, as JPEG, and the scales each request asks for
@@ -50,7 +50,7 @@ SOAK_SAMPLE_SECONDS = 0.1
 PSS_SAMPLE_EVERY = 10
 SERVER_START_SECONDS = 300
 # Idle after the default warm-up, and under load: 16 clients sending a 640x480 photo at the default model's default
-# scale (stride and everything else the request's defaults) for LOAD_SECONDS (issue 33's targets: idle PSS <= 350 MiB,
+# scale (stride and everything else the request's defaults) for LOAD_SECONDS (the targets: idle PSS <= 350 MiB,
 # the load's peak <= 1.5x idle).
 LOAD_CLIENTS = 16
 LOAD_SHAPES = ((480, 640),)
@@ -58,7 +58,7 @@ LOAD_SECONDS = 60
 IDLE_TARGET_MIB = 350
 LOAD_PEAK_TARGET = 1.5
 SOAK_IDLE_TARGET_MIB = 700
-# The CUDA measurements of issue 14: (side, batch) per model, as in convert.memory_model.CUDA_MEASUREMENTS.
+# The CUDA measurements the memory model was fitted on: (side, batch) per model, as in convert.memory_model.CUDA_MEASUREMENTS.
 GPU_CASES = {"default": ((224, 1), (384, 1), (384, 8), (1024, 1), (1024, 4)),
              "vgg16": ((224, 1), (384, 1), (384, 4), (768, 1))}
 VGG16_LAYOUT = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
@@ -256,7 +256,7 @@ def load_section(model_path: str, *, seconds: float = LOAD_SECONDS) -> str:
                 f"peak {'met' if ratio <= LOAD_PEAK_TARGET else 'NOT met'} (target <= {LOAD_PEAK_TARGET:g}x idle)")
     sizes = ", ".join(f"{w}x{h}" for h, w in LOAD_SHAPES)
     return "\n".join([
-        "### Idle after the default warm-up, and under load (issue 33)",
+        "### Idle after the default warm-up, and under load",
         "",
         f"`scoremap-serve` (default model, its default settings: on the CPU --max-batch 1, the default canvas buckets, "
         f"the warm-up's 10 plans), idle {SOAK_IDLE_SECONDS:g} s once SERVING; then {LOAD_CLIENTS} clients sending a "
@@ -296,7 +296,7 @@ def soak_section(model_path: str, *, seconds: float = SOAK_SECONDS) -> str:
 # --- the CUDA provider ------------------------------------------------------------------------
 
 def gpu_section(cases: dict[str, tuple[tuple[int, int], ...]] = GPU_CASES, *, default_model: str | None = None) -> str:
-    """Every term of the CUDA memory model, predicted and measured, for the issue-14 shapes (`cases`: (side,
+    """Every term of the CUDA memory model, predicted and measured, for the shapes it was fitted on (`cases`: (side,
     batch) per model, `bench_gpu --quick` measures three); a line saying why not where CUDA does not load (for
     `make bench-gpu`, bench/bench_gpu.py). `default_model`: the default model already converted, if at hand."""
     if cuda_used_bytes() is None or "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
@@ -366,7 +366,7 @@ def run() -> str:
         soak = soak_section(default_path)
 
     return "\n".join([
-        "## Memory: fp16 bytes and a server's host memory idle and under load (issues 3, 14 and 33)",
+        "## Memory: fp16 bytes and a server's host memory idle and under load",
         "",
         "The CPU prediction against the server's own process, and the CPU configuration's speed, are in "
         "bench_cpu_plans; the CUDA terms in bench_gpu.",

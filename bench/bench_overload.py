@@ -1,4 +1,4 @@
-"""Load shedding: what an overloaded server still delivers, and how fast it says no (issue 10, item 5).
+"""Load shedding: what an overloaded server still delivers, and how fast it says no.
 
 `scoremap-serve` in its own process (so the load generator's Python does not share the server's
 GIL), default model, samples/cat.jpg, scale 384, stride 32 (one pass), CPU, batching off (the CPU
@@ -15,12 +15,12 @@ Then clients that resend at once on any answer, refusals included (a naive retry
 balancer: a closed loop that ignores the retry hint), 16 and 64 of them, sending the same request again,
 against the same server (by default its refusals are paced by the calls it answers, and a resent request
 waits at the door for room) and against one that does neither (`UNPACED`: every refusal answered at once):
-goodput must stay >= 90% of capacity (issue 22, item 4), with the refusals answered per second and the
+goodput must stay >= 90% of capacity, with the refusals answered per second and the
 server CPU each costs.
 Then refusals in a burst: BURST_CALLS callers send one two-scale request of a photo (BURST_JPEG_BYTES or so) at
 once to a server with --queue-depth 2, and as many send the same bytes naming a model the server does not have;
 the queue-full refusal must cost at most BURST_RATIO_TARGET times the unknown-model one (median latency), which
-costs what reading the request costs (issue 42, item 3).
+costs what reading the request costs.
 The server runs without a per-peer call limit: one loopback address stands here for many clients.
 """
 
@@ -294,7 +294,7 @@ def refusal_bursts(stub: scoring_pb2_grpc.DenseScoringStub, model: str, *, round
 def burst_lines(burst: Burst) -> list[str]:
     said = "met" if burst.ratio <= BURST_RATIO_TARGET else "missed"
     return [
-        "### Refusals in a burst (issue 42, item 3)",
+        "### Refusals in a burst",
         "",
         f"{BURST_CALLS} callers at once (one channel, each its own thread) send one request of a {burst.jpeg_bytes:,} "
         f"byte JPEG at scales {' and '.join(map(str, BURST_SCALES))} to a server with --queue-depth {BURST_DEPTH} "
@@ -570,7 +570,7 @@ def run(*, capacity_seconds: float = CAPACITY_SECONDS, overload_seconds: float =
         f"plus it, as contention slows the work itself (alone: {own_ms:.0f} ms). Load average "
         f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores.",
         "",
-        "### Clients that resend at once (issue 22, item 4)",
+        "### Clients that resend at once",
         "",
         f"Closed loops whose callers send again as soon as they are answered, refusals included (the retry hint "
         f"ignored), each call's deadline {TIMEOUT_S:g} s, from one process on the same machine; {resend_seconds:g} s "

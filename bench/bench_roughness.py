@@ -1,4 +1,4 @@
-"""Row roughness of stride-16 maps: do the shifted passes band the map by row? (issue 9, item 4)
+"""Row roughness of stride-16 maps: do the shifted passes band the map by row?
 
 Per lattice row r, p(r) is the mean over the row's cells of one class's probability (softmax of
 the map's logits; the top class of the image's grid answer, the same class for every scheme);
@@ -156,8 +156,8 @@ def run() -> str:
         "",
         f"EfficientNet-Lite0, scale {SCALE}. Roughness = mean |p(r) - (p(r-1) + p(r+1))/2| of the top class's mean "
         "probability per lattice row (the grid answer's top class, the same for every scheme); crops: the classifier "
-        f"on {CROP}-px crops of the resized image at {CROP_STEP}-px steps. Lower is smoother; issue 9 measured 0.044 "
-        "(grid with edge-padded windows), 0.031 (crops) and 0.022 (à trous) on cat.jpg. Last column: à trous vs the "
+        f"on {CROP}-px crops of the resized image at {CROP_STEP}-px steps. Lower is smoother; for comparison, on cat.jpg: "
+        "0.044 with edge-padded windows instead of the mean-colour canvas, 0.031 (crops) and 0.022 (à trous). Last column: à trous vs the "
         "4-pass grid, mean / max |logit difference| over the cells centred on the same pixels (the net's receptive "
         "field spans the image, so no cell is interior and the two are not expected to agree to 1e-4).",
         "",

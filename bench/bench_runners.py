@@ -43,7 +43,7 @@ def run(*, seconds: float = SECONDS) -> str:
                         f"{cores_rate / one_rate:.2f}x | {cores_cpu:.1f} / {one_cpu:.1f} ms = "
                         f"{cores_cpu / one_cpu:.2f}x |")
     return "\n".join([
-        "## CPU runners: batches side by side (bench_runners, issue 29)",
+        "## CPU runners: batches side by side (bench_runners)",
         "",
         f"`scoremap-serve --cpu-runners {cores}` ({cores} batches at once, each on one onnxruntime thread) against "
         f"`--cpu-runners 1` (one batch at a time on every core): the default model, samples/cat.jpg at scale {SCALE}, "

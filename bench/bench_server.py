@@ -7,7 +7,7 @@ in-process Pipeline, alternated call by call so machine load hits both alike; ta
 Throughput: closed loop at concurrency 1, 4 and 16, batching on (max batch 8, 5 ms delay) vs off
 (max batch 1), rounds alternated, best of each kept.
 
-Against bare onnxruntime (issue 22): a gRPC Score at stride 32, scale 384, top-5, of a 512x600
+Against bare onnxruntime: a gRPC Score at stride 32, scale 384, top-5, of a 512x600
 portrait JPEG, against the same work done in-process by hand: PIL decode, resize to 384 on the
 shorter side, one run of the same converted net in a session with onnxruntime's default options,
 softmax and top-5; alternated call by call; target <= 1.15 on the fastest calls.
@@ -51,7 +51,7 @@ CONCURRENCY = (1, 4, 16)
 MIN_REQUESTS = 8  # per concurrency level: max(1, 8 // clients) requests per client
 ROUNDS = 2
 OVERHEAD_TARGET = 0.15
-BARE_TARGET = 1.15  # gRPC over the same work done by hand on onnxruntime's defaults (issue 22)
+BARE_TARGET = 1.15  # gRPC over the same work done by hand on onnxruntime's defaults
 PORTRAIT = (600, 512)  # height, width of the JPEG the bare comparison sends
 QUEUE_MS = 600_000.0
 TRANSPORT_REQUESTS = 24  # per level and transport: max(2, 24 // clients) requests per client
@@ -94,7 +94,7 @@ def latency(model: str, settings: Settings) -> tuple[list[float], list[float]]:
 
 
 def portrait_jpeg() -> bytes:
-    """samples/cat.jpg resized to a 512x600 portrait, as a JPEG (the issue's photo shape)."""
+    """samples/cat.jpg resized to a 512x600 portrait, as a JPEG (a phone photo's shape)."""
     image = Image.open(ROOT / "samples" / "cat.jpg").convert("RGB").resize(PORTRAIT[::-1], Image.Resampling.BILINEAR)
     buffer = io.BytesIO()
     image.save(buffer, format="JPEG", quality=90)

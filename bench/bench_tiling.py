@@ -1,4 +1,4 @@
-"""Gigapixel tiling (issue 20, item 6) on the CPU, or on the GPU with `--provider cuda` (issue 29): throughput,
+"""Gigapixel tiling on the CPU, or on the GPU with `--provider cuda`: throughput,
 memory against size, and exact vs overlap-averaged tiles.
 
 A synthetic tiled BigTIFF mosaic is written from the samples (JPEG tiles from a generator: bounded

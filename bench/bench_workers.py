@@ -1,4 +1,4 @@
-"""Served throughput against server processes (issue 29): `scoremap-serve --workers N`, batching on and off.
+"""Served throughput against server processes: `scoremap-serve --workers N`, batching on and off.
 
 The default model at its native stride (grid, 4 shifted passes for stride 16) and à trous, samples/cat.jpg at
 scale 384, stride 16, top-5, closed loops over gRPC at 1, 16 and 64 clients, each server in its own
@@ -92,7 +92,7 @@ def measure(model: str, scheme: str, *, provider: str, seconds: float, folder: p
 
 def run(*, seconds: float = SECONDS, provider: str = "auto", out=sys.stdout,
         configs: tuple[tuple[int, int], ...] = CONFIGS) -> str:
-    header = ["## Served by server processes (bench_workers, issue 29)", "",
+    header = ["## Served by server processes (bench_workers)", "",
               f"The default model, samples/cat.jpg at scale {SCALE}, stride {STRIDE}, top-5; `scoremap-serve --workers N "
               f"--max-batch B` on provider {provider}, closed loops of {seconds:g} s over gRPC from one "
               f"`scoremap-loadtest` command per level (its sending processes as many as it finds it needs, {CONNECTIONS} connections each, "

@@ -32,7 +32,7 @@ def converted(folder: str | pathlib.Path, *, output_stride: int = 32) -> str:
 def null_classifier() -> onnx.ModelProto:
     """A 32-px classifier that looks at one pixel of its input (a 1x1 pool at stride 32), global pool, a 3 -> 1000
     fully connected layer. Its 1000 logits per cell cost what any such model's last layer and softmax cost; a 32x32
-    average pool instead read every pixel, 0.25 ms at 384x576 (onnxruntime's profile, issue 29), which is the
+    average pool instead read every pixel, 0.25 ms at 384x576 (onnxruntime's profile), which is the
     model's work, not the server's."""
     weights = np.random.default_rng(0).normal(0, 0.01, (NULL_CLASSES, 3)).astype(np.float32)
     nodes = [

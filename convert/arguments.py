@@ -28,8 +28,8 @@ def size_pair(text: str) -> tuple[int, int]:
 def number_in(kind: type[int] | type[float], low: float | None = None, high: float | None = None):
     """An argparse type: `kind` (int or float) within [low, high] (None: unbounded on that side).
 
-    A bad value exits 2 with the flag named, before anything is loaded (issue 24: `--port 70000`
-    listened on 4464, `--max-batch 0` failed only in warm-up)."""
+    A bad value exits 2 with the flag named, before anything is loaded: unchecked, `--port 70000` would
+    listen on 4464 and `--max-batch 0` fail only in warm-up."""
     word = "an integer" if kind is int else "a number"
     bounds = ("" if low is None and high is None else f" from {low} to {high}" if low is not None and high is not None
               else f" >= {low}" if low is not None else f" <= {high}")

@@ -136,7 +136,7 @@ def save(model: onnx.ModelProto, path: str) -> None:
 
 def report_pixels(path: str, size: int) -> np.ndarray:
     """The --report image decoded whole and resized to size x size, float32 RGB: read before converting,
-    so a truncated or unreadable image fails at once, not after the conversion (issue 24)."""
+    so a truncated or unreadable image fails at once, not after the conversion."""
     import numpy as np
     from PIL import Image
 

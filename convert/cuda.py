@@ -5,7 +5,7 @@ see) and for the server's engine and memory measurements (server/memory/runtime.
 
 The CUDA runtime and cuDNN may come as wheels (onnxruntime-gpu's [cuda,cudnn] extras, the project's `gpu`
 extra: nvidia/cu13/lib, nvidia/cudnn/lib in site-packages), which the loader does not search. Before its first
-look, the probe has `onnxruntime.preload_dlls()` load them, once per process (issue 29); a library once loaded
+look, the probe has `onnxruntime.preload_dlls()` load them, once per process; a library once loaded
 answers to its name (libcudart.so.13), so neither this probe nor onnxruntime's CUDA provider needs
 LD_LIBRARY_PATH.
 """

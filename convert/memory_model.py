@@ -4,7 +4,7 @@
 
 `weights` and `live peak` come from the graph (convert.profile); the other terms are properties of
 the execution provider, each fitted on measurements of that provider and kept here with the
-numbers it was fitted on (issue 14):
+numbers it was fitted on:
 
 * CPU (onnxruntime 1.31, CPU provider, `server.memory.runtime.predictable_session_options`:
   onnxruntime's own defaults, its memory pattern on, one arena for the whole process
@@ -12,15 +12,15 @@ numbers it was fitted on (issue 14):
   optimized weights (server.engine.shared_weights); the allocator as `configure_allocator` sets it; the
   first run through `first_cpu_run`, as server/engine/providers.py makes every plan): a plan alone
   holds, from its second run on, weights + 1.1 x live peak + ~2 MiB, and no run after it takes more
-  (issue 22, CPU_MEASUREMENTS, measured in the server's own process when each plan kept its own
-  arena). The 1.1 is the memory pattern's block (onnxruntime's planner places buffers by first fit,
-  so the block exceeds the live peak) and the run's outputs; the ~2 MiB the session's own state and
+  (CPU_MEASUREMENTS, measured in the server's own process with an arena per plan). The 1.1 is the memory
+  pattern's block (onnxruntime's planner places buffers by first fit, so the block exceeds the live peak)
+  and the run's outputs; the ~2 MiB the session's own state and
   run workspace. Least squares over CPU_MEASUREMENTS gave 1.106 and 1.3 MiB; rounded, every case is
   within 5%. A server's first plan costs ~7 MiB more, once (the interpreter's and onnxruntime's
   first-use state), and making a plan peaks transiently above what it keeps (the plan graph built and
   optimized, the session loaded: bench_cpu_plans).
 
-  Several plans of one model share (issue 33, CPU_SHARED_MEASUREMENTS, the default warm-up's ten
+  Several plans of one model share (CPU_SHARED_MEASUREMENTS, the default warm-up's ten
   plans measured by the server itself): the weights are held once per model (`per_model`; as
   optimized they are the same bytes, 17.73 MiB against 17.70), each plan keeps 0.9-1.7 MiB of its
   own between runs (`per_plan`: the session state term), and a running batch takes 1.07-1.08 x live
@@ -94,11 +94,11 @@ PROVIDER_TERMS = {
     Device.CUDA: ProviderTerms(
         weight_copies=0.8, session_bytes=76 * MiB, workspace_bytes=66 * MiB, activation_factor=2.0, keeps_run_memory=True,
         fitted_on="cudaMemGetInfo, H100, onnxruntime-gpu 1.31.1 CUDA provider, EfficientNet-Lite0 dense and VGG16 "
-                  "dense, 224-1024 px, batch 1-8 (issue 14, CUDA_MEASUREMENTS)",
+                  "dense, 224-1024 px, batch 1-8 (CUDA_MEASUREMENTS)",
     ),
 }
 
-# The CPU measurements the terms were fitted on (issue 22; bench_cpu_plans on a 2-core AMD EPYC shared with
+# The CPU measurements the terms were fitted on (bench_cpu_plans on a 2-core AMD EPYC shared with
 # other work, onnxruntime 1.31.1): model, side, batch, passes, weights MiB, live activation peak MiB
 # (convert.profile of the net at side x side, batch x passes), VmRSS growth of the scoremap-serve
 # process at the plan's first request(s) MiB (a plan made after the server's first).
@@ -123,7 +123,7 @@ CPU_MEASUREMENTS = (
     ("VGG-width NHWC dense", 512, 4, 1, 16.0, 140.0, 176.3),
 )
 
-# The CPU plans of one server sharing their model's weights and one arena (issue 33; the default model's warm-up,
+# The CPU plans of one server sharing their model's weights and one arena (the default model's warm-up,
 # scoremap-serve's own measurement of each plan as it was made, onnxruntime 1.31.1, 2-core AMD EPYC): model, canvas
 # height, width, batch, passes, live activation peak MiB (convert.profile of the net at the canvas, batch x
 # passes), what the plan keeps of its own between runs MiB (RSS growth at its session's creation and first run,
@@ -154,7 +154,7 @@ INT8_CPU_MEASUREMENTS = (
     ("heavy_net int8", 448, 4, 82.7, 180.6),
 )
 
-# The CUDA measurements the terms were fitted on (issue 14): model, side, batch, weights MiB,
+# The CUDA measurements the terms were fitted on: model, side, batch, weights MiB,
 # live activation peak MiB (convert.profile at that size), device memory measured MiB.
 CUDA_MEASUREMENTS = (
     ("efficientnet-lite0 dense", 224, 1, 17.7, 6.3, 186),
@@ -192,7 +192,7 @@ class MemoryTerms:
 
     @property
     def transient(self) -> int:
-        """What a run needs and gives back when it returns: nothing on either provider now (the CPU's
+        """What a run needs and gives back when it returns: nothing on either provider (the CPU's
         and CUDA's arenas keep what the first runs grew them to); kept for a provider that frees."""
         if PROVIDER_TERMS[self.device].keeps_run_memory:
             return 0
@@ -203,7 +203,7 @@ class MemoryTerms:
         """What the session holds between runs once warmed up: what a footprint measures."""
         return self.total - self.transient
 
-    # --- what a server's plans (sessions of one model, one shape each) hold together (issue 33) ----------
+    # --- what a server's plans (sessions of one model, one shape each) hold together ----------------------
     @property
     def per_model(self) -> int:
         """Held once per model however many plans it has: its weights, where its plans share them."""

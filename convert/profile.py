@@ -1,7 +1,7 @@
 """Memory and compute profile of an ONNX graph for one input size, from the graph alone.
 
 Dense scoring multiplies activation memory with image size and batch, and running out of memory
-is how such services die (issue 3). This module predicts, before a request runs, the peak memory
+is how such services die. This module predicts, before a request runs, the peak memory
 onnxruntime will need for it:
 
     predicted_peak = weights + peak of simultaneously live activations + runtime allowance

@@ -1,6 +1,6 @@
 """`scoremap-export triton MODEL.onnx OUT/`: a Triton model repository for a converted graph.
 
-Fleets that already run NVIDIA Triton serve the dense graph there (issue 11, item 2): the graph
+Fleets that already run NVIDIA Triton serve the dense graph there: the graph
 itself (platform `onnxruntime_onnx`, H and W dynamic), its labels as Triton's label file, dynamic
 batching with the largest batch the memory profile (`convert.profile.largest_batch`, the numbers
 `scoremap-inspect` prints) fits in the GPU memory given, GPU instance groups, the CUDA or TensorRT

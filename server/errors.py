@@ -2,9 +2,10 @@
 and the reasons the stages share (a refusal, a transient one's retry hint, a queue's lack of room,
 a drop before compute).
 
-The core (pipeline, batcher, admission) says *why* with a `Refusal`; only the edges turn it into a
-status code: gRPC's (`ScoringError.code`, used by service.py and kserve.py) and HTTP's
-(server/edges/http/edge.py `http_status`), so no core module imports grpc or knows HTTP.
+The core (pipeline, admission, the engine) says *why* with a `Refusal`; only the edges turn it into a
+status code: gRPC's (server/edges/grpc/calls.py `status_code`) and HTTP's (server/edges/http/edge.py
+`http_status`), so neither this module nor any core module imports grpc or knows HTTP. A refusal whose words more
+than one module says (a full queue, a server shutting down) is made here, once.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ import enum
 import time
 from dataclasses import dataclass
 
-import grpc
-
 from protos import RETRY_AFTER_KEY
 
-__all__ = ["Dropped", "NoRoom", "RETRY_AFTER_KEY", "Refusal", "ScoringError", "Transient", "retry_after"]
+__all__ = ["Dropped", "NoRoom", "RETRY_AFTER_KEY", "Refusal", "ScoringError", "Transient", "invalid", "retry_after",
+           "shutting_down"]
 
 
 class Refusal(enum.Enum):
@@ -27,6 +27,7 @@ class Refusal(enum.Enum):
     NOT_FOUND = enum.auto()  # no such model
     RESOURCE_EXHAUSTED = enum.auto()  # too large for a limit, or (with a retry hint) overloaded for now
     UNAVAILABLE = enum.auto()  # shutting down or warming up
+    UNAUTHENTICATED = enum.auto()  # no bearer token, or the wrong one
     DEADLINE_EXCEEDED = enum.auto()
     CANCELLED = enum.auto()
     FAILED_PRECONDITION = enum.auto()  # the server cannot run this (no GPU when one is required)
@@ -82,6 +83,34 @@ class NoRoom:
     max_queue: float
     seconds_per_item: float  # the queue's, every runner busy
 
+    def refusal(self, *, deadline: float | None) -> ScoringError:
+        """The refusal of a request the queue has no room for, with a retry hint from the queue's pace
+        (`deadline`: the call's, time.monotonic(), for the words of a DEADLINE refusal)."""
+        if self.why is None:
+            return shutting_down()
+        if self.why is Transient.QUEUE_FULL:
+            return ScoringError(
+                Refusal.RESOURCE_EXHAUSTED,
+                f"queue full: {self.waiting} items waiting or decoding, this request adds {self.adding}, the limit "
+                f"is {self.depth} (--queue-depth); retry with backoff",
+                retry_after_seconds=retry_after(self.why, self.seconds_per_item * self.adding),
+            )
+        if self.why is Transient.QUEUE_WAIT:
+            kept = f" less {1000 * self.margin:.0f} ms kept as a margin for the estimate" if self.margin else ""
+            return ScoringError(
+                Refusal.RESOURCE_EXHAUSTED,
+                f"overloaded: the expected wait in the queue is {1000 * self.wait:.0f} ms, beyond --max-queue-ms "
+                f"({1000 * self.max_queue:.0f} ms){kept}; retry with backoff",
+                retry_after_seconds=retry_after(self.why, self.wait + self.margin - self.max_queue),
+            )
+        left = max(deadline - time.monotonic(), 0) if deadline is not None else 0
+        return ScoringError(
+            Refusal.RESOURCE_EXHAUSTED,
+            f"overloaded: the request would be done in about {1000 * self.done:.0f} ms, after the call's "
+            f"deadline ({1000 * left:.0f} ms from now); retry later or with a longer deadline",
+            retry_after_seconds=retry_after(self.why, self.wait),
+        )
+
 
 class Retry(enum.Enum):
     """Whether the same request may succeed later (vLLM's allocator answers so): LATER for a transient refusal
@@ -118,11 +147,6 @@ class ScoringError(Exception):
     def retry(self) -> Retry:
         return Retry.NEVER if self.retry_after_seconds is None else Retry.LATER
 
-    @property
-    def code(self) -> grpc.StatusCode:
-        """The gRPC status the edge answers with."""
-        return grpc.StatusCode[self.refusal.name]
-
     def __str__(self) -> str:
         return f"{self.refusal.name}: {self.message}"
 
@@ -130,3 +154,8 @@ class ScoringError(Exception):
 def invalid(message: str) -> ScoringError:
     """The request itself is wrong (INVALID_ARGUMENT): the same request never succeeds."""
     return ScoringError(Refusal.INVALID_ARGUMENT, message)
+
+
+def shutting_down() -> ScoringError:
+    """The server is draining or closed (UNAVAILABLE, no retry hint: this server will not have room again)."""
+    return ScoringError(Refusal.UNAVAILABLE, "the server is shutting down; retry on another replica")

@@ -37,7 +37,7 @@ __all__ = ["ScoringServer", "create_server"]
 LOG = logging.getLogger(__name__)
 # gRPC cuts off requests above its receive limit with its own words, before any code of ours runs;
 # set this many times above --max-message-bytes, the servicer refuses the requests in between with
-# a message that names the flag (issue 10, item 8). Larger ones still get gRPC's message.
+# a message that names the flag. Larger ones still get gRPC's message.
 RECEIVE_LIMIT_FACTOR = 2
 
 
@@ -179,7 +179,7 @@ def create_server(
                                    f"could not serve metrics on {where} (--metrics-port): {error.strerror}") from error
         grpc_server.start()
         http = None
-        if settings.http_port is not None:  # the HTTP face (issue 21): the same host, TLS and token
+        if settings.http_port is not None:  # the HTTP face: the same host, TLS and token
             from server.edges.http import serve as serve_http  # FastAPI is imported only when HTTP is on
 
             http = serve_http(front, host=address.rpartition(":")[0], port=settings.http_port, tls=tls, token=token,

@@ -1,10 +1,11 @@
 """Every setting of the server, each declared once: its default, its help, its group and its parser.
 
-The four groups are frozen dataclasses a module takes whole: the service edge (service.py, main.py),
-the request limits (admission), the batch policy (the batcher) and the engine (engine, plans, models).
-`Settings` is all four at once, so tests build one with keywords or `dataclasses.replace`.
-`scoremap-serve`'s flags and `--help` (`add_flags`) and the README's table (`markdown_table`, printed
-by `python -m server.settings`) are made from these declarations. Light: `--help` imports only this.
+The five groups are frozen dataclasses: address and security (server/edges/exposure.py), the service edge
+(server/edges/, server/serving.py), the request limits (server/scoring/), the batch policy (server/engine/batcher.py)
+and the engine (server/engine/: plans, providers, memory). `Settings` is all five at once, so tests build one with
+keywords or `dataclasses.replace`. `scoremap-serve`'s flags and `--help` (`add_flags`) and the settings table of
+docs/reference.md (`markdown_table`, printed by `python -m server.settings`, placed by `python -m docs.reference`)
+are made from these declarations. Light: `--help` imports only this.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ THREADS = number_in(int, 0)  # 0: let the library choose
 FRACTION = number_in(float, 0.01, 1.0)
 SECONDS = number_in(float, 0.001, 2_000_000)  # gRPC takes milliseconds in a C int
 MILLISECONDS = number_in(float, 0)
-# gRPC reads its message limits as C ints, and the receive limit is twice --max-message-bytes (server/main.py).
+# gRPC reads its message limits as C ints, and the receive limit is twice --max-message-bytes
+# (server/serving.py, RECEIVE_LIMIT_FACTOR).
 MESSAGE_BYTES = number_in(int, 1024, 2**30 - 1)
 
 
@@ -98,7 +100,7 @@ class ServiceEdge:
         parse=COUNT, metavar="N")
     reserved_workers: int = setting(
         2, "worker threads scoring calls may never take, so health probes are answered (and excess calls "
-        "refused at once, with a retry hint) while every other worker is busy (issue 10, item 4)",
+        "refused at once, with a retry hint) while every other worker is busy",
         parse=THREADS, metavar="N")
     max_calls_per_peer: int = setting(
         16, "calls one client address may have running at once (0: no limit), beyond: RESOURCE_EXHAUSTED; "
@@ -108,8 +110,8 @@ class ServiceEdge:
         6.0, "transient refusals (overloaded, retry later) answered at once per call answered over the last "
         "second, a second's worth at a time: an open loop up to 1 + N times capacity is refused at once; beyond "
         "this pace each refusal is held for its turn before it is answered, with its retry hint, so clients "
-        "that resend at once cannot spend on refusals the CPU scoring needs (issue 22, item 4; 0 with "
-        "--refusals-per-second 0: never held)", parse=number_in(float, 0), metavar="N")
+        "that resend at once cannot spend on refusals the CPU scoring needs (0 with --refusals-per-second 0: "
+        "never held)", parse=number_in(float, 0), metavar="N")
     refusals_per_second: float = setting(
         100.0, "the refusal pace's floor: this many refusals a second are always answered at once, however "
         "few calls are answered (a warming or draining server)", parse=number_in(float, 0), metavar="N")
@@ -125,8 +127,8 @@ class ServiceEdge:
     resend_memory_seconds: float = setting(
         10.0, "a request refused this recently that comes again, byte for byte, while the server is refusing, "
         "waits until a call gives back its place (at most --max-refusal-hold-ms, counted in --max-held-refusals) "
-        "instead of being refused again at once: clients that resend at once wait as in a queue (issue 22, "
-        "item 4; 0: every call goes straight on)", parse=number_in(float, 0), metavar="SECONDS")
+        "instead of being refused again at once: clients that resend at once wait as in a queue (0: every call "
+        "goes straight on)", parse=number_in(float, 0), metavar="SECONDS")
     stream_window: int = setting(4, "requests of one ScoreStream scored at once (answers stay in order)",
                                  parse=COUNT, metavar="N")
     stream_idle_seconds: float = setting(
@@ -174,7 +176,7 @@ class ServiceEdge:
     workers: int = setting(
         1, "server processes sharing --port and --http-port (SO_REUSEPORT; the kernel spreads connections), each "
         "with its own interpreter, batcher and plans and 1/N of the memory budgets, so per-request Python work "
-        "scales past one GIL (issue 29); metrics: one port per process from --metrics-port on",
+        "scales past one GIL; metrics: one port per process from --metrics-port on",
         parse=number_in(int, 1, 64), metavar="N")
     reuse_port: bool = setting(False, "bind --port and --http-port with SO_REUSEPORT, so other processes may serve "
                                "the same port (set by --workers for each of its processes)")
@@ -202,7 +204,7 @@ class ServiceEdge:
         return self.grpc_workers - self.reserved_workers
 
     def check_call_limits(self) -> None:
-        """ValueError when the call limits would let calls hold every worker (issue 10, item 4)."""
+        """ValueError when the call limits would let calls hold every worker."""
         if self.scoring_workers < 1:
             raise ValueError(f"--reserved-workers {self.reserved_workers} leaves none of the {self.grpc_workers} "
                              "--grpc-workers for scoring calls; reserve fewer, or give more workers")
@@ -228,14 +230,14 @@ class RequestLimits:
     max_scale: int | None = setting(
         None, "largest target shorter side, in pixels: a cap, when you want one. Without it a request may ask "
         "for any scale, up to its image's own size and beyond, that its own host memory estimate "
-        "(--max-request-host-bytes) and response (--max-message-bytes) allow (issue 31)", parse=COUNT, metavar="N",
+        "(--max-request-host-bytes) and response (--max-message-bytes) allow", parse=COUNT, metavar="N",
         shown="off")
     max_resized_pixels: int | None = setting(
         None, "resized images above this many pixels are refused (INVALID_ARGUMENT naming the largest scale "
         "within it): a cap, when you want one. Not a plan's size: an image larger than every canvas bucket is "
         "tiled onto one (--halo). Without it each request is held to its own host memory estimate, tiles "
         "included, and its response to --max-message-bytes, both refused with RESOURCE_EXHAUSTED naming what "
-        "would fit (issue 31)", parse=COUNT, metavar="N", shown="off")
+        "would fit", parse=COUNT, metavar="N", shown="off")
     max_request_host_bytes: int = setting(
         DEFAULT_MAX_REQUEST_HOST_BYTES, "host memory one request may hold (image, resized copies, model inputs, "
         "maps), estimated from the image header before decoding: above it RESOURCE_EXHAUSTED with every term and "
@@ -261,7 +263,7 @@ class BatchPolicy:
     max_queue_delay_ms: float = setting(
         0.0, "how long the first image of a batch may wait for others of its canvas; at 0 batching is work-conserving: "
         "a batch starts the moment the model's runner is free, carrying whatever queued while it ran (Triton's "
-        "default; a wait held a lone image 5 ms while the device idled: issue 29)", parse=MILLISECONDS, metavar="MS")
+        "default; a wait holds a lone image while the device idles: docs/design.md)", parse=MILLISECONDS, metavar="MS")
     queue_depth: int = setting(128, "images (a scale or its mirror) waiting or decoding per model; beyond it "
                                "RESOURCE_EXHAUSTED \"queue full\", retry with backoff", parse=COUNT, metavar="N")
     max_queue_ms: float = setting(
@@ -314,7 +316,7 @@ class EngineOptions:
     halo: int | None = setting(
         None, "pixels of context each side of a tile's owned cells when an image larger than every canvas bucket "
         "is tiled onto one; below the exact halo (half the model's receptive field) seams may differ from one "
-        "pass (README: the halo table); every tiled answer states its halo and whether it is exact",
+        "pass (docs/large-images.md: the halo); every tiled answer states its halo and whether it is exact",
         parse=number_in(int, 0), metavar="PX", shown="exact: half the model's receptive field")
     tile_canvas: tuple[int, int] = setting(
         (2048, 2048), "when --halo fits no bucket: an image no bucket holds is planned on demand up to this many "
@@ -370,7 +372,7 @@ class Settings(Exposure, ServiceEdge, RequestLimits, BatchPolicy, EngineOptions)
                              "processes: give one (--fronts on a GPU: one engine for every front)")
 
     def check_scales(self) -> None:
-        """--min-scale above --max-scale, or a warm-up scale outside them, before any model loads (issue 24)."""
+        """--min-scale above --max-scale, or a warm-up scale outside them, before any model loads."""
         least, most = self.min_scale or 1, self.max_scale
         if most is not None and least > most:
             raise ValueError(f"--min-scale {least} is above --max-scale {most}: no scale could be asked for; "
@@ -394,7 +396,7 @@ def flag(declared: dataclasses.Field) -> str:
 
 
 def described(declared: dataclasses.Field) -> str:
-    """What a setting's flag does: a --no-NAME flag turns off what the setting's help describes (issue 24)."""
+    """What a setting's flag does: a --no-NAME flag turns off what the setting's help describes."""
     if declared.default is True:
         name = declared.name.replace("_", "-")
         return f"turn {name} off (on by default: {declared.metadata['help']})"
@@ -428,7 +430,7 @@ def from_flags(args: argparse.Namespace) -> Settings:
 
 
 def markdown_table() -> str:
-    """The README's table of settings, group by group."""
+    """The settings table of docs/reference.md, group by group."""
     lines = ["| setting | default | what it does |", "| --- | --- | --- |"]
     for title, group in GROUPS.items():
         lines.append(f"| **{title}** | | |")

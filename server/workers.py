@@ -1,7 +1,7 @@
-"""`--workers N`: N server processes on one port, so the per-request Python work scales past one GIL (issue 29).
+"""`--workers N`: N server processes on one port, so the per-request Python work scales past one GIL.
 
-Measured on an H200 before this: one process answered 200-290 requests a second at most while its plans ran
-383-1753 images a second, its request path holding the GIL 3-4 ms a request. As LitServe's
+Measured on an H200: one process answers 200-290 requests a second at most while its plans run 383-1753 images
+a second, its request path holding the GIL 3-4 ms a request (docs/design.md: server processes). As LitServe's
 `workers_per_device` and gunicorn do, this process only supervises: it reserves the ports, starts N
 `scoremap-serve` processes that bind them with SO_REUSEPORT (the kernel spreads connections over them),
 each with its own interpreter, batcher and plans and 1/N of the memory budgets (`--budget-share`), prints

@@ -131,7 +131,6 @@ def test_the_citation_pattern_finds_what_it_should():
     assert not citations("viridis #440154ff, [x](design.md#exact-tiles), `#1`, #ffcc00, request id '#12'")
 
 
-@pytest.mark.xfail(strict=False, reason="source sweep pending")
 def test_no_source_file_cites_an_issue_number():
     sources = [path for folder in SOURCE_FOLDERS for pattern in ("*.py", "*.proto")
                for path in sorted((ROOT / folder).rglob(pattern))]
@@ -139,7 +138,6 @@ def test_no_source_file_cites_an_issue_number():
     assert not found, f"{len(found)} citations of the tracker in the sources:\n" + "\n".join(found)
 
 
-@pytest.mark.xfail(strict=False, reason="source sweep pending")
 def test_no_help_text_cites_an_issue_number():
     found = []
     for command, entry in reference.commands().items():

@@ -1,4 +1,4 @@
-"""The layout is the architecture (issue 30): imports flow one way, and server/'s modules stay one concept each."""
+"""The layout is the architecture: imports flow one way, and server/'s modules stay one concept each."""
 
 from __future__ import annotations
 

@@ -90,7 +90,7 @@ def heavy_net(*, classes: int = 4, width: int = 48, depth: int = 3) -> onnx.Mode
 CUDA = "CUDAExecutionProvider"
 # onnxruntime's CUDA provider computes convolutions in TF32: 10 mantissa bits per product (~5e-4 relative),
 # so a sum's error follows the size of its terms, not of the result, and which cuDNN algorithm runs (its
-# order of summation) changes with the input shape and the batch size. Measured on an H200 (issue 29): the
+# order of summation) changes with the input shape and the batch size. Measured on an H200: the
 # heavy net's logits near 15 differed by 0.037 between two canvas sizes, 2.5e-3 of their magnitude.
 TF32_RTOL = 2e-3
 TF32_ATOL_OF_PEAK = 3e-3  # x the largest |value| compared: the sums' scale
@@ -110,7 +110,7 @@ def tolerance(runs_on, expected=None) -> dict[str, float]:
 def assert_same_top_k(got, expected, provider: str) -> None:
     """Two top-k lists (of .index and .probability) agree: each class's probability within `provider`'s
     tolerance, and the same order except between classes whose probabilities tie within it (under TF32 a
-    batch of several images and a batch of one can rank a near tie either way, issue 29)."""
+    batch of several images and a batch of one can rank a near tie either way)."""
     close = tolerance(provider)
     assert len(got) == len(expected)
     for rank, (mine, theirs) in enumerate(zip(got, expected)):

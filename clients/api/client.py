@@ -60,7 +60,7 @@ def explained(error: ScoremapError, request: scoring_pb2.ScoreRequest) -> Scorem
 
     A path (or a PIL image still holding its file) goes encoded, and the server decodes a large JPEG only
     to the size the scales need; the pixels of an array or a decoded image cannot shrink that way
-    (issue 24: a 24-megapixel image object was refused where its file scored)."""
+    (a 24-megapixel image object sent as pixels is refused where its file scores)."""
     if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or error.retry_after_s is not None or not request.HasField("raw"):
         return error  # a transient refusal (a full queue) is no matter of size
     raw = request.raw

@@ -3,8 +3,7 @@
 Every pixel takes the colour of the cell whose centre is nearest (MapGeometry: centre = center +
 i * stride), so each cell covers the stride-sized box around its centre and the border cells
 reach out to the photo's edges: the whole photo is coloured, where painting only the boxes
-around the centres would leave a band of half a receptive field uncoloured on every side (issue
-12), and the overlay lines up with the photo at any scale, shift or stride. The legend says so.
+around the centres would leave a band of half a receptive field uncoloured on every side, and the overlay lines up with the photo at any scale, shift or stride. The legend says so.
 Small photos are enlarged (by a whole factor, nearest neighbour) so the legend stays readable.
 The colormap is viridis, interpolated from nine stops: perceptually uniform and
 readable by colour-blind viewers, and not worth a matplotlib dependency for one lookup table.
@@ -31,7 +30,7 @@ _VIRIDIS = np.array([
 # How much of the map colour shows over the photo.
 OVERLAY_ALPHA = 0.55
 # Cells no pass scored (NaN: a diagonal shift's quincunx holes) are drawn in this neutral grey, which is
-# no colour of viridis, so a hole never reads as a low score (issue 24); the legend says so.
+# no colour of viridis, so a hole never reads as a low score; the legend says so.
 HOLE_COLOUR = (128, 128, 128)
 # Legend text height as a fraction of the photo's shorter side (bounded below for small photos).
 LEGEND_TEXT_FRACTION = 1 / 22
@@ -95,14 +94,14 @@ def canvas_scale(width: int, height: int) -> int:
 
 def _nearest_cells(size: int, factor: int, center: float, stride: float, cells: int) -> np.ndarray:
     """For each canvas pixel along one axis, the index of the cell whose centre is nearest."""
-    photo_pixels = (np.arange(size) + 0.5) / factor - 0.5  # pixel i is centred at i (README)
+    photo_pixels = (np.arange(size) + 0.5) / factor - 0.5  # pixel i is centred at i (docs/concepts.md)
     return np.clip(np.round((photo_pixels - center) / stride), 0, cells - 1).astype(np.intp)
 
 
 def render_heatmap(photo: Image.Image, result: ScoreResult) -> Image.Image:
     """`photo` (the scored image, original size) with the top class's map overlaid and a legend,
     enlarged by canvas_scale() when it is small. The photo is converted to RGB as the server converts
-    it for scoring (16-bit scaled, not clipped: issue 24), so the map lies over the image that was scored."""
+    it for scoring (16-bit scaled, not clipped), so the map lies over the image that was scored."""
     photo = open_photo(photo)
     if (photo.height, photo.width) != (result.image_height, result.image_width):
         raise HeatmapError(

@@ -73,8 +73,8 @@ def _array_pixels(array: np.ndarray) -> np.ndarray:
     A one-channel array is the image PIL's `Image.fromarray` makes of it (bool: mode 1, uint16: I;16,
     other ints: I, floats: F), converted by the server's own rule (server/scoring/imaging.py `to_rgb`: 16 bits
     scaled, floats clipped). uint16 colour is what PIL reads from a 16-bit RGB(A) PNG: the high byte.
-    Other colour dtypes are accepted only when every value is a whole number in 0..255 (issue 24: a
-    16-bit image sent as-is scored as noise)."""
+    Other colour dtypes are accepted only when every value is a whole number in 0..255 (a
+    16-bit image sent as-is would score as noise)."""
     _check_shape(array)
     if array.dtype == np.uint8:
         return array
@@ -120,8 +120,8 @@ def _held_file(image: Image.Image) -> bytes | None:
     image; None otherwise (the object goes as its pixels).
 
     Sent as its file, a large JPEG is decoded by the server in draft mode, down to the size the scales need,
-    so the object scores as its path does (issue 24: its full pixels gave other scores, and 24 MP of them
-    outgrew the message limit). Undecoded (`tile` still set) means unchanged: PIL decodes before any pixel
+    so the object scores as its path does (its full pixels would give other scores, and 24 MP of them
+    outgrow the message limit). Undecoded (`tile` still set) means unchanged: PIL decodes before any pixel
     edit, and `draft`, another frame or a rewritten file change the header compared here."""
     fp = getattr(image, "fp", None)
     if not isinstance(image, ImageFile.ImageFile) or not image.tile or fp is None or image.tell() != 0:

@@ -170,7 +170,7 @@ def _geometry(g: scoring_pb2.MapGeometry) -> Geometry:
 
 def _untrustworthy(message: str) -> ScoremapError:
     return ScoremapError(grpc.StatusCode.INTERNAL,
-                         f"the response carries {message}; it is not used (issue 10: every answer must be finite). "
+                         f"the response carries {message}; it is not used (every answer must be finite). "
                          "Report the image and options to the server's maintainers, and score it again with "
                          "--retry-failed once the server is fixed")
 

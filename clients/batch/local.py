@@ -11,6 +11,8 @@ import threading
 import time
 from typing import Sequence
 
+import grpc
+
 from clients.api.errors import ScoremapError
 from clients.api.retry import Backoff, Retrying, call_with_retries
 from clients.api.settings import ClientSettings
@@ -74,4 +76,5 @@ class LocalScorer:
 
 
 def _translated(error: ScoringError) -> ScoremapError:
-    return ScoremapError(error.code, error.message, retry_after_s=error.retry_after_seconds)
+    """The error a gRPC client would get: each Refusal is named after its gRPC status."""
+    return ScoremapError(grpc.StatusCode[error.refusal.name], error.message, retry_after_s=error.retry_after_seconds)

@@ -2,7 +2,7 @@
 
 A mistake that concerns the run rather than a file (two models loaded and none named, a stride
 the model cannot give, scales out of range) would otherwise come back once per image: a
-10,000-image folder would get 10,000 failure records (issue 12). ListModels tells what each
+10,000-image folder would get 10,000 failure records. ListModels tells what each
 model accepts (ModelSummary: output_strides, min_scale, max_scale, default_scale); fields a
 server leaves empty (max_scale 0: no cap) are not checked here (the server still checks every request).
 """
@@ -58,7 +58,7 @@ def check_run(models: Sequence[scoring_pb2.ModelSummary], options: ScoreOptions)
                              f"for {strides[0]})")
         stride = stride or strides[0]
     scales = tuple(options.scales)
-    # max_scale 0: no cap, the server sizes each request by its own memory and response (issue 31).
+    # max_scale 0: no cap, the server sizes each request by its own memory and response.
     outside = [s for s in scales if s < model.min_scale or model.max_scale and s > model.max_scale]
     if outside:
         takes = f"{model.min_scale} to {model.max_scale}" if model.max_scale else f"from {model.min_scale}"

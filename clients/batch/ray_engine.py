@@ -46,10 +46,10 @@ log = logging.getLogger(__name__)
 # Files one actor call scores: small enough that a lost actor costs little, large enough that
 # Ray's per-call overhead (milliseconds) stays far below the scoring time of the batch.
 FILES_PER_BATCH = 16
-# Ray otherwise sends its internal traffic over the primary interface (issue 11, item 3); and a local
+# Ray otherwise sends its internal traffic over the primary interface; and a local
 # Ray's control store gets 120 s to start rather than 30, which a loaded 2-core machine overran.
 LOCAL_CLUSTER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_gcs_server_port_wait_time_s": "120"}
-# Ray's own logging, down to what matters to a user of scoremap-score (issue 24: ~30 lines for two images):
+# Ray's own logging, down to what matters to a user of scoremap-score (left alone, ~30 lines for two images):
 # its Python loggers to errors, Ray Data's progress off (the command has its own), and its C++ core to fatal,
 # whose one error on every run ("constructor arguments in the object store and max_restarts > 0") is moot
 # here, since Ray Data holds those arguments for the whole run. A value set in the environment is kept.

@@ -155,7 +155,7 @@ def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
 
 def output_name(relative: Path, extension: str) -> Path:
     """An output's path for the image at `relative`: its suffix joins the name (`coffee.jpg` -> `coffee_jpg.png`),
-    so outputs carry one extension (issue 24: `coffee.png.png`) and `x.jpg` and `x.png` still get two names."""
+    so outputs carry one extension (never `coffee.png.png`) and `x.jpg` and `x.png` still get two names."""
     name = f"{relative.stem}_{relative.suffix[1:]}" if relative.suffix else relative.name
     return relative.with_name(name + extension)
 
@@ -213,7 +213,7 @@ def score_one(image: ImageFile, scorer: Scorer, options: ScoreOptions, out_dir: 
         record.update(result.to_record())
         outputs = _output_files(image, maps=maps, heatmaps=heatmaps)
         # Every output is made before any is written, and a failed write takes back the others: a file
-        # recorded as failed has no outputs (issue 24: a failed heatmap left its .npz behind).
+        # recorded as failed has no outputs (a failed heatmap leaves no .npz behind).
         made = {}
         if maps:
             made[outputs["maps_file"]] = _npz_bytes(result.map_arrays())
@@ -269,8 +269,8 @@ def _remove_output(out: Path, name: str) -> None:
 
 def forget_other_options(out: Path, options_id: str) -> None:
     """Remove the records of other options than `options_id`, and the outputs they name (only those: other
-    files in the folder are the user's), so after --force-new-options only the new options' results stay
-    (issue 24). Outputs go first, so a run killed in between leaves records naming nothing, which the next run
+    files in the folder are the user's), so after --force-new-options only the new options' results stay.
+    Outputs go first, so a run killed in between leaves records naming nothing, which the next run
     removes (it gets here with the new options stored, forced or not)."""
     results = out / RESULTS_NAME
     records = list(read_records(results).values())

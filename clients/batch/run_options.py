@@ -1,7 +1,7 @@
 """The options a batch run scores with, stored in its output folder (OUT/options.json).
 
 A re-run into the same folder skips what is recorded; under other options that would leave the
-old results in place while looking finished (issue 12). So the folder remembers its options: a
+old results in place while looking finished. So the folder remembers its options: a
 re-run with different ones is refused, naming them, unless the user asks for the new options
 (--force-new-options), in which case files recorded under other options are scored again.
 Each record carries the fingerprint of the options it was made with.

@@ -2,7 +2,7 @@
 
     scoremap-score PATHS... --out DIR (--server HOST:PORT | --local MODEL.onnx) [options]
 
-Exit status (documented in --help and the README):
+Exit status (documented in --help and docs/clients.md):
     0  every file found is scored (in this run or an earlier one)
     1  some files failed, in this run or an earlier one; each is recorded in results.jsonl with its status
     2  bad command line: no images found, options the model cannot take (checked once, before
@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=number_in(int, 0), default=5, help="image-level classes recorded (default 5)")
     parser.add_argument("--maps", action="store_true", help="write OUT/maps/<file>.npz score maps")
     parser.add_argument("--heatmaps", action="store_true", help="write OUT/heatmaps/<file>.png heatmaps")
-    parser.add_argument("--map-dtype", choices=sorted(MAP_DTYPES), default="float32")
+    parser.add_argument("--map-dtype", choices=sorted(MAP_DTYPES), default="float32",
+                        help="the dtype --maps are sent and written in: float16 halves their bytes, to about 3 "
+                             "significant digits (default float32)")
     parser.add_argument("--concurrency", type=number_in(int, 1), default=4, help="requests in flight (default 4)")
     parser.add_argument("--timeout", type=number_in(float, MIN_TIMEOUT_S), default=ClientSettings.timeout_s,
                         help=f"deadline per image, seconds (default {ClientSettings.timeout_s:g})")
@@ -157,7 +159,7 @@ def _advice(error: ScoremapError) -> str:
 
 def _path_error(error: OSError, args: argparse.Namespace) -> str:
     """An OSError of the run as one line naming the flag whose path failed, and the fix (a bare `[Errno 2]`
-    named neither: issue 24)."""
+    names neither)."""
     failed = Path(error.filename) if error.filename else None
     reason = error.strerror or str(error)
     if failed is not None and (failed == args.out or failed in args.out.parents or args.out in failed.parents):

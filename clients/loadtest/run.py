@@ -89,7 +89,7 @@ def load_inputs(folder: str | None, sizes: Sequence[tuple[int, int]], options: S
                 limits: LoadLimits) -> Inputs:
     """The requests cycled through: the first `limits.max_inputs` usable images of `folder` (encoded),
     else synthetic ones (raw). A file that does not decode as the server would decode it is skipped and
-    named, not sent: a real photo folder with one bad file stays usable (issue 24), and no request
+    named, not sent: a real photo folder with one bad file stays usable, and no request
     of the measurement is an error of the input's making."""
     if not folder:
         return Inputs([build_request(image, options) for image in synthetic_images(sizes)], [])

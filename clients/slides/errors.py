@@ -1,4 +1,4 @@
-"""The one error of reading a large image, and the kind that spoils one tile only (issue 32)."""
+"""The one error of reading a large image, and the kind that spoils one tile only."""
 
 from __future__ import annotations
 

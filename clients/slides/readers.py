@@ -2,7 +2,7 @@
 through tifffile's Zarr view, other whole-slide formats through OpenSlide, anything else through PIL.
 
 A reader decodes only the tiles or strips a region touches, so memory follows the region, not the
-image (PIL formats excepted: PIL decodes the whole image). Large files are untrusted (issue 32): a
+image (PIL formats excepted: PIL decodes the whole image). Large files are untrusted: a
 reader checks the header before the first tile (clients.slides.tiff_checks), refuses a slide declaring
 more pixels than `max_pixels`, and turns every failure of its library into a SlideError naming the
 file and what is wrong; a region whose bytes are missing or do not decode is a TileError.
@@ -186,7 +186,7 @@ class OpenSlideReader(Reader):
 
 class PilReader(Reader):
     """Anything PIL opens; PIL decodes the whole image, so its header must be within `max_pixels` and its pixels
-    within MAX_DECODE_BYTES (PIL's own bomb guard is off once server.imaging is imported, as --local does)."""
+    within MAX_DECODE_BYTES (PIL's own bomb guard is off once server.scoring.imaging is imported, as --local does)."""
 
     def __init__(self, path: Path, *, level: int, max_pixels: int = DEFAULT_MAX_SLIDE_PIXELS) -> None:
         from PIL import Image

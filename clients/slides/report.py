@@ -1,5 +1,5 @@
 """The end of a `--tiled` run over several slides: each slide complete, incomplete (tiles that could not be read)
-or failed (refused before its first tile), so one bad slide is named while the others are scored (issue 32)."""
+or failed (refused before its first tile), so one bad slide is named while the others are scored."""
 
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ class SlideSummary:
 
 class Ledger:
     """The tiles stored so far, one JSON line each, appended and synced after the tile's cells are written; and
-    the tiles that could not be read, a line each with the error (issue 32), until a later line stores them."""
+    the tiles that could not be read, a line each with the error, until a later line stores them."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -1,4 +1,4 @@
-"""What a TIFF must be before its first tile is read, and what a tile's bytes must be when it is (issue 32).
+"""What a TIFF must be before its first tile is read, and what a tile's bytes must be when it is.
 
 tifffile trusts a file's tags: a declared size the tile table does not cover reads as zeros, a tile
 with no bytes as its fill value, a truncated JPEG tile as grey, and its complaints about the file's

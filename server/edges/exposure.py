@@ -1,8 +1,7 @@
 """Who may reach a server: its bind address, TLS and bearer token, checked before anything loads.
 
 The rules of every edge (the gRPC service, and any other face over the same pipeline): beyond
-loopback, refuse what fails open unless the operator says the network is theirs alone (issue 10,
-item 3); a token that would be empty refuses to start rather than turn authentication off; a port
+loopback, refuse what fails open unless the operator says the network is theirs alone; a token that would be empty refuses to start rather than turn authentication off; a port
 in use is refused at once. Each raises `StartRefused`, one line for the user (exit status 2).
 """
 
@@ -71,8 +70,7 @@ def read_tls(cert_path: str | None, key_path: str | None) -> tuple[bytes, bytes]
 
 
 def check_exposure(host: str, *, tls: bool, token: bool, insecure: bool) -> None:
-    """Beyond loopback, refuse what fails open unless --insecure says the network is yours alone (issue 10,
-    item 3): no TLS and no token (anyone may call), or a token without TLS (it travels in clear text,
+    """Beyond loopback, refuse what fails open unless --insecure says the network is yours alone: no TLS and no token (anyone may call), or a token without TLS (it travels in clear text,
     to be read and replayed; the clients refuse to send one that way). TLS without a token only warns:
     it hides the traffic but lets any client in."""
     if is_loopback(host, resolve=True):

@@ -1,24 +1,28 @@
-"""The front every edge of one server shares, transport-free: readiness, draining, calls in flight, the
-refusal pace and the request checks an edge makes before the pipeline (issue 30).
+"""The front every edge of one server shares, transport-free: readiness, draining, each call's accounting and
+the calls in flight, the refusal pace and the request checks an edge makes before the pipeline.
 
 The gRPC servicer and the HTTP edge each hold the one `Front` of their server, so neither reaches into
-the other for shared state.
+the other for shared state; what one call is, whatever its transport, is server/edges/calls.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 
 from protos import scoring_pb2
+from server.edges.calls import CANCELLED, OK, UNKNOWN, Call
 from server.edges.refusal_pace import RefusalPacer
-from server.errors import Refusal, ScoringError, Transient, retry_after
+from server.errors import Refusal, ScoringError, Transient, retry_after, shutting_down
 from server.metrics import NO_MODEL, Metrics
 from server.scoring.pipeline import Pipeline
 from server.settings import Settings
 
 __all__ = ["Front", "check_size"]
+
+LOG = logging.getLogger(__name__)
 
 
 class Front:
@@ -63,9 +67,43 @@ class Front:
                 self._active -= 1
                 self._idle.notify_all()
 
+    @contextlib.contextmanager
+    def accounted(self, call: Call, *, probe: bool = False) -> Iterator[Call]:
+        """A call's accounting, whatever its transport: in flight while the block runs (what draining waits for),
+        counted by method, final code and model when it ends, and an answered call (a probe's aside) counted
+        towards the refusal pace.
+
+        The edge records a refusal or an end in `call.code` as it answers it; the block ending with none recorded
+        is an answer (OK); an exception it did not record is a bug (UNKNOWN, logged with its traceback and raised
+        on); an end the block never saw (a task cancelled) is CANCELLED."""
+        self.metrics.in_flight.inc()
+        with self.in_flight():
+            try:
+                yield call
+                if call.code is None:
+                    call.code = OK
+            except Exception:
+                if call.code is None:
+                    self.failed(call)
+                raise
+            finally:
+                if call.code is None:
+                    call.code = CANCELLED
+                if call.code == OK and not probe:
+                    self.pacer.answered()
+                self.metrics.in_flight.dec()
+                self.metrics.count_request(call.method, call.code, call.model)
+
+    @staticmethod
+    def failed(call: Call) -> None:
+        """The call met a bug (call it in the except block that caught it): UNKNOWN, and the log keeps the
+        traceback, which the client never gets."""
+        call.code = UNKNOWN
+        LOG.exception("%s failed", call.method)
+
     def refuse_when_draining(self) -> None:
         if self.draining.is_set():
-            raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down; retry on another replica")
+            raise shutting_down()
 
     def require_ready(self) -> None:
         """UNAVAILABLE (retry soon) until the warm-up has made every plan: health says NOT_SERVING meanwhile,

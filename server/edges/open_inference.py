@@ -2,7 +2,7 @@
 
 gRPC (server/edges/grpc/kserve.py) and HTTP/REST (server/edges/http/kserve_rest.py) each turn their own messages into
 these plain values and back, so both edges take the same inputs, parameters and outputs, refuse
-the same mistakes with the same words, and answer with the same tensors (issue 21, item 2).
+the same mistakes with the same words, and answer with the same tensors.
 
 One inference request is one image:
 

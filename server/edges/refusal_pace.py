@@ -20,14 +20,14 @@ REMEMBERED_REFUSALS = 4096  # refused requests' keys the refusal pacer remembers
 
 
 class RefusalPacer:
-    """How the server slows callers it refuses: one per server, shared by its edges (issue 22, item 4).
+    """How the server slows callers it refuses: one per server, shared by its edges (docs/design.md: the refusal pace and the resend door).
 
     A client that resends at once on a refusal (a naive retry loop, an HTTP load balancer) ignores the
     retry hint, and each refusal still costs a call's server CPU under the one GIL, which inference
     needs: 64 such clients were refused 1,230 times a second, and goodput fell to 13%. Two measures:
 
     - Refusals are paced. An open loop refused as fast does not resend, and its refusals must stay fast
-      (issue 10: median < 5 ms at 5x capacity), so the pace follows what the server answers: refusals
+      (median < 5 ms at 5x capacity), so the pace follows what the server answers: refusals
       are answered at once up to `per_answer` times the calls answered over the last second, and never
       below `floor` a second (bursts of a second's worth: a generic cell rate algorithm). Beyond that
       pace each refusal is held for its turn, at most `max_hold` seconds and never past its deadline.
@@ -43,9 +43,9 @@ class RefusalPacer:
       request's copies (40 callers sending one photo at once) then waits for no place it cannot get.
 
     At most `max_held` calls are held at once, at the door or for a turn (each holds the edge's thread or
-    task); beyond that a call goes on, or is refused, at once. Transport-free; an edge calls `answered()`
-    for each call answered OK, `freed()` for each place given back other than by a transient refusal, and
-    does
+    task); beyond that a call goes on, or is refused, at once. Transport-free: `answered()` is called for each
+    call answered OK (`Front.accounted`), `freed()` for each place given back other than by a transient refusal
+    (server/edges/calls.py `Place`), and an edge does
 
         with pacer.door(key, wake=event.set, deadline=deadline) as seconds:  # 0.0: go on now
             wait up to `seconds` for the event, set by `wake` or when the call is cancelled

@@ -2,7 +2,7 @@
 
 Triton's front end (its gRPC/HTTP endpoints, metrics, model control, rate limiting) with
 scoremap's dense scoring behind it, for fleets that run every model through Triton yet want the
-resizing, shifted passes, stitching and top-k of scoremap-serve (issue 11, item 2). The tensors
+resizing, shifted passes, stitching and top-k of scoremap-serve. The tensors
 and parameters are those of server/edges/open_inference.py (KServe v2 over gRPC and HTTP), so a tritonclient program gets the same answer
 from either server. Triton declares outputs up front, hence the scales it may return are fixed
 when binding: SCORES_<s> for each; requests choose among them with the `scales` parameter.

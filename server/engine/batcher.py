@@ -22,10 +22,9 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from setproctitle import setthreadtitle
 
-from server.errors import Dropped, NoRoom, Refusal, ScoringError, Transient, retry_after
+from server.errors import Dropped, NoRoom, Refusal, ScoringError, Transient, retry_after, shutting_down
 
 LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting caller looks at its cancellation flag
@@ -201,7 +200,7 @@ class Batcher:
             if reservation is not None:
                 self._release(reservation)
             if self._closed:
-                raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down")
+                raise shutting_down()
             waiting = len(self._queue) + self._reserved
             if waiting + len(works) > self._queue_depth:
                 raise self._queue_full(waiting, len(works))
@@ -215,12 +214,9 @@ class Batcher:
         return self.wait(works, cancelled=cancelled)
 
     def _queue_full(self, waiting: int, adding: int) -> ScoringError:
-        return ScoringError(
-            Refusal.RESOURCE_EXHAUSTED,
-            f"queue full: {waiting} items waiting or decoding, this request adds {adding}, the limit is "
-            f"{self._queue_depth} (--queue-depth); retry with backoff",
-            retry_after_seconds=retry_after(Transient.QUEUE_FULL, self._queue_pace() * adding),
-        )
+        return NoRoom(Transient.QUEUE_FULL, waiting=waiting, adding=adding, depth=self._queue_depth, wait=0.0,
+                      margin=0.0, done=0.0, max_queue=self._max_queue,
+                      seconds_per_item=self._queue_pace()).refusal(deadline=None)
 
     def cancel(self, works: Sequence[Work]) -> None:
         """Take the items that have not started out of the queue."""
@@ -256,7 +252,7 @@ class Batcher:
         with self._condition:
             self._closed = True
             for work in self._queue:
-                work.fail(ScoringError(Refusal.UNAVAILABLE, "the server is shutting down"))
+                work.fail(shutting_down())
             self._queue.clear()
             self._condition.notify_all()
         ends = time.monotonic() + CLOSE_SECONDS

@@ -1,6 +1,6 @@
 """The graph a plan runs: pre-processing, shifted passes, the converted net and post-processing on the device.
 
-Built at load time from the converted net and its model card (issue 9, item 3): the host uploads
+Built at load time from the converted net and its model card: the host uploads
 one uint8 canvas per image and gets back only the lattice and the image-level probabilities.
 Every dimension is fixed, so an onnxruntime session built on it only ever sees one input shape
 (a CUDA session re-plans its convolutions, 0.35-0.8 s, at every change of shape).
@@ -12,7 +12,7 @@ Every dimension is fixed, so an onnxruntime session built on it only ever sees o
 
 A pass shifted by (dy, dx) sees the whole image moved into the canvas padding, which after
 normalisation is 0 (the mean colour): no pixel of the photo is lost and none is smeared
-(issue 9, item 4). Pass (dy, dx) fills lattice cells (f*i + f-1 - dy/s, f*j + f-1 - dx/s), so cell
+(docs/design.md: shifted passes on a mean-colour canvas). Pass (dy, dx) fills lattice cells (f*i + f-1 - dy/s, f*j + f-1 - dx/s), so cell
 (m, n) is centred at canvas pixel (c_y - (f-1)*s + s*m, c_x - (f-1)*s + s*n).
 """
 
@@ -194,7 +194,7 @@ def _passes(b: _Builder, image: str, offsets, *, dtype: np.dtype, spatial: tuple
     input, filled with its zero point (the value that dequantizes to 0).
 
     One Pad by the largest shift at the top and left, then each pass a window of it. The Pad runs in
-    float32, before the cast to the net's dtype: onnxruntime's CUDA Pad has no uint8 kernel (issue 19),
+    float32, before the cast to the net's dtype: onnxruntime's CUDA Pad has no uint8 kernel,
     and 0 is 0 in every dtype, so the values are the same."""
     top, left = max(dy for dy, _ in offsets), max(dx for _, dx in offsets)
     y, x = spatial

@@ -4,7 +4,7 @@ A plan runs the device graph (server/engine/device_graph.py) of one model for on
 width, batch size, passes): uint8 canvases in, lattices and image-level probabilities out. Its
 buffers are bound once (IO binding on the GPU), so a run is: copy the canvases in, run, copy back
 what the responses hold. A model's plans are made on first use or at warm-up, measured, and dropped
-least recently used when a new one would not fit the memory budget (issues 9 and 14).
+least recently used when a new one would not fit the memory budget (docs/design.md: one session per shape).
 
 The run stage is `PlanCache.run`, the batcher's runner: a batch of items padded up to its batch
 bucket, with the valid mask saying which cells each item keeps (a tile: the cells it owns).
@@ -152,7 +152,7 @@ class PlanCache:
     def first_run(self, group: GroupKey, count: int) -> int:
         """How many of `count` queued items of `group` the next batch should take: those its first run scores.
         The rest wait in the queue, where the batch after takes them the moment this one ends, rather than wait
-        for runs after their own (README, Serving: what batching on/off read before and after)."""
+        for runs after their own (docs/design.md: CPU batching off by default, work-conserving batching)."""
         return min(count, self._sizes(group, count)[0])
 
     def _sizes(self, group: GroupKey, count: int) -> list[int]:

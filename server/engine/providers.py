@@ -4,7 +4,7 @@ CUDA is asked for only when it can load (provider compiled in AND a CUDA device 
 asking for it without CUDA logs a loud error before falling back; after creation each session's
 own `get_providers()` is the truth reported to callers. The probe first preloads the CUDA runtime
 and cuDNN that the `gpu` extra installs as wheels (convert.cuda.preload_libraries, once per process),
-so the engine's first CUDA session finds them without LD_LIBRARY_PATH (issue 29).
+so the engine's first CUDA session finds them without LD_LIBRARY_PATH.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import onnxruntime
 from convert.cuda import INSTALL_HINT, cuda_free_bytes, driver_present, preload_libraries, why_no_cuda
 from convert.memory_model import Device
 from server.engine.shared_weights import SharedWeights, optimize
-from server.errors import Refusal, ScoringError
+from server.errors import shutting_down
 from server.memory.arena import CPU_ARENA
 from server.memory.runtime import PREDICTABLE_CUDA_OPTIONS, first_cpu_run, predictable_session_options, warm_up_runtime
 from server.settings import Settings
@@ -84,7 +84,7 @@ def stoppable(runs: onnxruntime.RunOptions | None) -> Iterator[None]:
         yield
     except Exception as error:
         if runs is not None and runs.terminate:
-            raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down") from error
+            raise shutting_down() from error
         raise
 
 

@@ -26,7 +26,7 @@ from server.engine.device_graph import LATTICE_FP16
 from server.engine.messages import (Abort, Done, Facts, Failed, ItemSpec, PassesSpec, Release, Reserve, Room, Submit,
                                     Warm, Warmed, decode_from_engine, encode)
 from server.engine.shm import Allocator, Region
-from server.errors import NoRoom, Refusal, ScoringError, Transient, retry_after
+from server.errors import NoRoom, Refusal, ScoringError, Transient, retry_after, shutting_down
 from server.scoring.request import ItemKey, Scored
 
 __all__ = ["RemoteClient", "ShmCanvases"]
@@ -183,7 +183,7 @@ class RemoteClient(EngineClient):
         if self._stopping.is_set():
             return
         self._stopping.set()
-        self._fail_all(ScoringError(Refusal.UNAVAILABLE, "the server is shutting down"))
+        self._fail_all(shutting_down())
         for thread in self._threads:
             thread.join(timeout=2)
         with self._send_lock:

@@ -1,8 +1,9 @@
-"""A model's weights held once for all of its CPU plans, not once per plan (issue 33).
+"""A model's weights held once for all of its CPU plans, not once per plan (docs/design.md: one CPU arena and
+one copy of the weights).
 
 onnxruntime's CPU graph optimizer rewrites a plan's convolutions into its NCHWc kernels, writing their
-weights reordered into new initializers: every session kept its own copy (17.7 MiB per plan of the default
-model). Handing every session the original weights (`SessionOptions.add_initializer`) saves nothing, as the
+weights reordered into new initializers: left to itself, every session keeps its own copy (17.7 MiB per plan of
+the default model). Handing every session the original weights (`SessionOptions.add_initializer`) saves nothing, as the
 reordered copies are made from them anyway, and onnxruntime's pre-packed weights container is not reachable
 from Python. What works from Python:
 

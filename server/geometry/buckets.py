@@ -1,4 +1,4 @@
-"""The few fixed shapes the engine runs: canvas sizes and batch sizes (issue 9, shape-stable execution).
+"""The few fixed shapes the engine runs: canvas sizes and batch sizes (docs/design.md: one session per shape).
 
 onnxruntime's CUDA provider replans a session on every change of input shape (0.35-0.8 s on an
 H100, batch size included), so every session runs one shape only. As vLLM pads a batch up to the
@@ -6,8 +6,8 @@ nearest captured size and TensorRT builds per optimisation profile, a resized im
 the smallest canvas bucket that holds it (plus the shifted passes' slack) and a batch to the next
 batch bucket. Canvas buckets come from the served scales and common aspect ratios unless given; on
 the CPU, where a new plan costs no replan stall but padding costs its share of every run, from every
-step of the size multiple between 1:1 and 2:1 (issue 22: a 448x384 image ran on 512x384, 1.19x bare
-onnxruntime).
+step of the size multiple between 1:1 and 2:1 (a 448x384 image on 512x384 takes 1.19x bare onnxruntime, on its own
+448x384 canvas 1.12x).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Buckets:
         """Batch buckets holding `count` items with no padding (the buckets start at 1), each the largest that
         fits unless a smaller one that fits was measured cheaper per item once the larger's wait is charged (None:
         not measured; an unmeasured largest runs, and so gets measured). For the CPU, where a padded slot costs a
-        whole image and a larger batch need not cost less per item (README, Serving). Every item of a batch ends
+        whole image and a larger batch need not cost less per item (docs/design.md: CPU batching off by default). Every item of a batch ends
         when its last does, so each doubling must save BATCH_DELAY_CHARGE of the time per item; at equal cost the
         smaller runs."""
         sizes = []

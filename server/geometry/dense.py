@@ -9,9 +9,9 @@ A network of output stride S scores one cell every S pixels. Two ways to a finer
 
 Every pass sees the whole image: a pass shifted by (dy, dx) puts the image dy pixels down and dx
 right on a canvas of the mean colour (zero once normalised), so nothing is cut off and nothing is
-smeared (issue 9: edge-replicated windows made the grid band by row). The canvas is a fixed plan
-shape at least `slack` larger than the image; the device graph (server/engine/device_graph.py) makes the
-passes and interleaves them. Lattice cell m then lies at c - slack + s*m (c the receptive-field
+smeared (edge-replicated windows band the grid by row: docs/design.md, shifted passes on a mean-colour
+canvas). The canvas is a fixed plan shape at least `slack` larger than the image; the device graph
+(server/engine/device_graph.py) makes the passes and interleaves them. Lattice cell m then lies at c - slack + s*m (c the receptive-field
 centre of cell 0 of an unshifted pass), and the map keeps as many cells per axis as an unpadded
 run of the image gives, factor times over: the cells whose centre lies in the canvas padding go.
 """
@@ -164,8 +164,8 @@ def average_flips(lattices: list[np.ndarray]) -> np.ndarray:
     """
     if len(lattices) == 1:
         return lattices[0]
-    # In place, one float32 lattice and a byte per value beside the inputs: a stacked version held ~9 lattices
-    # of a 1000-class map at once, beyond the request's host memory estimate (server/memory/host.py, issue 31).
+    # In place, one float32 lattice and a byte per value beside the inputs: stacking them would hold ~9 lattices
+    # of a 1000-class map at once, beyond the request's host memory estimate (server/memory/host.py).
     total = np.zeros(lattices[0].shape, dtype=np.float32)
     count = np.zeros(lattices[0].shape, dtype=np.uint8)
     for lattice in lattices:

@@ -1,4 +1,4 @@
-"""Tiling an image of any size onto one canvas shape, exactly: plain numpy and dataclasses (issue 20).
+"""Tiling an image of any size onto one canvas shape, exactly: plain numpy and dataclasses (docs/design.md: exact tiles with the exact halo).
 
 A map cell's score depends on the pixels of its receptive field only, so a tile that holds every
 owned cell's whole field scores those cells as one pass over the whole image does. Three facts

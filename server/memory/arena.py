@@ -1,8 +1,8 @@
 """The process's one CPU arena: every CPU plan's runs draw on it, and it keeps the largest block, not one per plan.
 
-Each CPU plan used to keep its own onnxruntime arena holding its memory pattern's block (one block of
-its planned activations): ten plans of the default model held ten blocks, 1.1 GiB idle (issue 33). The
-arena is registered once in onnxruntime's environment (`onnxruntime.create_and_register_allocator`) and
+Left to itself, each CPU plan keeps its own onnxruntime arena holding its memory pattern's block (one block of
+its planned activations): ten plans of the default model would hold ten blocks, 1.1 GiB idle (docs/design.md: one
+CPU arena and one copy of the weights). The arena is registered once in onnxruntime's environment (`onnxruntime.create_and_register_allocator`) and
 sessions made with `session.use_env_allocators=1` take from it instead. A plan's run takes its block from
 it and hands it back when the run returns, so a plan that does not run holds no activations.
 
@@ -13,7 +13,7 @@ block rather than a sum of them:
 * `shrink()`: the free regions go back to the system, through a run of a one-element graph with that
   option (onnxruntime shrinks only at the end of a run). A plan's first run records its memory pattern
   allocating buffer by buffer; what it left goes back before its second run takes the block (without
-  it, the default warm-up's ten plans kept 391 MiB of arena instead of 147, /tmp measurements, issue 33).
+  it, the default warm-up's ten plans keep 391 MiB of arena instead of 147).
 * `running(block)`: a run whose block is larger than any the arena took since it last shrank shrinks
   it first, so that the new block's region replaces the smaller ones instead of joining them. The arena
   extends by what is asked (kSameAsRequested): regions of onnxruntime's default power-of-two growth
@@ -47,12 +47,12 @@ ARENA_CONFIG = {"arena_extend_strategy": 1}
 USE_ENV_ALLOCATORS = "session.use_env_allocators"
 # When nothing runs, a block larger than this goes back to the system (--max-idle-arena-bytes sets it): it belongs
 # to a plan whose run takes seconds, for which taking its pages again is little, and it would stay resident long
-# after (a 2944x800 canvas's four passes held 1.3 GiB after a soak, issue 33). A smaller one stays: the next run of
+# after (a 2944x800 canvas's four passes hold 1.3 GiB after a soak). A smaller one stays: the next run of
 # the plans most requests use reuses it.
 IDLE_HELD_BYTES = 256 * 2**20
 # How long no run must begin, once no request is in flight, before the arena gives back: a client sending large
 # requests one after another leaves the server idle between them, and giving the blocks back at each of those moments
-# made every such request fault its blocks in again (1.3-1.7 GiB each, 25% slower: issue 33).
+# makes every such request fault its blocks in again (1.3-1.7 GiB each, 25% slower).
 IDLE_RELEASE_SECONDS = 2.0
 
 

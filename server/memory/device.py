@@ -26,7 +26,7 @@ prints), so what users are shown is what the server enforces. Two ways to use it
   `key` is the plan cache's own hashable key; `height`, `width` are the net's input size and
   `batch` the images one run of the net sees (batch x passes when passes are made on the device).
 
-What the plans hold together (`held_bytes`, issue 33) is counted as it is held: on the CPU a model's
+What the plans hold together (`held_bytes`) is counted as it is held: on the CPU a model's
 weights once (its plans share them, server.engine.shared_weights), each plan's own state, and per model
 the largest of its plans' running batches, once per batch run at once (--cpu-runners; their runs take
 activations from one arena and hand them back, server.memory.arena); on CUDA each plan keeps all of its own. A
@@ -63,7 +63,7 @@ MEASUREMENT_RESOLUTION_BYTES = 4 * 2**20  # ... and by more than this: RSS moves
 class PlanRecord:
     """One plan in the budget: its prediction, its measurement once made, and when it was last used.
 
-    What it holds splits three ways (convert.memory_model, issue 33): its model's (weights shared by the model's
+    What it holds splits three ways (convert.memory_model): its model's (weights shared by the model's
     plans), its own (session state, kept between runs) and its running batch's (activations the shared arena
     holds while it runs). On CUDA a plan keeps all of it itself."""
 

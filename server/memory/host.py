@@ -1,20 +1,18 @@
 """Host memory of one request, budgeted from the image header before anything is decoded.
 
 A dense request multiplies its image: decoded once, resized per scale, cut into passes (shifts x
-flips) and turned into model inputs, each pass answered by a score map. At the old defaults one
-request could need ~10 GB of host memory (issue 14: a 2432x640 PNG at 8 scales, stride 16 and flip
-took ~1 GB each), while admission only budgeted the model's run. `estimate_request` counts every
-copy the pipeline holds at once; admission (server.memory.host_budget.admit_host) refuses, with the
-numbers, a request whose estimate exceeds `Settings.max_request_host_bytes`, and the requests in flight
-share `HostBudget`. That estimate, not a size cap, decides how large a request may be (issue 31: a
-phone photo at its own size was refused by a pixel cap derived from the worst request the limits allowed,
-while it needed a few hundred MiB): an image no canvas bucket holds is tiled (issue 20), so only its host
-memory grows with it.
+flips) and turned into model inputs, each pass answered by a score map: a 2432x640 PNG at 8 scales, stride 16
+and flip can need ~10 GB of host memory (~1 GB each) if nothing but the model's run is budgeted.
+`estimate_request` counts every copy the pipeline holds at once; admission (server.memory.host_budget.admit_host)
+refuses, with the numbers, a request whose estimate exceeds `Settings.max_request_host_bytes`, and the requests in
+flight share `HostBudget`. That estimate, not a size cap, decides how large a request may be: a phone photo at its
+own size needs a few hundred MiB, which a pixel cap derived from the worst request the limits allow would refuse
+(docs/design.md). An image no canvas bucket holds is tiled, so only its host memory grows with it.
 
 How a pipeline holds a scale is a `HostPath`: `DEVICE_PASSES` is the server's (one uint8 canvas per
-scale and orientation; passes, lattice and probabilities made on the device, issue 9);
-`HOST_PASSES` the pipeline before it (float32 inputs and a score map per shifted pass on the host),
-kept to show what the device path saves.
+scale and orientation; passes, lattice and probabilities made on the device);
+`HOST_PASSES` a pipeline making them on the host (float32 inputs and a score map per shifted pass), counted
+to show what the device path saves.
 """
 
 from __future__ import annotations
@@ -69,7 +67,7 @@ class HostEstimate:
 
 @dataclasses.dataclass(frozen=True)
 class TiledScale:
-    """A scale tiled onto one canvas (issue 20): its resized image, its tiles' canvas and how many per orientation."""
+    """A scale tiled onto one canvas: its resized image, its tiles' canvas and how many per orientation."""
 
     resized: tuple[int, int]
     canvas: tuple[int, int]

@@ -1,5 +1,5 @@
 """The host memory requests hold: one request against its limit, the requests in flight against the server's
-budget, and idle memory given back to the system (issues 14 and 33)."""
+budget, and idle memory given back to the system."""
 
 from __future__ import annotations
 

@@ -2,13 +2,13 @@
 
 * `configure_allocator()`: glibc's malloc as the server runs it (one heap, a fixed 2 MiB mmap threshold,
   the heap's top trimmed down to 2 MiB at once), so image-sized buffers and the arena's regions are returned to the
-  system when freed, and a request's smaller buffers come from the heap. Under
+  system when freed, and a request's smaller buffers come from the heap (docs/design.md: the allocator). Under
   glibc's defaults the mmap threshold grows to 32 MiB after the first large free, activations then
-  come from the heap, fragment it and stay: the default model peaked at 110 MB for 512x512 (the
-  prediction, 63 MB, was 0.57x of it) and a server's idle RSS ratcheted from 1.0 to 6.3 GB (issue
-  14). With every buffer over 128 KiB mapped and unmapped (the setting until issue 29), a 576x384
-  photo's request faulted in 1,100 fresh pages: a third of its CPU. `release_free_memory()`
-  (malloc_trim) gives back what the heaps hold free after a large request.
+  come from the heap, fragment it and stay: the default model peaks at 110 MB for 512x512 (the
+  prediction, 63 MB, 0.57x of it) and a server's idle RSS ratchets from 1.0 to 6.3 GB. With every buffer
+  over 128 KiB mapped and unmapped (glibc's default threshold), a 576x384 photo's request faults in 1,100 fresh
+  pages: a third of its CPU. `release_free_memory()` (malloc_trim) gives back what the heaps hold free after a
+  large request.
 * `measure_footprint()`: what creating and warming up a plan (a session) really costs, in the
   running process: device memory (cudaMemGetInfo) on CUDA, resident set (current, not peak) on both.
 * `measure_peak()`: the peak of a bare net's runs, in a clean child configured like the server, the
@@ -78,7 +78,7 @@ TIMEOUT_SECONDS = 600
 # glibc raising it after large frees): the regions of the onnxruntime arena go back to the system
 # when it shrinks (server.memory.arena), and a large image's buffers when its request ends. Smaller
 # buffers (a 576x384 photo's decoded, resized and canvas arrays: 0.5-0.9 MiB each) come from the
-# heap: 300 page faults per request instead of 1,100 at the 128 KiB used until issue 29, and 8.3
+# heap: 300 page faults per request instead of 1,100 at glibc's default 128 KiB, and 8.3
 # against 12 ms of server CPU per request (bench_host served). At 4 MiB a plan of the net in
 # tests/server/memory/test_arena.py kept 9 MiB more than at 1-3 MiB.
 MMAP_THRESHOLD_BYTES = 2 * 2**20
@@ -87,11 +87,11 @@ MMAP_THRESHOLD_BYTES = 2 * 2**20
 # request, tests/server/memory/test_plan_memory.py).
 TRIM_THRESHOLD_BYTES = 0
 # What the heap keeps at its top when trimmed: as much as its largest block (larger ones are mapped). Without it
-# the decoding thread's heap went back to the system at every request, whose decoded photo and canvas then faulted
+# the decoding thread's heap goes back to the system at every request, whose decoded photo and canvas then fault
 # in 240 fresh pages (1 MiB): 0.5 ms of its 1.5 ms of CPU, and 3.40 against 2.78 ms per request in-process.
 TOP_PAD_BYTES = MMAP_THRESHOLD_BYTES
 # One heap for every thread. malloc_trim gives back the top of the main heap only: with glibc's per-thread heaps
-# each kept its 2 MiB top through it, a plan's build found resident memory to reuse and its footprint read low
+# each keeps its 2 MiB top through it, a plan's build finds resident memory to reuse and its footprint reads low
 # (1.1 MiB below the weights it added: tests/server/memory/test_plan_memory.py). The same server CPU per request
 # with one heap as with glibc's several (bench_host served: 4.21-4.23 against 4.12-4.27 ms, alternated).
 ARENAS = 1
@@ -128,8 +128,8 @@ def predictable_session_options(*, on_gpu: bool = False) -> onnxruntime.SessionO
     (server.memory.arena) instead of one per session. A plan's session only ever sees one shape
     (server/engine/plans.py), so its pattern is one block of the planned activations, taken from the
     shared arena at each run and handed back after it: runs at onnxruntime's default speed
-    (bench_cpu_plans), and a plan that does not run holds no activations (issue 33). Without an arena
-    each run mapped and faulted its activations afresh: 1.1-3.2x slower (issue 22). On CUDA both stay
+    (bench_cpu_plans), and a plan that does not run holds no activations. Without an arena
+    each run maps and faults its activations afresh: 1.1-3.2x slower (docs/design.md). On CUDA both stay
     off: the CUDA terms of convert.memory_model were fitted on H100 runs made without them.
     """
     from server.memory.arena import CPU_ARENA
@@ -149,7 +149,7 @@ def first_cpu_run(session: onnxruntime.InferenceSession, feeds: dict[str, np.nda
     onnxruntime records the memory pattern during a session's first run, which allocates buffer by
     buffer; the second run takes the pattern's one block from the arena. The arena extends by regions
     that are never merged, so without handing the first run's regions back it would keep both: a further
-    1.4x the live activations on top of the block (issues 22 and 33, server.memory.arena). `runs`: the options
+    1.4x the live activations on top of the block (server.memory.arena). `runs`: the options
     it runs under (server.engine.providers.Engine.runs)."""
     from server.memory.arena import CPU_ARENA
     session.run(None, feeds, runs)

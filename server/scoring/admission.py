@@ -11,14 +11,13 @@ both back in `release`, the one way out.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from convert.arguments import format_bytes
 from protos import scoring_pb2
-from server.errors import NoRoom, Refusal, ScoringError, Transient, invalid, retry_after
+from server.errors import NoRoom, Refusal, ScoringError, Transient, invalid
 from server.geometry import dense
 from server.memory.host import RGB, HostEstimate
 from server.memory.host_budget import admit_host
@@ -149,36 +148,8 @@ def queue_places(ticket: Ticket, items: int) -> Places:
     """`items` places in the model's queue, or the refusal saying why there is no room."""
     held = ticket.engine.reserve(ticket.model.name, items, deadline=ticket.deadline)
     if isinstance(held, NoRoom):
-        raise no_room(held, deadline=ticket.deadline)
+        raise held.refusal(deadline=ticket.deadline)
     return held
-
-
-def no_room(busy: NoRoom, *, deadline: float | None) -> ScoringError:
-    """The refusal of a queue with no room for a request, with a retry hint from the queue's pace."""
-    if busy.why is None:
-        return ScoringError(Refusal.UNAVAILABLE, "the server is shutting down")
-    if busy.why is Transient.QUEUE_FULL:
-        return ScoringError(
-            Refusal.RESOURCE_EXHAUSTED,
-            f"queue full: {busy.waiting} items waiting or decoding, this request adds {busy.adding}, the limit is "
-            f"{busy.depth} (--queue-depth); retry with backoff",
-            retry_after_seconds=retry_after(busy.why, busy.seconds_per_item * busy.adding),
-        )
-    if busy.why is Transient.QUEUE_WAIT:
-        kept = f" less {1000 * busy.margin:.0f} ms kept as a margin for the estimate" if busy.margin else ""
-        return ScoringError(
-            Refusal.RESOURCE_EXHAUSTED,
-            f"overloaded: the expected wait in the queue is {1000 * busy.wait:.0f} ms, beyond --max-queue-ms "
-            f"({1000 * busy.max_queue:.0f} ms){kept}; retry with backoff",
-            retry_after_seconds=retry_after(busy.why, busy.wait + busy.margin - busy.max_queue),
-        )
-    left = max(deadline - time.monotonic(), 0) if deadline is not None else 0
-    return ScoringError(
-        Refusal.RESOURCE_EXHAUSTED,
-        f"overloaded: the request would be done in about {1000 * busy.done:.0f} ms, after the call's "
-        f"deadline ({1000 * left:.0f} ms from now); retry later or with a longer deadline",
-        retry_after_seconds=retry_after(busy.why, busy.wait),
-    )
 
 
 def read_header(ticket: Ticket) -> ScoringError | None:
@@ -234,7 +205,7 @@ def hold_tile_places(ticket: Ticket) -> ScoringError | None:
             f"({held.depth}, --queue-depth): it never fits; {would_fit(ticket)}; or restart the server with "
             "a larger --queue-depth or larger --shape-buckets (fewer tiles)",
         )
-    return no_room(held, deadline=ticket.deadline)
+    return held.refusal(deadline=ticket.deadline)
 
 
 

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from server.engine.client import Ran
 
 # An image below the training size enlarged more than this many times is scored with a warning: beyond 3x,
-# a 3x3 stem convolution sees only the interpolation between two source pixels, never an edge (issue 24:
-# 100x100 at scale 384, 3.84x, went unwarned at 4).
+# a 3x3 stem convolution sees only the interpolation between two source pixels, never an edge (100x100 at
+# scale 384 is 3.84x: warned).
 TINY_IMAGE_FACTOR = 3
 
 

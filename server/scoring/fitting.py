@@ -1,4 +1,4 @@
-"""Fitting: how each scale of a request runs (issue 20: no plan grows with the image).
+"""Fitting: how each scale of a request runs, so that no plan grows with the image.
 
 A scale is resized, then put on the smallest canvas bucket that holds it, or tiled onto one with the
 server's halo, or planned on demand; `scale_job` says which, with the cells it keeps and how many of its
@@ -29,7 +29,7 @@ def scale_job(model: Model, original: tuple[int, int], scale: int, passes: dense
               flip: bool) -> ScaleJob:
     """How one scale runs: on the smallest canvas bucket that holds it; else tiled onto a bucket that holds
     the halo; else, when it fits --tile-canvas, on a canvas planned on demand (the tile canvas under
-    --strict-shapes); else tiled onto the tile canvas (issue 20: no plan grows with the image)."""
+    --strict-shapes); else tiled onto the tile canvas: no plan grows with the image."""
     size = dense.resized_size(*original, scale=scale, multiple=model.card.size_multiple)
     check_resized_cap(model, original, scale, size)
     cells = job_cells(model, size, scale, passes)
@@ -75,7 +75,7 @@ def largest_fitting(fits: Callable[[int], bool], most: int, *, least: int = 0) -
 
 def check_resized_cap(model: Model, original: tuple[int, int], scale: int, size: tuple[int, int]) -> None:
     """INVALID_ARGUMENT, naming the largest scale within it, past --max-resized-pixels: a cap the operator set
-    (none by default: the request's own host memory estimate decides, issue 31)."""
+    (none by default: the request's own host memory estimate decides, docs/design.md)."""
     limit = model.limits.max_resized_pixels
     if limit is None or size[0] * size[1] <= limit:
         return

@@ -1,4 +1,4 @@
-"""A request's footprint before compute, and what would fit when it is too large (issue 31).
+"""A request's footprint before compute, and what would fit when it is too large.
 
 What a request will hold on the host (`host_estimate`: server/memory/host.py's terms over its scale jobs)
 and send back (`response_bytes`) follow from the image's header and the request's options. Admission

@@ -5,10 +5,10 @@ bombs are refused, before any pixel is decoded. `canvases` then takes one of two
 - direct: an upright colour JPEG that every scale keeps at its size, or enlarges on both axes with the
   card's bilinear filter, is decoded by libjpeg-turbo straight into numpy (`stored_pixels`, bit for bit
   PIL's decode) and resized by OpenCV onto its canvas (`enlarge`): within one grey level of PIL's
-  bilinear, which defines the filter, at a third of the CPU (issue 29: cat.jpg to 576x384, 0.9 ms
-  against 2.7);
+  bilinear, which defines the filter, at a third of the CPU (cat.jpg to 576x384, 0.9 ms against 2.7;
+  docs/design.md: OpenCV only for enlarging);
 - PIL: everything else. `load` decodes — a large JPEG in PIL's draft mode, which lets the decoder skip
-  detail finer than the largest size asked for (12 MP: 67 ms full, 32 ms draft on the issue's machine) —
+  detail finer than the largest size asked for (12 MP: 67 ms full, 32 ms draft on a 2-core CPU) —
   applies the EXIF orientation and converts any mode to RGB; `resize` uses the card's PIL filter. A
   shrink stays here: PIL's filters are antialiased and OpenCV's are not.
 Normalisation happens on the device (server/engine/device_graph.py), so everything here stays uint8.
@@ -118,7 +118,7 @@ def open_image(data: bytes, *, max_pixels: int) -> OpenedImage:
 
 def stored_size(image: Image.Image) -> tuple[int, int]:
     """(width, height) as the pixels are stored, from the decoder tiles: Pillow's TIFF reader already reports
-    the upright size of an Orientation 5-8 image (issue 24), where the other readers report the stored one."""
+    the upright size of an Orientation 5-8 image, where the other readers report the stored one."""
     if not image.tile:
         return image.size
     return max(tile.extents[2] for tile in image.tile), max(tile.extents[3] for tile in image.tile)
@@ -142,7 +142,7 @@ def stored_pixels(opened: OpenedImage) -> np.ndarray | None:
     """An upright colour JPEG's pixels as libjpeg-turbo decodes them, straight into numpy (imagecodecs), or None
     for any other image. The same values as PIL's decoder, built on the same library (tested bit for bit),
     without PIL's copy to numpy, which holds the GIL throughout: about 0.55x the CPU of PIL's path, measured
-    (issue 29). Used where `direct_path` says so."""
+    (docs/design.md: the host's cost per request). Used where `direct_path` says so."""
     image = opened.image
     if image.format != "JPEG" or image.mode != "RGB" or opened.orientation != 1 or opened.encoded is None:
         return None
@@ -238,7 +238,7 @@ def direct_path(opened: OpenedImage, jobs: list[ScaleJob], *, resize_filter: str
 
 def enlarge(pixels: np.ndarray, size: tuple[int, int], *, out: np.ndarray | None = None) -> np.ndarray:
     """`pixels` at `size` (height, width), no axis smaller, into `out` if given: OpenCV's bilinear, within one
-    grey level of PIL's (tested) at about a fifth of its CPU, to numpy (issue 29)."""
+    grey level of PIL's (tested) at about a fifth of its CPU, to numpy."""
     if pixels.shape[:2] != size:
         return cv2.resize(pixels, (size[1], size[0]), dst=out, interpolation=cv2.INTER_LINEAR)
     if out is None:

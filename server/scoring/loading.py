@@ -116,7 +116,7 @@ def configured_plans(model: Model, scales: tuple[int, ...]) -> list[PlanKey]:
 def tiled_plans(model: Model) -> list[PlanKey]:
     """The plans an image larger than every bucket runs on at the model's own stride: its tiles' canvas (the tile
     canvas by default), at each batch bucket a batch of its tiles may fill. Warmed up, so a phone photo scored at
-    its own size makes no plan (issue 31). Empty when such an image cannot be tiled within the budget (admission
+    its own size makes no plan. Empty when such an image cannot be tiled within the budget (admission
     refuses it, naming why)."""
     passes = dense.passes_for(native_stride=model.card.output_stride, output_stride=0, shift=0)
     side = 2 * max(model.tile_canvas)  # larger than the tile canvas both ways: tiled
@@ -133,7 +133,7 @@ def tiled_plans(model: Model) -> list[PlanKey]:
 def check_warm_up_scales(models: list[Model], scales: tuple[int, ...]) -> None:
     """ScoringError(INVALID_ARGUMENT) naming --warm-up-scales and the fix, before any plan is made, for a warm-up
     scale the model cannot serve: below its smallest scale, above --max-scale, or with a plan predicted beyond
-    the memory budget (issue 24: these loaded, warmed up and failed as a generic warm-up error)."""
+    the memory budget (never a generic warm-up error after the models have loaded)."""
     for model in models:
         for scale in scales or (model.default_scale,):
             named = (f"--warm-up-scales {scale}" if scales else

@@ -28,7 +28,7 @@ import numpy as np
 from convert.card import Precision, label
 from protos import model_card_pb2, scoring_pb2
 from server.engine.client import EngineClient, Submission
-from server.errors import Refusal, ScoringError
+from server.errors import Refusal, ScoringError, shutting_down
 from server.memory.host_budget import HostBudget
 from server.memory.activity import HOST_ACTIVITY
 from server.metrics import Metrics
@@ -181,7 +181,7 @@ class Pipeline:
         except imaging.ImageError as error:
             raise ScoringError(Refusal.INVALID_ARGUMENT, str(error)) from error
         except (RuntimeError, CancelledError) as error:  # the pool was shut down: the server is stopping
-            raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down") from error
+            raise shutting_down() from error
         passes, lattice, classes = ticket.passes, lattice_output(ticket.request), lattice_classes(ticket.request)
         submissions = []
         for key, canvas in canvases.items():

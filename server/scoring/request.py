@@ -1,12 +1,14 @@
 """The request's types, below every stage: what a request becomes on its way through the pipeline.
 
-    ScoreRequest --admission--> Ticket (one ScaleJob per scale) --decode--> Items --plans.run--> Scored
+    ScoreRequest --admission--> Ticket (one ScaleJob per scale) --decode--> Items --engine.run--> Scored
                  --assemble--> ScoreResponse
 
-A scale larger than every canvas bucket is tiled onto one (server/geometry/tiling.py, issue 20): its job holds
+A scale larger than every canvas bucket is tiled onto one (server/geometry/tiling.py): its job holds
 the tile plan, each tile (and its mirror) is an Item, and assemble stitches their owned cells.
 
-Each stage module takes these from here, so only server/scoring/pipeline.py imports the stages.
+Every stage module takes these types from here, and this module imports no stage, so the stages never import
+each other for their types. server/scoring/pipeline.py sequences the stages; admission also calls the checks of
+imaging, fitting and footprint, the same code a stage or `scoremap-inspect` runs, so what it admits is what runs.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def lattice_output(request: scoring_pb2.ScoreRequest) -> str | None:
 def lattice_classes(request: scoring_pb2.ScoreRequest) -> tuple[int, ...]:
     """The classes the host keeps of each lattice as it comes back: the maps' `classes` when nothing else needs
     the others (cell top-k ranks every class), else () for all. Fewer classes then hold less host memory, not
-    only fewer response bytes, so `classes` lets a large image's maps fit both (issue 31)."""
+    only fewer response bytes, so `classes` lets a large image's maps fit both."""
     if request.return_maps and request.classes and not request.cell_top_k:
         return tuple(request.classes)
     return ()

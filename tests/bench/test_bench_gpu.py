@@ -37,7 +37,7 @@ def test_without_cuda_make_bench_gpu_says_why_and_exits_0(capsys, tmp_path):
 
 
 def test_each_table_is_written_as_soon_as_it_is_measured(tmp_path, monkeypatch):
-    """Issue 29: a run stopped part-way (a time limit, a kill, a failure) keeps every table it finished."""
+    """A run stopped part-way (a time limit, a kill, a failure) keeps every table it finished."""
     def broken(*_args, **_kwargs):
         raise RuntimeError("the server died")
 
@@ -54,7 +54,7 @@ def test_a_time_limit_keeps_what_was_measured_and_says_what_was_not(tmp_path, ca
     section = bench_gpu.run(dry_run=True, config=TINY, out_dir=tmp_path, time_limit_s=0, echo=True)
     assert "Not measured, the time limit of 0 s having passed: the cost of a change of shape, device-bound" in section
     assert "closed loop grid batching on" in section and "memory on the CUDA provider" in section
-    assert "Issue 29 targets, on what was measured:" in section and "| grid |" not in section
+    assert "Targets, on what was measured:" in section and "| grid |" not in section
     assert (tmp_path / bench_gpu.REPORT_FILE).read_text() == section + "\n\n"
     assert section in capsys.readouterr().out.replace("\n\n\n", "\n\n")
 
@@ -83,7 +83,7 @@ def level(clients: int, rps: float, *, p50_ms: float = 5.0, max_ms: float = 50.0
                        p50_ms=p50_ms, p90_ms=p50_ms, p95_ms=p50_ms, p99_ms=max_ms, max_ms=max_ms)
 
 
-def test_the_verdicts_judge_issue_29s_targets_and_say_what_was_not_measured():
+def test_the_verdicts_judge_the_targets_and_say_what_was_not_measured():
     device = [bench_gpu.DeviceRate("grid", 1, "grid: batch 1", plan=400.0, bare=410.0),  # a run of 2.5 ms
               bench_gpu.DeviceRate("grid", 8, "grid: batch 8", plan=500.0, bare=520.0)]
     results = {("grid", "on"): [level(1, 150, p50_ms=5.4), level(16, 410), level(64, 405)],

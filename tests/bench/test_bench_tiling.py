@@ -1,5 +1,5 @@
 """bench/bench_tiling.py's `--provider` reaches every process of a run, and `--provider cuda` without CUDA measures
-nothing (issue 29)."""
+nothing."""
 
 from __future__ import annotations
 

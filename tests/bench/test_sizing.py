@@ -101,7 +101,7 @@ def test_the_repositorys_own_results_give_every_cpu_rate():
     (["--gpu-memory", "0"], "--gpu-memory", "above zero"),
 ])
 def test_every_numeric_flag_is_range_checked_before_anything_loads(tmp_path, capsys, argv, flag, says):
-    """Issue 24 item 4 (every numeric flag of every command): exit 2 naming the flag; the model and the
+    """Every numeric flag of every command: exit 2 naming the flag; the model and the
     results file do not exist, so nothing could have been read."""
     defaults = {"--images": "10M", "--hours": "8"}
     given = [word for pair in defaults.items() if pair[0] not in argv for word in pair]

@@ -15,7 +15,7 @@ from protos.model_card_pb2 import CHANNEL_ORDER_RGB, INPUT_DTYPE_FLOAT32, LAYOUT
 
 TRAINING = 64
 IMAGE = 384
-# The bar for à trous vs shift-and-stitch.
+# The bar for à trous vs shift-and-stitch.
 TOLERANCE = 1e-4
 UNIT = Preprocessing(layout=LAYOUT_NCHW, dtype=INPUT_DTYPE_FLOAT32, channel_order=CHANNEL_ORDER_RGB, pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
 

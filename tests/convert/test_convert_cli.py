@@ -152,8 +152,8 @@ def test_version_and_a_help_that_imports_no_torch_nor_onnxruntime():
                                           ("convert.inspect_cli", "scoremap-inspect"),
                                           ("convert.triton_export", "scoremap-export")])
 def test_version_when_the_project_is_not_installed(module, prog):
-    """Issue 29: run from a checkout that pip never installed, `python -m convert.convert_cli` died with
-    PackageNotFoundError; every command reads the version through protos.version, as server.main does."""
+    """Run from a checkout that pip never installed, `python -m convert.convert_cli` tells a version rather than
+    die of PackageNotFoundError: every command reads the version through protos.version, as server.main does."""
     probe = ("import runpy, sys\nfrom importlib import metadata\nfound = metadata.version\n"
              "def version(name):\n"
              "    if name == 'scoremap':\n        raise metadata.PackageNotFoundError(name)\n"
@@ -210,7 +210,7 @@ def test_a_factory_in_the_current_folder_converts_quietly(tmp_path):
     (["--output-stride", "4"], "--output-stride", "invalid choice"),
 ])
 def test_every_numeric_flag_is_range_checked_before_anything_loads(tmp_path, capsys, argv, flag, says):
-    """Issue 24: exit 2 naming the flag; the source does not exist, so nothing could have loaded."""
+    """Exit 2 naming the flag; the source does not exist, so nothing could have loaded."""
     with pytest.raises(SystemExit) as exited:
         main([str(tmp_path / "missing.onnx"), "-o", str(tmp_path / "out.onnx"), *argv])
     error = capsys.readouterr().err
@@ -218,7 +218,7 @@ def test_every_numeric_flag_is_range_checked_before_anything_loads(tmp_path, cap
 
 
 def test_a_truncated_report_image_fails_before_anything_is_converted(tmp_path, capsys, monkeypatch):
-    """Issue 24: `--report truncated.jpg` converted for 15 s before failing on the image."""
+    """`--report truncated.jpg` fails at once, not after a conversion of 15 s."""
     import convert.pipeline
 
     def never(*_args, **_kwargs):
@@ -233,7 +233,7 @@ def test_a_truncated_report_image_fails_before_anything_is_converted(tmp_path, c
 
 
 def test_an_already_converted_model_is_refused_as_such(tmp_path, capsys):
-    """Issue 24: converting a converted graph asked for --training-size, although its card records it."""
+    """Converting a converted graph is refused as such, not asked for the --training-size its card records."""
     source, dense = tmp_path / "small.onnx", tmp_path / "dense.onnx"
     onnx.save(small_classifier(), source)
     assert main([str(source), "-o", str(dense), "--preprocessing", "raw"]) == EXIT_OK
@@ -245,14 +245,14 @@ def test_an_already_converted_model_is_refused_as_such(tmp_path, capsys):
 
 
 def test_size_without_report_is_refused(tmp_path, capsys):
-    """Issue 24: `--size` without `--report` was silently ignored."""
+    """`--size` without `--report` is refused, not silently ignored."""
     with pytest.raises(SystemExit) as exited:
         main(["default", "-o", str(tmp_path / "dense.onnx"), "--size", "384"])
     assert exited.value.code == EXIT_USAGE and "--size is the side of the --report image" in capsys.readouterr().err
 
 
 def test_a_source_that_is_not_onnx_is_a_usage_error(tmp_path, capsys):
-    """Issue 24 follow-up: a text file named .onnx ended in a DecodeError traceback."""
+    """A text file named .onnx is a usage error, not a DecodeError traceback."""
     source = tmp_path / "notes.onnx"
     source.write_text("not a model")
     assert main([str(source), "-o", str(tmp_path / "out.onnx"), "--preprocessing", "raw"]) == 2

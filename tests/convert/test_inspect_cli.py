@@ -13,7 +13,7 @@ from convert.precision import fp16_graph
 from convert.profile import largest_batch, largest_square_size, parse_bytes, profile_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-ISSUE_KEYS = {"layers", "weights_bytes", "naive_activation_bytes", "peak_activation_bytes", "allowance_bytes",
+PROFILE_KEYS = {"layers", "weights_bytes", "naive_activation_bytes", "peak_activation_bytes", "allowance_bytes",
               "predicted_peak_bytes"}
 LAYER_KEYS = {"name", "op", "output_shape", "activations", "params", "macs", "bytes"}
 
@@ -46,10 +46,10 @@ def test_table_lists_every_layer_and_every_term(small_model_path, capsys):
     assert f"{profile.macs:,}" in out and f"{profile.params:,}" in out
 
 
-def test_json_has_the_issue_keys_and_the_budget_answers(small_model_path, capsys):
+def test_json_has_the_profile_keys_and_the_budget_answers(small_model_path, capsys):
     assert main([small_model_path, "--size", "128", "--budget", "64MiB", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
-    assert ISSUE_KEYS <= document.keys()
+    assert PROFILE_KEYS <= document.keys()
     assert all(LAYER_KEYS == layer.keys() for layer in document["layers"])
     assert document["layers"][0]["output_shape"] == [1, 16, 64, 64]
     assert document["predicted_peak_bytes"] == (document["weights_bytes"] + document["peak_activation_bytes"]
@@ -95,8 +95,8 @@ def test_an_unprofilable_request_exits_1(small_model_path, tmp_path, capsys):
     ("empty.onnx", b"", "'{path}' is not an ONNX file"),
 ])
 def test_a_model_path_that_is_no_onnx_file_is_a_usage_error(tmp_path, capsys, name, content, says):
-    """Issue 24 follow-up: `scoremap-inspect nosuch.onnx` exited 1 with a raw `[Errno 2]`, where
-    scoremap-convert exits 2 saying what is wrong."""
+    """`scoremap-inspect nosuch.onnx` exits 2 saying what is wrong, as scoremap-convert does, never 1 with a raw
+    `[Errno 2]`."""
     path = tmp_path / name
     if content == "":
         path.mkdir()
@@ -170,7 +170,7 @@ def test_a_graph_without_card_takes_its_layout_from_the_command_line(tmp_path, c
     (["--budget", "0"], "--budget", "above zero"),
 ])
 def test_every_numeric_flag_is_range_checked_before_the_model_is_read(tmp_path, capsys, argv, flag, says):
-    """Issue 24: exit 2 naming the flag; the model does not exist, so nothing could have been read."""
+    """Exit 2 naming the flag; the model does not exist, so nothing could have been read."""
     with pytest.raises(SystemExit) as exited:
         main([str(tmp_path / "missing.onnx"), *argv])
     error = capsys.readouterr().err
@@ -178,8 +178,8 @@ def test_every_numeric_flag_is_range_checked_before_the_model_is_read(tmp_path, 
 
 
 def test_device_cuda_says_when_no_gpu_is_visible(small_model_path, capsys, monkeypatch):
-    """Issue 24: `--device cuda` on a machine without a GPU did not say its figures are for a GPU it cannot see.
-    Issue 29: checked for real on either machine, in the command's own process: CUDA_VISIBLE_DEVICES='' hides
+    """`--device cuda` on a machine without a GPU says its figures are for a GPU it cannot see. Checked for real
+    on either machine, in the command's own process: CUDA_VISIBLE_DEVICES='' hides
     every GPU (the runtime then sees no device), and on a GPU machine the plain command says nothing."""
     import os
 

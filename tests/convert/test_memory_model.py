@@ -1,4 +1,4 @@
-"""The per-provider memory model against the measurements it was fitted on (issue 14)."""
+"""The per-provider memory model against the measurements it was fitted on."""
 
 import pytest
 
@@ -8,7 +8,7 @@ from convert.memory_model import (CPU_MEASUREMENTS, CPU_SHARED_MEASUREMENTS, CUD
 from convert.profile import load_skeleton, profile_model
 from tests.convert.test_profile import vgg_graph
 
-BOUND = 0.25  # the issue's acceptance bound on predicted / measured
+BOUND = 0.25  # the acceptance bound on predicted / measured
 
 
 @pytest.mark.parametrize("model, side, batch, weights_mib, peak_mib, measured_mib", CUDA_MEASUREMENTS)
@@ -38,7 +38,7 @@ def test_the_recorded_inputs_are_the_profiles_of_the_measured_graphs(profiles):
 @pytest.mark.parametrize("model, side, batch, passes, weights_mib, peak_mib, measured_mib", CPU_MEASUREMENTS)
 def test_cpu_terms_predict_the_recorded_plan_measurements(model, side, batch, passes, weights_mib, peak_mib,
                                                           measured_mib):
-    """weights + 1.1 x live peak + 2 MiB: within 6% of what each plan kept in a server process (issue 22)."""
+    """weights + 1.1 x live peak + 2 MiB: within 6% of what each plan kept in a server process."""
     terms = predict(Device.CPU, weights_bytes=int(weights_mib * MiB), peak_activation_bytes=int(peak_mib * MiB))
     assert abs(terms.total / (measured_mib * MiB) - 1) <= 0.06, terms
     assert terms.resident == terms.total  # the arena keeps what the runs take: nothing is given back
@@ -64,7 +64,7 @@ def test_every_provider_says_what_it_was_fitted_on():
 def test_cpu_terms_split_what_plans_sharing_a_model_hold(model, height, width, batch, passes, peak_mib, own_mib,
                                                          run_mib):
     """Per plan: its session state (what it keeps of its own between runs); per running batch: workspace and
-    activations, which the shared arena hands back (issue 33)."""
+    activations, which the shared arena hands back."""
     terms = predict(Device.CPU, weights_bytes=int(17.7 * MiB), peak_activation_bytes=int(peak_mib * MiB))
     assert terms.per_model == terms.weights  # once per model
     assert abs(terms.per_plan - own_mib * MiB) <= 1 * MiB, terms

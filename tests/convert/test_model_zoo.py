@@ -1,4 +1,4 @@
-"""The ONNX model zoo's traits, one tiny graph each (issue 13): IR 3 with weights listed as inputs, weights in
+"""The ONNX model zoo's traits, one tiny graph each: IR 3 with weights listed as inputs, weights in
 Constant nodes or computed by ConstantOfShape and constant arithmetic, opsets 1-9 with their old attributes
 (Gemm's broadcast, Dropout's is_test, Relu's consumed_inputs, Reshape's shape, BatchNormalization's spatial), Caffe-style AlexNet, VGG and GoogLeNet
 layouts. Each is normalised once, converts, and verifies to 1e-4."""

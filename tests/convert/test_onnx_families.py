@@ -156,7 +156,7 @@ def test_caffe_era_graph_converts_and_dense_cells_equal_crops():
     converted = convert_classifier(model, preprocessing=UNIT_RANGE)
     card = read_card(converted)
     assert (card.output_stride, card.output_kind, len(card.labels)) == (4, OUTPUT_KIND_PROBABILITIES, 5)
-    assert [value.name for value in converted.graph.input] == ["data_0"]  # weights are no longer listed as inputs
+    assert [value.name for value in converted.graph.input] == ["data_0"]  # weights are initializers, not inputs
     assert card.verification.passed
     image = to_input(sample_pixels(count=1, height=35, width=27, channels=3, seed=2), card.preprocessing)
     report = compare_with_crops(model, converted, image, layout=LAYOUT_NCHW, training_size=(19, 19), stride=4)

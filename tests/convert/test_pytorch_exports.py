@@ -16,7 +16,7 @@ from protos.model_card_pb2 import CHANNEL_ORDER_RGB, LAYOUT_NCHW, OUTPUT_KIND_LO
 TRAINING = 24
 # Pixels to [-1, 1], so outputs are O(1) and the absolute tolerance means what it says.
 UNIT_RANGE = Preprocessing(channel_order=CHANNEL_ORDER_RGB, pixel_scale=1.0, mean=[127.5] * 3, std=[127.5] * 3)
-# Dense cells of a pad-free net equal the classifier on each crop to this tolerance (the 1e-5).
+# Dense cells of a pad-free net equal the classifier on each crop to this tolerance (the converter's bar, 1e-5).
 CROP_TOLERANCE = 1e-5
 
 RAW = preset("raw")

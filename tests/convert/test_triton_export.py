@@ -110,7 +110,7 @@ def test_real_triton_accepts_the_config(tmp_path):
     (["--gpu-memory", "0"], "--gpu-memory: ", "above zero"),
 ])
 def test_every_numeric_flag_is_range_checked_before_the_model_is_read(tmp_path, capsys, argv, flag, says):
-    """Issue 24: exit 2 naming the flag; the model does not exist, so nothing could have been read."""
+    """Exit 2 naming the flag; the model does not exist, so nothing could have been read."""
     with pytest.raises(SystemExit) as exited:
         main(["triton", str(tmp_path / "missing.onnx"), str(tmp_path / "repo"), *argv])
     error = capsys.readouterr().err

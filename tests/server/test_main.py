@@ -204,8 +204,9 @@ def test_binding_beyond_loopback_wants_tls_a_token_or_insecure(tmp_path, capsys)
 
 
 def test_numeric_flags_out_of_range_exit_2_naming_the_flag_before_models_load(tmp_path, capsys):
-    """Issue 24, item 4: --port 70000 listened on 4464, --port -5 blamed --host, --metrics-port 70000 died
-    of an OverflowError after loading, --max-batch 0 failed only in warm-up."""
+    """Each bad value exits 2 naming its own flag before any model loads: unchecked, --port 70000 would listen
+    on 4464, --port -5 blame --host, --metrics-port 70000 die of an OverflowError after loading, --max-batch 0
+    fail only in warm-up."""
     model = str(tmp_path / "never-loaded.onnx")
     for flag, value in (("--port", "70000"), ("--port", "-5"), ("--metrics-port", "70000"), ("--max-batch", "0"),
                         ("--queue-depth", "0"), ("--max-message-bytes", str(2**31)), ("--max-scales", "x"),
@@ -307,7 +308,7 @@ def test_health_says_not_serving_until_warm_up_is_done(tiny_model_path):
 
 def test_the_tile_canvas_is_made_once_serving_not_before(tiny_model_path, caplog):
     """The tile canvas only images larger than every bucket use is made after health says SERVING (2 s of the
-    default model's start-up on 2 cores, issue 33), and made all the same: a photo arriving later makes no plan."""
+    default model's start-up on 2 cores: docs/design.md), and made all the same: a photo arriving later makes no plan."""
     import logging
 
     from server.main import create_server
@@ -396,7 +397,7 @@ def test_a_name_counts_as_loopback_for_the_server_binding_it_never_for_a_client_
 
 
 def test_a_no_flag_reads_as_turning_its_setting_off():
-    """`--no-warm-up | on | run every warm-up scale` read as if the flag turned warm-up on (issue 24)."""
+    """The reference row of `--no-warm-up` says what the flag turns off, never what the setting does when on."""
     from server import settings as declared
 
     row = next(line for line in declared.markdown_table().splitlines() if line.startswith("| `--no-warm-up`"))
@@ -415,7 +416,7 @@ def test_a_no_flag_reads_as_turning_its_setting_off():
     (["--max-scale", "2048", "--warm-up-scales", "5000"], "--warm-up-scales 5000 outside [1, 2048]"),
 ])
 def test_scale_flags_that_contradict_exit_2_naming_them_before_models_load(tmp_path, capsys, flags, words):
-    """These loaded the model, warmed up and exited 3 naming no flag (issue 24)."""
+    """Contradicting scale flags are refused before any model is loaded or warmed up, naming the flags."""
     message = refusal([str(tmp_path / "never-loaded.onnx"), "--port", "0", *flags], capsys)
     assert words in message, message
 
@@ -448,7 +449,8 @@ def test_a_warm_up_scale_the_model_cannot_serve_exits_2_naming_the_flag(default_
 @pytest.mark.parametrize("content", [pathlib.Path(__file__).parents[2].joinpath("samples", "cat.jpg").read_bytes(),
                                      b"a text file, not a model\n", b""])
 def test_a_file_that_is_not_onnx_is_named_with_the_fix(tmp_path, capsys, content):
-    """It said protobuf's `Error parsing message with type 'onnx.ModelProto': Wire format was corrupt` (issue 24)."""
+    """Named with the fix, never protobuf's `Error parsing message with type 'onnx.ModelProto': Wire format was
+    corrupt`."""
     path = tmp_path / "photo.onnx"
     path.write_bytes(content)
     message = refusal([str(path), "--port", "0", "--no-warm-up"], capsys)
@@ -498,7 +500,7 @@ def slow_tile_canvas_net(path) -> str:
 def test_sigterm_at_any_moment_ends_in_a_clean_exit_0(tmp_path, moment):
     """SIGTERM while the models load, during the warm-up, just after SERVING while the tile canvas plan is made in
     the background, with calls in flight, or again during the drain once its grace is over with batches running:
-    exit status 0 each time. A thread inside onnxruntime as the process exited aborted it (exit 134, issue 42)."""
+    exit status 0 each time, never 134 (a thread left inside onnxruntime as the process exits aborts it)."""
     grace = "0.2" if moment == "draining" else "10"
     served = Served([slow_tile_canvas_net(tmp_path / "heavy.onnx"), "--port", "0", "--metrics-port", "0",
                      "--intra-op-threads", "1", "--warm-up-scales", "64", "--tile-canvas", "1024x1024",

@@ -1,4 +1,4 @@
-"""`scoremap-serve --workers N` (issue 29): N processes on one port, each answering (gRPC, HTTP, KServe), draining
+"""`scoremap-serve --workers N`: N processes on one port, each answering (gRPC, HTTP, KServe), draining
 and holding its share of the budgets."""
 
 from __future__ import annotations

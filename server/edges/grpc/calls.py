@@ -1,4 +1,4 @@
-"""One gRPC call as plain values, and how a refusal is answered on it."""
+"""A gRPC call as the edges' plain `Call` (server/edges/calls.py), and how a refusal is answered on it."""
 
 from __future__ import annotations
 
@@ -7,24 +7,24 @@ import time
 
 import grpc
 
+from server.edges.calls import Call
 from server.errors import RETRY_AFTER_KEY, Retry, ScoringError
 from server.metrics import NO_MODEL
 
-__all__ = ["Call", "deadline_of", "ended", "refuse"]
+__all__ = ["call_of", "deadline_of", "ended", "refuse", "status_code"]
 
 # A client's own deadline timer may cancel the call a moment before the server's fires.
 DEADLINE_SLACK_SECONDS = 0.05
 
 
-class Call:
-    """One RPC as plain values: its deadline (time.monotonic), a flag set when it ends or is cancelled,
-    and the loaded model it concerns once known (a stream: its first request's), for the metrics."""
-
-    def __init__(self, context: grpc.ServicerContext, cancelled: threading.Event | None = None) -> None:
-        self.model = NO_MODEL
-        self.cancelled = threading.Event() if cancelled is None else cancelled
-        context.add_callback(self.cancelled.set)
-        self.deadline = deadline_of(context)
+def call_of(context: grpc.ServicerContext, method: str, model: str = NO_MODEL,
+            cancelled: threading.Event | None = None) -> Call:
+    """The call as plain values: its deadline, and a flag (`cancelled`, or a new one) set when it ends."""
+    call = Call(method, model=model, deadline=deadline_of(context))
+    if cancelled is not None:
+        call.cancelled = cancelled
+    context.add_callback(call.cancelled.set)
+    return call
 
 
 def deadline_of(context: grpc.ServicerContext) -> float | None:
@@ -37,11 +37,17 @@ def refuse(context: grpc.ServicerContext, error: ScoringError) -> None:
     """Abort the call with the error's status; a transient refusal also says when to retry."""
     if error.retry is Retry.LATER:
         context.set_trailing_metadata(((RETRY_AFTER_KEY, str(round(1000 * error.retry_after_seconds))),))
-    context.abort(error.code, error.message)
+    context.abort(status_code(error), error.message)
 
 
-def ended(context: grpc.ServicerContext) -> grpc.StatusCode:
-    """How a call that ended before its answer was sent ended: at its deadline, or cancelled."""
+def status_code(error: ScoringError) -> grpc.StatusCode:
+    """The gRPC status a refusal is answered with: each Refusal is named after one."""
+    return grpc.StatusCode[error.refusal.name]
+
+
+def ended(context: grpc.ServicerContext) -> str:
+    """How a call that ended before its answer was sent ended, as the metrics name it: at its deadline, or
+    cancelled."""
     remaining = context.time_remaining()
     expired = remaining is not None and remaining <= DEADLINE_SLACK_SECONDS
-    return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+    return (grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED).name

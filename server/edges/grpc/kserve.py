@@ -1,16 +1,16 @@
 """The Open Inference Protocol (KServe v2, `inference.GRPCInferenceService`) over the same Pipeline.
 
 Fleets that already speak Triton's / KServe's protocol (tritonclient, KServe transformers, load
-balancers with its health checks) call scoremap without its own client (issue 11, item 1). The
+balancers with its health checks) call scoremap without its own client. The
 protocol's messages are the generated ones shipped in `tritonclient.grpc` (the `triton` extra),
 not a copy of its .proto files; without the extra the server runs without this service. Inputs,
 parameters and outputs are server/edges/open_inference.py's, shared with the HTTP edge; this module
 only turns the protocol's gRPC messages into its plain values and back.
 
-ModelStreamInfer works as ScoreStream (a window of requests scored at once, answers in order, idle
-streams ended), except that a refused request answers its error and the stream goes on, as in
+ModelStreamInfer works as ScoreStream (server/edges/streams.py: a window of requests scored at once, answers in
+order, idle streams ended), except that a refused request answers its error and the stream goes on, as in
 Triton. Readiness is the standard health service's (`ServerReady` = health of ""), and the
-DenseScoring servicer's accounting applies to every call: draining, in-flight calls,
+DenseScoring servicer's accounting (the Front's) applies to every call: draining, in-flight calls,
 `scoremap_requests_total{method,code,model}`; the token and call-limit interceptors are the
 server's, so auth and limits are the same.
 """
@@ -21,15 +21,15 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
 from protos import scoring_pb2, version
+from server.edges.calls import Call
+from server.edges.grpc.service import DenseScoringServicer
+from server.edges.streams import windowed
 from server.errors import Refusal, ScoringError
-from server.edges.grpc.calls import Call
-from server.edges.grpc.service import DenseScoringServicer, StreamReader
 
 try:
     from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -95,7 +95,7 @@ def infer_response(request: service_pb2.ModelInferRequest,
 # --- the servicer ----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Streamed:
-    """A stream's request, its `id` under the name the DenseScoring StreamReader reads."""
+    """A stream's request, its `id` under the name server/edges/streams.py reads."""
 
     request: service_pb2.ModelInferRequest
 
@@ -156,7 +156,6 @@ class InferenceServicer(ServicerBase):
             return service_pb2.ModelConfigResponse(config=model_config(summary))
 
     def _infer(self, request: service_pb2.ModelInferRequest, call: Call) -> service_pb2.ModelInferResponse:
-        self.scoring.front.require_ready()
         response = self.scoring.front.score(to_score_request(request), deadline=call.deadline, cancelled=call.cancelled)
         return infer_response(request, response)
 
@@ -171,7 +170,7 @@ class InferenceServicer(ServicerBase):
             return service_pb2.ModelStreamInferResponse(infer_response=self._infer(request, call))
         except ScoringError as error:
             return service_pb2.ModelStreamInferResponse(
-                error_message=f"{error.code.name}: {error.message}",
+                error_message=f"{error.refusal.name}: {error.message}",
                 infer_response=service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id))
 
     def ModelStreamInfer(self, request_iterator, context) -> Iterator[service_pb2.ModelStreamInferResponse]:
@@ -180,18 +179,10 @@ class InferenceServicer(ServicerBase):
         A refused request answers its error and the stream goes on, as Triton's does.
         """
         with self.scoring.accounted("ModelStreamInfer", context) as call:
-            settings = self.scoring.settings
-            window = max(1, settings.stream_window)
-            with ThreadPoolExecutor(window, thread_name_prefix="kserve-stream") as pool:
-                reader = StreamReader(map(Streamed, request_iterator), pool,
-                                      functools.partial(self._stream_answer, call=call), call, window=window,
-                                      idle_seconds=settings.stream_idle_seconds)
-                try:
-                    for _, future in reader.submitted():
-                        yield future.result()
-                finally:
-                    call.cancelled.set()  # an abandoned stream stops its other requests
-                    pool.shutdown(wait=True, cancel_futures=True)
+            with windowed(map(Streamed, request_iterator), functools.partial(self._stream_answer, call=call), call,
+                          settings=self.scoring.settings, name="kserve-stream") as submitted:
+                for _, future in submitted:
+                    yield future.result()
 
 
 def add_to_server(grpc_server: grpc.Server, scoring: DenseScoringServicer,

@@ -1,4 +1,4 @@
-"""The HTTP face of the scoring server (issue 21): one port beside gRPC, the same Pipeline and rules.
+"""The HTTP face of the scoring server: one port beside gRPC, the same Pipeline and rules.
 
     serve(front, host=..., port=..., tls=..., token=..., version=...) -> HttpServer
 

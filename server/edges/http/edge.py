@@ -1,8 +1,9 @@
 """What the HTTP edge does for every call, as the gRPC servicer and its interceptors do for theirs.
 
-The bearer token, the call limits (`--grpc-workers` less `--reserved-workers` at once, and
-`--max-calls-per-peer` from one address), draining, readiness, `--max-message-bytes`, the metrics
-and the mapping of a `Refusal` to a status all live here, so the routes only convert. Status codes
+The rules of a call are the Front's and server/edges/calls.py's, the gRPC edge's too: the bearer token, the call
+limits (`--grpc-workers` less `--reserved-workers` at once, and `--max-calls-per-peer` from one address), the
+resend key, draining, readiness, `--max-message-bytes` and the accounting. This module finds them their values in
+an HTTP call and maps a `Refusal` to a status, so the routes only convert. Status codes
 follow Google's mapping of gRPC codes to HTTP (google.rpc.Code, as grpc-gateway uses it), with one
 choice of ours: a RESOURCE_EXHAUSTED without a retry hint is a request too large for a limit, which
 retrying cannot cure, so it is 413 Content Too Large; with a hint (overloaded for now) it is 429
@@ -13,16 +14,12 @@ once inflated, for a compressed one) and how long it may stop arriving (408).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import hmac
-import logging
 import math
-import threading
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio
 from fastapi import Request
@@ -33,21 +30,19 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Message
 
 from protos import scoring_pb2
+from server.edges.calls import CANCELLED, Call, CallSlots, Place, Token, resend_key
+from server.edges.front import Front
 from server.errors import Refusal, Retry, ScoringError
 from server.metrics import NO_MODEL
-from server.edges.call_slots import CallSlots
-from server.edges.front import Front
 from server.scoring.fields import checked
 
-LOG = logging.getLogger(__name__)
 METHOD_PREFIX = "http/"  # scoremap_requests_total{method="http/Score"}: the transport in the method label
-UNAUTHENTICATED = "UNAUTHENTICATED"
-UNKNOWN = "UNKNOWN"
 DISCONNECT_POLL_SECONDS = 0.1  # how often a scoring call looks whether its client went away
 ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}  # request bodies' Content-Encoding: zlib's wbits
 STATUS = {
     Refusal.INVALID_ARGUMENT: 400,
     Refusal.FAILED_PRECONDITION: 400,
+    Refusal.UNAUTHENTICATED: 401,
     Refusal.NOT_FOUND: 404,
     Refusal.RESOURCE_EXHAUSTED: 429,
     Refusal.CANCELLED: 499,  # the client closed the request: nobody reads it
@@ -79,18 +74,17 @@ def error_response(error: ScoringError) -> JSONResponse:
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_seconds)))  # whole seconds (RFC 9110)
     if isinstance(error, BodyTimeout):
         headers["Connection"] = "close"  # the rest of its body may still come: this connection is done
+    if error.refusal is Refusal.UNAUTHENTICATED:
+        headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse({"error": error.message, "code": error.refusal.name}, status_code=http_status(error),
                         headers=headers)
 
 
-@dataclass
-class HttpCall:
-    """One HTTP call as plain values: its deadline (time.monotonic) and the loaded model it concerns."""
+@dataclass(eq=False)
+class HttpCall(Call):
+    """One HTTP call as plain values (server/edges/calls.py's `Call`), with its request."""
 
-    request: Request
-    model: str = NO_MODEL
-    deadline: float | None = None
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    request: Request | None = None
 
 
 class Edge:
@@ -101,9 +95,9 @@ class Edge:
         self.version = version
         self.pipeline = front.pipeline
         self.settings = front.settings
-        self.metrics = front.metrics
-        self._expected = f"Bearer {token}".encode() if token is not None else None
-        self._slots = CallSlots(total=self.settings.scoring_workers, per_peer=self.settings.max_calls_per_peer)
+        self._token = Token(token) if token is not None else None
+        self._slots = CallSlots(total=self.settings.scoring_workers, per_peer=self.settings.max_calls_per_peer,
+                                pacer=front.pacer)
         # Scoring waits on its batch in a thread; the limits above keep it within this many.
         self._threads = anyio.CapacityLimiter(self.settings.scoring_workers)
         self._keying = anyio.CapacityLimiter(self.settings.max_held_refusals)  # bodies read outside a place
@@ -113,11 +107,6 @@ class Edge:
         """Warmed up and not draining: what health reports SERVING for."""
         return self.front.serving
 
-    def _authorised(self, request: Request) -> bool:
-        if self._expected is None:
-            return True
-        return hmac.compare_digest(request.headers.get("authorization", "").encode(), self._expected)
-
     async def answer(self, method: str, request: Request, work: Callable[[HttpCall], Awaitable[Response]], *,
                      model: str | None = None, probe: bool = False) -> Response:
         """Run `work` as gRPC runs a method: token, call limits, draining, metrics, a refusal as its status.
@@ -126,49 +115,38 @@ class Edge:
         Probes (`probe=True`) need no token and are exempt from the limits, as gRPC's health checks.
         """
         label = NO_MODEL if model is None else self.front.model_label(scoring_pb2.ScoreRequest(model=model))
-        call = HttpCall(request, model=label)
-        peer = request.client.host if request.client else ""
-        code = Refusal.CANCELLED.name  # until it is answered: a task cancelled (the client gone) stays so
-        placed = refused = False  # took a place; refused for want of room
-        self.metrics.in_flight.inc()
-        try:
-            if not probe and not self._authorised(request):
-                code = UNAUTHENTICATED
-                return JSONResponse({"error": "missing or wrong bearer token: send the header "
-                                     "`Authorization: Bearer <token>`", "code": UNAUTHENTICATED},
-                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
-            if not probe and self.front.pacer.refusing:
-                await self._door(method, request)
-            with contextlib.nullcontext() if probe else self._slots.held(peer):
-                placed = not probe
-                if self.front.draining.is_set() and not probe:
-                    raise ScoringError(Refusal.UNAVAILABLE, "the server is shutting down; retry on another replica")
-                response = await work(call)
-            code = "OK"
-            return response
-        except ScoringError as error:
-            code = error.refusal.name
-            if error.retry is Retry.LATER:  # transient: answered at the server's refusal pace, as gRPC's
-                refused = True
-                with self.front.pacer.hold(self._known_key(method, request), deadline=call.deadline,
-                                                    decided=error.decided) as seconds:
-                    if seconds:
-                        await anyio.sleep(seconds)
-            return error_response(error)
-        except ClientDisconnect:
-            return Response(status_code=STATUS[Refusal.CANCELLED])  # the client went away at the door: no one reads it
-        except Exception:
-            code = UNKNOWN  # a bug: the log keeps the traceback, the client gets 500 without it
-            LOG.exception("HTTP %s failed", method)
-            return JSONResponse({"error": f"{method} failed inside the server; its log says why", "code": UNKNOWN},
-                                status_code=500)
-        finally:
-            if placed and not refused:
-                self.front.pacer.freed()  # its place, now given back, for a resend at the door
-            if code == "OK" and not probe:
-                self.front.pacer.answered()
-            self.metrics.in_flight.dec()
-            self.metrics.count_request(METHOD_PREFIX + method, code, call.model)
+        call = HttpCall(METHOD_PREFIX + method, model=label, request=request)
+        place: Place | None = None
+        with self.front.accounted(call, probe=probe):
+            try:
+                if not probe:
+                    if self._token is not None:
+                        self._token.check(request.headers.get("authorization"))
+                    if self.front.pacer.refusing:
+                        await self._door(method, request)
+                    place = self._slots.take(request.client.host if request.client else "")
+                    self.front.refuse_when_draining()
+                return await work(call)
+            except ScoringError as error:
+                call.refused(error)
+                if error.retry is Retry.LATER:  # transient: answered at the server's refusal pace, as gRPC's
+                    if place is not None:
+                        place.leave(refused=True)
+                    with self.front.pacer.hold(self._known_key(method, request), deadline=call.deadline,
+                                               decided=error.decided) as seconds:
+                        if seconds:
+                            await anyio.sleep(seconds)
+                return error_response(error)
+            except ClientDisconnect:
+                call.code = CANCELLED
+                return Response(status_code=STATUS[Refusal.CANCELLED])  # gone at the door: no one reads it
+            except Exception:
+                self.front.failed(call)
+                return JSONResponse({"error": f"{method} failed inside the server; its log says why",
+                                     "code": call.code}, status_code=500)
+            finally:
+                if place is not None:
+                    place.leave()  # its place, given back, for a resend at the door
 
     async def _resend_key(self, method: str, request: Request) -> Hashable | None:
         """What a request sent again is recognised by, as gRPC's: its method, path, query and body, read here
@@ -184,7 +162,7 @@ class Edge:
         """The request's resend key when its body has been read (None: not yet; a refusal does not wait for
         an upload to remember it, so refusals stay fast)."""
         body = getattr(request.state, "body", None)
-        return None if body is None else hash((method, request.url.path, request.url.query, body))
+        return None if body is None else resend_key(method, request.url.path, request.url.query, body)
 
     async def _whole(self, request: Request) -> bytes:
         """The body as sent, read once within the limits and kept in the call's state (the door's read is the

@@ -1,4 +1,4 @@
-"""KServe v2 (the Open Inference Protocol) over HTTP/REST, as tritonclient.http speaks it (issue 21, item 2).
+"""KServe v2 (the Open Inference Protocol) over HTTP/REST, as tritonclient.http speaks it.
 
 The JSON request and its binary-data extension (`Inference-Header-Content-Length`: that many bytes
 of JSON, then each input's `binary_data_size` bytes in order) become server/edges/open_inference.py's
@@ -221,7 +221,7 @@ def router(edge: Edge) -> APIRouter:
         return await about_model("ModelConfig", request, name, version, lambda summary: JSONResponse(
             json_format.MessageToDict(model_config(summary), preserving_proto_field_name=True)))
 
-    @routes.post("/models/{name}/infer", summary="Score one image (see the README for inputs and outputs)")
+    @routes.post("/models/{name}/infer", summary="Score one image (inputs and outputs: docs/scale-out.md)")
     @routes.post("/models/{name}/versions/{version}/infer", summary="Score one image")
     async def infer(request: Request, name: str, version: str = ""):
         async def work(call: HttpCall):

@@ -1,4 +1,4 @@
-"""scoremap's own REST routes: the model list and cards, and `curl`-able scoring (issue 21, item 3).
+"""scoremap's own REST routes: the model list and cards, and `curl`-able scoring.
 
     curl -F image=@samples/cat.jpg 'http://HOST:PORT/v1/models/NAME/score?scales=384&stride=16&top_k=5'
 

@@ -92,7 +92,7 @@ def test_a_modest_probability_peak_is_stretched_from_zero_to_the_brightest_colou
 
 
 def test_a_16_bit_photo_is_drawn_as_its_8_bit_rendering(tmp_path):
-    """Issue 24: the photo under a 16-bit image's map was flat purple (its values clipped, not scaled)."""
+    """The photo under a 16-bit image's map is its values scaled to 8 bits, not clipped (flat purple)."""
     from clients.api.images import open_photo
 
     grey = np.asarray(Image.open(SAMPLES / "astronaut.jpg").convert("L").resize((192, 160)), dtype=np.float64)
@@ -112,7 +112,7 @@ def test_a_16_bit_photo_is_drawn_as_its_8_bit_rendering(tmp_path):
 @pytest.mark.filterwarnings("error")  # numpy's "All-NaN slice" on the holes' logits included
 @pytest.mark.parametrize("peak", [0.2, 8.0], ids=["probabilities", "logits"])
 def test_the_diagonal_shifts_holes_are_drawn_as_holes_and_the_legend_says_so(peak):
-    """Issue 24: NaN cells (a quincunx) were painted in the colormap's darkest colour, like the lowest scores."""
+    """NaN cells (a quincunx) are painted grey, never in the colormap's darkest colour, like the lowest scores."""
     from clients.api.heatmap import HOLE_COLOUR, OVERLAY_ALPHA, legend_notes
 
     photo = Image.new("RGB", (512, 512), (200, 200, 200))
@@ -132,7 +132,7 @@ def test_the_diagonal_shifts_holes_are_drawn_as_holes_and_the_legend_says_so(pea
 
 
 def test_legend_numbers_read_as_people_write_them():
-    """Issue 24: the legend printed `1.39e+03 px` for the default model's receptive field."""
+    """The legend says `1,390 px` for the default model's receptive field, never `1.39e+03 px`."""
     from clients.api.heatmap import legend_notes
 
     notes = legend_notes(Geometry(16, 16, 8, 8, 1390, 1390, 1.0, 384, 384), holes=False)

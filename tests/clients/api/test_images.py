@@ -71,8 +71,8 @@ def _big_tiff() -> bytes:
 
 
 def test_the_client_recognises_images_as_the_server_does(tmp_path):
-    """Issue 24 follow-up: BigTIFF (`II+\\x00`), which the server opens, was refused by every client; the
-    client now asks the server's own test (server/scoring/imaging.py `check_encoded`, PIL's plugins)."""
+    """BigTIFF (`II+\\x00`), which the server opens, is an image to the client too: the client asks the server's
+    own test (server/scoring/imaging.py `check_encoded`, PIL's plugins)."""
     from server.scoring import imaging
 
     data = _big_tiff()
@@ -110,7 +110,7 @@ def test_open_photo_applies_exif_orientation_like_the_server(tmp_path):
     assert open_photo(path.read_bytes()).size == (4, 8)
 
 
-# Issue 24: every image type the client accepts scores as its file does (through the default model on a
+# Every image type the client accepts scores as its file does (through the default model on a
 # real server), and what has no faithful conversion is refused naming its mode or dtype.
 
 def _astronaut_grey16() -> np.ndarray:
@@ -194,7 +194,7 @@ def test_every_image_type_scores_as_its_file(default_server, tmp_path):
 
 
 def test_a_16_bit_image_scores_like_its_8_bit_copy(default_server, tmp_path):
-    """The issue's own case: a 16-bit PNG object scored as noise; it must read as the photo it is."""
+    """A 16-bit PNG object reads as the photo it is, not as noise."""
     from clients import ScoremapClient
 
     grey16 = _astronaut_grey16()
@@ -221,7 +221,7 @@ def test_what_has_no_faithful_conversion_is_refused_naming_it(held, says):
     assert says in caught.value.message and "convert it to 8-bit RGB" in caught.value.message
 
 
-# Issue 24 follow-up: the server decodes a large JPEG file in draft mode (DCT scaling) down to the size the
+# The server decodes a large JPEG file in draft mode (DCT scaling) down to the size the
 # scales need; an image object opened from such a file must score as the file does, not as its full pixels.
 
 def _large_jpeg(folder, size: tuple[int, int]) -> str:

@@ -22,7 +22,7 @@ def test_the_servers_defaults_are_made_explicit():
     assert (resolved.model, resolved.stride, tuple(resolved.scales)) == ("tiny", 32, (64,))
     assert check_run([model], ScoreOptions(stride=16, scales=(96, 128))).scales == (96, 128)
     assert check_run([summary()], ScoreOptions()).stride == 0  # a server that does not tell: nothing assumed
-    uncapped = summary(output_strides=[32], min_scale=32, default_scale=64)  # max_scale 0: no cap (issue 31)
+    uncapped = summary(output_strides=[32], min_scale=32, default_scale=64)  # max_scale 0: no cap
     assert check_run([uncapped], ScoreOptions(scales=(6048,))).scales == (6048,)
     with pytest.raises(RunRefused, match="--scales 16: model 'tiny' takes scales from 32"):
         check_run([uncapped], ScoreOptions(scales=(16, 64)))

@@ -177,7 +177,8 @@ def test_uris_and_local_folders_together_are_named_by_their_folders(tmp_path):
 
 
 def test_ray_keeps_its_own_logging_to_itself(tmp_path):
-    """Issue 24: two images printed ~30 lines of Ray's logging, an `E ... core_worker.cc` line among them. In a
+    """Ray's own logging stays out of the way (left alone, ~30 lines for two images, an `E ... core_worker.cc` line
+    among them). In a
     process of its own, so the Ray it starts is configured by scoremap, and its C++ output is on the real stderr."""
     import subprocess
     import sys

@@ -25,7 +25,7 @@ def test_a_rerun_with_other_options_is_refused_unless_forced(server, photos, tmp
     assert records.keys() == first.keys()
     assert all(r["output_stride"] == 32 and r["scales"] == [64] for r in records.values())
     assert json.loads((out / "options.json").read_text())["stride"] == 32
-    # Issue 24: the old options' records went; results.jsonl holds one line per image, not both runs'.
+    # The old options' records went; results.jsonl holds one line per image, not both runs'.
     assert (out / "results.jsonl").read_text().count("\n") == len(first)
 
 
@@ -41,7 +41,7 @@ def _files(folder) -> list[str]:
 
 
 def test_forced_new_options_remove_the_outputs_of_the_old(server, photos, tmp_path):
-    """Issue 24 follow-up: maps and heatmaps of the old options stayed beside the new results. Only the files
+    """Maps and heatmaps of the old options go, never to stay beside the new results. Only the files
     the old records name go: a file of the user's own in the output folder stays."""
     out = tmp_path / "out"
     common = [str(photos), "--out", str(out), "--server", server, "--no-progress"]

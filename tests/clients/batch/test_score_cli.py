@@ -242,7 +242,7 @@ def test_ctrl_c_while_waiting_for_the_server_stops_at_once(photos, tmp_path):
         server.stop(0)
     text = "".join(said)
     assert code == 130, text
-    # issue 12: at once, not after --retry-for's 120 s; the bound leaves room for a loaded machine (2 s failed there)
+    # At once, not after --retry-for's 120 s; the bound leaves room for a loaded machine (2 s failed there)
     assert stopped_after < 15.0, text
     assert f"waiting for 127.0.0.1:{port}, retrying for " in text and "s more" in text
     assert "re-run the same command to resume" in text and "Traceback" not in text
@@ -323,7 +323,7 @@ def test_server_warnings_are_recorded_and_counted(server, tmp_path, capsys):
     (["--local", "missing.onnx", "--tiled", "--max-slide-pixels", "0"], "--max-slide-pixels", ">= 1"),
 ])
 def test_every_numeric_flag_is_range_checked_before_anything_loads(tmp_path, capsys, argv, flag, says):
-    """Issue 24: exit 2 naming the flag; the model file does not exist, so nothing could have loaded."""
+    """Exit 2 naming the flag; the model file does not exist, so nothing could have loaded."""
     with pytest.raises(SystemExit) as exited:
         main([str(tmp_path), "--out", str(tmp_path / "out"), *argv])
     error = capsys.readouterr().err
@@ -332,7 +332,7 @@ def test_every_numeric_flag_is_range_checked_before_anything_loads(tmp_path, cap
 
 
 def test_outputs_carry_one_extension_and_sibling_formats_get_their_own(server, tmp_path):
-    """Issue 24: heatmaps were named `coffee.png.png`; `x.jpg` and `x.png` still get two names."""
+    """A heatmap of coffee.png is `coffee_png.png`, never `coffee.png.png`; `x.jpg` and `x.png` get two names."""
     photos = tmp_path / "photos"
     photos.mkdir()
     for suffix in ("jpg", "png"):
@@ -344,7 +344,7 @@ def test_outputs_carry_one_extension_and_sibling_formats_get_their_own(server, t
 
 
 def test_a_big_tiff_scores_as_its_png_locally_and_on_a_server(server, tiny_model, tmp_path):
-    """Issue 24 follow-up: BigTIFF files, which the server opens, were refused by the client's own signature list."""
+    """BigTIFF files, which the server opens, are scored, not refused by a signature list of the client's own."""
     photos = tmp_path / "photos"
     photos.mkdir()
     pixels = np.asarray(Image.open(REPO / "samples" / "astronaut.jpg").convert("RGB").resize((96, 80)))
@@ -359,7 +359,7 @@ def test_a_big_tiff_scores_as_its_png_locally_and_on_a_server(server, tiny_model
 
 
 def test_a_file_recorded_as_failed_leaves_no_outputs(server, photos, tmp_path):
-    """Issue 24 follow-up: a file whose heatmap failed was recorded as failed with its .npz still written."""
+    """A file whose heatmap fails is recorded as failed with none of its outputs written, its .npz included."""
     out = tmp_path / "out"
     (out / "heatmaps" / "photo000_jpg.png").mkdir(parents=True)  # its heatmap cannot be written there
     assert main([str(photos), "--out", str(out), "--server", server, "--maps", "--heatmaps", "--no-progress"]) \
@@ -372,7 +372,7 @@ def test_a_file_recorded_as_failed_leaves_no_outputs(server, photos, tmp_path):
 
 @pytest.mark.parametrize("where", ["/proc/nope", "a-file/out"])
 def test_an_out_folder_that_cannot_be_made_is_named_with_the_fix(server, photos, tmp_path, caplog, where):
-    """Issue 24 follow-up: `--out /proc/nope` printed a bare `[Errno 2] No such file or directory: '/proc/nope'`."""
+    """`--out /proc/nope` names the flag and the fix, never a bare `[Errno 2] No such file or directory`."""
     (tmp_path / "a-file").write_text("a file, not a folder")
     out = where if where.startswith("/") else str(tmp_path / where)
     assert main([str(photos), "--out", out, "--server", server, "--no-progress"]) == EXIT_REFUSED

@@ -250,7 +250,7 @@ def test_defaults_come_from_the_client_settings():
     (["--server-pid", "0"], "--server-pid", ">= 1"),
 ])
 def test_every_numeric_flag_is_range_checked_before_anything_is_sent(capsys, argv, flag, says):
-    """Issue 24: exit 2 naming the flag, before the (unreachable) server is contacted."""
+    """Exit 2 naming the flag, before the (unreachable) server is contacted."""
     from clients.loadtest.run import main as loadtest_main
 
     server = [] if argv[0] == "--server" else ["--server", "127.0.0.1:1"]
@@ -261,7 +261,7 @@ def test_every_numeric_flag_is_range_checked_before_anything_is_sent(capsys, arg
 
 
 def test_bad_files_in_images_are_skipped_counted_and_named(server, photos, tmp_path, caplog):
-    """Issue 24: one bad file in a real photo folder refused the whole run."""
+    """One bad file in a real photo folder is skipped and named; the run goes on with the others."""
     whole = sorted(photos.glob("*.jpg"))[0].read_bytes()
     (photos / "truncated.jpg").write_bytes(whole[:len(whole) // 3])
     (photos / "empty.png").write_bytes(b"")
@@ -294,7 +294,7 @@ def test_a_folder_of_only_bad_files_is_refused_naming_them(tmp_path, capsys):
 
 
 def test_a_big_tiff_folder_is_usable(tmp_path):
-    """Issue 24 follow-up: BigTIFF files, which the server opens, were skipped as not images."""
+    """BigTIFF files, which the server opens, are sent, not skipped as not images."""
     from PIL import Image
 
     Image.new("RGB", (40, 30), (10, 200, 30)).save(tmp_path / "big.tif", big_tiff=True)

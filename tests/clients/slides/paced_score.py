@@ -3,7 +3,7 @@
     python -m tests.clients.slides.paced_score SECONDS_PER_TILE [scoremap-score's arguments ...]
 
 Each tile's scoring takes at least SECONDS_PER_TILE, so the run lasts at least tiles x that / --concurrency
-however fast the machine: on an H200 the unpaced run ended before the test could kill it (issue 29).
+however fast the machine: on an H200 an unpaced run ends before the test can kill it.
 Everything else is the real command.
 """
 

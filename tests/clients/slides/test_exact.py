@@ -1,4 +1,4 @@
-"""Exact tiling on real converted graphs: the stitched map equals one pass over the whole image (issue 20).
+"""Exact tiling on real converted graphs: the stitched map equals one pass over the whole image.
 
 Both go through the in-process pipeline users get (`scoremap-score --local`), raw pixels at their own
 size (no resize), and canvases planned as the one pass's (image + slack, rounded), so an edge tile's

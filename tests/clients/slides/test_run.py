@@ -95,7 +95,7 @@ def test_a_resumed_run_after_sigkill_records_every_tile_once(converted, tmp_path
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     ledger = out / "big.tiles.jsonl"
     # The killed run is paced (each tile takes at least KILLED_PACE_S): its 225 tiles last over 5 s on any
-    # machine, so it is still running when its third tile is recorded (issue 29: unpaced, on an H200, it was not).
+    # machine, so it is still running when its third tile is recorded (unpaced, on an H200, it would not be).
     paced = [sys.executable, "-m", "tests.clients.slides.paced_score", str(KILLED_PACE_S), *arguments]
     process = subprocess.Popen(paced, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120

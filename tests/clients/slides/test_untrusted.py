@@ -1,4 +1,4 @@
-"""Issue 32: corrupt or hostile slides, each crafted here, fail at once with a message naming the file, in bounded
+"""Corrupt or hostile slides, each crafted here, fail at once with a message naming the file, in bounded
 memory; a tile that cannot be read fails that tile, never scored as zeros; one bad slide leaves the others scored."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ PEAK_RSS_BYTES = 1 << 30  # what the lying headers would take decoded: 40 Gpx (1
 
 
 def lying_size(path: Path, side: int) -> Path:
-    """A 1536x1024 tiled TIFF (24 tiles of 256) whose header claims side x side pixels (the issue's file)."""
+    """A 1536x1024 tiled TIFF (24 tiles of 256) whose header claims side x side pixels."""
     tifffile.imwrite(path, mosaic(1024, 1536), tile=(256, 256), compression="zlib")
     with tifffile.TiffFile(path, mode="r+b") as tiff:
         tiff.pages[0].tags["ImageWidth"].overwrite(side)
@@ -218,7 +218,7 @@ def test_failed_tiles_are_recorded_said_and_retried_on_request(converted, tmp_pa
     assert (out / "slide.png").exists()
 
 
-def test_the_issue_files_exit_2_at_once_in_bounded_memory_and_with_traceback_only_when_asked(converted, tmp_path):
+def test_lying_and_hostile_headers_exit_2_at_once_in_bounded_memory_and_with_traceback_only_when_asked(converted, tmp_path):
     """Measured on the real command: wall time and peak RSS of a run over the lying and hostile headers."""
     model = converted(True, False)
     bad = [lying_size(tmp_path / "liar.tif", 200_000), garbage_after_magic(tmp_path / "noise.tif"),

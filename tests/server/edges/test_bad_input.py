@@ -34,7 +34,7 @@ def log_without_tracebacks(caplog):
     assert not failures, [record.getMessage() for record in failures]
 
 
-# The three 500s of the report, then their siblings: each (query or body, the words expected).
+# Three values that must never be a 500, then their siblings: each (query or body, the words expected).
 QUERIES = {
     "stride=99999999999999999999": "stride 99999999999999999999 is out of range: it takes 0..2147483647",
     "scales=99999999999": "scales 99999999999 is out of range: it takes 1..2147483647",

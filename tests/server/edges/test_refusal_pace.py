@@ -1,4 +1,4 @@
-"""Refusals answered at a pace the server can afford (issue 22, item 4): the pacer's schedule, then a real
+"""Refusals answered at a pace the server can afford (docs/design.md: the refusal pace and the resend door): the pacer's schedule, then a real
 server on a loopback port, where clients resending at once are held (never beyond the bound or the deadline,
 the retry hint kept) and clients that honour the hints are not.
 

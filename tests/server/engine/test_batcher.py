@@ -7,12 +7,10 @@ import threading
 import time
 import weakref
 
-import grpc
 import numpy as np
 import pytest
 
 from server.engine import batcher as batcher_module
-from server.scoring.admission import no_room
 from server.engine.batcher import Batcher, Dropped, Work
 from server.errors import NoRoom, Refusal, ScoringError
 from server.metrics import Metrics
@@ -47,7 +45,7 @@ def queue_places(batcher: Batcher, items: int, *, deadline: float | None):
     """`items` places in `batcher`'s queue, or admission's refusal saying why there is none."""
     held = batcher.reserve(items, deadline=deadline)
     if isinstance(held, NoRoom):
-        raise no_room(held, deadline=deadline)
+        raise held.refusal(deadline=deadline)
     return held
 
 
@@ -147,12 +145,12 @@ def test_a_full_queue_refuses_with_a_retry_hint_and_cancelled_calls_free_their_p
     for refuse in (lambda: batcher.submit(works(1)), lambda: queue_places(batcher, 1, deadline=None)):
         with pytest.raises(ScoringError, match="queue full") as caught:
             refuse()
-        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
+        assert caught.value.refusal is Refusal.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
     cancelled = threading.Event()
     cancelled.set()
     with pytest.raises(ScoringError) as caught:
         batcher.wait(queued, cancelled=cancelled)
-    assert caught.value.code == grpc.StatusCode.CANCELLED
+    assert caught.value.refusal is Refusal.CANCELLED
     assert batcher.depth() == 0
     with batcher.reserve(8, deadline=None):  # room again
         pass
@@ -178,7 +176,7 @@ def test_expected_wait_beyond_the_deadline_or_the_queue_limit_is_refused_before_
         batcher._queue.extend(works(5, "waiting"))  # 0.5 s ahead: within one item's time of the 0.5 s limit
         with pytest.raises(ScoringError, match="--max-queue-ms") as caught:
             queue_places(batcher, 1, deadline=None)
-        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
+        assert caught.value.refusal is Refusal.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
         del batcher._queue[:2]  # 0.3 s ahead: admitted
         with batcher.reserve(1, deadline=None):
             pass
@@ -189,7 +187,7 @@ def test_expected_wait_beyond_the_deadline_or_the_queue_limit_is_refused_before_
         batcher.close()
     with pytest.raises(ScoringError, match="shutting down") as caught:
         queue_places(batcher, 1, deadline=None)
-    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    assert caught.value.refusal is Refusal.UNAVAILABLE
 
 
 def test_the_margin_is_kept_only_when_items_wait_ahead():
@@ -287,7 +285,7 @@ def test_items_waiting_longer_than_the_queue_limit_are_dropped_before_compute_bu
         assert batcher.wait(running) == [0, 2, 4]  # its first item ran in time: the others are its own work
         with pytest.raises(ScoringError, match="max-queue-ms") as caught:
             batcher.wait(late)  # another request's item that never started is dropped
-        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert caught.value.refusal is Refusal.RESOURCE_EXHAUSTED
         assert [len(batch) for batch in runner.batches] == [1, 1, 1]  # the late item never ran
         assert drops == [Dropped.QUEUE_TIME]
     finally:
@@ -387,7 +385,7 @@ def test_expired_work_is_dropped_before_compute(tiny_model_path, kit):
         request = kit.raw_request(np.zeros((64, 64, 3), dtype=np.uint8), scales=[64], return_maps=True)
         with pytest.raises(ScoringError, match="deadline") as caught:
             pipeline.score(request, deadline=time.monotonic() - 0.001)
-        assert caught.value.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert caught.value.refusal in (Refusal.DEADLINE_EXCEEDED, Refusal.RESOURCE_EXHAUSTED)
         assert pipeline.engine.served(model.name).batcher.depth() == 0
         assert metrics.registry.get_sample_value("scoremap_batch_size_count", {"model": "tiny"}) is None  # never ran
         assert pipeline.score(request, deadline=time.monotonic() + 30).maps

@@ -359,11 +359,11 @@ def test_the_default_model(request, fixture, offsets, factor):
 
 # The (op, type) pairs plan graphs rely on, each with the file of onnxruntime 1.31 that registers its
 # CUDA kernel (under onnxruntime/core/providers/cuda/). An op at a type not listed here may have no
-# CUDA kernel and run on the CPU, with copies either side of it (issue 19: Pad has float, double and
-# float16 kernels only, tensor/pad.cc). Cast is keyed by its input type: cast_op.cc registers every
+# CUDA kernel and run on the CPU, with copies either side of it (Pad has float, double and float16 kernels
+# only, tensor/pad.cc). Cast is keyed by its input type: cast_op.cc registers every
 # source type with every target type. Checked against pad.cc and cast_op.cc; the others by
-# onnxruntime's source layout and the placement check recorded in issue 19 (every node of these
-# plans on CUDAExecutionProvider but the uint8 Pad).
+# onnxruntime's source layout and a placement check on a GPU (every node of these plans on
+# CUDAExecutionProvider but a uint8 Pad, which is why plans pad in float32: server/engine/device_graph.py).
 CUDA_KERNELS = {
     **{(op, t): "math/binary_elementwise_ops.cc" for op in ("Add", "Sub", "Mul", "Div") for t in ("FLOAT", "FLOAT16")},
     ("Greater", "FLOAT"): "math/binary_elementwise_ops.cc",
@@ -402,7 +402,8 @@ def without_cuda_kernel(graph: onnx.ModelProto) -> set[tuple[str, str]]:
 
 
 def test_the_kernel_check_finds_a_uint8_pad():
-    """The check itself: a uint8 Pad (what uint8-input plans had before issue 19) is reported."""
+    """The check itself: a uint8 Pad (which a plan padding its uint8 input before the cast would have) is
+    reported."""
     graph = helper.make_graph(
         [helper.make_node("Pad", ["x", "pads"], ["y"], mode="constant")], "pad8",
         [helper.make_tensor_value_info("x", TensorProto.UINT8, [1, 3, 4, 4])],
@@ -424,7 +425,7 @@ def test_the_kernel_check_finds_a_uint8_pad():
 ], ids=["default-s32-b1", "default-grid-b4", "default-diagonal-b4", "atrous", "fp16-precision-grid",
         "uint8-grid-b4", "uint8-diagonal-b4", "nhwc-fp16-input-grid"])
 def test_every_op_of_a_plan_graph_has_a_cuda_kernel(request, net, batch, offsets, factor, stride):
-    """Checked on the CPU, by type: a node without a CUDA kernel would run on the host (issue 19)."""
+    """Checked on the CPU, by type: a node without a CUDA kernel would run on the host."""
     nets = {
         "default": lambda: onnx.load(request.getfixturevalue("default_model_path")),
         "atrous": lambda: onnx.load(request.getfixturevalue("default_model_os16_path")),

@@ -70,7 +70,7 @@ def test_default_buckets_with_one_aspect_and_no_slack_are_one_square_per_scale()
 
 def test_every_step_buckets_hold_each_image_from_1_1_to_2_1_with_no_padding():
     """The CPU's buckets: any photo between 1:1 and 2:1 either way runs on a canvas of its own resized size
-    (issue 22: 448x384 padded to 512x384 cost 1.19x bare onnxruntime), and beyond 2:1 none holds it."""
+    (448x384 padded to 512x384 costs 1.19x bare onnxruntime), and beyond 2:1 none holds it."""
     multiple = 32
     buckets = default_buckets(scales=(384,), slacks=(0, 16), multiple=multiple, max_batch=1, every_step=True)
     for height in range(384, 2 * 384 + 1):
@@ -86,7 +86,7 @@ def test_every_step_buckets_hold_each_image_from_1_1_to_2_1_with_no_padding():
 
 
 def test_cpu_batches_fill_their_buckets_exactly_and_take_the_cheapest_measured():
-    """Issue 29: on the CPU a padded slot costs a whole image, and a larger batch need not cost less per item,
+    """On the CPU a padded slot costs a whole image, and a larger batch need not cost less per item,
     nor be worth the wait its items share."""
     batches = Buckets(((64, 64),), (1, 2, 4, 8))
     assert batches.cheapest_batches(7, lambda size: None) == [4, 2, 1]  # nothing measured: the largest that fit

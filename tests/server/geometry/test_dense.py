@@ -76,7 +76,7 @@ def test_mirror_back_is_the_plain_mirror_when_the_field_is_centred():
 
 
 def test_averaging_flips_holds_one_lattice_and_a_byte_per_value_beside_them():
-    """The host memory estimate counts the average as one float32 lattice (issue 31); a stacked average held ~9
+    """The host memory estimate counts the average as one float32 lattice; a stacked average would hold ~9
     lattices of a 1000-class map at once. NaN cells (holes) keep the other orientation's value, or stay NaN."""
     import tracemalloc
 

@@ -1,4 +1,4 @@
-"""One CPU arena for every plan of the process (issue 33): a plan that does not run holds no activations, and the
+"""One CPU arena for every plan of the process: a plan that does not run holds no activations, and the
 arena keeps the largest block a run took, not one block per plan nor a pile of them."""
 
 import numpy as np
@@ -142,7 +142,7 @@ def settled() -> int:
 
 def test_each_further_plan_adds_less_than_one_plan_s_activations(heavy_pipeline):
     """Four plans of about the same size (activations of 40-50 MiB each): the first takes its block from the arena,
-    each further one adds its own state, not a block of its own (before issue 33 each kept ~1.1x its live peak)."""
+    each further one adds its own state, not a block of its own (with an arena each, each would keep ~1.1x its live peak)."""
     score(heavy_pipeline, 64, 64)  # the model's first plan: its weights and the process's first-use state
     before = settled()
     score(heavy_pipeline, 320, 320)

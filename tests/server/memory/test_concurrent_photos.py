@@ -1,4 +1,4 @@
-"""Eight 48 Mpx photos at their own size at once are refused or queued, never more than memory holds (issue 31).
+"""Eight 48 Mpx photos at their own size at once are refused or queued, never more than memory holds.
 
 With no size cap, what keeps a burst of large photos from taking the host down is the in-flight host budget
 (--host-memory-budget): each request holds its own estimate, and one that would pass the budget is refused

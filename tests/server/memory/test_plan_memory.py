@@ -1,6 +1,5 @@
-"""A plan's memory in the server's own process against admission's prediction (issues 22, 33), a default
-start that does not call the memory model off (issue 24, item 5), and one that holds its plans' activations
-once (issue 33)."""
+"""A plan's memory in the server's own process against admission's prediction, a default start that does not
+call the memory model off, and one that holds its plans' activations once."""
 
 import dataclasses
 import subprocess
@@ -108,9 +107,8 @@ def test_a_session_read_a_little_below_its_new_weights_is_measured_and_further_b
 
 
 def test_decoding_beside_a_plan_s_creation_does_not_count_as_its_memory(default_model_path, caplog):
-    """Large images decoded on other threads while a plan is made grew the process's resident set, which was
-    read as the plan's (`measured 446.8 MiB, predicted 172.8 MiB (2.59x)`, issue 24 item 5): that reading is
-    not used, admission keeps the prediction, and nothing is called off. A plan made alone is still measured."""
+    """Large images decoded on other threads while a plan is made grow the process's resident set, which would
+    read as the plan's (`measured 446.8 MiB, predicted 172.8 MiB (2.59x)`): that reading is not used, admission keeps the prediction, and nothing is called off. A plan made alone is still measured."""
     import io
     import logging
 
@@ -159,8 +157,8 @@ def test_decoding_beside_a_plan_s_creation_does_not_count_as_its_memory(default_
 
 def test_a_warmed_up_default_server_holds_its_plans_activations_once(default_model_path):
     """The default warm-up's ten plans (384-608 px, four of them 4-pass): the server holds the model's weights
-    once, each plan's own state and the largest plan's running batch, not a block per plan (issue 33: 1124 MiB
-    idle, 970 of them the plans', when each plan kept its own arena and its own copy of the weights)."""
+    once, each plan's own state and the largest plan's running batch, not a block per plan (1124 MiB idle,
+    970 of them the plans', with an arena and a copy of the weights per plan: docs/design.md)."""
     from convert.profile import profile_model
 
     def idle_rss(*flags: str) -> int:

@@ -6,7 +6,7 @@ import pytest
 
 from convert.memory_model import Device
 from convert.profile import largest_batch, profile_model
-from server.errors import ScoringError
+from server.errors import Refusal, ScoringError
 
 
 def predicted(path: str, side: int, batch: int = 1, device: Device = Device.CPU) -> int:
@@ -16,7 +16,7 @@ def predicted(path: str, side: int, batch: int = 1, device: Device = Device.CPU)
 @pytest.fixture(scope="module")
 def device() -> Device:
     """The device a server started here predicts its plans for: the one its engine picks (CUDA's terms add
-    ~140 MiB of session state and workspace to a tiny net, issue 29), so budgets are sized from it."""
+    ~140 MiB of session state and workspace to a tiny net), so budgets are sized from it."""
     from server.engine.providers import Engine
     from server.settings import Settings
 
@@ -153,7 +153,7 @@ def test_plans_of_every_model_share_one_budget_and_the_least_recently_used_go(ti
 
 def test_cpu_plans_of_a_model_hold_its_weights_once_and_its_largest_running_batch(tiny_model_path,
                                                                                 coordinate_model_path):
-    """On the CPU a model's plans share its weights and one arena (issue 33): a further plan costs its own state,
+    """On the CPU a model's plans share its weights and one arena: a further plan costs its own state,
     a larger one the growth of the largest running batch; another model's plans hold their own weights and batch."""
     from server.memory.device import held_bytes
 
@@ -235,7 +235,7 @@ def test_a_plan_that_cannot_fit_alone_is_refused_with_the_numbers(tiny_model_pat
     tiny.make_room("small", height=128, width=128, batch=1)
     with pytest.raises(ScoringError) as caught:
         tiny.make_room("big", height=512, width=512, batch=1, scale=512, largest_scale=lambda: 256)
-    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert caught.value.refusal is Refusal.RESOURCE_EXHAUSTED
     needed = predicted(tiny_model_path, 512)
     assert f"plan big for scale 512 needs a predicted {needed} bytes" in caught.value.message
     assert f"the memory budget is {budget.total_bytes} bytes" in caught.value.message
@@ -296,8 +296,8 @@ def test_admission_predicts_for_the_device_the_model_runs_on(tiny_model_path):
 # --- host memory ------------------------------------------------------------------------------
 
 def test_by_default_no_size_cap_the_request_s_own_estimate_decides():
-    """Issue 31: --max-scale and --max-resized-pixels were derived from the worst request the limits allowed
-    (11.8 Mpx), refusing a 12 Mpx phone photo at its own size that needs a fraction of the 4 GiB limit."""
+    """No --max-scale or --max-resized-pixels by default: a cap derived from the worst request the limits allow
+    (11.8 Mpx) would refuse a 12 Mpx phone photo at its own size that needs a fraction of the 4 GiB limit."""
     from server.memory.host import TiledScale, estimate_request
     from server.settings import Settings
 
@@ -333,7 +333,7 @@ def test_a_request_too_large_for_host_memory_is_refused_before_decoding():
     assert estimate.inputs == inputs and estimate.decoded == 3000 * 4000 * 7
     with pytest.raises(ScoringError) as caught:
         admit_host(estimate, limit_bytes=inputs)
-    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert caught.value.refusal is Refusal.RESOURCE_EXHAUSTED
     assert f"needs an estimated {estimate.total} bytes of host memory" in caught.value.message
     assert f"inputs {inputs / 2**20:,.0f} MiB" in caught.value.message
     admit_host(estimate, limit_bytes=estimate.total)
@@ -412,7 +412,7 @@ def test_requests_in_flight_share_the_host_budget():
         with pytest.raises(ScoringError) as caught:
             with budget.hold(request):
                 pass
-        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert caught.value.refusal is Refusal.RESOURCE_EXHAUSTED
         assert caught.value.retry_after_seconds is not None  # transient: the others will finish
         assert "requests in flight hold 200 of the server's 250 bytes" in caught.value.message
     assert budget.in_flight_bytes() == 0

@@ -40,9 +40,8 @@ def test_atrous_and_grid_lattices_line_up(kit, default_model_path, default_model
     assert grid.top_k[0].label == atrous.top_k[0].label and "cat" in grid.top_k[0].label
 
 
-def test_the_issue_s_one_cell_wide_flip_is_finite(kit, default_model_path):
-    """Issue 10, item 1: cat.jpg cropped to 300x300 at scale 224 with flip gave a map one cell wide and
-    an image-level top-k of NaN."""
+def test_a_one_cell_wide_map_with_flip_has_a_finite_top_k(kit, default_model_path):
+    """cat.jpg cropped to 300x300 at scale 224 with flip: a map one cell wide, and a finite image-level top-k."""
     with Image.open(SAMPLES / "cat.jpg") as image:
         crop = io.BytesIO()
         image.convert("RGB").crop((0, 0, 300, 300)).save(crop, "JPEG")

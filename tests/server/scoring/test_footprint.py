@@ -1,4 +1,4 @@
-"""A request too large for a limit is refused naming what would fit, and what it names is admitted (issue 31).
+"""A request too large for a limit is refused naming what would fit, and what it names is admitted.
 
 No size cap by default: the request's own host memory estimate and response size decide. Each refusal here
 is checked both ways: the largest scale, class count or cell top-k it names is admitted, one step more is not.
@@ -11,13 +11,12 @@ import io
 import re
 import time
 
-import grpc
 import onnx
 import pytest
 from PIL import Image
 
 from protos import scoring_pb2
-from server.errors import ScoringError
+from server.errors import Refusal, ScoringError
 from server.scoring import admission
 from server.scoring.pipeline import Pipeline
 from server.settings import Settings
@@ -62,7 +61,7 @@ def admitted(pipeline: Pipeline, request: scoring_pb2.ScoreRequest) -> bool:
         with admission.admit(request, pipeline._model(""), engine=pipeline.engine, deadline=None):
             return True
     except ScoringError as error:
-        if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if error.refusal is not Refusal.RESOURCE_EXHAUSTED:
             raise
         return False
 
@@ -71,7 +70,7 @@ def refusal(pipeline: Pipeline, request: scoring_pb2.ScoreRequest) -> str:
     with pytest.raises(ScoringError) as caught:
         with admission.admit(request, pipeline._model(""), engine=pipeline.engine, deadline=None):
             pass
-    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds is None
+    assert caught.value.refusal is Refusal.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds is None
     return caught.value.message
 
 
@@ -82,7 +81,7 @@ def named(pattern: str, message: str) -> int:
 
 
 def test_a_photo_at_its_own_size_is_admitted_by_default(pipeline_of, photo):
-    """The issue's request: 4000x3008 at scale 3008, stride 32, float32 maps (here of 1000 classes)."""
+    """A phone photo at its own size: 4000x3008 at scale 3008, stride 32, float32 maps (here of 1000 classes)."""
     pipeline = pipeline_of()
     request = scoring_pb2.ScoreRequest(encoded=photo, scales=[3008], return_maps=True, top_k=5)
     with admission.admit(request, pipeline._model(""), engine=pipeline.engine, deadline=None) as ticket:
@@ -167,7 +166,7 @@ def test_an_explicit_size_cap_still_refuses_naming_itself(pipeline_of, photo, se
     pipeline = pipeline_of(**settings)
     with pytest.raises(ScoringError) as caught:
         pipeline.score(scoring_pb2.ScoreRequest(encoded=photo, scales=[3008]))
-    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in caught.value.message
+    assert caught.value.refusal is Refusal.INVALID_ARGUMENT and words in caught.value.message
     if "max_resized_pixels" in settings:
         assert admitted(pipeline, scoring_pb2.ScoreRequest(encoded=photo, scales=[1728]))
         with pytest.raises(ScoringError, match="--max-resized-pixels"):

@@ -107,7 +107,7 @@ def requests(draw) -> scoring_pb2.ScoreRequest:
 
 
 def check(response: scoring_pb2.ScoreResponse, request: scoring_pb2.ScoreRequest) -> None:
-    """Finite or an error (issue 10, item 1): the top-k, and the maps save the cells a diagonal shift
+    """Finite or an error: the top-k, and the maps save the cells a diagonal shift
     leaves unscored, NaN by contract."""
     assert all(math.isfinite(label.probability) for label in response.top_k), response.top_k
     holes = request.shift == scoring_pb2.SHIFT_DIAGONAL

@@ -209,7 +209,7 @@ def test_resize_uses_the_named_filter():
 
 @pytest.mark.parametrize("orientation, turn", [(6, Image.Transpose.ROTATE_90), (8, Image.Transpose.ROTATE_270)])
 def test_a_rotated_tiff_opens_at_the_size_it_decodes_to(orientation, turn):
-    """Pillow's TIFF reader reports the upright size itself (issue 24): the header size must not be swapped again."""
+    """Pillow's TIFF reader reports the upright size itself: the header size must not be swapped again."""
     upright = gradient(40, 30)
     exif = Image.Exif()
     exif[0x0112] = orientation
@@ -266,7 +266,7 @@ def canvases_both_ways(data: bytes, jobs: list[ScaleJob], *, resize_filter: str 
 
 @pytest.mark.parametrize("options", [dict(quality=90), dict(quality=95, subsampling=0), dict(quality=85, progressive=True)])
 def test_a_jpeg_at_its_own_size_decodes_as_pil_does_bit_for_bit(options):
-    """Issue 29: a JPEG sent at the size asked for (or scored at its own) is decoded by libjpeg-turbo straight into
+    """A JPEG sent at the size asked for (or scored at its own) is decoded by libjpeg-turbo straight into
     numpy, without PIL's GIL-holding copy; the canvases must be PIL's exactly, whatever the card's filter."""
     data = encode(photo(576, 384), "JPEG", **options)
     for resize_filter in ("bilinear", "lanczos"):
@@ -287,7 +287,7 @@ ENLARGED = [  # stored (height, width) -> resized: odd sizes, 1-px images, huge 
 
 @pytest.mark.parametrize("stored, resized", ENLARGED)
 def test_an_enlarged_jpeg_is_within_one_grey_level_of_pils_bilinear(stored, resized):
-    """Issue 29: an upright colour JPEG that every scale enlarges (or keeps) is decoded by libjpeg-turbo and resized
+    """An upright colour JPEG that every scale enlarges (or keeps) is decoded by libjpeg-turbo and resized
     by OpenCV's bilinear, not PIL's, which defines the card's filter: the two may differ by one grey level (their
     fixed-point rounding), never more."""
     data = encode(noise(*stored), "JPEG", **SHARPEST)

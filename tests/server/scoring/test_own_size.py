@@ -1,7 +1,7 @@
-"""A phone photo scored at its own size with default flags (issue 31).
+"""A phone photo scored at its own size with default flags.
 
-It was refused: a default --max-resized-pixels, derived from the worst request the limits allowed, was below
-12 Mpx. Now the request's own estimate decides: 4000x3008 and 2816x4096 photos are scored at their own size
+No size cap by default (a cap derived from the worst request the limits allow would be below 12 Mpx): the
+request's own estimate decides. 4000x3008 and 2816x4096 photos are scored at their own size
 over gRPC, HTTP (/v1 as the viewer asks, KServe REST) and the Python client; their maps are one onnxruntime
 pass's over the whole image, to the tiling tests' tolerance; and they run on plans warm-up made. A 48 Mpx
 photo at its own size, stride 32, top-5, is answered.

@@ -1,4 +1,4 @@
-"""Server-side tiling (issue 20, item 4): an image larger than every canvas bucket is tiled onto one.
+"""Server-side tiling: an image larger than every canvas bucket is tiled onto one.
 
 Each answer is compared with the same request to a server whose one bucket is the canvas one pass over
 the whole image has (image + slack, rounded up): the map, its geometry and the image-level top-k agree to
@@ -156,7 +156,7 @@ def test_a_halo_no_canvas_holds_is_refused_and_an_image_within_the_tile_canvas_i
 
 
 def test_beyond_the_tile_canvas_an_image_is_tiled_onto_it_and_within_it_strict_shapes_pads_onto_it(tiny_paths):
-    """The halo fits no bucket: the image is tiled onto --tile-canvas, the one shape made (issue 20); under
+    """The halo fits no bucket: the image is tiled onto --tile-canvas, the one shape made; under
     --strict-shapes an image that fits the tile canvas is padded onto it rather than planned on demand."""
     tight, tile = ((96, 96),), (320, 288)
     large, medium = image(617, 541), image(300, 250, seed=1)
@@ -247,7 +247,8 @@ def json_tiling(message: scoring_pb2.Tiling) -> dict:
 
 
 def test_mixed_traffic_from_224_to_8000_px_runs_only_the_configured_plan_shapes(tiny_paths):
-    """Issue 9's recorder, under issue 20: every plan any request makes is one of the buckets' shapes."""
+    """Every plan any request makes, tiled or not, is one of the buckets' shapes (docs/design.md: one session per
+    shape)."""
     configured = ((320, 320), (320, 416), (416, 320))
     settings = dataclasses.replace(SETTINGS, shape_buckets=configured, max_batch=4, max_scale=8000,
                                    max_resized_pixels=8000 * 1200, max_image_pixels=10**8, queue_depth=4096,
@@ -302,7 +303,7 @@ def test_admission_counts_a_tiled_request_s_tiles_in_its_queue_places_host_bytes
         with pytest.raises(ScoringError, match=rf"this request is {items} items .* --queue-depth\): it never fits") \
                 as caught:
             small_queue.score(request_of(pixels, **fields))
-        assert caught.value.code.name == "RESOURCE_EXHAUSTED" and caught.value.retry_after_seconds is None
+        assert caught.value.refusal.name == "RESOURCE_EXHAUSTED" and caught.value.retry_after_seconds is None
     finally:
         small_queue.close()
     tight = Pipeline([tiny_paths[True]], settings=dataclasses.replace(SETTINGS, shape_buckets=SMALL,

@@ -29,7 +29,7 @@ from protos import scoring_pb2
 
 RNG = np.random.default_rng(21)
 PIXELS = RNG.integers(0, 256, (50, 75, 3), dtype=np.uint8)
-CAT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "samples", "cat.jpg")
+CAT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "samples", "cat.jpg")
 
 
 def png(pixels: np.ndarray) -> bytes:
@@ -111,7 +111,7 @@ def test_refusals_have_score_s_messages_and_their_http_status(kit, layout, tiny_
         assert score(png(PIXELS), query="scales=64&stride=seven").status_code == 400
         declared = {parameter["name"] for parameter in httpx.get(f"{base}/openapi.json").json()["paths"][
             "/v1/models/{name}/score"]["post"]["parameters"] if parameter["in"] == "query"}
-        for unknown in ("scale=512", "topk=2", "bogus=1"):  # answered at the default scale before (issue 24)
+        for unknown in ("scale=512", "topk=2", "bogus=1"):  # refused, never answered at the default scale
             answer = score(png(PIXELS), query=f"scales=64&{unknown}")
             assert answer.status_code == 400 and answer.json()["code"] == "INVALID_ARGUMENT", answer.text
             message = answer.json()["error"]

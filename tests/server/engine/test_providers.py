@@ -1,10 +1,10 @@
-import grpc
 import numpy as np
 import onnx
 import onnxruntime
 import pytest
 
 from server.engine.providers import CPU, CUDA, Engine, EngineError, choose_providers
+from server.errors import Refusal
 from server.settings import GPU_DEFAULT_MAX_BATCH, Settings
 from tests.tiny_models import assert_same_top_k, tolerance
 
@@ -24,8 +24,8 @@ def test_cpu_fallback_says_why(available, device, words):
 
 
 def test_a_gpu_machine_on_the_cpu_says_why_and_how_to_install_cuda():
-    """Issue 29: with the driver present but the CUDA 13 runtime and cuDNN 9 missing, the server said only
-    'no CUDA device or CUDA runtime library was found', in an INFO line."""
+    """With the driver present but the CUDA 13 runtime and cuDNN 9 missing, the server says what is missing and
+    how to install it, not only 'no CUDA device or CUDA runtime library was found' in an INFO line."""
     from convert.cuda import INSTALL_HINT
 
     detail = f"the NVIDIA driver is present but the CUDA runtime does not load: {INSTALL_HINT}"
@@ -94,7 +94,7 @@ def test_engine_reports_what_its_sessions_really_run_on(tiny_model_path):
 
 
 def test_tolerances_follow_the_provider_that_ran():
-    """Issue 29: TF32 on an H200 put the heavy net's -14.719 at -14.682; the CPU's float32 stays held to 1e-5."""
+    """TF32 on an H200 puts the heavy net's -14.719 at -14.682; the CPU's float32 stays held to 1e-5."""
     expected = np.array([-14.719, 3.0, 0.5])
     got = np.array([-14.682, 3.0, 0.5])
     np.testing.assert_allclose(got, expected, **tolerance(CUDA, expected))
@@ -124,7 +124,7 @@ def test_require_gpu_refuses_to_start_on_this_machine_without_cuda(tiny_model_pa
         Engine(Settings(require_gpu=True))
     with pytest.raises(ScoringError, match="a GPU is required") as caught:
         Pipeline([tiny_model_path], settings=Settings(require_gpu=True, warm_up=False))
-    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert caught.value.refusal is Refusal.FAILED_PRECONDITION
 
 
 def test_max_batch_defaults_to_batching_on_gpu_only_and_obeys_an_explicit_setting():
@@ -147,8 +147,8 @@ def test_cpu_runners_run_on_one_thread_each_and_a_gpu_runs_one_batch_at_a_time()
 
 def test_a_model_s_cpu_sessions_hold_its_optimized_weights_once():
     """Sessions of one model's plan graphs at four shapes, made on one SharedWeights: the same outputs as a session
-    of the graph itself, the weights' bytes held once, and each further session adds its own state only (before
-    issue 33 each kept its own reordered copy, 17.7 MiB per plan of the default model)."""
+    of the graph itself, the weights' bytes held once, and each further session adds its own state only (on its
+    own, each would keep its own reordered copy, 17.7 MiB per plan of the default model)."""
     from convert.card import read_card
     from server.engine.device_graph import PIXELS, VALID, build_plan_graph
     from server.engine.shared_weights import SharedWeights

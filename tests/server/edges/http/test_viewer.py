@@ -23,7 +23,7 @@ from protos import scoring_pb2
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-CAT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "samples", "cat.jpg")
+CAT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "samples", "cat.jpg")
 CAT_HEAD_X = (60, 370)  # image pixels, see the module docstring
 SCREENSHOT = os.path.join("out", "viewer_cat.png")
 TIMEOUT_MS = 120_000  # scoring on a shared CPU
@@ -126,7 +126,7 @@ def test_the_viewer_draws_the_cat_s_map_over_the_cat(kit, default_model_path, br
         assert holes.any()
         np.testing.assert_array_equal(overlay(page)[..., 3] == 0, holes)  # drawn as holes, nothing else is
 
-        # A TIFF: scored, but Chromium cannot display it (issue 24): the map goes over a gray canvas of its size.
+        # A TIFF: scored, but Chromium cannot display it: the map goes over a gray canvas of its size.
         tiff = io.BytesIO()
         Image.open(CAT).save(tiff, format="TIFF")
         page.select_option("#shift", "auto")
@@ -152,7 +152,7 @@ def test_the_viewer_draws_the_cat_s_map_over_the_cat(kit, default_model_path, br
         page.set_input_files("#file", {"name": "notes.txt", "mimeType": "text/plain", "buffer": not_an_image})
         page.wait_for_selector("#stage[data-state=error]", state="attached")
         assert page.is_visible("#error") and message in page.text_content("#error")
-        # Nothing of the TIFF stays under the error: its top-k, class menu, maps, note and picture (issue 24).
+        # Nothing of the TIFF stays under the error: its top-k, class menu, maps, note and picture.
         assert page.eval_on_selector_all("#topk li, #class option, #scale option", "items => items.length") == 0
         for shown in ("#results", "#stage", "#note"):
             assert not page.is_visible(shown), shown

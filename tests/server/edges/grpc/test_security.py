@@ -97,7 +97,7 @@ def test_a_token_file_with_a_line_break_enforces_the_token_and_clients_strip_the
 
 
 def test_the_call_limits_guard_each_handler_they_are_given_whatever_interceptor_comes_first():
-    """CallLimits makes each method's guarded handler once (issue 29); an interceptor before it that answers a
+    """CallLimits makes each method's guarded handler once (a share of each request's CPU otherwise); an interceptor before it that answers a
     call with another handler (here the token's, which denies a call without it) gets its own each time: a call
     denied first must not deny the calls after it, nor an allowed one let the next through."""
     limits = CallLimits(total=4, per_peer=0, metrics=Metrics(),

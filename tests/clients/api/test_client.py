@@ -212,8 +212,8 @@ def test_interrupt_ends_a_retry_wait_at_once():
 
 @pytest.mark.parametrize("side, warned", [(100, True), (128, False), (384, False)])
 def test_a_small_image_far_below_the_training_size_is_scored_with_a_warning(default_server, side, warned):
-    """Issue 24: 100x100 at the default scale 384 (3.84x, shorter side below the training size 224) went
-    unwarned; 128x128 (3x) and an image at the scale itself are not warned about."""
+    """100x100 at the default scale 384 (3.84x, shorter side below the training size 224) is warned about;
+    128x128 (3x) and an image at the scale itself are not."""
     photo = Image.open(Path(__file__).resolve().parents[3] / "samples" / "cat.jpg").convert("RGB").resize((side, side))
     with ScoremapClient(default_server) as client:
         result = client.score(photo, scales=[384], return_maps=False)

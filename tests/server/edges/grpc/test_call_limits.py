@@ -1,5 +1,5 @@
-"""Idle streams, call limits, connection lifetimes and calls that wait for a worker (issue 10, item 4),
-on a real server.
+"""gRPC's worker pool guarded on a real server: idle streams, call limits (server/edges/grpc/interceptors.py
+`CallLimits`), connection lifetimes and calls that wait for a worker.
 
 Workers are held by open ScoreStreams that send nothing: deterministic on any device, however fast
 the model, since nothing here waits for a model to be slow.

@@ -16,7 +16,7 @@ from clients.api.results import decode_tensor
 from protos import scoring_pb2
 from server.engine import plans
 from server.scoring import admission, footprint
-from server.errors import ScoringError
+from server.errors import Refusal, ScoringError
 from server.metrics import Metrics
 from server.scoring.pipeline import Pipeline
 from server.settings import Settings
@@ -180,7 +180,7 @@ def test_cpu_runners_score_side_by_side_as_one_runner_does(kit, heavy_model_path
 @pytest.mark.parametrize("stride, shift", [(32, 0), (16, scoring_pb2.SHIFT_GRID), (16, scoring_pb2.SHIFT_DIAGONAL)])
 @pytest.mark.parametrize("flip", [False, True])
 def test_every_response_is_finite_or_an_error(pipeline_of, side, stride, shift, flip):
-    """Issue 10 item 1: a one-cell-wide map with flip gave a NaN top-k."""
+    """Every number of every answer is finite, a one-cell-wide map with flip's top-k included."""
     pipeline = pipeline_of(patch_net(classes=4, end_pad=16))
     pixels = np.random.default_rng(side).integers(0, 256, (side, side + 7, 3), dtype=np.uint8)
     request = raw(pixels, scales=[32, 64], output_stride=stride, shift=shift, flip=flip, return_maps=True, cell_top_k=2)
@@ -206,7 +206,7 @@ def test_bad_requests_are_refused_before_any_compute(pipeline_of, fields, code, 
     pipeline = pipeline_of(patch_net(classes=1000), max_message_bytes=4 << 20, max_resized_pixels=10**8)
     with pytest.raises(ScoringError, match=words) as caught:
         pipeline.score(raw(np.zeros((64, 64, 3), dtype=np.uint8), **fields))
-    assert caught.value.code == code
+    assert caught.value.refusal.name == code.name
     assert pipeline.engine.served(pipeline._model("").name).plans.made == 0  # refused before a plan was made or run
 
 
@@ -239,12 +239,12 @@ def test_a_full_queue_is_refused_before_the_image_is_even_parsed(pipeline_of):
         for request in (raw(pixels), broken):  # refused from the fields alone, with a retry hint
             with pytest.raises(ScoringError, match="queue full") as caught:
                 pipeline.score(request)
-            assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
+            assert caught.value.refusal is Refusal.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
         for request, words in ((scoring_pb2.ScoreRequest(), "no image"),  # what the fields show is never transient
                                (scoring_pb2.ScoreRequest(encoded=b"%PDF-1.7" + b"\x00" * 64), "are not an image")):
             with pytest.raises(ScoringError, match=words) as caught:
                 pipeline.score(request)
-            assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert caught.value.refusal is Refusal.INVALID_ARGUMENT
         gate.set()
         assert first.result().top_k and second.result().top_k
     with pytest.raises(ScoringError, match="cannot decode"):  # with room, its header is read, and found broken
@@ -298,7 +298,7 @@ def test_a_call_cancelled_while_its_image_decodes_is_never_queued(pipeline_of):
     pipeline._canvases = decode_then_leave
     with pytest.raises(ScoringError) as caught:
         pipeline.score(raw(np.zeros((64, 64, 3), dtype=np.uint8)), cancelled=cancelled)
-    assert caught.value.code == grpc.StatusCode.CANCELLED and not ran
+    assert caught.value.refusal is Refusal.CANCELLED and not ran
     pipeline._canvases = decode
     assert pipeline.score(raw(np.zeros((64, 64, 3), dtype=np.uint8))).top_k  # its place was given back
 
@@ -312,7 +312,7 @@ def test_a_warm_up_failure_names_the_model_and_what_failed(tmp_path):
     onnx.save(net, path)
     with pytest.raises(ScoringError, match="warm-up failed: tiny") as caught:
         Pipeline([str(path)], settings=dataclasses.replace(SETTINGS, warm_up=True))
-    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    assert caught.value.refusal is Refusal.UNAVAILABLE
 
 
 def test_float16_maps_come_back_from_the_device_as_float16(pipeline_of):
@@ -376,7 +376,7 @@ def test_an_item_queued_past_max_queue_ms_is_dropped_before_compute(pipeline_of)
         assert first.result().top_k
         with pytest.raises(ScoringError, match=r"beyond --max-queue-ms \(50 ms\); dropped before compute") as caught:
             second.result()
-    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
+    assert caught.value.refusal is Refusal.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds > 0
     assert metrics.registry.get_sample_value("scoremap_dropped_total", {"model": "tiny", "reason": "queue_time"}) == 1
 
 
@@ -393,7 +393,7 @@ def test_float16_maps_beyond_its_range_are_an_error_not_infinities(pipeline_of):
 
 @pytest.mark.parametrize("orientation, turn", [(6, Image.Transpose.ROTATE_90), (8, Image.Transpose.ROTATE_270)])
 def test_a_rotated_tiff_scores_as_its_upright_image(default_model_path, orientation, turn):
-    """A TIFF tagged Orientation 6 or 8 is scored upright, not squashed into the transposed shape (issue 24)."""
+    """A TIFF tagged Orientation 6 or 8 is scored upright, not squashed into the transposed shape."""
     upright = Image.open("samples/cat.jpg").convert("RGB")
     exif = Image.Exif()
     exif[0x0112] = orientation

@@ -21,7 +21,7 @@ def allocator():
 
 def test_a_thread_heap_keeps_a_freed_request_sized_block_for_the_next():
     """A decoding thread's photo and canvas (1 MiB at 576x384) freed at its heap's top stay for the next request:
-    trimmed to nothing, they faulted in 240 fresh pages per request (issue 29)."""
+    trimmed to nothing, they would fault in 240 fresh pages per request."""
     faults = []
 
     def requests() -> None:

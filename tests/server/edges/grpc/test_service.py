@@ -62,7 +62,7 @@ def test_encoded_images_are_resized_with_the_card_filter(kit, tiny_model_path):
 
 
 def test_an_enlarged_jpeg_is_scored_within_one_grey_level_of_pils_resize(kit, tiny_model_path):
-    """Issue 29: an upright colour JPEG that a scale enlarges is decoded by libjpeg-turbo and resized by OpenCV's
+    """An upright colour JPEG that a scale enlarges is decoded by libjpeg-turbo and resized by OpenCV's
     bilinear. Its maps are the graph's on the server's own canvas, to the usual float tolerance; against PIL's
     bilinear, which defines the card's filter, that canvas is at most one grey level off, so each logit of this
     linear net is within the sum of its |weights| (the most one level everywhere can move it) of PIL's."""
@@ -194,7 +194,7 @@ BAD_REQUESTS = {
     "classes": (scoring_pb2.ScoreRequest(encoded=encoded(), classes=[3, 10]), "classes [10] are out of range"),
     "negative top-k": (scoring_pb2.ScoreRequest(encoded=encoded(), top_k=-1), "top_k -1 is out of range: it takes 0.."),
 }
-# No size cap by default (issue 31): a scale too large for one request's host memory is refused as too large,
+# No size cap by default: a scale too large for one request's host memory is refused as too large,
 # naming the largest that fits, before its tiles are planned.
 TOO_LARGE = {
     "absurd scale": scoring_pb2.ScoreRequest(encoded=encoded(), scales=[10**6]),
