@@ -208,6 +208,7 @@ def int8_summary(card) -> str:
                      f"{record.top1_agreement:.1%} of cells ({record.image_top1_agreement:.0%} of images), map "
                      f"correlation min {record.map_correlation:.3f} (mean {record.mean_map_correlation:.3f}), "
                      f"probability diff max {record.max_probability_diff:.3f}")
+    lines.extend(f"  kept in float: {layer}" for layer in q.float_layers)
     lines.append(f"  thresholds: top-1 >= {q.min_top1_agreement:.0%}, map correlation >= {q.min_map_correlation:g}; "
                  f"worst layer {q.worst_layer}")
     if q.warning:

@@ -9,9 +9,12 @@ is what the check compares when it names the layer that loses the most.
 * The calibration method is chosen by measurement: each of CALIBRATION_METHODS quantizes the graph, and
   the one whose result agrees best with the fp32 graph on the calibration photos (cells' top class,
   then the maps' correlation) is kept; the held-out photos only check the choice.
-* Weights use 7 bits (`reduce_range`): onnxruntime's uint8 x int8 kernels on AVX2 CPUs without VNNI sum
-  pairs of products in 16 bits (VPMADDUBSW), which saturates with full-range weights; on the default model
-  the cells' top-1 agreement on the calibration photos went from 82% to 96% with it (bench_convert).
+* Pointwise weights use 7 bits (`reduce_range`): onnxruntime's uint8 x int8 kernels on AVX2 CPUs without VNNI
+  sum pairs of products in 16 bits (VPMADDUBSW), which saturates with full-range weights; on the default model,
+  with 8-bit weights the fused kernels agreed with fp32 on 73% of the held-out photos' cells where the same graph
+  computed unfused agreed on 84%. Depthwise weights get 8 bits (their kernel sums in 32 bits).
+* Some layers stay in float, depthwise weights are quantized again at 8 bits, and each convolution's bias is
+  corrected for the mean shift its rounding causes: convert.int8_passes, each measured there.
 * The image input is quantized on the pixel grid when the card's normalisation allows (one scale
   pixel_scale / std and a whole-pixel mean for every channel: the default model's (x - 127) / 128): the
   uint8 canvas then is the quantized input, and the server feeds it as it is (server/engine/device_graph.py).
@@ -33,10 +36,10 @@ import tempfile
 import numpy as np
 import onnx
 import onnxruntime
-from onnx import helper
 from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
 
 from convert import verify
+from convert.int8_passes import correct_biases, float_layers, full_range_depthwise, name_nodes, with_outputs
 from convert.calibration import PhotoSet, as_fed, fed_sides
 from convert.card import CardError, ImageInput, Precision, is_logits, read_card, write_card
 from convert.errors import ConversionError
@@ -57,6 +60,9 @@ MIN_MAP_CORRELATION = 0.98
 # 7-bit weights: see the module docstring (AVX2 saturation).
 REDUCE_RANGE = True
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+# What a layer loses is counted from at most this SNR of its inputs: an input computed in float (a layer kept in
+# float) matches the fp32 graph to float32 rounding, hundreds of dB that no int8 layer after it could keep.
+EXACT_SNR_DB = 60.0
 
 
 class _Reader(CalibrationDataReader):
@@ -101,8 +107,12 @@ def _input_overrides(card: ModelCard) -> dict:
     return {card.preprocessing.input_name: [{"rmin": np.array(min(ends), np.float32), "rmax": np.array(max(ends), np.float32)}]}
 
 
-def quantize(model: onnx.ModelProto, tensors: list[np.ndarray], *, method: str) -> onnx.ModelProto:
-    """The QDQ int8 graph of a converted fp32 `model`, calibrated by `method` on its input `tensors`."""
+def quantize(model: onnx.ModelProto, tensors: list[np.ndarray], *, method: str, keep_float: tuple[str, ...] = (),
+             bias_correction: bool = True) -> onnx.ModelProto:
+    """The QDQ int8 graph of a converted fp32 `model`, calibrated by `method` on its input `tensors`, the nodes
+    named in `keep_float` left in float, its depthwise weights at 8 bits and (unless told not to) its biases
+    corrected on `tensors` (convert.int8_passes)."""
+    model = name_nodes(model)
     card = read_card(model)
     with tempfile.TemporaryDirectory(prefix="scoremap-int8-") as folder:
         source, path = os.path.join(folder, "fp32.onnx"), os.path.join(folder, "int8.onnx")
@@ -112,11 +122,16 @@ def quantize(model: onnx.ModelProto, tensors: list[np.ndarray], *, method: str) 
                 source, path, _Reader(card.preprocessing.input_name, tensors), quant_format=QuantFormat.QDQ,
                 per_channel=True, reduce_range=REDUCE_RANGE, activation_type=QuantType.QUInt8,
                 weight_type=QuantType.QInt8, calibrate_method=CALIBRATION_METHODS[method],
-                calibration_providers=verify.PROVIDERS,
+                calibration_providers=verify.PROVIDERS, nodes_to_exclude=list(keep_float),
                 extra_options={"CalibStridedMinMax": 1, "TensorQuantOverrides": _input_overrides(card)})
         quantized = onnx.load(path)
     quantized.ir_version = model.ir_version
-    return quantized
+    quantized = full_range_depthwise(quantized, model)
+    return correct_biases(quantized, model, tensors) if bias_correction else quantized
+
+
+def _op_type(model: onnx.ModelProto, name: str) -> str:
+    return next(node.op_type for node in model.graph.node if node.name == name)
 
 
 def float_ops(model: onnx.ModelProto) -> list[str]:
@@ -124,14 +139,6 @@ def float_ops(model: onnx.ModelProto) -> list[str]:
     dequantized = {node.output[0] for node in model.graph.node if node.op_type == "DequantizeLinear"}
     return sorted({node.op_type for node in model.graph.node
                    if node.op_type not in QDQ_OPS and not any(name in dequantized for name in node.input if name)})
-
-
-def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    present = {value.name for value in copy.graph.output}
-    copy.graph.output.extend(helper.make_empty_tensor_value_info(name) for name in names if name not in present)
-    return copy
 
 
 def layer_losses(reference: onnx.ModelProto, candidate: onnx.ModelProto, tensor: np.ndarray) -> list[tuple[str, float, float]]:
@@ -151,7 +158,7 @@ def layer_losses(reference: onnx.ModelProto, candidate: onnx.ModelProto, tensor:
     options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
     runs = []
     for model, wanted in ((reference, names), (candidate, [dequantized.get(name, name) for name in names])):
-        session = onnxruntime.InferenceSession(_with_outputs(model, wanted).SerializeToString(), options,
+        session = onnxruntime.InferenceSession(with_outputs(model, wanted).SerializeToString(), options,
                                                providers=verify.PROVIDERS)
         outputs = dict(zip([value.name for value in session.get_outputs()],
                            session.run(None, {session.get_inputs()[0].name: tensor})))
@@ -162,7 +169,7 @@ def layer_losses(reference: onnx.ModelProto, candidate: onnx.ModelProto, tensor:
         sqnr[name] = float(10 * np.log10(max(float(np.sum(expected ** 2)), 1e-30) / max(noise, 1e-30)))
     losses = []
     for node in layers:
-        before = min((sqnr[name] for name in node.input if name in sqnr), default=None)
+        before = min((min(sqnr[name], EXACT_SNR_DB) for name in node.input if name in sqnr), default=None)
         after = sqnr[node.output[0]]
         losses.append((f"{node.op_type} {node.name or node.output[0]!r}", after, 0.0 if before is None else before - after))
     return losses
@@ -216,14 +223,17 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
     unknown = [method for method in methods if method not in CALIBRATION_METHODS]
     if unknown or not methods:
         raise ConversionError(f"calibration methods {unknown or list(methods)}; expected some of {list(CALIBRATION_METHODS)}")
+    model = name_nodes(model)
     sides = fed_sides(card)
     calibration = [[as_fed(photo, card, side=side) for side in sides] for photo in photos.calibration]
     held_out = [[as_fed(photo, card, side=side) for side in sides] for photo in photos.held_out]
     logits = is_logits(card)
     reference = verify.session(model)
+    kept = float_layers(model, [per_photo[0] for per_photo in calibration], pointwise_bits=7 if REDUCE_RANGE else 8)
     trials = []
     for method in methods:
-        candidate = quantize(model, [tensor for per_photo in calibration for tensor in per_photo], method=method)
+        candidate = quantize(model, [tensor for per_photo in calibration for tensor in per_photo], method=method,
+                             keep_float=tuple(kept))
         trials.append(_Trial(method, candidate, verify.agreement(reference, candidate, calibration, sides=sides,
                                                                  logits=logits)))
         log.info("int8 with %s calibration: %s", method, _describe("calibration", trials[-1].calibration))
@@ -236,7 +246,8 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
         held_out_images=[photo.name for photo in photos.held_out], calibration=best.calibration, held_out=held,
         min_top1_agreement=min_top1_agreement, min_map_correlation=min_map_correlation,
         trials=[CalibrationTrial(method=trial.method, calibration=trial.calibration) for trial in trials],
-        worst_layer=worst, float_ops=float_ops(best.model))
+        worst_layer=worst, float_ops=float_ops(best.model),
+        float_layers=[f"{_op_type(model, name)} {name!r}: {why}" for name, why in kept.items()])
     problems = [*_shortfalls("calibration photos", best.calibration, min_top1=min_top1_agreement,
                              min_correlation=min_map_correlation),
                 *_shortfalls("held-out photos", held, min_top1=min_top1_agreement, min_correlation=min_map_correlation)]

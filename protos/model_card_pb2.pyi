@@ -131,7 +131,7 @@ class CalibrationTrial(_message.Message):
     def __init__(self, method: _Optional[str] = ..., calibration: _Optional[_Union[Agreement, _Mapping]] = ...) -> None: ...
 
 class Quantization(_message.Message):
-    __slots__ = ("method", "calibration_source", "calibration_images", "held_out_images", "calibration", "held_out", "min_top1_agreement", "min_map_correlation", "trials", "worst_layer", "warning", "float_ops")
+    __slots__ = ("method", "calibration_source", "calibration_images", "held_out_images", "calibration", "held_out", "min_top1_agreement", "min_map_correlation", "trials", "worst_layer", "warning", "float_ops", "float_layers")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_SOURCE_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_IMAGES_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class Quantization(_message.Message):
     WORST_LAYER_FIELD_NUMBER: _ClassVar[int]
     WARNING_FIELD_NUMBER: _ClassVar[int]
     FLOAT_OPS_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_LAYERS_FIELD_NUMBER: _ClassVar[int]
     method: str
     calibration_source: str
     calibration_images: _containers.RepeatedScalarFieldContainer[str]
@@ -156,7 +157,8 @@ class Quantization(_message.Message):
     worst_layer: str
     warning: str
     float_ops: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, method: _Optional[str] = ..., calibration_source: _Optional[str] = ..., calibration_images: _Optional[_Iterable[str]] = ..., held_out_images: _Optional[_Iterable[str]] = ..., calibration: _Optional[_Union[Agreement, _Mapping]] = ..., held_out: _Optional[_Union[Agreement, _Mapping]] = ..., min_top1_agreement: _Optional[float] = ..., min_map_correlation: _Optional[float] = ..., trials: _Optional[_Iterable[_Union[CalibrationTrial, _Mapping]]] = ..., worst_layer: _Optional[str] = ..., warning: _Optional[str] = ..., float_ops: _Optional[_Iterable[str]] = ...) -> None: ...
+    float_layers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, method: _Optional[str] = ..., calibration_source: _Optional[str] = ..., calibration_images: _Optional[_Iterable[str]] = ..., held_out_images: _Optional[_Iterable[str]] = ..., calibration: _Optional[_Union[Agreement, _Mapping]] = ..., held_out: _Optional[_Union[Agreement, _Mapping]] = ..., min_top1_agreement: _Optional[float] = ..., min_map_correlation: _Optional[float] = ..., trials: _Optional[_Iterable[_Union[CalibrationTrial, _Mapping]]] = ..., worst_layer: _Optional[str] = ..., warning: _Optional[str] = ..., float_ops: _Optional[_Iterable[str]] = ..., float_layers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelCard(_message.Message):
     __slots__ = ("name", "labels", "preprocessing", "training_height", "training_width", "output_stride", "receptive_field", "scores_name", "output_kind", "source", "verification", "precision", "default_scale", "size_multiple", "native_output_stride", "quantization")

@@ -140,3 +140,40 @@ def int8_net(net: onnx.ModelProto, *, sides: tuple[int, ...] = (64, 96), seed: i
     quantized = quantize(net, tensors, method=method)
     card.precision = Precision.PRECISION_INT8
     return write_card(quantized, card)
+
+
+def mobile_net(*, classes: int = 4, width: int = 8, seed: int = 2) -> onnx.ModelProto:
+    """A stride-32 MobileNet-like net with biases, as a converted EfficientNet-Lite is: a 3x3 stem at stride 2,
+    a depthwise 3x3, a pointwise projection and a pointwise expansion (ReLU6 after all but the projection), then
+    the head: a 16x16 average pool at stride 16 and a 1x1 classifier conv."""
+    rng = np.random.default_rng(seed)
+    nodes, initializers = [], [numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+                               numpy_helper.from_array(np.array(6.0, np.float32), "six")]
+
+    def conv(source: str, name: str, shape: tuple[int, ...], *, relu6: bool, **attributes) -> str:
+        initializers.extend([numpy_helper.from_array(rng.normal(0, 0.3, shape).astype(np.float32), f"{name}_w"),
+                             numpy_helper.from_array(rng.normal(0.5, 0.5, shape[0]).astype(np.float32), f"{name}_b")])
+        nodes.append(helper.make_node("Conv", [source, f"{name}_w", f"{name}_b"], [name], name=name,
+                                      kernel_shape=list(shape[2:]), **attributes))
+        if not relu6:
+            return name
+        nodes.append(helper.make_node("Clip", [name, "zero", "six"], [f"{name}_relu6"], name=f"{name}_relu6"))
+        return f"{name}_relu6"
+
+    current = conv("image", "stem", (width, 3, 3, 3), relu6=True, strides=[2, 2], pads=[1, 1, 1, 1])
+    current = conv(current, "depthwise", (width, 1, 3, 3), relu6=True, group=width, pads=[1, 1, 1, 1])
+    current = conv(current, "project", (width, width, 1, 1), relu6=False)
+    current = conv(current, "expand", (2 * width, width, 1, 1), relu6=True)
+    nodes.append(helper.make_node("AveragePool", [current], ["pooled"], name="pool", kernel_shape=[16, 16],
+                                  strides=[16, 16]))
+    conv("pooled", "scores", (classes, 2 * width, 1, 1), relu6=False)
+    graph = helper.make_graph(
+        nodes, "mobile",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, "H", "W"])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", classes, "h", "w"])],
+        initializer=initializers,
+    )
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
+    card = read_card(patch_net(classes=classes, name="mobile"))
+    card.receptive_field.size = STRIDE + 6
+    return write_card(model, card)

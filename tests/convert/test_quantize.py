@@ -15,9 +15,10 @@ from convert.convert_cli import EXIT_CONVERSION, EXIT_OK, EXIT_USAGE, main
 from convert.errors import ConversionError, UsageError
 from convert.preprocessing import to_input
 from convert.profile import profile_model
+from convert.int8_passes import channel_means, correct_biases, float_layers, head_nodes, name_nodes, weight_sensitivity
 from convert.quantize import input_grid, layer_losses, quantize, to_int8
 from server.geometry.dense import resized_size
-from tests.tiny_models import heavy_net, int8_net, patch_net
+from tests.tiny_models import heavy_net, int8_net, mobile_net, patch_net
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +161,81 @@ def patch_classifier() -> onnx.ModelProto:
     from tests.convert.test_convert_cli import small_classifier
 
     return small_classifier()
+
+
+def mobile_tensors(photos, net: onnx.ModelProto) -> list[np.ndarray]:
+    card = read_card(net)
+    return [as_fed(photo, card, side=side) for photo in photos.calibration for side in fed_sides(card)]
+
+
+def dequantized(model: onnx.ModelProto, tensor_name: str) -> np.ndarray:
+    """The float value of the DequantizeLinear output `tensor_name` of a QDQ graph (a weight or a bias)."""
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    node = next(node for node in model.graph.node if node.output[0] == tensor_name)
+    levels, scale = values[node.input[0]], values[node.input[1]]
+    return (levels.astype(np.float64) * scale.reshape(-1, *[1] * (levels.ndim - 1))).astype(np.float32)
+
+
+def conv_inputs(model: onnx.ModelProto, name: str) -> list[str]:
+    return list(next(node for node in model.graph.node if node.name == name).input)
+
+
+def test_the_head_from_its_pooling_to_the_output_and_the_sensitive_convolutions_stay_in_float(photos):
+    net = mobile_net()
+    assert head_nodes(net) == ["scores", "pool"]
+    heavy = name_nodes(heavy_net())
+    assert head_nodes(heavy) == [heavy.graph.node[-1].name]  # no pooling: the output's producer alone
+    tensors = mobile_tensors(photos, net)[::2]
+    sensitivity = weight_sensitivity(net, tensors, pointwise_bits=7)
+    assert set(sensitivity) == {"stem", "depthwise", "project", "expand", "scores"}
+    assert all(np.isfinite(snr) and snr > 10 for snr in sensitivity.values())
+    assert list(float_layers(net, tensors, pointwise_bits=7, min_snr_db=-np.inf)) == ["scores", "pool"]
+    everything = float_layers(net, tensors, pointwise_bits=7, min_snr_db=np.inf)
+    assert set(everything) == {"scores", "pool", "stem", "depthwise", "project", "expand"}
+    assert "dB of signal to noise" in everything["stem"]
+    quantized = quantize(net, tensors, method="minmax", keep_float=("scores", "pool"))
+    assert {node.op_type for node in quantized.graph.node if node.name in ("scores", "pool")} == {"Conv", "AveragePool"}
+    assert conv_inputs(quantized, "scores")[1] == "scores_w"  # its float weights, no DequantizeLinear
+
+
+def test_depthwise_weights_get_eight_bits_and_pointwise_seven(photos):
+    net = mobile_net()
+    quantized = quantize(net, mobile_tensors(photos, net), method="minmax", bias_correction=False)
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in quantized.graph.initializer}
+    producers = {node.output[0]: node for node in quantized.graph.node}
+    levels = {name: values[producers[conv_inputs(quantized, name)[1]].input[0]] for name in ("depthwise", "project")}
+    assert np.abs(levels["depthwise"]).max() == 127 and np.abs(levels["project"]).max() <= 64
+    original = {t.name: onnx.numpy_helper.to_array(t) for t in net.graph.initializer}
+    weights = dequantized(quantized, conv_inputs(quantized, "depthwise")[1])
+    assert np.abs(weights - original["depthwise_w"]).max() <= np.abs(original["depthwise_w"]).max() / 254 + 1e-6
+    bias = dequantized(quantized, conv_inputs(quantized, "depthwise")[2])
+    np.testing.assert_allclose(bias, original["depthwise_b"], atol=1e-3)  # rescaled with the weights
+
+
+def test_bias_correction_removes_the_mean_shift_that_rounding_leaves_in_each_convolution(photos):
+    net = mobile_net()
+    tensors = mobile_tensors(photos, net)
+    plain = quantize(net, tensors, method="minmax", bias_correction=False)
+    corrected = correct_biases(plain, net, tensors)
+
+    def mean_shift(model: onnx.ModelProto) -> dict[str, float]:
+        shifts = {}
+        for name in ("stem", "depthwise", "project", "expand"):
+            output = next(node.output[0] for node in model.graph.node if node.name == name)
+            got = channel_means(model, [output], tensors, float_graph=False)[0]
+            expected = channel_means(net, [name], tensors, float_graph=True)[0]
+            shifts[name] = float(np.abs(got - expected).max())
+        return shifts
+
+    before, after = mean_shift(plain), mean_shift(corrected)
+    assert sum(before.values()) > 0
+    for name in before:
+        assert after[name] <= 0.25 * before[name] + 1e-4, (name, before, after)
+    assert quantize(net, tensors, method="minmax").SerializeToString() == corrected.SerializeToString()
+
+
+def test_the_card_names_the_layers_kept_in_float_and_why(photos):
+    int8 = to_int8(mobile_net(), photos, methods=("minmax",), allow_precision_loss=True)
+    layers = read_card(int8).quantization.float_layers
+    assert layers[:2] == ["Conv 'scores': the classifier head (float logits and pooling)",
+                          "AveragePool 'pool': the classifier head (float logits and pooling)"]
