@@ -26,8 +26,8 @@ from zmq.utils.monitor import recv_monitor_message
 from server.engine.batcher import Reservation, Work
 from server.engine.client import Submission
 from server.engine.core import EngineCore
-from server.engine.messages import (Abort, Done, Facts, Failed, Release, Reserve, Room, Submit, Warm, Warmed,
-                                    decode_to_engine, encode, plan_key)
+from server.engine.messages import (Abort, Done, Facts, Failed, ItemSpec, Release, Reserve, Room, Submit, Warm,
+                                    Warmed, decode_to_engine, encode, plan_key)
 from server.engine.shm import Region, region_of_front
 from server.errors import NoRoom, Refusal, ScoringError
 from server.scoring.request import GroupKey, Item, ItemKey
@@ -45,7 +45,7 @@ class Call:
     model: str
     places: Reservation | None
     works: list[Work] = field(default_factory=list)
-    specs: list = field(default_factory=list)
+    specs: list[ItemSpec] = field(default_factory=list)
     region: Region | None = None
     left: int = 0
     failed: bool = False
@@ -66,7 +66,7 @@ class EngineLoop:
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: dict[tuple[int, int], Call] = {}
         self._regions: dict[str, Region] = {}
-        self._lock = threading.Lock()  # the calls and regions: the input, output and watch threads share them
+        self._lock = threading.Lock()  # the calls and regions: the input, runner and watch threads share them
         self._on_idle = on_idle
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -342,7 +342,7 @@ class EngineLoop:
             LOG.warning("front %d went away: %d of its calls freed", front, len(calls))
 
 
-def submission(index: int, spec, region: Region) -> Submission:
+def submission(index: int, spec: ItemSpec, region: Region) -> Submission:
     """An item as the engine runs it: its canvas a view of the front's region (or its inline bytes)."""
     shape = (spec.height, spec.width, 3)
     if spec.canvas_offset >= 0:
