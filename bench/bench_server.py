@@ -151,25 +151,10 @@ def throughput(stub: scoring_pb2_grpc.DenseScoringStub, server: ScoringServer, c
     labels = {"model": server.pipeline.models()[0].name}
     batches_before = registry.get_sample_value("scoremap_batch_size_count", labels) or 0
     passes_before = registry.get_sample_value("scoremap_batch_size_sum", labels) or 0
-    per_client = max(1, MIN_REQUESTS // concurrency)
-    barrier = threading.Barrier(concurrency + 1)
-
-    def client() -> None:
-        barrier.wait()
-        for _ in range(per_client):
-            stub.Score(job)
-
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    barrier.wait()
-    started = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    elapsed = time.perf_counter() - started
+    rate = closed_loop(concurrency, lambda _index: stub.Score(job), per_client=max(1, MIN_REQUESTS // concurrency))
     batches = registry.get_sample_value("scoremap_batch_size_count", labels) - batches_before
     passes = registry.get_sample_value("scoremap_batch_size_sum", labels) - passes_before
-    return concurrency * per_client / elapsed, passes / batches
+    return rate, passes / batches
 
 
 def sweep(model: str, settings: Settings) -> dict[int, tuple[float, float]]:
@@ -184,9 +169,9 @@ def sweep(model: str, settings: Settings) -> dict[int, tuple[float, float]]:
         server.stop(0).wait(30)
 
 
-def closed_loop(clients: int, send) -> float:
-    """Requests per second of `clients` threads each calling `send(client_index)` in turn."""
-    per_client = max(2, TRANSPORT_REQUESTS // clients)
+def closed_loop(clients: int, send, *, per_client: int | None = None) -> float:
+    """Requests per second of `clients` threads each calling `send(client_index)` `per_client` times in turn."""
+    per_client = per_client or max(2, TRANSPORT_REQUESTS // clients)
     barrier = threading.Barrier(clients + 1)
 
     def client(index: int) -> None:

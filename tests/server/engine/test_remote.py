@@ -14,6 +14,7 @@ from server.errors import NoRoom, Refusal, ScoringError, Transient
 from server.scoring.pipeline import Pipeline
 from server.settings import Settings
 from tests.server.conftest import engine_process_in_this_one, raw_request
+from tests.server.test_split import wait_until as wait_for
 
 PIXELS = np.random.default_rng(5).integers(0, 256, (96, 128, 3), dtype=np.uint8)
 MiB = 2**20
@@ -147,11 +148,3 @@ def test_a_front_that_goes_away_frees_what_it_held(tiny_model_path):
         client.close()  # as a killed front's socket closes
         assert wait_for(lambda: batcher.depth() == 0)
 
-
-def wait_for(condition, seconds: float = 30.0) -> bool:
-    until = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > until:
-            return False
-        time.sleep(0.02)
-    return True
