@@ -37,10 +37,7 @@ class RefusalPacer:
       last refusal was found, with no one waiting, is taken at once), at most `max_hold` seconds, and only
       then goes on to be admitted or refused. Paced refusals alone still answered 6 a call to clients
       that came straight back (a fifth of a 2-core machine's capacity lost); at the door such clients
-      wait for room instead, as in a queue. It holds only as many as can expect a place within `max_hold`
-      (the calls answered over the last second, the pace places free at); one beyond them goes on at once,
-      and is answered at once: held, it would be refused all the same, a second later. A burst of one
-      request's copies (40 callers sending one photo at once) then waits for no place it cannot get.
+      wait for room instead, as in a queue.
 
     At most `max_held` calls are held at once, at the door or for a turn (each holds the edge's thread or
     task); beyond that a call goes on, or is refused, at once. Transport-free: `answered()` is called for each
@@ -177,8 +174,6 @@ class RefusalPacer:
                 self._freed.popleft()
                 return 0.0  # an answer freed a place after the last refusal was found: it goes to take it
             seconds = self._bounded(self.max_hold, now, deadline)
-            if len(self._door) >= len(self._answers) / ANSWER_WINDOW_SECONDS * seconds:
-                return 0.0  # no place expected for it within its hold: refused now rather than after it
             if seconds:
                 self._held += 1
                 self._door.append(wake)

@@ -311,24 +311,6 @@ def test_the_door_is_open_unless_the_server_is_refusing_and_answering_and_it_for
     assert door(brief, 0) == 0.0 and door(brief, REMEMBERED_REFUSALS) == 2  # the oldest key forgotten first
 
 
-def test_the_door_holds_only_the_resends_a_place_can_be_expected_for_within_the_hold():
-    """Two calls answered over the last second, a hold of 1 s: two places expected, so two copies of a refused request
-    wait at the door and the rest of a burst of them goes on at once (held, each would be refused a second later)."""
-    pacer = RefusalPacer(per_answer=0, floor=100, max_hold=1, max_held=100, resend_memory=10)
-    answer(pacer)
-    answer(pacer)
-    holds_keyed(pacer, "photo")
-    with contextlib.ExitStack() as stack:
-        seconds = [stack.enter_context(pacer.door("photo", wake=lambda: None)) for _ in range(10)]
-        assert seconds == [1, 1] + [0.0] * 8 and pacer.held == 2
-    busy = RefusalPacer(per_answer=0, floor=100, max_hold=1, max_held=100, resend_memory=10)
-    for _ in range(20):
-        answer(busy)  # 20 places a second: a resend loop of 10 clients all wait for room, as in a queue
-    holds_keyed(busy, "photo")
-    with contextlib.ExitStack() as stack:
-        assert [stack.enter_context(busy.door("photo", wake=lambda: None)) for _ in range(10)] == [1] * 10
-
-
 def answer(pacer: RefusalPacer) -> None:
     """A call answered OK, its place given back."""
     pacer.answered()
