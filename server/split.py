@@ -261,8 +261,8 @@ def run_engine(models, *, settings: Settings, fronts: int, stop: threading.Event
         threading.Thread(target=pipeline.warm_up_tiles, name="engine-tiles", daemon=True).start()
     stop.wait()
     loop.drain(settings.grace_seconds + STOP_MARGIN_SECONDS)
+    pipeline.close()  # its runners end before the loop's sockets close under them
     loop.stop()
-    pipeline.close()
     metrics.close()
     return 0
 

@@ -82,7 +82,10 @@ class Work:
         """Its result or error is set: wake its caller, tell `on_done`."""
         self.done.set()
         if self.on_done is not None:
-            self.on_done(self)
+            try:
+                self.on_done(self)
+            except Exception:  # a failing hook is a bug to log, never a reason to stop a runner
+                LOG.exception("an item's done hook failed")
 
 
 class Batcher:

@@ -98,6 +98,8 @@ class CanvasStore(Protocol):
 
     def release(self) -> None: ...
 
+    def abandon(self) -> None: ...
+
 
 class HeapCanvases:
     """Canvases on the process's heap (the engine runs in this process)."""
@@ -107,6 +109,9 @@ class HeapCanvases:
         return np.empty(shape, dtype=dtype)
 
     def release(self) -> None:
+        pass
+
+    def abandon(self) -> None:
         pass
 
 

@@ -110,16 +110,20 @@ class EngineCore(EngineClient):
         return {submission.key: ran(work) for submission, work in zip(submissions, works)}
 
     def submit(self, model: str, places: Reservation | None, submissions: Sequence[Submission], *,
-               on_done: Callable[[Work], None] | None = None) -> list[Work]:
-        """Queue a request's items (in the places it held); their `Work`s, whose `done` is set (and `on_done`
-        told) as each ends."""
-        works = [Work(s.group, s.item, s.limit, s.deadline, on_done=on_done) for s in submissions]
+               on_done: Callable[[int, Work], None] | None = None) -> list[Work]:
+        """Queue a request's items (in the places it held); their `Work`s, whose `done` is set (and `on_done` told,
+        with the item's index) as each ends."""
+        works = [Work(s.group, s.item, s.limit, s.deadline,
+                      on_done=None if on_done is None else functools.partial(on_done, index))
+                 for index, s in enumerate(submissions)]
         self.served(model).batcher.submit(works, places)
         return works
 
     def cancel(self, model: str, works: Sequence[Work]) -> None:
-        """Take the items that have not started out of the queue."""
-        self.served(model).batcher.cancel(works)
+        """Take the items that have not started out of the queue (none left once the engine closed)."""
+        served = self._served.get(model)
+        if served is not None:
+            served.batcher.cancel(works)
 
     def warm(self, model: str, keys: Sequence[PlanKey], *, background: bool = False) -> list[str]:
         plans, failures = self.served(model).plans, []
@@ -143,9 +147,11 @@ class EngineCore(EngineClient):
         """Runs under way end at once (Engine.stop_runs), then every batcher closes (queued work: UNAVAILABLE)."""
         self.engine.stop_runs()
         with self._lock:
-            served, self._served = list(self._served.values()), {}
-        for each in served:
+            served = list(self._served.values())
+        for each in served:  # before they are forgotten: a closing batcher's failed items may ask to cancel theirs
             each.batcher.close()
+        with self._lock:
+            self._served = {}
 
 
 def ran(work: Work) -> Ran:

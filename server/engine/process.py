@@ -29,7 +29,7 @@ from server.engine.core import EngineCore
 from server.engine.messages import (Abort, Done, Facts, Failed, ItemSpec, Release, Reserve, Room, Submit, Warm,
                                     Warmed, decode_to_engine, encode, plan_key)
 from server.engine.shm import Region, region_of_front
-from server.errors import NoRoom, Refusal, ScoringError
+from server.errors import NoRoom, Refusal, ScoringError, Transient, retry_after
 from server.scoring.request import GroupKey, Item, ItemKey
 
 __all__ = ["EngineLoop"]
@@ -128,8 +128,10 @@ class EngineLoop:
                 continue
             try:
                 self._dispatch(message)
-            except Exception:  # a bug in one call's handling never stops the engine's input
+            except Exception as error:  # a bug in one call's handling never stops the engine's input
                 LOG.exception("the engine failed handling %s", type(message).__name__)
+                self._reply(message.front, Failed.of(message.call, ScoringError(
+                    Refusal.INTERNAL, f"the engine failed handling the call: {error}")))
         for socket in self._replies.values():
             socket.close(linger=LINGER_MS)
 
@@ -138,13 +140,10 @@ class EngineLoop:
             self._reserve(message)
         elif isinstance(message, Submit):
             self._submit(message)
-        elif isinstance(message, Release):
-            with self._lock:
-                call = self._calls.pop((message.front, message.call), None)
-            if call is not None and call.places is not None:
-                self.core.release(call.model, call.places)
-        elif isinstance(message, Abort):
+        elif isinstance(message, Release):  # the front's call ended without its items: its places, any queued item
             self._abort(message.front, message.call)
+        elif isinstance(message, Abort):
+            self._abort(message.front, message.call, acknowledge=True)
         elif isinstance(message, Warm):
             threading.Thread(target=self._warm, args=(message,), name="engine-warm", daemon=True).start()
 
@@ -159,39 +158,50 @@ class EngineLoop:
             return
         with self._lock:
             self._calls[(message.front, message.call)] = Call(message.model, held)
-        self._reply(message.front, Room(message.call, True))
+        if not self._reply(message.front, Room(message.call, True)):
+            self._abort(message.front, message.call)  # the front never hears of its places: nothing held for it
 
     def _submit(self, message: Submit) -> None:
         key = (message.front, message.call)
         with self._lock:
             call = self._calls.get(key)
-            if call is None:  # aborted meanwhile, or never held places: the front no longer waits for it
-                return
-            try:
-                region = self._region(message.region)
-            except OSError as error:
-                self._calls.pop(key, None)
-                self._release(call)
-                self._reply(message.front, Failed.of(message.call, ScoringError(
-                    Refusal.INTERNAL, f"the engine cannot map the front's shared memory {message.region}: {error}")))
-                return
-        call.region, call.specs, call.left = region, message.items, len(message.items)
-        submissions = [submission(index, spec, region) for index, spec in enumerate(message.items)]
+        if call is None:  # an engine started again since its places were held, or the call was ended
+            self._reply(message.front, Failed.of(message.call, ScoringError(
+                Refusal.UNAVAILABLE, "the engine holds no places for this call (it was started again meanwhile); "
+                "retry", retry_after_seconds=retry_after(Transient.WARMING_UP))))
+            return
         try:
-            call.works = self.core.submit(call.model, call.places, submissions,
-                                          on_done=functools.partial(self._finished, message.front, message.call))
-        except ScoringError as error:
+            with self._lock:
+                region = self._region(message.region)
+            call.region, call.specs, call.left = region, message.items, len(message.items)
+            submissions = [submission(index, spec, region) for index, spec in enumerate(message.items)]
+            works = self.core.submit(call.model, call.places, submissions,
+                                     on_done=functools.partial(self._finished, message.front, message.call))
+        except Exception as error:  # its places are given back, and the front told why
             with self._lock:
                 self._calls.pop(key, None)
+            if call.places is not None:
+                self.core.release(call.model, call.places)
+            if not isinstance(error, ScoringError):
+                LOG.exception("the engine could not queue a call's items")
+                error = ScoringError(Refusal.INTERNAL, f"the engine could not queue the request's items: {error}")
             self._reply(message.front, Failed.of(message.call, error))
-        finally:
-            call.places = None  # queued with its items (or given back by the refusal)
+            return
+        with self._lock:
+            call.works, call.places = works, None  # queued with its items
+            failed = call.failed
+        if failed:  # an item failed before its call knew its works: the rest run for no one
+            self.core.cancel(call.model, works)
 
-    def _abort(self, front: int, call_id: int) -> None:
+    def _abort(self, front: int, call_id: int, *, acknowledge: bool = False) -> None:
+        """Forget a call and give back what it holds; `acknowledge`: tell the front, which may then reuse its
+        arrays' memory (the engine writes a lattice only under the lock, for a call it still holds)."""
         with self._lock:
             call = self._calls.pop((front, call_id), None)
         if call is not None:
             self._release(call)
+        if acknowledge:
+            self._reply(front, Failed.of(call_id, ScoringError(Refusal.CANCELLED, "the call was ended")))
 
     def _release(self, call: Call) -> None:
         """Give back what a call no one waits for holds: its places, its items not yet run."""
@@ -204,8 +214,8 @@ class EngineLoop:
         try:
             failures = self.core.warm(message.model, [plan_key(key) for key in message.keys],
                                       background=message.background)
-        except ScoringError as error:
-            failures = [error.message]
+        except Exception as error:  # the front waits for an answer whatever happened
+            failures = [error.message if isinstance(error, ScoringError) else f"{message.model}: {error}"]
         self._answer(message.front, Warmed(message.call, failures))
 
     def _region(self, name: str) -> Region:
@@ -216,30 +226,32 @@ class EngineLoop:
         return region
 
     # --- output --------------------------------------------------------------------------------------------
-    def _finished(self, front: int, call_id: int, work: Work) -> None:
-        """A batcher runner ended one of a call's items: answered from that thread, on its own sockets (a hand-over
+    def _finished(self, front: int, call_id: int, index: int, work: Work) -> None:
+        """A batcher runner ended item `index` of a call: answered from that thread, on its own sockets (a hand-over
         to the output thread would add a thread's wake-up to every request)."""
-        data = self._done(front, call_id, work)
+        data = self._done(front, call_id, index, work)
         if data is None or self._stopping.is_set():
             return
-        sockets = getattr(self._local, "sockets", None)
-        if sockets is None:
-            sockets = self._local.sockets = {index: self._connect(address) for index, address in self._fronts.items()}
-            with self._lock:
-                self._thread_sockets.append(sockets)
         try:
+            sockets = getattr(self._local, "sockets", None)
+            if sockets is None:
+                sockets = self._local.sockets = {i: self._connect(address) for i, address in self._fronts.items()}
+                with self._lock:
+                    self._thread_sockets.append(sockets)
             sockets[front].send(data, zmq.NOBLOCK)
         except zmq.Again:
             LOG.warning("front %d is not taking answers; one dropped", front)
         except zmq.ZMQError:  # the loop stopped meanwhile
             pass
 
-    def _reply(self, front: int, message) -> None:
-        """Answer on the input thread's own socket (the input thread only)."""
+    def _reply(self, front: int, message) -> bool:
+        """Answer on the input thread's own socket (the input thread only); False when it could not be sent."""
         try:
             self._replies[front].send(encode(message), zmq.NOBLOCK)
         except zmq.Again:
             LOG.warning("front %d is not taking answers; one dropped", front)
+            return False
+        return True
 
     def _connect(self, address: str) -> zmq.Socket:
         socket = self._context.socket(zmq.PUSH)
@@ -272,36 +284,39 @@ class EngineLoop:
         for socket in sockets.values():
             socket.close(linger=LINGER_MS)
 
-    def _done(self, front: int, call_id: int, work: Work) -> bytes | None:
-        """The answer for one finished item: its result in the front's region (or inline), or the call's refusal
-        (once; its other items are then cancelled); None when no one waits for it any more."""
+    def _done(self, front: int, call_id: int, index: int, work: Work) -> bytes | None:
+        """The answer for item `index` of a call: its result, its lattice written into the front's region (or sent
+        inline), or the call's refusal (once; its other items are then cancelled); None when no one waits for it
+        any more. The lattice is written under the lock, for a call still held: once a call is ended (`_abort`)
+        or failed, nothing more is written into the arrays its front may then reuse."""
         key = (front, call_id)
+        inline, shape, dtype = b"", (), ""
         with self._lock:
             call = self._calls.get(key)
             if call is None or call.failed:
                 return None
-            index = call.works.index(work) if call.works else -1
-            if work.error is not None or index < 0:
+            if work.error is not None:
                 call.failed = True
                 self._calls.pop(key, None)
-        if work.error is not None or index < 0:
-            if call.works:
-                self.core.cancel(call.model, call.works)
-            error = work.error or ScoringError(Refusal.INTERNAL, "the engine lost track of an item")
-            return encode(Failed.of(call_id, error))
-        spec, scored = call.specs[index], work.result
-        inline, lattice, shape, dtype = b"", scored.lattice, (), ""
-        if lattice is not None:
-            shape, dtype = lattice.shape, lattice.dtype.str
-            if 0 <= spec.lattice_offset and lattice.nbytes <= spec.lattice_bytes:
-                call.region.array(spec.lattice_offset, lattice.shape, lattice.dtype)[...] = lattice
+                works = list(call.works)
             else:
-                inline = lattice.tobytes()
-        with self._lock:
-            call.left -= 1
-            if call.left == 0:
-                self._calls.pop(key, None)
+                spec, scored = call.specs[index], work.result
+                lattice = scored.lattice
+                if lattice is not None:
+                    shape, dtype = lattice.shape, lattice.dtype.str
+                    fits = lattice.nbytes <= spec.lattice_bytes and spec.lattice_offset + lattice.nbytes <= call.region.size
+                    if spec.lattice_offset >= 0 and fits:
+                        call.region.array(spec.lattice_offset, lattice.shape, lattice.dtype)[...] = lattice
+                    else:
+                        inline = lattice.tobytes()
+                call.left -= 1
+                if call.left == 0:
+                    self._calls.pop(key, None)
             idle = not self._calls
+        if work.error is not None:
+            if works:
+                self.core.cancel(call.model, works)
+            return encode(Failed.of(call_id, work.error))
         if idle and self._on_idle is not None:
             self._on_idle()
         return encode(Done(call_id, index, scored.probabilities.astype(np.float32, copy=False).tobytes(),

@@ -34,6 +34,7 @@ __all__ = ["RemoteClient", "ShmCanvases"]
 LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting call looks at its cancellation flag
 SEND_WAIT_MS = 2000  # how long a message waits for the engine's connection before the call is refused
+ABORT_ACK_SECONDS = 1.0  # how long an ended call waits for the engine to say it writes nothing more for it
 ENGINE_GONE = "the engine process is not running (it is being started again); retry shortly"
 
 
@@ -76,6 +77,13 @@ class ShmCanvases:
         for offset in offsets:
             self._client.allocator.free(offset)
 
+    def abandon(self) -> None:
+        """Never free these arrays (the engine may still write into them): a little of the region lost, logged."""
+        if self._offsets:
+            LOG.warning("%d arrays of an ended call kept out of the shared region: the engine did not say it was "
+                        "done with them", len(self._offsets))
+        self._offsets = []
+
 
 class RemoteClient(EngineClient):
     """The engine process's client in front `front`: sends to `engine_address`, receives on `results_address`,
@@ -100,6 +108,7 @@ class RemoteClient(EngineClient):
         self._receive_socket.bind(results_address)
         self._calls = itertools.count(time.monotonic_ns())  # never an id an earlier front of this index used
         self._pending: dict[int, Pending] = {}
+        self._ending: dict[int, threading.Event] = {}  # calls ended here, until the engine acknowledges
         self._lock = threading.Lock()
         self._facts_known = threading.Event()
         self._classes: dict[str, int] = {}
@@ -124,7 +133,12 @@ class RemoteClient(EngineClient):
     def reserve(self, model: str, items: int, *, deadline: float | None) -> Places | NoRoom:
         call, pending = self._open()
         self._send(Reserve(self.front, call, model, items, deadline), call)
-        room = self._wait(call, pending, deadline=deadline, cancelled=None)[0]
+        try:
+            room = self._wait(call, pending, deadline=deadline, cancelled=None)[0]
+        except ScoringError:
+            with self._lock:
+                self._ending.pop(call, None)  # no arrays: nothing to wait for
+            raise
         assert isinstance(room, Room)
         if room.granted:
             return RemotePlaces(call, items)
@@ -136,7 +150,6 @@ class RemoteClient(EngineClient):
     def run(self, model: str, places: RemotePlaces, submissions: Sequence[Submission], *, canvases: CanvasStore,
             cancelled: threading.Event | None) -> dict[ItemKey, Ran]:
         call, specs = places.call, []
-        shapes: list[tuple[tuple[int, ...], type] | None] = []
         slots: list[np.ndarray | None] = []
         for submission in submissions:
             item = submission.item
@@ -157,9 +170,18 @@ class RemoteClient(EngineClient):
         pending = Pending(expected=len(specs))
         with self._lock:
             self._pending[call] = pending
-        self._send(Submit(self.front, call, model, self.region.name, specs), call)
+        try:
+            self._send(Submit(self.front, call, model, self.region.name, specs), call)
+        except ScoringError:
+            self._send(Release(self.front, call), None, quiet=True)  # its places, should the engine have them
+            raise
         deadline = min((s.deadline for s in submissions if s.deadline is not None), default=None)
-        answers = self._wait(call, pending, deadline=deadline, cancelled=cancelled)
+        try:
+            answers = self._wait(call, pending, deadline=deadline, cancelled=cancelled)
+        except ScoringError as error:
+            if error.refusal in (Refusal.CANCELLED, Refusal.DEADLINE_EXCEEDED) and not self._ended(call):
+                canvases.abandon()  # the engine may still write a lattice there: never given to another request
+            raise
         ran = {}
         for index, submission in enumerate(submissions):
             done = answers[index]
@@ -205,8 +227,10 @@ class RemoteClient(EngineClient):
 
     def _send(self, message, call: int | None, *, quiet: bool = False) -> None:
         """Send to the engine, or (unless `quiet`) refuse the call with UNAVAILABLE when no engine is connected."""
-        data = encode(message)
         try:
+            data = encode(message)
+            if call is not None and not self._facts_known.is_set():  # heard going: a send could reach no one
+                raise zmq.Again()
             with self._send_lock:
                 try:
                     self._send_socket.send(data, zmq.NOBLOCK)
@@ -230,10 +254,10 @@ class RemoteClient(EngineClient):
         try:
             while not pending.done.wait(POLL_SECONDS):
                 if cancelled is not None and cancelled.is_set():
-                    self._send(Abort(self.front, call), None, quiet=True)
+                    self._end(call)
                     raise ScoringError(Refusal.CANCELLED, "the call was cancelled")
                 if deadline is not None and time.monotonic() > deadline:
-                    self._send(Abort(self.front, call), None, quiet=True)
+                    self._end(call)
                     raise ScoringError(Refusal.DEADLINE_EXCEEDED,
                                        "the deadline passed before the engine answered; dropped")
         finally:
@@ -242,6 +266,22 @@ class RemoteClient(EngineClient):
         if pending.error is not None:
             raise pending.error.detached()
         return pending.answers
+
+    def _end(self, call: int) -> None:
+        """Tell the engine to drop what it holds of `call`; its acknowledgement is awaited by `_ended`."""
+        with self._lock:
+            self._ending[call] = threading.Event()
+        self._send(Abort(self.front, call), None, quiet=True)
+
+    def _ended(self, call: int) -> bool:
+        """Whether the engine acknowledged ending `call` (after which it writes nothing more for it), within
+        ABORT_ACK_SECONDS; a gone engine writes nothing either."""
+        with self._lock:
+            acknowledged = self._ending.get(call)
+        ended = acknowledged is None or acknowledged.wait(ABORT_ACK_SECONDS) or not self._facts_known.is_set()
+        with self._lock:
+            self._ending.pop(call, None)
+        return ended
 
     # --- receiving -----------------------------------------------------------------------------------------
     def _receive(self) -> None:
@@ -265,6 +305,10 @@ class RemoteClient(EngineClient):
                 continue
             with self._lock:
                 pending = self._pending.get(message.call)
+                ending = self._ending.get(message.call) if isinstance(message, Failed) else None
+            if ending is not None:  # the engine's acknowledgement of an ended call
+                ending.set()
+                continue
             if pending is None:  # the call ended (cancelled, its deadline passed): nothing waits for it
                 continue
             if isinstance(message, Failed):

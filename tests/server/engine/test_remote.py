@@ -95,7 +95,7 @@ def test_the_engine_s_queue_refuses_with_its_numbers_across_the_boundary(front):
 
 
 def test_a_cancelled_call_frees_its_items_in_the_engine(front):
-    pipeline, _client, batcher = front
+    pipeline, client, batcher = front
     gate, entered = held(batcher)
     first = threading.Thread(target=pipeline.score, args=(raw_request(PIXELS, scales=[96]),))
     first.start()
@@ -115,8 +115,20 @@ def test_a_cancelled_call_frees_its_items_in_the_engine(front):
     second.join(30)
     assert outcome["error"].refusal is Refusal.CANCELLED
     assert wait_for(lambda: batcher.depth() == 0)  # the engine dropped them before running them
+    assert client.allocator.used_bytes > 0  # the first call's canvas, still running
     gate.set()
     first.join(30)
+    assert wait_for(lambda: client.allocator.used_bytes == 0)  # the engine acknowledged the end: nothing kept
+
+
+def test_items_for_places_the_engine_does_not_hold_are_refused_not_left_waiting(front):
+    """As after the engine was started again between a call's room and its items: UNAVAILABLE with a retry hint."""
+    from server.engine.remote import RemotePlaces
+
+    _pipeline, client, _batcher = front
+    with pytest.raises(ScoringError) as caught:
+        client.run("tiny", RemotePlaces(call=12345, items=0), [], canvases=client.canvases(), cancelled=None)
+    assert caught.value.refusal is Refusal.UNAVAILABLE and caught.value.retry_after_seconds
 
 
 def test_an_expired_item_is_dropped_by_the_engine_before_it_runs(front):
