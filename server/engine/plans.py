@@ -16,7 +16,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -28,7 +28,6 @@ from server.memory.device import MEASUREMENT_RESOLUTION_BYTES, PlanMemory
 from server.memory.runtime import HOST_ACTIVITY, HostActivity, measure_footprint
 from protos.model_card_pb2 import ModelCard
 from server.geometry.buckets import Buckets
-from server.geometry.dense import Passes
 from server.engine.device_graph import (LATTICE, LATTICE_FP16, PIXELS, PROBABILITIES, VALID, DeviceGraphError,
                                  build_plan_graph)
 from server.engine.providers import Engine, EngineError, stoppable

@@ -21,7 +21,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from server.engine.client import CanvasStore, EngineClient, EngineFacts, Places, PlanKey, Ran, Submission
+from server.engine.client import CanvasStore, EngineClient, Places, PlanKey, Ran, Submission
 from server.engine.device_graph import LATTICE_FP16
 from server.engine.messages import (Abort, Done, Facts, Failed, ItemSpec, PassesSpec, Release, Reserve, Room, Submit,
                                     Warm, Warmed, decode_from_engine, encode)

@@ -38,13 +38,16 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from server.memory.activity import HOST_ACTIVITY, HostActivity
+
+if TYPE_CHECKING:  # imported where a session is made: a front process never loads it
+    import onnxruntime
 
 __all__ = [
     "MeasurementError",
