@@ -33,6 +33,7 @@ from PIL import Image
 
 from clients.api.results import decode_tensor
 from protos import scoring_pb2
+from tests.fuzzing import mutate
 
 SAMPLE = pathlib.Path(__file__).resolve().parents[3] / "samples" / "cat.jpg"
 EXAMPLES = 150  # per route: four routes
@@ -76,21 +77,7 @@ WILD_JSON = st.one_of(st.sampled_from(WILD_INTS), st.floats(allow_nan=True, allo
 @st.composite
 def image_bytes(draw, *, mutated: bool = True) -> bytes:
     """A seed, `mutated` with some bytes overwritten, a slice cut out or repeated, or its tail cut off."""
-    data = bytearray(draw(st.sampled_from(SEEDS)))
-    for _ in range(draw(st.sampled_from([1, 2, 4])) if mutated else 0):
-        if not data:
-            break
-        kind = draw(st.sampled_from(["overwrite", "cut", "repeat", "truncate"]))
-        position = draw(st.integers(0, len(data) - 1))
-        if kind == "overwrite":
-            data[position:position + 4] = draw(st.binary(min_size=1, max_size=4))
-        elif kind == "cut":
-            del data[position:position + draw(st.integers(1, 64))]
-        elif kind == "repeat":
-            data[position:position] = data[position:position + draw(st.integers(1, 64))]
-        else:
-            del data[position:]
-    return bytes(data)
+    return mutate(draw, bytearray(draw(st.sampled_from(SEEDS))), draw(st.sampled_from([1, 2, 4])) if mutated else 0)
 
 
 @st.composite

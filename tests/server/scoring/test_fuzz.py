@@ -21,6 +21,7 @@ from PIL import Image
 
 from clients.api.results import decode_tensor
 from protos import scoring_pb2
+from tests.fuzzing import mutate
 
 SAMPLES = pathlib.Path(__file__).resolve().parents[3] / "samples"
 BUGS = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -48,21 +49,7 @@ SEEDS = seeds()
 @st.composite
 def mutated(draw) -> bytes:
     """A seed with some bytes overwritten, a slice cut out or repeated, or its tail cut off."""
-    data = bytearray(draw(st.sampled_from(SEEDS)))
-    for _ in range(draw(st.integers(0, 4))):
-        kind = draw(st.sampled_from(["overwrite", "cut", "repeat", "truncate"]))
-        if not data:
-            break
-        position = draw(st.integers(0, len(data) - 1))
-        if kind == "overwrite":
-            data[position:position + 4] = draw(st.binary(min_size=1, max_size=4))
-        elif kind == "cut":
-            del data[position:position + draw(st.integers(1, 64))]
-        elif kind == "repeat":
-            data[position:position] = data[position:position + draw(st.integers(1, 64))]
-        else:
-            del data[position:]
-    return bytes(data)
+    return mutate(draw, bytearray(draw(st.sampled_from(SEEDS))), draw(st.integers(0, 4)))
 
 
 def raw_images():
