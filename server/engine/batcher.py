@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -24,6 +23,7 @@ from typing import Any
 
 from setproctitle import setthreadtitle
 
+from server.engine.client import QueueState
 from server.errors import Dropped, NoRoom, Refusal, ScoringError, Transient, retry_after, shutting_down
 
 LOG = logging.getLogger(__name__)
@@ -143,44 +143,31 @@ class Batcher:
         with self._condition:
             return len(self._queue) + self._reserved
 
-    def _expected_wait(self) -> float:
-        """Seconds a new item would wait before it runs: until a runner is free (the first running batch to end,
-        when every runner is busy), then the queue and the places reserved ahead, shared between the runners, at the
-        recent pace (under the condition's lock)."""
-        free = 0.0
-        if len(self._running_until) >= self._runners:
-            free = max(0.0, min(self._running_until.values()) - time.monotonic())
-        return free + (len(self._queue) + self._reserved) * self._queue_pace()
+    def state(self) -> QueueState:
+        """The queue now, as admission decides on it (a front process is sent it)."""
+        with self._condition:
+            return self._state()
+
+    def _state(self) -> QueueState:
+        """Under the condition's lock: the runners' expected end counts only when every runner is busy."""
+        busy = len(self._running_until) >= self._runners
+        return QueueState(len(self._queue) + self._reserved, min(self._running_until.values()) if busy else 0.0,
+                          self._seconds_per_item, self._runners, self._max_batch, self._queue_depth, self._max_queue,
+                          self._closed)
 
     def _queue_pace(self) -> float:
         """Seconds per item of the queue as a whole, every runner busy."""
         return self._seconds_per_item / self._runners
 
     def reserve(self, items: int, *, deadline: float | None) -> Reservation | NoRoom:
-        """Hold `items` places for a request about to decode, or say why not (admission refuses with it):
-        closed, the queue would overflow, the items would not start within `max_queue` less a margin, or would
-        end after `deadline`. The margin, one item's time (at most half the limit) when items wait ahead: the
-        wait is an estimate, and a request admitted just under the limit would often pass it and be dropped
-        after its decode, having cost work and its caller's time for a refusal."""
+        """Hold `items` places for a request about to decode, or say why not (`QueueState.room`; admission refuses
+        with it)."""
         with self._condition:
-            waiting = len(self._queue) + self._reserved
-            wait = self._expected_wait()
-            margin = min(self._seconds_per_item, self._max_queue / 2) if waiting else 0.0
-            side_by_side = min(self._runners, math.ceil(items / self._max_batch))  # its batches on the runners
-            done = wait + math.ceil(items / side_by_side) * self._seconds_per_item
-            if self._closed:
-                why: Transient | None = None
-            elif waiting + items > self._queue_depth:
-                why = Transient.QUEUE_FULL
-            elif wait > self._max_queue - margin:
-                why = Transient.QUEUE_WAIT
-            elif deadline is not None and time.monotonic() + done > deadline:
-                why = Transient.DEADLINE
-            else:
-                self._reserved += items
-                return Reservation(self, items)
-            return NoRoom(why, waiting=waiting, adding=items, depth=self._queue_depth, wait=wait, margin=margin,
-                          done=done, max_queue=self._max_queue, seconds_per_item=self._queue_pace())
+            no_room = self._state().room(items, deadline=deadline, now=time.monotonic())
+            if no_room is not None:
+                return no_room
+            self._reserved += items
+            return Reservation(self, items)
 
     def release(self, reservation: Reservation) -> None:
         """Give back what `reservation` still holds (nothing once its items are queued)."""

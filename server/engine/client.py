@@ -10,19 +10,22 @@ process (`server/engine/process.py`) over ZMQ with the canvases and lattices in 
 from __future__ import annotations
 
 import abc
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
 import numpy as np
 
 from convert.memory_model import Device
-from server.errors import NoRoom
+from server.errors import NoRoom, Transient
 from server.geometry.dense import Passes
 from server.scoring.request import GroupKey, Item, ItemKey, Scored
 
-__all__ = ["CanvasStore", "EngineClient", "EngineFacts", "HeapCanvases", "Places", "PlanKey", "Ran", "Submission"]
+__all__ = ["CanvasStore", "EngineClient", "EngineFacts", "HeapCanvases", "Places", "PlanKey", "QueueState", "Ran",
+           "Submission"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,49 @@ class EngineFacts:
         return (f"an int8 graph does not run on {self.provider}: onnxruntime's {self.provider} has no int8 convolution "
                 "kernels (it would compute in float32 between quantize/dequantize nodes: slower than the fp32 graph, "
                 "with int8's loss); serve the fp16 or fp32 model on a GPU, or this one with --provider cpu")
+
+
+class QueueState(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A model's queue at one moment: enough to say whether a request has room in it (`room`). The batcher decides
+    on its live state; a front process on the state the engine last sent it (server/engine/remote.py)."""
+
+    waiting: int  # items queued, or holding places while their request decodes
+    free_at: float  # time.monotonic() when the first busy runner is expected to end, every runner busy; else 0
+    seconds_per_item: float  # one runner's recent pace
+    runners: int
+    max_batch: int
+    depth: int  # --queue-depth
+    max_queue: float  # --max-queue-ms, in seconds
+    closed: bool = False
+
+    def wait(self, now: float, *, ahead: int = 0) -> float:
+        """Seconds a new item would wait before it runs: until a runner is free (the first busy one to end, when
+        every runner is busy), then the items ahead, shared between the runners, at the recent pace."""
+        return max(0.0, self.free_at - now) + (self.waiting + ahead) * self.seconds_per_item / self.runners
+
+    def room(self, items: int, *, deadline: float | None, now: float, ahead: int = 0) -> NoRoom | None:
+        """None when a request of `items` has room behind `ahead` more items than the state counts, else why not:
+        closed, the queue would overflow, its items would not start within `max_queue` less a margin, or would end
+        after `deadline`. The margin, one item's time (at most half the limit) when items wait ahead: the wait is
+        an estimate, and a request admitted just under the limit would often pass it and be dropped after its
+        decode, having cost work and its caller's time for a refusal."""
+        waiting, pace = self.waiting + ahead, self.seconds_per_item / self.runners
+        wait = self.wait(now, ahead=ahead)
+        margin = min(self.seconds_per_item, self.max_queue / 2) if waiting else 0.0
+        side_by_side = min(self.runners, math.ceil(items / self.max_batch))  # its batches on the runners
+        done = wait + math.ceil(items / side_by_side) * self.seconds_per_item
+        if self.closed:
+            why: Transient | None = None
+        elif waiting + items > self.depth:
+            why = Transient.QUEUE_FULL
+        elif wait > self.max_queue - margin:
+            why = Transient.QUEUE_WAIT
+        elif deadline is not None and now + done > deadline:
+            why = Transient.DEADLINE
+        else:
+            return None
+        return NoRoom(why, waiting=waiting, adding=items, depth=self.depth, wait=wait, margin=margin, done=done,
+                      max_queue=self.max_queue, seconds_per_item=pace)
 
 
 class Places(Protocol):

@@ -18,7 +18,7 @@ import onnx
 
 from protos import model_card_pb2
 from server.engine.batcher import Batcher, Reservation, Work
-from server.engine.client import CanvasStore, EngineClient, EngineFacts, PlanKey, Ran, Submission
+from server.engine.client import CanvasStore, EngineClient, EngineFacts, PlanKey, QueueState, Ran, Submission
 from server.engine.device_graph import LATTICE
 from server.engine.plans import PlanCache
 from server.engine.providers import Engine, EngineError
@@ -102,6 +102,9 @@ class EngineCore(EngineClient):
 
     def release(self, model: str, places: Reservation) -> None:
         self.served(model).batcher.release(places)
+
+    def queue_state(self, model: str) -> QueueState:
+        return self.served(model).batcher.state()
 
     def run(self, model: str, places: Reservation, submissions: Sequence[Submission], *, canvases: CanvasStore,
             cancelled: threading.Event | None) -> dict[ItemKey, Ran]:

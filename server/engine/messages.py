@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import msgspec
 
-from server.engine.client import EngineFacts, PlanKey
-from server.errors import NoRoom, Refusal, ScoringError, Transient
+from server.engine.client import EngineFacts, PlanKey, QueueState
+from server.errors import Refusal, ScoringError
 from server.geometry.dense import Passes
 from convert.memory_model import Device
 
-__all__ = ["Abort", "Done", "Failed", "Facts", "ItemSpec", "Release", "Reserve", "Room", "Submit", "Warm", "Warmed",
+__all__ = ["Abort", "Ask", "Done", "Failed", "Facts", "ItemSpec", "Queue", "Submit", "Warm", "Warmed",
            "decode_from_engine", "decode_to_engine", "encode"]
 
 STRUCT = dict(tag=True, array_like=True, omit_defaults=True, gc=False)
@@ -37,21 +37,13 @@ class PassesSpec(msgspec.Struct, array_like=True, gc=False):
 
 
 # --- front to engine ----------------------------------------------------------------------------------------
-class Reserve(msgspec.Struct, **STRUCT):
-    """Hold `items` places in `model`'s queue (answered by `Room`)."""
+class Ask(msgspec.Struct, **STRUCT):
+    """The state of `model`'s queue now (answered by `Queue`): a front asks when the state it holds would refuse a
+    request and is older than one item's time in the queue."""
 
     front: int
     call: int
     model: str
-    items: int
-    deadline: float | None = None
-
-
-class Release(msgspec.Struct, **STRUCT):
-    """Give back the places call `call` holds (nothing once its items are queued)."""
-
-    front: int
-    call: int
 
 
 class ItemSpec(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -75,7 +67,8 @@ class ItemSpec(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 
 class Submit(msgspec.Struct, **STRUCT):
-    """Queue call `call`'s items in the places it holds (answered by one `Done` or `Failed` per item)."""
+    """Queue call `call`'s items if the queue has room for them (answered by one `Done` per item, or one `Failed`
+    with the refusal and its numbers)."""
 
     front: int
     call: int
@@ -111,35 +104,17 @@ class Facts(msgspec.Struct, **STRUCT):
     runners: int
     max_batch: int
     classes: dict[str, int]
+    queues: dict[str, QueueState]
 
     def facts(self) -> EngineFacts:
         return EngineFacts(self.provider, Device(self.device), self.memory_budget_bytes, self.runners, self.max_batch)
 
 
-class Room(msgspec.Struct, **STRUCT):
-    """The answer to `Reserve`: places held (`granted`), or why not with the numbers (`NoRoom`'s fields)."""
+class Queue(msgspec.Struct, **STRUCT):
+    """The answer to `Ask`."""
 
     call: int
-    granted: bool
-    why: str | None = None
-    closed: bool = False
-    waiting: int = 0
-    adding: int = 0
-    depth: int = 0
-    wait: float = 0.0
-    margin: float = 0.0
-    done: float = 0.0
-    max_queue: float = 0.0
-    seconds_per_item: float = 0.0
-
-    @classmethod
-    def refused(cls, call: int, busy: NoRoom) -> Room:
-        return cls(call, False, busy.why.name if busy.why is not None else None, busy.why is None, busy.waiting,
-                   busy.adding, busy.depth, busy.wait, busy.margin, busy.done, busy.max_queue, busy.seconds_per_item)
-
-    def no_room(self) -> NoRoom:
-        return NoRoom(None if self.closed else Transient[self.why], self.waiting, self.adding, self.depth, self.wait,
-                      self.margin, self.done, self.max_queue, self.seconds_per_item)
+    state: QueueState
 
 
 class Done(msgspec.Struct, **STRUCT):
@@ -157,6 +132,7 @@ class Done(msgspec.Struct, **STRUCT):
     lattice_shape: tuple[int, ...] = ()
     lattice_dtype: str = ""
     lattice: bytes = b""
+    queue: QueueState | None = None  # the call's model's queue as the item left it
 
 
 class Failed(msgspec.Struct, **STRUCT):
@@ -166,10 +142,11 @@ class Failed(msgspec.Struct, **STRUCT):
     refusal: str
     message: str
     retry_after_seconds: float | None = None
+    queue: QueueState | None = None  # the call's model's queue, when it refused the call
 
     @classmethod
-    def of(cls, call: int, error: ScoringError) -> Failed:
-        return cls(call, error.refusal.name, error.message, error.retry_after_seconds)
+    def of(cls, call: int, error: ScoringError, queue: QueueState | None = None) -> Failed:
+        return cls(call, error.refusal.name, error.message, error.retry_after_seconds, queue)
 
     def error(self) -> ScoringError:
         return ScoringError(Refusal[self.refusal], self.message, retry_after_seconds=self.retry_after_seconds)
@@ -180,8 +157,8 @@ class Warmed(msgspec.Struct, **STRUCT):
     failures: list[str]
 
 
-ToEngine = Reserve | Release | Submit | Abort | Warm
-FromEngine = Facts | Room | Done | Failed | Warmed
+ToEngine = Ask | Submit | Abort | Warm
+FromEngine = Facts | Queue | Done | Failed | Warmed
 _ENCODER = msgspec.msgpack.Encoder()
 _TO_ENGINE = msgspec.msgpack.Decoder(ToEngine)
 _FROM_ENGINE = msgspec.msgpack.Decoder(FromEngine)

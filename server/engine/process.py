@@ -1,12 +1,13 @@
 """The engine process's loop: the fronts' messages in, results out, beside the batcher's busy runners.
 
-As vLLM V1's `EngineCoreProc`: an input thread receives every front's messages on one socket and acts on them
-(room, release, submit, abort go straight to the in-process engine, whose batcher is thread-safe; a warm-up runs
-on a thread of its own) and answers room and refusals itself; each batcher runner sends its items' results as it
-ends them; an output thread sends the rest (facts, warm-ups); a watch thread hears when a front connects (it is
-told the engine's facts, so a front started again finds the engine) or goes away (what it held is freed: its
-places, its queued items, its shared-memory region). Each thread has its own sockets, as ZMQ wants; a hand-over
-between threads would add a wake-up to every request's round trip.
+As vLLM V1's `EngineCoreProc`: an input thread receives every front's messages on one socket and acts on them (a
+submit is queued if the queue has room for it, in one step; asks and aborts go straight to the in-process engine,
+whose batcher is thread-safe; a warm-up runs on a thread of its own) and answers asks and refusals itself; each
+batcher runner sends its items' results, with the queue's state, as it ends them; an output thread sends the rest
+(facts, warm-ups); a watch thread hears when a front connects (it is told the engine's facts, so a front started
+again finds the engine) or goes away (its queued items are dropped and its shared-memory region unmapped). Each
+thread has its own sockets, as ZMQ wants; a hand-over between threads would add a wake-up to every request's
+round trip.
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
+from setproctitle import setthreadtitle
 from zmq.utils.monitor import recv_monitor_message
 
-from server.engine.batcher import Reservation, Work
-from server.engine.client import Submission
+from server.engine.batcher import Work
+from server.engine.client import QueueState, Submission
 from server.engine.core import EngineCore
-from server.engine.messages import (Abort, Done, Facts, Failed, ItemSpec, Release, Reserve, Room, Submit, Warm,
-                                    Warmed, decode_to_engine, encode, plan_key)
+from server.engine.messages import (Abort, Ask, Done, Facts, Failed, ItemSpec, Queue, Submit, Warm, Warmed,
+                                    decode_to_engine, encode, plan_key)
 from server.engine.shm import Region, region_of_front
-from server.errors import NoRoom, Refusal, ScoringError, Transient, retry_after
+from server.errors import NoRoom, Refusal, ScoringError
 from server.scoring.request import GroupKey, Item, ItemKey
 
 __all__ = ["EngineLoop"]
@@ -40,14 +42,13 @@ LINGER_MS = 0  # a closing engine drops what it could not send: its fronts see i
 
 @dataclass(eq=False)
 class Call:
-    """One front's call as the engine holds it: its model, places, then its items."""
+    """One front's call as the engine holds it, from its submit until its last item is answered."""
 
     model: str
-    places: Reservation | None
+    specs: list[ItemSpec]
+    region: Region
+    left: int
     works: list[Work] = field(default_factory=list)
-    specs: list[ItemSpec] = field(default_factory=list)
-    region: Region | None = None
-    left: int = 0
     failed: bool = False
 
 
@@ -61,8 +62,7 @@ class EngineLoop:
         self._input = self._context.socket(zmq.PULL)
         self._input.bind(input_address)
         self._fronts = fronts
-        self._facts = encode(Facts(core.facts.provider, core.facts.device.value, core.facts.memory_budget_bytes,
-                                   core.facts.runners, core.facts.max_batch, classes))
+        self._classes = classes
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: dict[tuple[int, int], Call] = {}
         self._regions: dict[str, Region] = {}
@@ -76,14 +76,11 @@ class EngineLoop:
     def start(self) -> None:
         ready = threading.Event()
         monitors: dict[int, zmq.Socket] = {}
-        self._threads = [
-            threading.Thread(target=self._receive, name="engine-input", daemon=True),
-            threading.Thread(target=self._send, args=(monitors, ready), name="engine-output", daemon=True),
-        ]
+        self._threads = [titled(self._receive, "engine-input"), titled(self._send, "engine-output", monitors, ready)]
         for thread in self._threads:
             thread.start()
         ready.wait()
-        watch = threading.Thread(target=self._watch, args=(monitors,), name="engine-watch", daemon=True)
+        watch = titled(self._watch, "engine-watch", monitors)
         watch.start()
         self._threads.append(watch)
 
@@ -136,79 +133,63 @@ class EngineLoop:
             socket.close(linger=LINGER_MS)
 
     def _dispatch(self, message) -> None:
-        if isinstance(message, Reserve):
-            self._reserve(message)
-        elif isinstance(message, Submit):
+        if isinstance(message, Submit):
             self._submit(message)
-        elif isinstance(message, Release):  # the front's call ended without its items: its places, any queued item
-            self._abort(message.front, message.call)
+        elif isinstance(message, Ask):
+            try:
+                self._reply(message.front, Queue(message.call, self.core.queue_state(message.model)))
+            except ScoringError as error:
+                self._reply(message.front, Failed.of(message.call, error))
         elif isinstance(message, Abort):
-            self._abort(message.front, message.call, acknowledge=True)
+            self._abort(message.front, message.call)
         elif isinstance(message, Warm):
-            threading.Thread(target=self._warm, args=(message,), name="engine-warm", daemon=True).start()
-
-    def _reserve(self, message: Reserve) -> None:
-        try:
-            held = self.core.reserve(message.model, message.items, deadline=message.deadline)
-        except ScoringError as error:
-            self._reply(message.front, Failed.of(message.call, error))
-            return
-        if isinstance(held, NoRoom):
-            self._reply(message.front, Room.refused(message.call, held))
-            return
-        with self._lock:
-            self._calls[(message.front, message.call)] = Call(message.model, held)
-        if not self._reply(message.front, Room(message.call, True)):
-            self._abort(message.front, message.call)  # the front never hears of its places: nothing held for it
+            titled(self._warm, "engine-warm", message).start()
 
     def _submit(self, message: Submit) -> None:
-        key = (message.front, message.call)
-        with self._lock:
-            call = self._calls.get(key)
-        if call is None:  # an engine started again since its places were held, or the call was ended
-            self._reply(message.front, Failed.of(message.call, ScoringError(
-                Refusal.UNAVAILABLE, "the engine holds no places for this call (it was started again meanwhile); "
-                "retry", retry_after_seconds=retry_after(Transient.WARMING_UP))))
-            return
+        """Queue the call's items if the queue has room for them now (the front admitted it on the state it last
+        heard, which other fronts may have changed since), else refuse it with the queue's numbers."""
+        key, model = (message.front, message.call), message.model
+        deadline = min((spec.deadline for spec in message.items if spec.deadline is not None), default=None)
         try:
             with self._lock:
                 region = self._region(message.region)
-            call.region, call.specs, call.left = region, message.items, len(message.items)
             submissions = [submission(index, spec, region) for index, spec in enumerate(message.items)]
-            works = self.core.submit(call.model, call.places, submissions,
+            places = self.core.reserve(model, len(submissions), deadline=deadline)
+            if isinstance(places, NoRoom):
+                raise places.refusal(deadline=deadline)
+            call = Call(model, message.items, region, left=len(submissions))
+            with self._lock:
+                self._calls[key] = call  # before its first item can end
+            works = self.core.submit(model, places, submissions,
                                      on_done=functools.partial(self._finished, message.front, message.call))
-        except Exception as error:  # its places are given back, and the front told why
+        except Exception as error:
             with self._lock:
                 self._calls.pop(key, None)
-            if call.places is not None:
-                self.core.release(call.model, call.places)
             if not isinstance(error, ScoringError):
                 LOG.exception("the engine could not queue a call's items")
                 error = ScoringError(Refusal.INTERNAL, f"the engine could not queue the request's items: {error}")
-            self._reply(message.front, Failed.of(message.call, error))
+            self._reply(message.front, Failed.of(message.call, error, self._queue_state(model)))
             return
         with self._lock:
-            call.works, call.places = works, None  # queued with its items
+            call.works = works
             failed = call.failed
         if failed:  # an item failed before its call knew its works: the rest run for no one
-            self.core.cancel(call.model, works)
+            self.core.cancel(model, works)
 
-    def _abort(self, front: int, call_id: int, *, acknowledge: bool = False) -> None:
-        """Forget a call and give back what it holds; `acknowledge`: tell the front, which may then reuse its
-        arrays' memory (the engine writes a lattice only under the lock, for a call it still holds)."""
+    def _queue_state(self, model: str) -> QueueState | None:
+        try:
+            return self.core.queue_state(model)
+        except ScoringError:
+            return None
+
+    def _abort(self, front: int, call_id: int) -> None:
+        """Forget a call, drop its items not yet run, and tell the front, which may then reuse its arrays' memory
+        (the engine writes a lattice only under the lock, for a call it still holds)."""
         with self._lock:
             call = self._calls.pop((front, call_id), None)
-        if call is not None:
-            self._release(call)
-        if acknowledge:
-            self._reply(front, Failed.of(call_id, ScoringError(Refusal.CANCELLED, "the call was ended")))
-
-    def _release(self, call: Call) -> None:
-        """Give back what a call no one waits for holds: its places, its items not yet run."""
-        if call.places is not None:
-            self.core.release(call.model, call.places)
-        if call.works:
+        if call is not None and call.works:
             self.core.cancel(call.model, call.works)
+        self._reply(front, Failed.of(call_id, ScoringError(Refusal.CANCELLED, "the call was ended")))
 
     def _warm(self, message: Warm) -> None:
         try:
@@ -259,6 +240,12 @@ class EngineLoop:
         socket.connect(address)
         return socket
 
+    def _facts(self) -> bytes:
+        facts = self.core.facts
+        return encode(Facts(facts.provider, facts.device.value, facts.memory_budget_bytes, facts.runners,
+                            facts.max_batch, self._classes,
+                            {model: self.core.queue_state(model) for model in self._classes}))
+
     def _answer(self, front: int, message) -> None:
         self._out.put((front, encode(message)))
 
@@ -275,8 +262,8 @@ class EngineLoop:
             if entry is None:
                 break
             front, data = entry
-            if data == b"facts":
-                data = self._facts
+            if data is None:  # the engine's facts, with its queues as they are now
+                data = self._facts()
             try:
                 sockets[front].send(data, zmq.NOBLOCK)
             except zmq.Again:  # the front is gone and its queue full: it will find the engine again on connect
@@ -316,12 +303,12 @@ class EngineLoop:
         if work.error is not None:
             if works:
                 self.core.cancel(call.model, works)
-            return encode(Failed.of(call_id, work.error))
+            return encode(Failed.of(call_id, work.error, self._queue_state(call.model)))
         if idle and self._on_idle is not None:
             self._on_idle()
         return encode(Done(call_id, index, scored.probabilities.astype(np.float32, copy=False).tobytes(),
                            scored.planning_seconds, work.enqueued, work.started, work.run_seconds, work.batch_id,
-                           shape, dtype, inline))
+                           shape, dtype, inline, self._queue_state(call.model)))
 
     # --- fronts coming and going ---------------------------------------------------------------------------
     def _watch(self, monitors: dict[int, zmq.Socket]) -> None:
@@ -335,7 +322,7 @@ class EngineLoop:
                 event = recv_monitor_message(monitor)["event"]
                 front = fronts[monitor]
                 if event == zmq.EVENT_CONNECTED:
-                    self._out.put((front, b"facts"))
+                    self._out.put((front, None))
                 elif event == zmq.EVENT_DISCONNECTED:
                     self._front_gone(front)
         for monitor in fronts:
@@ -346,15 +333,25 @@ class EngineLoop:
         with self._lock:
             gone = [key for key in self._calls if key[0] == front]
             calls = [self._calls.pop(key) for key in gone]
-            regions = {call.region.name for call in calls if call.region is not None}
+            regions = {call.region.name for call in calls}
             regions.update(name for name in self._regions if region_of_front(name, front))
             mapped = [self._regions.pop(name) for name in regions if name in self._regions]
         for call in calls:
-            self._release(call)
+            if call.works:
+                self.core.cancel(call.model, call.works)
         for region in mapped:
             region.close()
         if calls:
             LOG.warning("front %d went away: %d of its calls freed", front, len(calls))
+
+
+def titled(target: Callable[..., None], name: str, *args) -> threading.Thread:
+    """A daemon thread named `name` also where top -H and /proc/PID/task/TID/comm look."""
+    def run() -> None:
+        setthreadtitle(name[:15])
+        target(*args)
+
+    return threading.Thread(target=run, name=name, daemon=True)
 
 
 def submission(index: int, spec: ItemSpec, region: Region) -> Submission:

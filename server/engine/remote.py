@@ -1,7 +1,9 @@
 """The engine reached from a front process: `RemoteClient`, the `EngineClient` over ZMQ and shared memory.
 
 The front writes each canvas into its own shared-memory region (`ShmCanvases`), sends the engine a small
-typed message (server/engine/messages.py) and reads the lattices back from the same region. One socket sends
+typed message (server/engine/messages.py) and reads the lattices back from the same region. Admission decides
+here, without a round trip, on the queue's state the engine sends with every answer (`QueueView`); the engine
+decides again when the items arrive, as other fronts may have filled the queue meanwhile. One socket sends
 (under a lock: the calls' threads share it), one receives on a thread of its own, which wakes each waiting
 call by its id; a watch thread hears the engine go (every call waiting then fails at once with UNAVAILABLE and
 a retry hint, and `on_ready(False)`) and a new engine's facts arrive when it is warm (`on_ready(True)`).
@@ -21,10 +23,10 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from server.engine.client import CanvasStore, EngineClient, Places, PlanKey, Ran, Submission
+from server.engine.client import CanvasStore, EngineClient, PlanKey, QueueState, Ran, Submission
 from server.engine.device_graph import LATTICE_FP16
-from server.engine.messages import (Abort, Done, Facts, Failed, ItemSpec, PassesSpec, Release, Reserve, Room, Submit,
-                                    Warm, Warmed, decode_from_engine, encode)
+from server.engine.messages import (Abort, Ask, Done, Facts, Failed, ItemSpec, PassesSpec, Queue, Submit, Warm,
+                                    Warmed, decode_from_engine, encode)
 from server.engine.shm import Allocator, Region
 from server.errors import NoRoom, Refusal, ScoringError, Transient, retry_after, shutting_down
 from server.scoring.request import ItemKey, Scored
@@ -35,21 +37,41 @@ LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting call looks at its cancellation flag
 SEND_WAIT_MS = 2000  # how long a message waits for the engine's connection before the call is refused
 ABORT_ACK_SECONDS = 1.0  # how long an ended call waits for the engine to say it writes nothing more for it
+TRUSTED_SECONDS = 0.001  # a queue state that refuses is asked again once older than this, or one item's time
 ENGINE_GONE = "the engine process is not running (it is being started again); retry shortly"
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class RemotePlaces:
-    """Places the engine holds for one call of this front."""
+    """Places this front counts in a model's queue for one request, from its admission until its items are sent."""
 
-    call: int
+    model: str
     items: int
+
+
+@dataclass(eq=False)
+class QueueView:
+    """A model's queue as this front knows it: the state the engine last sent, when it came, and what this front
+    added since (places of requests it admitted, still decoding; items it sent after the state)."""
+
+    state: QueueState
+    heard: float
+    held: int = 0
+    sent: int = 0
+
+    def room(self, items: int, *, deadline: float | None, now: float) -> NoRoom | None:
+        return self.state.room(items, deadline=deadline, now=now, ahead=self.held + self.sent)
+
+    def trusted(self, now: float) -> bool:
+        """Recent enough to refuse on: no item could have left the queue since."""
+        return now - self.heard <= max(TRUSTED_SECONDS, self.state.seconds_per_item / self.state.runners)
 
 
 @dataclass(eq=False)
 class Pending:
     """A call waiting for the engine's answers."""
 
+    model: str | None = None
     expected: int = 1
     answers: dict[int, object] = field(default_factory=dict)
     error: ScoringError | None = None
@@ -112,6 +134,7 @@ class RemoteClient(EngineClient):
         self._lock = threading.Lock()
         self._facts_known = threading.Event()
         self._classes: dict[str, int] = {}
+        self._views: dict[str, QueueView] = {}
         self._stopping = threading.Event()
         self._threads = [threading.Thread(target=self._receive, name="engine-results", daemon=True),
                          threading.Thread(target=self._watch, args=(monitor,), name="engine-watch", daemon=True)]
@@ -130,27 +153,34 @@ class RemoteClient(EngineClient):
     def canvases(self) -> CanvasStore:
         return ShmCanvases(self)
 
-    def reserve(self, model: str, items: int, *, deadline: float | None) -> Places | NoRoom:
-        call, pending = self._open()
-        self._send(Reserve(self.front, call, model, items, deadline), call)
-        try:
-            room = self._wait(call, pending, deadline=deadline, cancelled=None)[0]
-        except ScoringError:
+    def reserve(self, model: str, items: int, *, deadline: float | None) -> RemotePlaces | NoRoom:
+        """Room on the queue's state as the engine last said it, asked again when that would refuse and is older
+        than one item's time (the queue may have moved on; a front not sending hears nothing)."""
+        for asked in (False, True):
+            now = time.monotonic()
             with self._lock:
-                self._ending.pop(call, None)  # no arrays: nothing to wait for
-            raise
-        assert isinstance(room, Room)
-        if room.granted:
-            return RemotePlaces(call, items)
-        return room.no_room()
+                view = self._views.get(model)
+                if view is None:
+                    break
+                no_room = view.room(items, deadline=deadline, now=now)
+                if no_room is None:
+                    view.held += items
+                    return RemotePlaces(model, items)
+                if asked or view.trusted(now):
+                    return no_room
+            self._ask(model, deadline=deadline)
+        raise engine_gone()
 
     def release(self, model: str, places: RemotePlaces) -> None:
-        self._send(Release(self.front, places.call), None, quiet=True)
+        with self._lock:
+            view = self._views.get(model)
+            if view is not None:
+                view.held -= places.items
+        places.items = 0
 
     def run(self, model: str, places: RemotePlaces, submissions: Sequence[Submission], *, canvases: CanvasStore,
             cancelled: threading.Event | None) -> dict[ItemKey, Ran]:
-        call, specs = places.call, []
-        slots: list[np.ndarray | None] = []
+        specs, slots = [], []
         for submission in submissions:
             item = submission.item
             spec = ItemSpec(submission.group.height, submission.group.width, PassesSpec.of(submission.group.passes),
@@ -167,14 +197,14 @@ class RemoteClient(EngineClient):
                 spec.inline = np.ascontiguousarray(item.canvas).tobytes()
             specs.append(spec)
             slots.append(slot)
-        pending = Pending(expected=len(specs))
-        with self._lock:
-            self._pending[call] = pending
-        try:
-            self._send(Submit(self.front, call, model, self.region.name, specs), call)
-        except ScoringError:
-            self._send(Release(self.front, call), None, quiet=True)  # its places, should the engine have them
-            raise
+        call, pending = self._open(model, expected=len(specs))
+        with self._lock:  # its places become items in the engine's queue, which the next state it sends counts
+            view = self._views.get(model)
+            if view is not None:
+                view.held -= places.items
+                view.sent += len(specs)
+        places.items = 0
+        self._send(Submit(self.front, call, model, self.region.name, specs), call)
         deadline = min((s.deadline for s in submissions if s.deadline is not None), default=None)
         try:
             answers = self._wait(call, pending, deadline=deadline, cancelled=cancelled)
@@ -194,7 +224,7 @@ class RemoteClient(EngineClient):
         return ran
 
     def warm(self, model: str, keys: Sequence[PlanKey], *, background: bool = False) -> list[str]:
-        call, pending = self._open()
+        call, pending = self._open(None)
         self._send(Warm(self.front, call, model, [(k.height, k.width, k.batch, PassesSpec.of(k.passes)) for k in keys],
                         background), call)
         warmed = self._wait(call, pending, deadline=None, cancelled=None)[0]
@@ -214,11 +244,22 @@ class RemoteClient(EngineClient):
         self.region.close()
 
     # --- sending and waiting -------------------------------------------------------------------------------
-    def _open(self) -> tuple[int, Pending]:
-        call, pending = next(self._calls), Pending()
+    def _open(self, model: str | None, expected: int = 1) -> tuple[int, Pending]:
+        call, pending = next(self._calls), Pending(model, expected)
         with self._lock:
             self._pending[call] = pending
         return call, pending
+
+    def _ask(self, model: str, *, deadline: float | None) -> None:
+        """The queue's state now, from the engine (the answer updates the view as every answer does)."""
+        call, pending = self._open(model)
+        self._send(Ask(self.front, call, model), call)
+        try:
+            self._wait(call, pending, deadline=deadline, cancelled=None)
+        except ScoringError:
+            with self._lock:
+                self._ending.pop(call, None)  # no arrays: nothing to wait for
+            raise
 
     def _offset(self, array: np.ndarray) -> int:
         """Where `array` lies in the region, or -1 when it is not in it (it goes inline)."""
@@ -298,6 +339,9 @@ class RemoteClient(EngineClient):
                 continue
             if isinstance(message, Facts):
                 self.facts, self._classes = message.facts(), dict(message.classes)
+                with self._lock:
+                    for model, state in message.queues.items():
+                        self._heard(model, state)
                 self._facts_known.set()
                 LOG.info("the engine is ready (%s)", self.facts.provider)
                 if self.on_ready is not None:
@@ -306,6 +350,9 @@ class RemoteClient(EngineClient):
             with self._lock:
                 pending = self._pending.get(message.call)
                 ending = self._ending.get(message.call) if isinstance(message, Failed) else None
+                state = message.state if isinstance(message, Queue) else getattr(message, "queue", None)
+                if state is not None and pending is not None and pending.model is not None:
+                    self._heard(pending.model, state)
             if ending is not None:  # the engine's acknowledgement of an ended call
                 ending.set()
                 continue
@@ -319,6 +366,14 @@ class RemoteClient(EngineClient):
             if len(pending.answers) == pending.expected:
                 pending.done.set()
         self._receive_socket.close(linger=0)
+
+    def _heard(self, model: str, state: QueueState) -> None:
+        """The engine's newest state of `model`'s queue (under the lock): it counts the items sent before it."""
+        view = self._views.get(model)
+        if view is None:
+            self._views[model] = QueueView(state, time.monotonic())
+        else:
+            view.state, view.heard, view.sent = state, time.monotonic(), 0
 
     def _watch(self, monitor: zmq.Socket) -> None:
         poller = zmq.Poller()

@@ -44,8 +44,10 @@ class Region:
             os.close(fd)
 
     def array(self, offset: int, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
-        """A view of the region: no copy."""
-        return np.ndarray(shape, dtype=dtype, buffer=self._map, offset=offset)
+        """A view of the region: no copy. It holds the mapping (through a memoryview: an ndarray made on the map
+        itself would not, and `close` would unmap memory a plan is still reading)."""
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        return np.frombuffer(memoryview(self._map)[offset:offset + nbytes], dtype=dtype).reshape(shape)
 
     def close(self) -> None:
         """Unmap (once no view of it is left; a view still alive keeps the mapping until it goes) and, for its

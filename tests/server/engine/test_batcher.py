@@ -255,18 +255,18 @@ def test_places_of_requests_still_decoding_count_until_they_are_queued_or_given_
     batcher = paced_batcher(0.1, max_queue_seconds=0.5, queue_depth=6)
     try:
         decoding = batcher.reserve(3, deadline=None)  # admitted, its image not yet decoded
-        assert batcher._expected_wait() == pytest.approx(0.3)
+        assert batcher.state().wait(time.monotonic()) == pytest.approx(0.3)
         with pytest.raises(ScoringError, match="queue full"):
             queue_places(batcher, 4, deadline=None)  # 3 held + 4 > 6 places
         with batcher.reserve(2, deadline=None):  # 0.3 s ahead: admitted, and now 0.5 s are held
             with pytest.raises(ScoringError, match="--max-queue-ms"):
                 queue_places(batcher, 1, deadline=None)
         batcher.submit(works(3, "held"), decoding)  # its items take the places it held: counted once
-        assert batcher.depth() == 3 and batcher._expected_wait() == pytest.approx(0.3)
+        assert batcher.depth() == 3 and batcher.state().wait(time.monotonic()) == pytest.approx(0.3)
         batcher._queue.clear()
         with batcher.reserve(2, deadline=None) as failing:  # a request whose decode fails gives its places back
-            assert batcher._expected_wait() == pytest.approx(0.2)
-        assert failing.items == 0 and batcher._expected_wait() == 0
+            assert batcher.state().wait(time.monotonic()) == pytest.approx(0.2)
+        assert failing.items == 0 and batcher.state().wait(time.monotonic()) == 0
     finally:
         batcher.close()
 

@@ -79,10 +79,11 @@ def test_a_region_too_small_sends_the_canvas_inline_with_the_same_answer(tiny_mo
             alone.close()
 
 
-def test_the_engine_s_queue_refuses_with_its_numbers_across_the_boundary(front):
+def test_a_front_counts_the_places_it_holds_and_refuses_with_the_queue_s_numbers(front):
+    """Admission in a front needs no round trip: its own requests still decoding count against the queue."""
     pipeline, client, batcher = front
     places = client.reserve("tiny", 3, deadline=None)
-    assert places.items == 3 and batcher.depth() == 3
+    assert places.items == 3 and batcher.depth() == 0  # held here, not in the engine
     refused = client.reserve("tiny", 2, deadline=None)
     assert isinstance(refused, NoRoom) and refused.why is Transient.QUEUE_FULL
     assert (refused.waiting, refused.adding, refused.depth) == (3, 2, 4)
@@ -91,7 +92,26 @@ def test_the_engine_s_queue_refuses_with_its_numbers_across_the_boundary(front):
         pipeline.score(raw_request(PIXELS, scales=[96, 128]))
     assert caught.value.refusal is Refusal.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds
     client.release("tiny", places)
-    assert wait_for(lambda: batcher.depth() == 0)
+    assert pipeline.score(raw_request(PIXELS, scales=[96, 128])).top_k
+
+
+def test_the_engine_refuses_items_it_has_no_room_for_when_they_arrive(front):
+    """Another front may fill the queue after this one heard its state: the engine's own check refuses the items,
+    with the queue's numbers, and the front then refuses on what it heard, until that is old and asked again."""
+    pipeline, client, batcher = front
+    others = batcher.reserve(4, deadline=None)  # as another front's items would
+    with pytest.raises(ScoringError, match=r"queue full: 4 items waiting or decoding, this request adds 1, the limit "
+                                           r"is 4 \(--queue-depth\)") as caught:
+        pipeline.score(raw_request(PIXELS, scales=[96]))
+    assert caught.value.refusal is Refusal.RESOURCE_EXHAUSTED and caught.value.retry_after_seconds
+    refused = client.reserve("tiny", 1, deadline=None)
+    assert isinstance(refused, NoRoom) and refused.waiting == 4  # the state its refusal brought
+    batcher.release(others)
+    time.sleep(0.2)  # the refusing state grows old: the front asks the engine again
+    places = client.reserve("tiny", 1, deadline=None)
+    assert not isinstance(places, NoRoom)
+    client.release("tiny", places)
+    assert pipeline.score(raw_request(PIXELS, scales=[96])).top_k
 
 
 def test_a_cancelled_call_frees_its_items_in_the_engine(front):
@@ -121,16 +141,6 @@ def test_a_cancelled_call_frees_its_items_in_the_engine(front):
     assert wait_for(lambda: client.allocator.used_bytes == 0)  # the engine acknowledged the end: nothing kept
 
 
-def test_items_for_places_the_engine_does_not_hold_are_refused_not_left_waiting(front):
-    """As after the engine was started again between a call's room and its items: UNAVAILABLE with a retry hint."""
-    from server.engine.remote import RemotePlaces
-
-    _pipeline, client, _batcher = front
-    with pytest.raises(ScoringError) as caught:
-        client.run("tiny", RemotePlaces(call=12345, items=0), [], canvases=client.canvases(), cancelled=None)
-    assert caught.value.refusal is Refusal.UNAVAILABLE and caught.value.retry_after_seconds
-
-
 def test_an_expired_item_is_dropped_by_the_engine_before_it_runs(front):
     pipeline, _client, batcher = front
     gate, entered = held(batcher)
@@ -150,13 +160,25 @@ def test_an_expired_item_is_dropped_by_the_engine_before_it_runs(front):
     assert ran == [1]  # the expired item never ran
 
 
-def test_a_front_that_goes_away_frees_what_it_held(tiny_model_path):
-    chosen = settings(queue_depth=8)
-    with engine_process_in_this_one([tiny_model_path], chosen) as client:
-        loop = client.engine_loop
-        batcher = loop.core.served("tiny").batcher
-        assert not isinstance(client.reserve("tiny", 5, deadline=None), NoRoom)
-        assert batcher.depth() == 5
-        client.close()  # as a killed front's socket closes
-        assert wait_for(lambda: batcher.depth() == 0)
+def test_a_front_that_goes_away_frees_what_it_held(front):
+    pipeline, client, batcher = front
+    gate, entered = held(batcher)
+    refusals = []
 
+    def call(scales: list[int]) -> None:
+        try:
+            pipeline.score(raw_request(PIXELS, scales=scales))
+        except ScoringError as error:
+            refusals.append(error.refusal)
+
+    calls = [threading.Thread(target=call, args=(scales,), daemon=True) for scales in ([96], [96, 128])]
+    calls[0].start()
+    assert entered.wait(30)  # the engine's runner is busy with the first
+    calls[1].start()
+    assert wait_for(lambda: batcher.depth() == 2)  # the second's items queued in the engine
+    client.close()  # as a killed front's socket closes
+    assert wait_for(lambda: batcher.depth() == 0)
+    gate.set()
+    for thread in calls:
+        thread.join(30)
+    assert refusals == [Refusal.UNAVAILABLE] * 2  # this front's calls end with it
