@@ -25,6 +25,7 @@ from server.edges.grpc.interceptors import CallLimits, TokenInterceptor
 from server.edges.grpc.service import SERVICE_NAME, DenseScoringServicer
 from server.edges.refusal_pace import RefusalPacer
 from server.errors import Refusal, ScoringError
+from server.memory.python_heap import freeze_startup_heap
 from server.metrics import Metrics
 from server.scoring.pipeline import Pipeline
 from server.settings import Settings
@@ -214,6 +215,7 @@ def create_server(
                 server.warm_up_error = ScoringError(Refusal.INTERNAL, f"warm-up failed: {error}")
                 LOG.exception("warm-up failed, health stays NOT_SERVING")
                 return
+        freeze_startup_heap()
         front.ready.set()
         if not front.draining.is_set() and pipeline.engine.ready:
             for service in ("", SERVICE_NAME):

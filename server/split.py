@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 
 from convert.arguments import format_bytes
+from server.memory.python_heap import freeze_startup_heap
 from server.settings import Settings
 from server.workers import STOP_MARGIN_SECONDS, announce, drained_with, reserved
 
@@ -245,6 +246,7 @@ def run_engine(models, *, settings: Settings, fronts: int, stop: threading.Event
     if stop.is_set():
         pipeline.close()
         return 0
+    freeze_startup_heap()
     core = pipeline.engine
     classes = {summary.name: summary.classes for summary in pipeline.models()}
     loop = EngineLoop(core, input_address=engine_address(run),
