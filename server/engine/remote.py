@@ -156,6 +156,8 @@ class RemoteClient(EngineClient):
     def reserve(self, model: str, items: int, *, deadline: float | None) -> RemotePlaces | NoRoom:
         """Room on the queue's state as the engine last said it, asked again when that would refuse and is older
         than one item's time (the queue may have moved on; a front not sending hears nothing)."""
+        if not self._facts_known.is_set():  # the engine is gone or not warm yet: refused before any decode
+            raise engine_gone()
         for asked in (False, True):
             now = time.monotonic()
             with self._lock:
