@@ -1,14 +1,15 @@
 """The engine process and its fronts (`--fronts`) against one process, on this machine's CPU.
 
 `scoremap-serve` with the null model (bench/models.py: the device graph's work with next to no net), closed loops
-over gRPC, stride 32, top-5, one intra-op thread (a plan's run then takes its wall time in CPU). Three photos:
-samples/cat.jpg enlarged to 384, a 600x512 JPEG shrunk to 384, a 12-megapixel JPEG shrunk to 768, each server warmed
-up at its photo's scale (so the photo's canvas is one of its buckets: one item per request, not tiles). Per level:
-throughput, p50, and each process's CPU per request from /proc. The engine's own work per request is its CPU
-less its batcher threads' (the plans' runs and the batching around them), both read in the same level. Targets (the engine split's):
-the engine's own CPU per request <= 0.3 ms; a front's CPU per request no more than the single process's;
-at one client the split adds <= 0.3 ms p50; batching on >= 0.95x off at 1 and 4 clients; `--fronts 2` >= 0.85x
-the single process's req/s at 16 clients; the idle server with 2 fronts <= 350 MiB PSS + 60 MiB per front,
+over gRPC on 16 connections (as from 16 clients: SO_REUSEPORT spreads connections over the fronts, so one connection
+would reach one front), stride 32, top-5, one intra-op thread (a plan's run then takes its wall time in CPU). Three
+photos: samples/cat.jpg enlarged to 384, a 600x512 JPEG shrunk to 384, a 12-megapixel JPEG shrunk to 768, each
+server warmed up at its photo's scale (its canvas one of the buckets: one item per request, not tiles). Per level:
+throughput, p50, and each process's CPU per request from /proc. The engine's own work per request is its CPU less
+its batcher threads' (the plans' runs and the batching around them), both read in the same level. Targets (the
+engine split's): the engine's own CPU per request <= 0.3 ms; a front's CPU per request (the fronts' CPU over the
+requests they shared) no more than the single process's; at one client the split adds <= 0.3 ms p50; batching on >= 0.95x off at 1 and 4 clients; `--fronts 2`
+>= 0.85x the single process's req/s at 16 clients; the idle server with 2 fronts <= 350 MiB PSS + 60 MiB per front,
 shared memory counted.
 """
 
@@ -25,13 +26,17 @@ from PIL import Image
 
 from bench.bench_overload import CLOCK_TICKS, process_cpu_seconds, start_server
 from bench.models import null_model
-from clients.loadtest.run import LevelPlan, LoadLimits, closed_loop
+from clients.loadtest.levels import run_level
+from clients.loadtest.run import LevelPlan, LoadLimits
+from clients.loadtest.spread import Target
+from clients.loadtest.traffic import Closed, Payloads, raw_calls
 from protos import scoring_pb2, scoring_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SECONDS = 6.0
 FRONTS = 2
 CLIENTS = 16
+CONNECTIONS = 16  # as many clients' connections: the kernel spreads them over the fronts (SO_REUSEPORT)
 ENGINE_TARGET_MS = 0.3
 LATENCY_TARGET_MS = 0.3
 RATE_TARGET = 0.85
@@ -95,16 +100,19 @@ def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image:
                                              "--warm-up-scales", str(scale), *flags))
     try:
         request = scoring_pb2.ScoreRequest(encoded=image, scales=[scale])
-        with grpc.insecure_channel(address) as channel:
-            stub = scoring_pb2_grpc.DenseScoringStub(channel)
-            stub.Score(request, timeout=120)
+        channels = Target(address, connections=CONNECTIONS).open()
+        try:
+            for channel in channels:  # every connection up, and its front warm
+                scoring_pb2_grpc.DenseScoringStub(channel).Score(request, timeout=120)
             processes = roles(server.pid)
             runs_before = runner_cpu_seconds(processes.get("engine"))
             before = {role: own_cpu_seconds(pid) for role, pid in processes.items()}
             whole = process_cpu_seconds(server.pid)
             limits = LoadLimits()
             plan = LevelPlan(duration_s=SECONDS, max_requests=limits.max_requests, timeout_s=120.0, warmup=clients)
-            report = closed_loop(channel, [request], concurrency=clients, plan=plan, limits=limits)
+            traffic = Closed(raw_calls(channels), Payloads.of([request]), callers=clients, timeout_s=plan.timeout_s,
+                             limits=limits)
+            report = run_level(traffic, plan, limits=limits)
             sent = max(report.sent, 1)
             inference = 1000 * (runner_cpu_seconds(processes.get("engine")) - runs_before) / sent
             figures = {"rate": report.throughput_rps, "p50": report.p50_ms, "inference": inference,
@@ -117,6 +125,9 @@ def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image:
                     raise RuntimeError(f"the {role} process ended during the level: {log}") from None
             if report.errors:
                 raise RuntimeError(f"--fronts {fronts}, {clients} clients: requests failed: {report.errors}")
+        finally:
+            for channel in channels:
+                channel.close()
     finally:
         server.terminate()
         server.wait(60)
@@ -168,7 +179,7 @@ def run() -> str:
                 p50s[fronts].append(level(model, folder, fronts=fronts, clients=1, image=image, scale=scale)["p50"])
             one_single, one_split = ({"p50": statistics.mean(p50s[fronts])} for fronts in (0, FRONTS))
             engine_own = split["engine"] - split["inference"]
-            front_cpu = max(split[f"front {i}"] for i in range(FRONTS))
+            front_cpu = sum(split[f"front {i}"] for i in range(FRONTS))  # each front serves its connections' share
             rate, added = split["rate"] / single["rate"], one_split["p50"] - one_single["p50"]
             rows.append(f"| {name} | {single['rate']:.1f} / {split['rate']:.1f} = {rate:.2f}x | "
                         f"{single['cpu']:.2f} / {split['cpu']:.2f} | {front_cpu:.2f} | {split['engine']:.2f} - "
@@ -195,19 +206,20 @@ def run() -> str:
     lines = [
         "## The engine process and its fronts (bench_split)",
         "",
-        f"Null model, `--intra-op-threads 1`, stride 32, top-5, closed loops of {SECONDS:.0f} s over gRPC, each on a "
+        f"Null model, `--intra-op-threads 1`, stride 32, top-5, closed loops of {SECONDS:.0f} s over gRPC on "
+        f"{CONNECTIONS} connections (spread over the fronts by SO_REUSEPORT), each on a "
         f"server of its own warmed up at the photo's scale (`--warm-up-scales`: its canvas a bucket, one item per "
         f"request): one process (`--fronts 0`) against `--fronts {FRONTS}` (an engine process and {FRONTS} fronts); "
         "CPU from /proc per process over every request sent.",
         "",
-        f"| photo | req/s at {CLIENTS} clients, one / split | server CPU ms per request, one / split | a front's CPU "
+        f"| photo | req/s at {CLIENTS} clients, one / split | server CPU ms per request, one / split | the fronts' CPU "
         "ms | the engine's CPU less its runners', ms | p50 ms at 1 client, one / split (added; two levels each) |",
         "|---|---|---|---|---|---|",
         *rows,
         "",
     ]
     for name, engine_ok, front_ok, latency_ok, rate_ok in verdicts:
-        lines.append(f"- {name}: the engine's own work <= {ENGINE_TARGET_MS} ms {said(engine_ok)}; a front's CPU <= "
+        lines.append(f"- {name}: the engine's own work <= {ENGINE_TARGET_MS} ms {said(engine_ok)}; the fronts' CPU <= "
                      f"the single process's {said(front_ok)}; <= {LATENCY_TARGET_MS} ms added at one client "
                      f"{said(latency_ok)}; >= {RATE_TARGET}x the single process's req/s {said(rate_ok)}.")
     lines += [
