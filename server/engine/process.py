@@ -38,6 +38,7 @@ __all__ = ["EngineLoop"]
 
 LOG = logging.getLogger(__name__)
 LINGER_MS = 0  # a closing engine drops what it could not send: its fronts see it gone and refuse at once
+STOP_POLL_MS = 100  # how often a waiting thread looks whether the loop is stopping
 
 
 @dataclass(eq=False)
@@ -109,17 +110,17 @@ class EngineLoop:
 
     # --- input ---------------------------------------------------------------------------------------------
     def _receive(self) -> None:
-        # The input thread answers room and refusals on sockets of its own: a hand-over to the output thread would
+        # The input thread answers asks and refusals on sockets of its own: a hand-over to the output thread would
         # add a thread's wake-up to every request's round trip.
         self._replies = {index: self._connect(address) for index, address in self._fronts.items()}
-        poller = zmq.Poller()
-        poller.register(self._input, zmq.POLLIN)
+        self._input.setsockopt(zmq.RCVTIMEO, STOP_POLL_MS)
         while not self._stopping.is_set():
-            if not poller.poll(100):
-                continue
-            data = self._input.recv(copy=False)
             try:
-                message = decode_to_engine(data.buffer)
+                data = self._input.recv()  # a copy: cheaper than a zero-copy frame for messages this small
+            except zmq.Again:
+                continue
+            try:
+                message = decode_to_engine(data)
             except Exception:
                 LOG.exception("a message the engine cannot read: dropped")
                 continue
@@ -318,7 +319,7 @@ class EngineLoop:
             poller.register(monitor, zmq.POLLIN)
             fronts[monitor] = index
         while not self._stopping.is_set():
-            for monitor, _ in poller.poll(100):
+            for monitor, _ in poller.poll(STOP_POLL_MS):
                 event = recv_monitor_message(monitor)["event"]
                 front = fronts[monitor]
                 if event == zmq.EVENT_CONNECTED:

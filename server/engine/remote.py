@@ -35,6 +35,7 @@ __all__ = ["RemoteClient", "ShmCanvases"]
 
 LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting call looks at its cancellation flag
+STOP_POLL_MS = 100  # how often the client's threads look whether it is closing
 SEND_WAIT_MS = 2000  # how long a message waits for the engine's connection before the call is refused
 ABORT_ACK_SECONDS = 1.0  # how long an ended call waits for the engine to say it writes nothing more for it
 TRUSTED_SECONDS = 0.001  # a queue state that refuses is asked again once older than this, or one item's time
@@ -328,14 +329,14 @@ class RemoteClient(EngineClient):
 
     # --- receiving -----------------------------------------------------------------------------------------
     def _receive(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._receive_socket, zmq.POLLIN)
+        self._receive_socket.setsockopt(zmq.RCVTIMEO, STOP_POLL_MS)
         while not self._stopping.is_set():
-            if not poller.poll(100):
-                continue
-            data = self._receive_socket.recv(copy=False)
             try:
-                message = decode_from_engine(data.buffer)
+                data = self._receive_socket.recv()  # a copy: cheaper than a zero-copy frame for messages this small
+            except zmq.Again:
+                continue
+            try:
+                message = decode_from_engine(data)
             except Exception:
                 LOG.exception("a message from the engine this front cannot read: dropped")
                 continue
@@ -381,7 +382,7 @@ class RemoteClient(EngineClient):
         poller = zmq.Poller()
         poller.register(monitor, zmq.POLLIN)
         while not self._stopping.is_set():
-            if not poller.poll(100):
+            if not poller.poll(STOP_POLL_MS):
                 continue
             if recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
                 LOG.error("the engine process went away: calls refused until it is back")
