@@ -16,7 +16,7 @@ from clients.api.options import as_new_work
 from clients.loadtest.latency import LevelReport, client_bound_warning, format_table
 from clients.loadtest.run import EXIT_OK, LevelPlan, LoadLimits, calibrate, main
 from clients.loadtest.settings import LoadLimits as Limits
-from clients.loadtest.spread import split
+from clients.loadtest.spread import LoadTester, Target, split
 from clients.loadtest.traffic import Open, Payloads
 from protos import scoring_pb2, scoring_pb2_grpc
 
@@ -118,6 +118,29 @@ def test_open_loop_over_processes_sends_every_arrival_once_at_the_known_latency(
     assert sorted(int(rid.rsplit("#", 1)[1]) for rid in servicer.ids) == list(range(30))  # each arrival once
     for percentile in ("p50_ms", "p90_ms", "p99_ms"):
         assert fixed_ms <= level[percentile] <= fixed_ms + TOLERANCE_MS
+
+
+def _environment(pid: int) -> dict[str, str]:
+    """The environment process `pid` started with."""
+    with open(f"/proc/{pid}/environ", "rb") as environ:
+        return dict(entry.decode().split("=", 1) for entry in environ.read().split(b"\0") if b"=" in entry)
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/environ"), reason="reads /proc/PID/environ")
+def test_sending_processes_start_with_the_grpc_experiments_of_the_limits(sleeper, monkeypatch):
+    """Each sending process gets the limits' GRPC_EXPERIMENTS as it starts, and this process's environment is left
+    as it was; one the user set is what every process gets."""
+    _servicer, address = sleeper(fast_s=0.0, slow_s=0.0)
+    monkeypatch.delenv("GRPC_EXPERIMENTS", raising=False)
+    with LoadTester(Target(address), [b""], processes=2, limits=Limits()) as tester:
+        assert [_environment(pid).get("GRPC_EXPERIMENTS") for pid in tester.pids] == [Limits().grpc_experiments] * 2
+    assert "GRPC_EXPERIMENTS" not in os.environ
+    with LoadTester(Target(address), [b""], processes=1, limits=Limits(grpc_experiments="")) as tester:
+        assert "GRPC_EXPERIMENTS" not in _environment(tester.pids[0])
+    monkeypatch.setenv("GRPC_EXPERIMENTS", "-event_engine_dns")
+    with LoadTester(Target(address), [b""], processes=1, limits=Limits()) as tester:
+        assert _environment(tester.pids[0])["GRPC_EXPERIMENTS"] == "-event_engine_dns"
+    assert os.environ["GRPC_EXPERIMENTS"] == "-event_engine_dns"
 
 
 FAST_SERVER = f"""
