@@ -54,6 +54,7 @@ ALTERNATIVE_LEVELS = (16, 64)
 ALTERNATIVE_ROUNDS = 3
 ALTERNATIVE_SECONDS = 3.0
 ALTERNATIVE_WARMUP_S = 1.0
+OURS = "gRPC's own client I/O (the load tester)"
 # One command against four: callers in all, window length, rounds (alternated).
 DRIVE_CALLERS = 64
 DRIVE_COMMANDS = 4
@@ -133,7 +134,7 @@ def alternatives(address: str, request: scoring_pb2.ScoreRequest, *, rounds: int
     """Each way of issuing's CPU ms per request of its sending process, per level, one figure a round; the ways
     alternated in each round, the order reversed every other round."""
     ours = LoadLimits()
-    ways = {"gRPC's own client I/O (the load tester)": ours,
+    ways = {OURS: ours,
             "gRPC's EventEngine client": dataclasses.replace(ours, grpc_experiments="")}
     found: dict[str, dict[int, list[float]]] = {name: {} for name in [*ways, "grpc.aio, one event loop"]}
     testers = {name: LoadTester(Target(address), [request], limits=limits, count_this_process=False)
@@ -234,8 +235,14 @@ def measure(*, seconds: float = SECONDS, in_flight: tuple[int, ...] = IN_FLIGHT,
     return rows, floor, ways, driven, last
 
 
+def _median_ratio(these: list[float], ours: list[float]) -> float:
+    return statistics.median(a / b for a, b in zip(these, ours))
+
+
 def run(*, seconds: float = SECONDS) -> str:
+    load_before = os.getloadavg()[0]
     rows, (floor_ms, floor_rate), ways, driven, last = measure(seconds=seconds)
+    load_after = os.getloadavg()[0]
     ratios = [report.client_cpu_ms / yardstick for report, yardstick in rows]
     verdict = "met" if max(ratios) <= TARGET else "missed"
     return "\n".join([
@@ -272,12 +279,21 @@ def run(*, seconds: float = SECONDS) -> str:
             f"{', '.join(f'{v:.3f}' for v in found[level])})" for level in ALTERNATIVE_LEVELS) + " |"
           for name, found in ways.items()],
         "",
+        "Each way's CPU per request over the load tester's, the median of the rounds' ratios: " + "; ".join(
+            f"{name} " + ", ".join(f"{_median_ratio(found[level], ways[OURS][level]):.2f}x at {level}"
+                                   for level in ALTERNATIVE_LEVELS)
+            for name, found in ways.items() if name != OURS) + ".",
+        "",
         f"One command against {DRIVE_COMMANDS}: `scoremap-loadtest --processes auto --concurrency {DRIVE_CALLERS}` "
         f"against {DRIVE_COMMANDS} `--processes 1 --concurrency {DRIVE_CALLERS // DRIVE_COMMANDS}` commands started "
-        f"together, windows of {DRIVE_SECONDS:g} s, alternated: req/s of the one over the {DRIVE_COMMANDS}' sum "
+        f"together, windows of {DRIVE_SECONDS:g} s, alternated: req/s of the one over the sum of the {DRIVE_COMMANDS}: "
         + ", ".join(f"{single / summed:.2f} ({single:.1f} / {summed:.1f}, auto chose {chosen})"
                     for single, summed, chosen in driven)
         + f"; median {statistics.median(single / summed for single, summed, _ in driven):.2f}.",
+        "",
+        f"The machine's load (1-minute average) as the run began and ended: {load_before:.1f} and {load_after:.1f}, "
+        f"on {os.cpu_count()} cores; on a machine shared with other work every figure moves, the ratios of runs "
+        "alternated within it less.",
     ])
 
 
