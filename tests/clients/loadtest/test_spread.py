@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from clients.api.options import as_new_work
 from clients.loadtest.latency import LevelReport, client_bound_warning, format_table
-from clients.loadtest.run import EXIT_OK, LevelPlan, LoadLimits, calibrate, main
+from clients.loadtest.run import EXIT_OK, LevelPlan, LoadLimits, calibrate, closed_loop, main
 from clients.loadtest.settings import LoadLimits as Limits
 from clients.loadtest.spread import LoadTester, Target, split
 from clients.loadtest.traffic import Open, Payloads
@@ -169,6 +169,26 @@ def fast_server():
     yield process, f"127.0.0.1:{port}"
     process.kill()
     process.wait()
+
+
+def test_the_load_testers_cpu_leaves_out_its_reading_of_the_server(fast_server):
+    """Reading the server's meters at a window's edges (here a metrics read that spends half a second of this
+    process's CPU) is not the load tester's cost per request: its own meters are read around them."""
+    _process, address = fast_server
+    burn_s = 0.5
+
+    def metrics():
+        until = time.process_time() + burn_s
+        while time.process_time() < until:
+            pass
+        return None
+
+    plan = LevelPlan(duration_s=60.0, max_requests=20, timeout_s=10.0, warmup=0)
+    with grpc.insecure_channel(address) as channel:
+        report = closed_loop(channel, [scoring_pb2.ScoreRequest()], concurrency=1, plan=plan, limits=LoadLimits(),
+                             metrics=metrics)
+    assert report.completed == 20
+    assert report.client_cpu_ms * report.completed < 1000 * burn_s / 2
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
