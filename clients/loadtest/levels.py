@@ -10,14 +10,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 from clients.loadtest.latency import LevelReport, stable, summarise
 from clients.loadtest.server_metrics import MetricsSnapshot, server_split
 from clients.loadtest.settings import LoadLimits
 from clients.loadtest.traffic import Counts, clock
 
-__all__ = ["LevelPlan", "Meters", "Reading", "run_level", "LIVE_POLL_S", "TIMED_POLL_S"]
+__all__ = ["LevelPlan", "Meters", "Own", "Reading", "run_level", "LIVE_POLL_S", "TIMED_POLL_S"]
 
 # How often (seconds) a level checks whether its window has closed: often when its requests are counted (the
 # window closes once they are answered), seldom when only its length bounds it (each check wakes this process).
@@ -43,13 +43,22 @@ class LevelPlan:
     stable_tolerance: float = 0.05
 
 
-@dataclass(frozen=True)
-class Reading:
-    """The meters at one window edge (None: not measured), read at `at`."""
+class Own(NamedTuple):
+    """The load tester's own meters, read at `at`: its CPU seconds and the seconds it ran or waited to run."""
 
     at: float = 0.0
-    client_cpu: float | None = None
-    client_busy: float | None = None
+    cpu: float | None = None
+    busy: float | None = None
+
+
+@dataclass(frozen=True)
+class Reading:
+    """The meters at one window edge (None: not measured). The load tester's own are read before and after the
+    others (`first`, `last`): a window opening here counts from `last` and one closing here up to `first`, so its
+    figures leave out its reading of the others (a local server's CPU walks /proc, a scrape parses /metrics)."""
+
+    first: Own = Own()
+    last: Own = Own()
     server_cpu: float | None = None
     metrics: MetricsSnapshot | None = None
 
@@ -67,9 +76,13 @@ class Meters:
     server_cpu: Callable[[], float] | None = None
     metrics: Callable[[], MetricsSnapshot | None] | None = None
 
+    def _own(self) -> Own:
+        return Own(clock(), *(meter() if meter else None for meter in (self.client_cpu, self.client_busy)))
+
     def read(self) -> Reading:
-        return Reading(clock(), *(meter() if meter else None
-                                  for meter in (self.client_cpu, self.client_busy, self.server_cpu, self.metrics)))
+        first = self._own()
+        server_cpu, metrics = (meter() if meter else None for meter in (self.server_cpu, self.metrics))
+        return Reading(first, self._own(), server_cpu, metrics)
 
 
 def _spent(before: float | None, after: float | None) -> float | None:
@@ -144,8 +157,8 @@ def run_level(traffic: Counts, plan: LevelPlan, *, limits: LoadLimits, meters: M
                      if plan.until_stable else None,
                      server=server_split(before.metrics, after.metrics)
                      if before.metrics is not None and after.metrics is not None else None,
-                     metered_s=after.at - before.at, client_cpu_s=_spent(before.client_cpu, after.client_cpu),
-                     client_busy_s=_spent(before.client_busy, after.client_busy),
+                     metered_s=after.first.at - before.last.at, client_cpu_s=_spent(before.last.cpu, after.first.cpu),
+                     client_busy_s=_spent(before.last.busy, after.first.busy),
                      processes=meters.processes, capacity_cores=meters.capacity_cores,
                      busy_warning=limits.client_busy_warning,
                      server_cpu_s=_spent(before.server_cpu, after.server_cpu))

@@ -42,6 +42,11 @@ class LoadLimits:
     # during a level's warm-up more often, so that the window opens (and its edge is read) on time.
     stream_every_s: float = 0.25
     warm_up_every_s: float = 0.002
+    # The sending processes' gRPC experiments (GRPC_EXPERIMENTS; where the environment already sets it, that
+    # is kept): gRPC's own client I/O path, whose socket reads and writes run on the thread that polls the
+    # calls' completions, takes about half the context switches per call and less CPU per request than the
+    # EventEngine client with its thread pool (bench_loadtest, docs/design.md). Empty: gRPC's defaults.
+    grpc_experiments: str = "-event_engine_client"
     # How long (seconds) a sending process may take to start (import gRPC, open its channels).
     process_start_s: float = 60.0
     # How far ahead (seconds) of a level's start its processes are told, so that they all start at one instant.

@@ -10,7 +10,9 @@ its sends and answers (instants on the machine's monotonic clock, shared by ever
 one over every process's latencies.
 
 The load tester's CPU is read at each window's edges over every process of it (this one included); its
-capacity is one core per sending process, no more than its cores.
+capacity is one core per sending process, no more than its cores. A sending process starts with
+`LoadLimits.grpc_experiments` in its environment: gRPC reads it once, as it is imported, so it is set for the
+process, never changed in this one.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -77,6 +80,24 @@ def split(total: int, weights: Sequence[int]) -> list[int]:
 
 
 # --- a sending process --------------------------------------------------------------------------
+_START = threading.Lock()  # one process started at a time: the environment it inherits is set for it alone
+
+
+@contextmanager
+def _sender_environment(limits: LoadLimits) -> Iterator[None]:
+    """The environment a sending process is started with: GRPC_EXPERIMENTS from `limits` unless it is set already.
+    A spawned process inherits this process's environment as it starts; it is put back right after."""
+    with _START:
+        if "GRPC_EXPERIMENTS" in os.environ or not limits.grpc_experiments:
+            yield
+            return
+        os.environ["GRPC_EXPERIMENTS"] = limits.grpc_experiments
+        try:
+            yield
+        finally:
+            del os.environ["GRPC_EXPERIMENTS"]
+
+
 def _hand_over(connection, traffic: Counts, sent: int, answered: int) -> tuple[int, int]:
     """Send what `traffic` sent and had answered since the last hand-over, and the instant up to which that is
     all (sends and answers are stamped under the same lock); the new marks."""
@@ -245,7 +266,8 @@ class LoadTester:
             ours, theirs = self.context.Pipe()
             process = self.context.Process(target=_sending_process, name="scoremap-loadtest-sender", daemon=True,
                                            args=(theirs, self.target, self.encoded, self.limits))
-            process.start()
+            with _sender_environment(self.limits):
+                process.start()
             theirs.close()
             started.append((process, ours))
         for process, ours in started:

@@ -14,9 +14,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from clients.api.options import as_new_work
 from clients.loadtest.latency import LevelReport, client_bound_warning, format_table
-from clients.loadtest.run import EXIT_OK, LevelPlan, LoadLimits, calibrate, main
+from clients.loadtest.run import EXIT_OK, LevelPlan, LoadLimits, calibrate, closed_loop, main
 from clients.loadtest.settings import LoadLimits as Limits
-from clients.loadtest.spread import split
+from clients.loadtest.spread import LoadTester, Target, split
 from clients.loadtest.traffic import Open, Payloads
 from protos import scoring_pb2, scoring_pb2_grpc
 
@@ -120,6 +120,29 @@ def test_open_loop_over_processes_sends_every_arrival_once_at_the_known_latency(
         assert fixed_ms <= level[percentile] <= fixed_ms + TOLERANCE_MS
 
 
+def _environment(pid: int) -> dict[str, str]:
+    """The environment process `pid` started with."""
+    with open(f"/proc/{pid}/environ", "rb") as environ:
+        return dict(entry.decode().split("=", 1) for entry in environ.read().split(b"\0") if b"=" in entry)
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/environ"), reason="reads /proc/PID/environ")
+def test_sending_processes_start_with_the_grpc_experiments_of_the_limits(sleeper, monkeypatch):
+    """Each sending process gets the limits' GRPC_EXPERIMENTS as it starts, and this process's environment is left
+    as it was; one the user set is what every process gets."""
+    _servicer, address = sleeper(fast_s=0.0, slow_s=0.0)
+    monkeypatch.delenv("GRPC_EXPERIMENTS", raising=False)
+    with LoadTester(Target(address), [b""], processes=2, limits=Limits()) as tester:
+        assert [_environment(pid).get("GRPC_EXPERIMENTS") for pid in tester.pids] == [Limits().grpc_experiments] * 2
+    assert "GRPC_EXPERIMENTS" not in os.environ
+    with LoadTester(Target(address), [b""], processes=1, limits=Limits(grpc_experiments="")) as tester:
+        assert "GRPC_EXPERIMENTS" not in _environment(tester.pids[0])
+    monkeypatch.setenv("GRPC_EXPERIMENTS", "-event_engine_dns")
+    with LoadTester(Target(address), [b""], processes=1, limits=Limits()) as tester:
+        assert _environment(tester.pids[0])["GRPC_EXPERIMENTS"] == "-event_engine_dns"
+    assert os.environ["GRPC_EXPERIMENTS"] == "-event_engine_dns"
+
+
 FAST_SERVER = f"""
 import asyncio, grpc
 async def serve():
@@ -146,6 +169,26 @@ def fast_server():
     yield process, f"127.0.0.1:{port}"
     process.kill()
     process.wait()
+
+
+def test_the_load_testers_cpu_leaves_out_its_reading_of_the_server(fast_server):
+    """Reading the server's meters at a window's edges (here a metrics read that spends half a second of this
+    process's CPU) is not the load tester's cost per request: its own meters are read around them."""
+    _process, address = fast_server
+    burn_s = 0.5
+
+    def metrics():
+        until = time.process_time() + burn_s
+        while time.process_time() < until:
+            pass
+        return None
+
+    plan = LevelPlan(duration_s=60.0, max_requests=20, timeout_s=10.0, warmup=0)
+    with grpc.insecure_channel(address) as channel:
+        report = closed_loop(channel, [scoring_pb2.ScoreRequest()], concurrency=1, plan=plan, limits=LoadLimits(),
+                             metrics=metrics)
+    assert report.completed == 20
+    assert report.client_cpu_ms * report.completed < 1000 * burn_s / 2
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
