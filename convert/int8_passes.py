@@ -35,8 +35,9 @@ from onnx import numpy_helper
 
 from convert import verify
 
-__all__ = ["FLOAT_LAYER_MIN_SNR_DB", "DEPTHWISE_WEIGHT_BITS", "POOLS", "head_nodes", "weight_sensitivity",
-           "float_layers", "name_nodes", "PAIR_SUM_LEVELS", "pair_bounded_scale", "pair_bounded_levels", "requantize_weights", "correct_biases", "with_outputs", "channel_means"]
+__all__ = ["FLOAT_LAYER_MIN_SNR_DB", "DEPTHWISE_WEIGHT_BITS", "PAIR_SUM_LEVELS", "POOLS", "head_nodes",
+           "weight_sensitivity", "float_layers", "name_nodes", "pair_bounded_scale", "pair_bounded_levels",
+           "requantize_weights", "correct_biases", "with_outputs", "channel_means"]
 
 # A convolution whose weights alone, quantized, leave the output less signal-to-noise than this stays in float.
 FLOAT_LAYER_MIN_SNR_DB = 24.0
