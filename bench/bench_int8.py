@@ -35,7 +35,8 @@ def run() -> str:
         f"## int8 against fp32 on the CPU (bench_int8; target >= {INT8_SPEED_TARGET:g}x, {verdict})",
         "",
         f"CPU integer extensions: {cpu_int8_instructions()} (onnxruntime's MLAS runs uint8 x int8 on AVX2 with "
-        "VPMADDUBSW when no VNNI is offered). Ops left in float: "
+        "VPMADDUBSW when no VNNI is offered; the weights are pair-bounded so its 16-bit sums cannot saturate). Ops left "
+        "in float: "
         f"{', '.join(float_ops(int8)) or 'none'}.",
         "",
         "| plan (batch x canvas, 1 pass) | fp32 ms (fastest) | int8 ms (fastest) | speed-up | median / fastest: fp32, int8 |",

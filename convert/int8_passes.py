@@ -11,9 +11,13 @@
     where the next are at 24.7 dB and beyond. Keeping those two in float (which also keeps the stem's output,
     the most sensitive activation, in float) took the held-out cells' top-1 agreement from 92.5% to 96.6% (the
     calibration photos' from 78.2% to 90.9%).
-* Depthwise weights at 8 bits (`full_range_depthwise`): onnxruntime's depthwise int8 kernel sums products in
-  32 bits, so the AVX2 16-bit pair sums that make pointwise weights 7-bit (convert.quantize) do not apply; fused
-  and unfused results stay as close as at 7 bits.
+* Weights quantized again from the fp32 graph's (`requantize_weights`), symmetric per output channel:
+  - depthwise ones at 8 bits: onnxruntime's depthwise int8 kernel sums products in 32 bits (checked: 3x3 filters
+    of 127 on inputs of 255 give the unfused result);
+  - the others pair-bounded (`pair_bounded_scale`, `pair_bounded_levels`): AVX2's VPMADDUBSW sums the products
+    of each two neighbouring input channels in 16 bits, saturating past 32,767; with at most PAIR_SUM_LEVELS
+    levels in any two neighbours, uint8 activations up to 255 cannot reach it (checked on a 1x1 conv: weights
+    127, 127 on inputs of 255 saturate, 127, 0 and 64, 64 do not).
 * Empirical bias correction (`correct_biases`; Nagel et al., "Data-Free Quantization Through Weight
   Equalization and Bias Correction", ICCV 2019, section 4.2, measured on the calibration photos): rounded
   weights shift each channel's mean output, and after ReLU6 every input is positive, so the shifts do not
@@ -31,13 +35,17 @@ from onnx import numpy_helper
 
 from convert import verify
 
-__all__ = ["FLOAT_LAYER_MIN_SNR_DB", "DEPTHWISE_WEIGHT_BITS", "POOLS", "head_nodes", "weight_sensitivity",
-           "float_layers", "name_nodes", "full_range_depthwise", "correct_biases", "with_outputs", "channel_means"]
+__all__ = ["FLOAT_LAYER_MIN_SNR_DB", "DEPTHWISE_WEIGHT_BITS", "PAIR_SUM_LEVELS", "POOLS", "head_nodes",
+           "weight_sensitivity", "float_layers", "name_nodes", "pair_bounded_scale", "pair_bounded_levels",
+           "requantize_weights", "correct_biases", "with_outputs", "channel_means"]
 
 # A convolution whose weights alone, quantized, leave the output less signal-to-noise than this stays in float.
 FLOAT_LAYER_MIN_SNR_DB = 24.0
 DEPTHWISE_WEIGHT_BITS = 8
 POOLS = ("AveragePool", "GlobalAveragePool")
+# Two neighbouring weights along a conv's reduction sum to at most this many levels: times the largest uint8
+# activation (255), 32,640 fits the 16 bits AVX2's VPMADDUBSW sums each pair of products in (32,767).
+PAIR_SUM_LEVELS = 128
 # Largest int32 bias magnitude a rescaled weight keeps (2**24): room left for the bias correction's changes.
 BIAS_HEADROOM = 2.0 ** 24
 
@@ -105,7 +113,7 @@ def _snr_db(expected: list[np.ndarray], got: list[np.ndarray]) -> float:
 
 def weight_sensitivity(model: onnx.ModelProto, tensors: list[np.ndarray], *, pointwise_bits: int) -> dict[str, float]:
     """{conv: the output's SNR in dB with only that conv's weights quantized} on `tensors` (depthwise at
-    DEPTHWISE_WEIGHT_BITS, the others at `pointwise_bits`, as `quantize` leaves them)."""
+    DEPTHWISE_WEIGHT_BITS, the others at `pointwise_bits`: 7 is the coarsest the pair bound `quantize` leaves)."""
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     model = copy
@@ -151,33 +159,88 @@ def _conv_pairs(quantized: onnx.ModelProto, model: onnx.ModelProto):
         yield node, originals[node.name], weight, bias if bias is not None and bias.op_type == "DequantizeLinear" else None
 
 
-def full_range_depthwise(quantized: onnx.ModelProto, model: onnx.ModelProto, *,
-                         bits: int = DEPTHWISE_WEIGHT_BITS) -> onnx.ModelProto:
-    """`quantized` with its depthwise weights quantized again from `model`'s at `bits` bits (symmetric per
-    channel), their int32 biases rescaled with them."""
+def _reduction_orders(shape: tuple[int, ...]) -> tuple[bool, ...]:
+    """The orders (False: input channel outermost, as NCHW kernels reduce; True: innermost, as NHWC ones do) in
+    which a conv's weights of `shape` meet the CPU's pair sums; one for 1x1 kernels, where both are the same."""
+    return (False,) if len(shape) != 4 or shape[2:] == (1, 1) else (False, True)
+
+
+def _flat(array: np.ndarray, nhwc: bool) -> np.ndarray:
+    return (array.transpose(0, 2, 3, 1) if nhwc else array).reshape(array.shape[0], -1)
+
+
+def _unflat(flat: np.ndarray, shape: tuple[int, ...], nhwc: bool) -> np.ndarray:
+    return flat.reshape(shape[0], *shape[2:], shape[1]).transpose(0, 3, 1, 2) if nhwc else flat.reshape(shape)
+
+
+def _pairs(flat: np.ndarray) -> np.ndarray:
+    """[O, K] as [O, ceil(K / 2), 2]: neighbours along the reduction, the odd last one beside a zero."""
+    return np.pad(flat, ((0, 0), (0, flat.shape[1] % 2))).reshape(flat.shape[0], -1, 2)
+
+
+def pair_bounded_scale(weights: np.ndarray, *, pair_sum: int = PAIR_SUM_LEVELS) -> np.ndarray:
+    """The smallest per-output-channel scale of conv `weights` [O, I, ...] at which each weight is at most 127
+    levels and each pair of neighbours along the reduction (`_reduction_orders`) at most `pair_sum` together."""
+    values = np.abs(weights.astype(np.float64))
+    bound = np.max([_pairs(_flat(values, nhwc)).sum(axis=2).max(axis=1) for nhwc in _reduction_orders(values.shape)],
+                   axis=0)
+    scale = np.maximum(bound / pair_sum, values.reshape(values.shape[0], -1).max(axis=1) / 127)
+    return np.where(scale > 0, scale, 1.0)
+
+
+def pair_bounded_levels(weights: np.ndarray, scale: np.ndarray, *, pair_sum: int = PAIR_SUM_LEVELS) -> np.ndarray:
+    """int8 levels of conv `weights` at per-output-channel `scale` (at least `pair_bounded_scale`'s): rounded, then a
+    pair that rounding lifted past `pair_sum` gives one level of its larger weight back."""
+    levels = np.clip(np.round(weights / scale.reshape(-1, *[1] * (weights.ndim - 1))), -127, 127)
+    for nhwc in _reduction_orders(weights.shape):
+        while True:
+            flat = _flat(levels, nhwc).copy()
+            grouped = _pairs(flat)
+            channel, pair = np.nonzero(np.abs(grouped).sum(axis=2) > pair_sum)
+            if not channel.size:
+                break
+            index = pair * 2 + np.abs(grouped[channel, pair]).argmax(axis=1)
+            flat[channel, index] -= np.sign(flat[channel, index])
+            levels = _unflat(flat, weights.shape, nhwc)
+    return levels.astype(np.int8)
+
+
+def requantize_weights(quantized: onnx.ModelProto, model: onnx.ModelProto, *,
+                       depthwise_bits: int = DEPTHWISE_WEIGHT_BITS) -> onnx.ModelProto:
+    """`quantized` with its conv weights quantized again from `model`'s (symmetric per output channel), their int32
+    biases rescaled with them: depthwise ones at `depthwise_bits`, the others pair-bounded (module docstring)."""
     out = onnx.ModelProto()
     out.CopyFrom(quantized)
     inits = {tensor.name: tensor for tensor in out.graph.initializer}
     originals = {tensor.name: tensor for tensor in model.graph.initializer}
-    top = 2 ** (bits - 1) - 1
+    top = 2 ** (depthwise_bits - 1) - 1
     for node, original, weight, bias in _conv_pairs(out, model):
-        if not _is_depthwise(node) or original.input[1] not in originals:
+        if original.input[1] not in originals:
             continue
         values = numpy_helper.to_array(originals[original.input[1]]).astype(np.float64)
         old_scale = numpy_helper.to_array(inits[weight.input[1]]).astype(np.float64)
-        largest = np.abs(values).reshape(values.shape[0], -1).max(axis=1)
-        scale = np.where(largest > 0, largest / top, old_scale)
+        if _is_depthwise(node):
+            largest = np.abs(values).reshape(values.shape[0], -1).max(axis=1)
+            scale = np.where(largest > 0, largest / top, old_scale)
+        else:
+            scale = pair_bounded_scale(values)
         if bias is not None:
             bias_scale = numpy_helper.to_array(inits[bias.input[1]]).astype(np.float64)
             real_bias = numpy_helper.to_array(inits[bias.input[0]]).astype(np.float64) * bias_scale
-            input_scale = bias_scale / old_scale
+            # One input scale for every channel (activations are quantized per tensor); a channel whose old weight
+            # scale was zero tells nothing of it.
+            known = (old_scale > 0) & (bias_scale > 0)
+            input_scale = float(np.median(bias_scale[known] / old_scale[known])) if known.any() else 1.0
             # A channel of near-zero weights and a large bias keeps a weight scale its int32 bias fits.
             scale = np.maximum(scale, np.abs(real_bias) / input_scale / BIAS_HEADROOM)
             new_bias_scale = (input_scale * scale).astype(np.float32)
             inits[bias.input[0]].CopyFrom(numpy_helper.from_array(
                 np.round(real_bias / new_bias_scale).astype(np.int32), bias.input[0]))
             inits[bias.input[1]].CopyFrom(numpy_helper.from_array(new_bias_scale, bias.input[1]))
-        levels = np.clip(np.round(values / scale.reshape(-1, 1, 1, 1)), -top, top).astype(np.int8)
+        if _is_depthwise(node):
+            levels = np.clip(np.round(values / scale.reshape(-1, 1, 1, 1)), -top, top).astype(np.int8)
+        else:
+            levels = pair_bounded_levels(values, scale)
         inits[weight.input[0]].CopyFrom(numpy_helper.from_array(levels, weight.input[0]))
         inits[weight.input[1]].CopyFrom(numpy_helper.from_array(scale.astype(np.float32), weight.input[1]))
     return out
