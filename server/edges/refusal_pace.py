@@ -45,8 +45,9 @@ class RefusalPacer:
       its request was answered, in a run of refusals no more than RUN_GAP_SECONDS apart: copies of one
       request sent together (a burst, the same photo from many callers) were sent before any of their
       refusals arrived, so they go on and are refused at once, with the retry hint, as any first send is
-      (held at the door, a burst's refusals waited up to `max_hold` for the one place its admitted copy
-      would free).
+      (at the door they would wait up to `max_hold` for the one place their admitted copy frees). The
+      server knows only when a copy reached it: copies of a burst read after a refusal of theirs was
+      answered look like resends, and wait.
 
     At most `max_held` calls are held at once, at the door or for a turn (each holds the edge's thread or
     task); beyond that a call goes on, or is refused, at once. Transport-free: `answered()` is called for each
