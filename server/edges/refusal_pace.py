@@ -17,10 +17,6 @@ BURST_SECONDS = 1.0  # a second's worth of refusals at the pace is answered at o
 ANSWER_WINDOW_SECONDS = 1.0  # the refusal pace follows the calls answered over this window
 ANSWER_MARGIN_SECONDS = 0.05  # a held refusal is answered this long before its call's deadline, to arrive in time
 REMEMBERED_REFUSALS = 4096  # refused requests' keys the refusal pacer remembers at most, the oldest forgotten first
-# A request refused again within this long of its last refusal is in the same run of refusals: a client that resends
-# at once comes back within milliseconds. A copy sent before the first refusal of its run was answered is no resend:
-# it is one of a burst of the same request sent together, refused at once with its retry hint.
-RUN_GAP_SECONDS = ANSWER_WINDOW_SECONDS
 
 
 class RefusalPacer:
@@ -41,13 +37,13 @@ class RefusalPacer:
       last refusal was found, with no one waiting, is taken at once), at most `max_hold` seconds, and only
       then goes on to be admitted or refused. Paced refusals alone still answered 6 a call to clients
       that came straight back (a fifth of a 2-core machine's capacity lost); at the door such clients
-      wait for room instead, as in a queue. A call is a resend only when it `started` after a refusal of
-      its request was answered, in a run of refusals no more than RUN_GAP_SECONDS apart: copies of one
-      request sent together (a burst, the same photo from many callers) were sent before any of their
-      refusals arrived, so they go on and are refused at once, with the retry hint, as any first send is
-      (at the door they would wait up to `max_hold` for the one place their admitted copy frees). The
-      server knows only when a copy reached it: copies of a burst read after a refusal of theirs was
-      answered look like resends, and wait.
+      wait for room instead, as in a queue. A call is a resend only when it `started` once the first
+      refusal the door remembers of its request was answered and that refusal's retry hint (at most
+      `max_hold`) had passed: copies of one request sent together (a burst, the same
+      photo from many callers) reach the server over tens of milliseconds, as it reads them, and look
+      like resends to it; until the hint, the time its copy in flight is expected to take, they go on
+      and are refused at once, with the retry hint, as any first send is (at the door they would wait up
+      to `max_hold` for the one place their admitted copy frees).
 
     At most `max_held` calls are held at once, at the door or for a turn (each holds the edge's thread or
     task); beyond that a call goes on, or is refused, at once. Transport-free: `answered()` is called for each
@@ -72,7 +68,8 @@ class RefusalPacer:
         self._next = 0.0  # when the next refusal at the pace is due (the algorithm's theoretical arrival time)
         self._held = 0
         self._answers: collections.deque[float] = collections.deque()  # when calls were answered, the last second
-        # The keys of requests refused, oldest first: when the first refusal of their run was answered, when the last.
+        # The keys of requests refused, oldest first: when the first refusal remembered was answered and its hint
+        # passed, when the last refusal was answered.
         self._refused: dict[Hashable, tuple[float, float]] = {}
         self._last_refusal = -math.inf
         self._door: collections.deque[Callable[[], None]] = collections.deque()  # waiting resends, oldest first
@@ -143,7 +140,7 @@ class RefusalPacer:
             seconds = min(seconds, max(deadline - now - ANSWER_MARGIN_SECONDS, 0.0))
         return seconds
 
-    def _take(self, key: Hashable | None, deadline: float | None, decided: float | None) -> float:
+    def _take(self, key: Hashable | None, deadline: float | None, decided: float | None, retry_after: float) -> float:
         """This refusal's hold in seconds, counted among the held when above 0; `key` remembered."""
         with self._lock:
             now = time.monotonic()
@@ -153,8 +150,8 @@ class RefusalPacer:
             seconds = self._held_for(now, deadline)
             if key is not None and self.resend_memory:
                 answered = now + seconds
-                first, last = self._refused.pop(key, (answered, -math.inf))
-                self._refused[key] = (first if answered - last <= RUN_GAP_SECONDS else answered, answered)
+                first, _last = self._refused.pop(key, (answered + min(retry_after, self.max_hold), answered))
+                self._refused[key] = (first, answered)
             return seconds
 
     def _held_for(self, now: float, deadline: float | None) -> float:
@@ -172,12 +169,13 @@ class RefusalPacer:
             self._held += 1
         return seconds
 
-    def hold(self, key: Hashable | None = None, *, deadline: float | None = None,
-             decided: float | None = None) -> contextlib.AbstractContextManager[float]:
+    def hold(self, key: Hashable | None = None, *, deadline: float | None = None, decided: float | None = None,
+             retry_after: float = 0.0) -> contextlib.AbstractContextManager[float]:
         """The seconds to hold this refusal of the request `key` (None: not one to recognise again) before
         answering it (0.0: at once); `deadline` a time.monotonic() instant, `decided` when it was found (by
-        default now). The hold counts among the held until the block ends."""
-        return self._counted(self._take(key, deadline, decided))
+        default now), `retry_after` its retry hint in seconds. The hold counts among the held until the block
+        ends."""
+        return self._counted(self._take(key, deadline, decided, retry_after))
 
     def _enter(self, key: Hashable, wake: Callable[[], None], deadline: float | None, started: float | None) -> float:
         """The seconds a call of request `key` that `started` then waits at the door (0.0: none), `wake` queued when
@@ -186,8 +184,8 @@ class RefusalPacer:
             now = time.monotonic()
             self._forget(now)
             first, _last = self._refused.get(key, (math.inf, math.inf))
-            if first == math.inf or (started is not None and started < first):
-                return 0.0  # not a resend: never refused, or sent before any refusal of its run was answered
+            if (now if started is None else started) < first:
+                return 0.0  # not a resend: not refused lately, or come before its first refusal and hint
             if not self._answers or not self._refused_lately(now) or self._held >= self.max_held:
                 return 0.0  # no answer to wait for, no refusals now, or no thread to hold it on
             if self._freed:
@@ -203,7 +201,7 @@ class RefusalPacer:
              started: float | None = None) -> contextlib.AbstractContextManager[float]:
         """The seconds a call of request `key` waits for room before it goes on (0.0: at once), during which
         `wake` is called (under the pacer's lock: it must only signal) when a place is freed for it; `started`
-        when the call reached the server (time.monotonic(); None: taken for a resend if its request was refused).
+        when the call reached the server (time.monotonic(); None: now).
         The wait counts among the held until the block ends."""
         return self._counted(self._enter(key, wake, deadline, started), wake)
 

@@ -153,7 +153,8 @@ class CallLimits(ExemptingInterceptor):
         """Hold a transient refusal for its turn at the refusal pace, out of its worker place; a call that is
         cancelled or ends meanwhile stops waiting (`cancelled`: the event its end sets, if it has one)."""
         key = self.leave(context, refused=True)()
-        with self.pacer.hold(key, deadline=deadline, decided=refusal.decided) as seconds:
+        with self.pacer.hold(key, deadline=deadline, decided=refusal.decided,
+                             retry_after=refusal.retry_after_seconds or 0.0) as seconds:
             if seconds:
                 if cancelled is None:
                     cancelled = threading.Event()

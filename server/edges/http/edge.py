@@ -134,7 +134,8 @@ class Edge:
                     if place is not None:
                         place.leave(refused=True)
                     with self.front.pacer.hold(self._known_key(method, request), deadline=call.deadline,
-                                               decided=error.decided) as seconds:
+                                               decided=error.decided,
+                                               retry_after=error.retry_after_seconds or 0.0) as seconds:
                         if seconds:
                             await anyio.sleep(seconds)
                 return error_response(error)
