@@ -37,14 +37,20 @@ class RefusalPacer:
       last refusal was found, with no one waiting, is taken at once), at most `max_hold` seconds, and only
       then goes on to be admitted or refused. Paced refusals alone still answered 6 a call to clients
       that came straight back (a fifth of a 2-core machine's capacity lost); at the door such clients
-      wait for room instead, as in a queue.
+      wait for room instead, as in a queue. A call is a resend only when it `started` once the first
+      refusal the door remembers of its request was answered and that refusal's retry hint (at most
+      `max_hold`) had passed: copies of one request sent together (a burst, the same
+      photo from many callers) reach the server over tens of milliseconds, as it reads them, and look
+      like resends to it; until the hint, the time its copy in flight is expected to take, they go on
+      and are refused at once, with the retry hint, as any first send is (at the door they would wait up
+      to `max_hold` for the one place their admitted copy frees).
 
     At most `max_held` calls are held at once, at the door or for a turn (each holds the edge's thread or
     task); beyond that a call goes on, or is refused, at once. Transport-free: `answered()` is called for each
     call answered OK (`Front.accounted`), `freed()` for each place given back other than by a transient refusal
     (server/edges/calls.py `Place`), and an edge does
 
-        with pacer.door(key, wake=event.set, deadline=deadline) as seconds:  # 0.0: go on now
+        with pacer.door(key, wake=event.set, deadline=deadline, started=arrival) as seconds:  # 0.0: go on now
             wait up to `seconds` for the event, set by `wake` or when the call is cancelled
         ... and for a transient refusal:
         with pacer.hold(key, deadline=deadline) as seconds:  # 0.0: answer now
@@ -62,7 +68,9 @@ class RefusalPacer:
         self._next = 0.0  # when the next refusal at the pace is due (the algorithm's theoretical arrival time)
         self._held = 0
         self._answers: collections.deque[float] = collections.deque()  # when calls were answered, the last second
-        self._refused: dict[Hashable, float] = {}  # the keys of requests refused, when, oldest first
+        # The keys of requests refused, oldest first: when the first refusal remembered was answered and its hint
+        # passed, when the last refusal was answered.
+        self._refused: dict[Hashable, tuple[float, float]] = {}
         self._last_refusal = -math.inf
         self._door: collections.deque[Callable[[], None]] = collections.deque()  # waiting resends, oldest first
         self._freed: collections.deque[float] = collections.deque()  # when calls freed places no resend took
@@ -106,7 +114,7 @@ class RefusalPacer:
         while self._freed and self._freed[0] <= now - ANSWER_WINDOW_SECONDS:
             self._freed.popleft()
         while self._refused:
-            key, when = next(iter(self._refused.items()))
+            key, (_first, when) = next(iter(self._refused.items()))
             if when > now - self.resend_memory and len(self._refused) <= REMEMBERED_REFUSALS:
                 break
             del self._refused[key]
@@ -132,44 +140,54 @@ class RefusalPacer:
             seconds = min(seconds, max(deadline - now - ANSWER_MARGIN_SECONDS, 0.0))
         return seconds
 
-    def _take(self, key: Hashable | None, deadline: float | None, decided: float | None) -> float:
+    def _take(self, key: Hashable | None, deadline: float | None, decided: float | None, retry_after: float) -> float:
         """This refusal's hold in seconds, counted among the held when above 0; `key` remembered."""
         with self._lock:
             now = time.monotonic()
             self._last_refusal = now
             while self._freed and self._freed[0] <= (now if decided is None else decided):
                 self._freed.popleft()  # there was no room when it was refused: those places were taken
+            seconds = self._held_for(now, deadline)
             if key is not None and self.resend_memory:
-                self._refused.pop(key, None)
-                self._refused[key] = now
-            pace = self.pace(now)  # which forgets what is too old
-            if not pace:
-                return 0.0
-            wait = max(self._next - BURST_SECONDS - now, 0.0)
-            if wait and self._held >= self.max_held:
-                return 0.0  # no thread to hold it on: answered at once, outside the pace
-            if wait <= self.max_hold:  # its turn is within the bound: it takes that turn
-                self._next = max(self._next, now) + 1 / pace
-            seconds = self._bounded(wait, now, deadline)
-            if seconds:
-                self._held += 1
+                answered = now + seconds
+                first, _last = self._refused.pop(key, (answered + min(retry_after, self.max_hold), answered))
+                self._refused[key] = (first, answered)
             return seconds
 
-    def hold(self, key: Hashable | None = None, *, deadline: float | None = None,
-             decided: float | None = None) -> contextlib.AbstractContextManager[float]:
+    def _held_for(self, now: float, deadline: float | None) -> float:
+        """The hold of a refusal at `now` at the pace, counted among the held when above 0 (under the lock)."""
+        pace = self.pace(now)  # which forgets what is too old
+        if not pace:
+            return 0.0
+        wait = max(self._next - BURST_SECONDS - now, 0.0)
+        if wait and self._held >= self.max_held:
+            return 0.0  # no thread to hold it on: answered at once, outside the pace
+        if wait <= self.max_hold:  # its turn is within the bound: it takes that turn
+            self._next = max(self._next, now) + 1 / pace
+        seconds = self._bounded(wait, now, deadline)
+        if seconds:
+            self._held += 1
+        return seconds
+
+    def hold(self, key: Hashable | None = None, *, deadline: float | None = None, decided: float | None = None,
+             retry_after: float = 0.0) -> contextlib.AbstractContextManager[float]:
         """The seconds to hold this refusal of the request `key` (None: not one to recognise again) before
         answering it (0.0: at once); `deadline` a time.monotonic() instant, `decided` when it was found (by
-        default now). The hold counts among the held until the block ends."""
-        return self._counted(self._take(key, deadline, decided))
+        default now), `retry_after` its retry hint in seconds. The hold counts among the held until the block
+        ends."""
+        return self._counted(self._take(key, deadline, decided, retry_after))
 
-    def _enter(self, key: Hashable, wake: Callable[[], None], deadline: float | None) -> float:
-        """The seconds a call of request `key` waits at the door (0.0: none), `wake` queued when above 0."""
+    def _enter(self, key: Hashable, wake: Callable[[], None], deadline: float | None, started: float | None) -> float:
+        """The seconds a call of request `key` that `started` then waits at the door (0.0: none), `wake` queued when
+        above 0."""
         with self._lock:
             now = time.monotonic()
             self._forget(now)
-            when = self._refused.get(key)
-            if when is None or not self._answers or not self._refused_lately(now) or self._held >= self.max_held:
-                return 0.0  # not a resend, no answer to wait for, no refusals now, or no thread to hold it on
+            first, _last = self._refused.get(key, (math.inf, math.inf))
+            if (now if started is None else started) < first:
+                return 0.0  # not a resend: not refused lately, or come before its first refusal and hint
+            if not self._answers or not self._refused_lately(now) or self._held >= self.max_held:
+                return 0.0  # no answer to wait for, no refusals now, or no thread to hold it on
             if self._freed:
                 self._freed.popleft()
                 return 0.0  # an answer freed a place after the last refusal was found: it goes to take it
@@ -179,12 +197,13 @@ class RefusalPacer:
                 self._door.append(wake)
             return seconds
 
-    def door(self, key: Hashable, *, wake: Callable[[], None],
-             deadline: float | None = None) -> contextlib.AbstractContextManager[float]:
+    def door(self, key: Hashable, *, wake: Callable[[], None], deadline: float | None = None,
+             started: float | None = None) -> contextlib.AbstractContextManager[float]:
         """The seconds a call of request `key` waits for room before it goes on (0.0: at once), during which
-        `wake` is called (under the pacer's lock: it must only signal) when a place is freed for it.
+        `wake` is called (under the pacer's lock: it must only signal) when a place is freed for it; `started`
+        when the call reached the server (time.monotonic(); None: now).
         The wait counts among the held until the block ends."""
-        return self._counted(self._enter(key, wake, deadline), wake)
+        return self._counted(self._enter(key, wake, deadline, started), wake)
 
     @contextlib.contextmanager
     def _counted(self, seconds: float, wake: Callable[[], None] | None = None) -> Iterator[float]:

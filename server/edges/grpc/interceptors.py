@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import contextvars
 import functools
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterator
 
 import grpc
@@ -26,6 +28,9 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes need no token
 # Probes answered however busy the server is (exempt from the call limits): gRPC health, and KServe v2's.
 PROBES = (HEALTH_PREFIX, *(f"/inference.GRPCInferenceService/{name}"
                            for name in ("ServerLive", "ServerReady", "ModelReady")))
+# When the call reached the server (time.monotonic()): gRPC runs a call's interceptors as it arrives, before its
+# message is read, and its handler later, both in the call's own context.
+ARRIVED: contextvars.ContextVar[float] = contextvars.ContextVar("arrived")
 
 
 class ExemptingInterceptor(grpc.ServerInterceptor):
@@ -80,7 +85,8 @@ class CallLimits(ExemptingInterceptor):
     address is known only inside the call (`context.peer()`), hence the check there, not here.
 
     Calls are slowed by `pacer` (docs/design.md: the refusal pace and the resend door): a resent request waits at its door before it takes a
-    place, and transient refusals, these and the servicer's, are answered at its pace. Either wait is on
+    place (a copy that arrived before any refusal of its request was answered is no resend), and transient
+    refusals, these and the servicer's, are answered at its pace. Either wait is on
     a thread of the pool's own (`--max-held-refusals` of them beyond `--grpc-workers`), out of any worker
     place, so held calls never take the places of calls being scored, nor the reserved workers.
     """
@@ -101,6 +107,7 @@ class CallLimits(ExemptingInterceptor):
     def intercept(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         """The method's handler in its slot, made again only when the handler given is not the one it was made
         from (an interceptor before this one may answer a call with another)."""
+        ARRIVED.set(time.monotonic())
         made = self._handlers.get(details.method)
         if made is None or made[0] is not handler:
             made = handler, guarded(handler, functools.partial(self._slot, method=details.method.rsplit("/", 1)[-1]))
@@ -113,7 +120,8 @@ class CallLimits(ExemptingInterceptor):
         if request is not None and self.pacer.refusing:
             woken = threading.Event()
             context.add_callback(woken.set)
-            with self.pacer.door(key(), wake=woken.set, deadline=deadline_of(context)) as seconds:
+            with self.pacer.door(key(), wake=woken.set, deadline=deadline_of(context),
+                                 started=ARRIVED.get(None)) as seconds:
                 woken.wait(seconds)
         with self._lock:
             self._keys[context] = key
@@ -145,7 +153,8 @@ class CallLimits(ExemptingInterceptor):
         """Hold a transient refusal for its turn at the refusal pace, out of its worker place; a call that is
         cancelled or ends meanwhile stops waiting (`cancelled`: the event its end sets, if it has one)."""
         key = self.leave(context, refused=True)()
-        with self.pacer.hold(key, deadline=deadline, decided=refusal.decided) as seconds:
+        with self.pacer.hold(key, deadline=deadline, decided=refusal.decided,
+                             retry_after=refusal.retry_after_seconds or 0.0) as seconds:
             if seconds:
                 if cancelled is None:
                     cancelled = threading.Event()

@@ -116,6 +116,7 @@ class Edge:
         """
         label = NO_MODEL if model is None else self.front.model_label(scoring_pb2.ScoreRequest(model=model))
         call = HttpCall(METHOD_PREFIX + method, model=label, request=request)
+        started = time.monotonic()  # the request's head is read; its body, at the door or by the route
         place: Place | None = None
         with self.front.accounted(call, probe=probe):
             try:
@@ -123,7 +124,7 @@ class Edge:
                     if self._token is not None:
                         self._token.check(request.headers.get("authorization"))
                     if self.front.pacer.refusing:
-                        await self._door(method, request)
+                        await self._door(method, request, started=started)
                     place = self._slots.take(request.client.host if request.client else "")
                     self.front.refuse_when_draining()
                 return await work(call)
@@ -133,7 +134,8 @@ class Edge:
                     if place is not None:
                         place.leave(refused=True)
                     with self.front.pacer.hold(self._known_key(method, request), deadline=call.deadline,
-                                               decided=error.decided) as seconds:
+                                               decided=error.decided,
+                                               retry_after=error.retry_after_seconds or 0.0) as seconds:
                         if seconds:
                             await anyio.sleep(seconds)
                 return error_response(error)
@@ -171,7 +173,7 @@ class Edge:
             request.state.body = await self._limited(request).body()
         return request.state.body
 
-    async def _door(self, method: str, request: Request) -> None:
+    async def _door(self, method: str, request: Request, *, started: float) -> None:
         """A resent request waits for room while the server is refusing (server.edges.refusal_pace.RefusalPacer.door),
         at most --max-refusal-hold-ms: its own timeout is read by the route, after."""
         key = await self._resend_key(method, request)
@@ -179,7 +181,7 @@ class Edge:
             return
         woken, loop = asyncio.Event(), asyncio.get_running_loop()
         wake = functools.partial(loop.call_soon_threadsafe, woken.set)
-        with self.front.pacer.door(key, wake=wake) as seconds:
+        with self.front.pacer.door(key, wake=wake, started=started) as seconds:
             if seconds:
                 with anyio.move_on_after(seconds):
                     await woken.wait()

@@ -300,7 +300,7 @@ def test_the_door_is_open_unless_the_server_is_refusing_and_answering_and_it_for
     answer(off)
     holds_keyed(off, "a")
     assert door(off) == 0.0  # --resend-memory-seconds 0: no door
-    brief = RefusalPacer(per_answer=0, floor=1000, max_hold=2, max_held=10, resend_memory=0.2)
+    brief = RefusalPacer(per_answer=0, floor=10_000, max_hold=2, max_held=10, resend_memory=0.2)  # none held
     answer(brief)
     holds_keyed(brief, "a")
     time.sleep(0.25)
@@ -309,6 +309,43 @@ def test_the_door_is_open_unless_the_server_is_refusing_and_answering_and_it_for
     for n in range(REMEMBERED_REFUSALS + 1):
         holds_keyed(brief, n)
     assert door(brief, 0) == 0.0 and door(brief, REMEMBERED_REFUSALS) == 2  # the oldest key forgotten first
+
+
+def test_copies_sent_before_the_first_refusal_of_their_run_was_answered_are_no_resends():
+    """Copies of one request sent together (a burst) go on and are refused at once, with their retry hint, until the
+    first refusal's hint has passed; a copy sent after that is a resend, and waits at the door; a request refused
+    again once the door has forgotten it starts again."""
+    def door(pacer, started, key="a"):
+        with pacer.door(key, wake=lambda: None, started=started) as seconds:
+            return seconds
+
+    pacer = RefusalPacer(per_answer=0, floor=100, max_hold=2, max_held=10, resend_memory=10)
+    answer(pacer)
+    sent = time.monotonic()  # the burst's copies reach the server together
+    holds_keyed(pacer, "a")  # the first copy refused, answered at once
+    assert door(pacer, sent) == 0.0  # the others were sent before that answer: they go on, to be refused at once
+    holds_keyed(pacer, "a")  # refused again: its first answer is the one that counts
+    assert door(pacer, sent) == 0.0
+    assert door(pacer, time.monotonic()) == 2  # a copy sent after an answer: a resend, held at the door
+    assert door(pacer, None) == 2  # a call whose arrival the edge does not know: taken to come now, a resend
+    hinted = RefusalPacer(per_answer=0, floor=100, max_hold=2, max_held=10, resend_memory=10)
+    answer(hinted)
+    with hinted.hold("a", retry_after=0.3):
+        pass
+    assert door(hinted, time.monotonic()) == 0.0  # within the first refusal's hint: still taken for the burst
+    with hinted.hold("a", retry_after=5):
+        pass  # a later refusal's hint changes nothing
+    time.sleep(0.35)
+    assert door(hinted, time.monotonic()) == 2  # past it: a resend
+    later = RefusalPacer(per_answer=0, floor=100, max_hold=2, max_held=10, resend_memory=0.2)
+    answer(later)
+    holds_keyed(later, "a")
+    time.sleep(0.25)  # longer than the door remembers
+    answer(later)
+    sent = time.monotonic()  # a new burst of the same request
+    holds_keyed(later, "a")  # refused again: remembered anew, answered now
+    assert door(later, sent) == 0.0  # sent before this refusal's answer: no resend of the forgotten one
+    assert door(later, time.monotonic()) == 2
 
 
 def answer(pacer: RefusalPacer) -> None:
@@ -402,3 +439,56 @@ def resend_at_once(send: Callable[[], str], *, clients: int, seconds: float) -> 
     for thread in threads:
         thread.join()
     return statuses
+
+
+def test_over_http_a_copy_sent_before_its_request_was_first_refused_goes_on_and_a_resend_waits(kit, tiny_model_path):
+    """Over a real HTTP port, where the server knows when a request's head came: copy B's head is sent, then copy A
+    of the same body is refused, then B's body follows. B was sent before any refusal of its request was answered, so
+    it is refused at once, with its Retry-After, though nothing frees a place (at the door it would wait the whole
+    hold, 60 s, beyond this test's socket timeout). Copy C, sent once A's retry hint has passed, is a resend: it waits
+    at the door until a call gives back its place."""
+    import io
+    import socket
+
+    import httpx
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.fromarray(PIXELS).save(png, format="PNG")
+    body = png.getvalue()
+    with kit.serving([tiny_model_path], http_port=0, refusals_per_second=0, refusals_per_answer=0,
+                     max_refusal_hold_ms=60_000) as (server, _port, _stub):
+        model = server.pipeline.models()[0].name
+        base = f"http://127.0.0.1:{server.http.port}"
+        path = f"/v1/models/{model}/score?scales=64"
+        server.front.ready.clear()  # warming up again: every score is refused 503 with a Retry-After, a transient refusal
+        with httpx.Client(base_url=base, timeout=30) as client, \
+                socket.create_connection(("127.0.0.1", server.http.port), timeout=20) as copy_b:
+            assert client.get("/v1/models").status_code == 200  # the server is answering
+            other = client.post(path, content=body + b"\0", headers={"content-type": "image/png"})
+            assert other.status_code == 503 and server.pacer.refusing  # another request refused: the door is on
+            copy_b.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                           f"Content-Length: {len(body)}\r\n\r\n".encode())
+            while server.front.active < 1:  # B's head is read: it has reached the edge
+                time.sleep(0.01)
+            copy_a = client.post(path, content=body, headers={"content-type": "image/png"})
+            assert copy_a.status_code == 503 and copy_a.headers["Retry-After"]
+            copy_b.sendall(body)
+            answered = copy_b.recv(65536).decode("latin-1")  # a socket timeout here: B waited at the door
+            assert answered.startswith("HTTP/1.1 503") and "retry-after" in answered.lower(), answered[:300]
+            assert server.pacer.held == 0
+            time.sleep(int(copy_a.headers["Retry-After"]) + 0.1)  # A's hint passed: the next copy is a resend
+            assert client.get("/v1/models").status_code == 200  # the server is still answering
+            other = client.post(path, content=body + b"\0", headers={"content-type": "image/png"})
+            assert other.status_code == 503  # and refusing, with no place free
+            statuses: list[int] = []
+            with httpx.Client(base_url=base, timeout=30) as resender:
+                copy_c = threading.Thread(target=lambda: statuses.append(
+                    resender.post(path, content=body, headers={"content-type": "image/png"}).status_code))
+                copy_c.start()
+                while server.pacer.held < 1 and copy_c.is_alive():  # C, a resend, waits at the door
+                    time.sleep(0.01)
+                assert server.pacer.held == 1 and not statuses
+                assert client.get("/v1/models").status_code == 200  # a call gives its place back: C goes on
+                copy_c.join(30)
+                assert statuses == [503] and server.pacer.held == 0
