@@ -297,6 +297,12 @@ class EngineOptions:
                                     metavar="N")
     inter_op_threads: int = setting(0, "onnxruntime threads across ops (0: onnxruntime chooses)", parse=THREADS,
                                     metavar="N")
+    compute_nice: int = setting(
+        19, "the nice value of compute threads (image decoding; on the CPU also batcher runners and onnxruntime's "
+        "pools), so the threads that read, admit, refuse and answer calls run first when both are ready; compute "
+        "still takes every cycle they leave. On a host shared with other CPU-heavy work, which would then take most "
+        "of the cores from compute, set it lower; 0: one priority for all. A GPU's runner is never lowered",
+        parse=number_in(int, 0, 19), metavar="N")
     cpu_runners: int = setting(
         1, "CPU: batches of one model run at once, each on one onnxruntime thread (unless --intra-op-threads), so "
         "requests run side by side instead of one image spread over every core: set it to the cores for throughput "
@@ -348,6 +354,10 @@ class EngineOptions:
     def runners_for(self, *, on_gpu: bool) -> int:
         """Batches of one model run at once: `cpu_runners` on the CPU; one on a GPU, whose plans bind their buffers."""
         return 1 if on_gpu else self.cpu_runners
+
+    def compute_nice_for(self, *, on_gpu: bool) -> int:
+        """The nice value of compute threads: none on a GPU, whose runner feeds the device."""
+        return 0 if on_gpu else self.compute_nice
 
     def intra_op_threads_for(self, *, on_gpu: bool) -> int:
         """onnxruntime's threads per session (0: its choice): one on a GPU, where the host only launches kernels;

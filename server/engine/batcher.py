@@ -24,6 +24,7 @@ from typing import Any
 from setproctitle import setthreadtitle
 
 from server.engine.client import QueueState
+from server.engine.priority import lower_this_thread
 from server.errors import Dropped, NoRoom, Refusal, ScoringError, Transient, retry_after, shutting_down
 
 LOG = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class Batcher:
         take: Callable[[Hashable, int], int] | None = None,
         name: str = "model",
         runners: int = 1,
+        nice: int = 0,
     ) -> None:
         self._run = run
         self._take = take
@@ -125,6 +127,7 @@ class Batcher:
         self._condition = threading.Condition()
         self._closed = False
         self._runners = max(1, runners)
+        self._nice = nice  # the runners' scheduling priority (server/engine/priority.py)
         self._running_until: dict[int, float] = {}  # per busy worker thread: when its batch is expected to end
         self._seconds_per_item = 0.0
         self._batch_ids = itertools.count()
@@ -321,6 +324,7 @@ class Batcher:
 
     def _loop(self) -> None:
         setthreadtitle(threading.current_thread().name[:15])  # what top -H and /proc/PID/task/TID/comm show
+        lower_this_thread(self._nice)
         while (batch := self._take_batch()) is not None:
             try:
                 self._run_batch(batch)

@@ -84,6 +84,7 @@ class EngineCore(EngineClient):
             on_batch=None if metrics is None else functools.partial(record_batch, served, metrics),
             on_drop=None if metrics is None else functools.partial(metrics.count_dropped, name),
             take=plans.first_run, name=name, runners=self.facts.runners,
+            nice=settings.compute_nice_for(on_gpu=self.facts.on_gpu),
         )
         if metrics is not None:
             metrics.track_queue(name, served.batcher.depth)

@@ -21,6 +21,7 @@ import onnxruntime
 
 from convert.cuda import INSTALL_HINT, cuda_free_bytes, driver_present, preload_libraries, why_no_cuda
 from convert.memory_model import Device
+from server.engine.priority import made_lowered
 from server.engine.shared_weights import SharedWeights, optimize
 from server.errors import shutting_down
 from server.memory.arena import CPU_ARENA
@@ -172,7 +173,8 @@ class Engine:
             options = self.options()
             if weights is not None and not self.on_gpu:
                 path = weights.share(optimize(path, folder, self._optimizing_options(), [CPU]), options)
-            session = onnxruntime.InferenceSession(path, options, providers=self._providers)
+            session = made_lowered(lambda: onnxruntime.InferenceSession(path, options, providers=self._providers),
+                                   self.settings.compute_nice_for(on_gpu=self.on_gpu))  # its pool threads lowered
         if weights is not None and not self.on_gpu:
             # onnxruntime uses the values handed to add_initializer in place but does not keep them alive: the
             # session holds the model's weights for as long as it lives (a session outliving them read freed memory)

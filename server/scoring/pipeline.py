@@ -28,6 +28,7 @@ import numpy as np
 from convert.card import Precision, label
 from protos import model_card_pb2, scoring_pb2
 from server.engine.client import EngineClient, Submission
+from server.engine.priority import lower_this_thread
 from server.errors import Refusal, ScoringError, shutting_down
 from server.memory.host_budget import HostBudget
 from server.memory.activity import HOST_ACTIVITY
@@ -57,7 +58,8 @@ class Pipeline:
         self._closing = threading.Event()  # set by `close`: a warm-up stops at its next plan
         self._warming = threading.Lock()  # held by a warm-up while it makes or runs plans
         self._decoder = ThreadPoolExecutor(self.settings.decode_threads or os.cpu_count() or 1,
-                                           thread_name_prefix="decode")
+                                           thread_name_prefix="decode", initializer=lower_this_thread,
+                                           initargs=(self.settings.compute_nice,))
         core = None
         if engine is None:
             from server.engine.core import EngineCore  # onnxruntime: only where the engine runs in this process
