@@ -21,6 +21,7 @@ transports alternated level by level over rounds, best of each kept; target: HTT
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import io
 import pathlib
 import statistics
@@ -29,7 +30,6 @@ import threading
 import time
 
 import grpc
-import httpx
 import numpy as np
 import onnx
 import onnxruntime
@@ -170,14 +170,19 @@ def sweep(model: str, settings: Settings) -> dict[int, tuple[float, float]]:
 
 
 def closed_loop(clients: int, send, *, per_client: int | None = None) -> float:
-    """Requests per second of `clients` threads each calling `send(client_index)` `per_client` times in turn."""
+    """Requests per second of `clients` threads each calling `send(client_index)` `per_client` times in turn; a
+    failed call fails the measurement (a client that stopped early would inflate the rate)."""
     per_client = per_client or max(2, TRANSPORT_REQUESTS // clients)
     barrier = threading.Barrier(clients + 1)
+    failures: list[BaseException] = []
 
     def client(index: int) -> None:
         barrier.wait()
-        for _ in range(per_client):
-            send(index)
+        try:
+            for _ in range(per_client):
+                send(index)
+        except Exception as error:
+            failures.append(error)
 
     threads = [threading.Thread(target=client, args=(index,)) for index in range(clients)]
     for thread in threads:
@@ -186,6 +191,8 @@ def closed_loop(clients: int, send, *, per_client: int | None = None) -> float:
     started = time.perf_counter()
     for thread in threads:
         thread.join()
+    if failures:
+        raise RuntimeError(f"{len(failures)} of {clients} clients failed; the first: {failures[0]!r}")
     return clients * per_client / (time.perf_counter() - started)
 
 
@@ -193,14 +200,27 @@ def transports(model: str, settings: Settings) -> dict[tuple[str, int], float]:
     """Best requests per second by (transport, clients): gRPC Score and HTTP /v1 score on one server."""
     encoded = portrait_jpeg()
     job = scoring_pb2.ScoreRequest(encoded=encoded, scales=[SCALE], output_stride=32, top_k=5)
-    server, port = create_server([model], settings=dataclasses.replace(settings, http_port=0))
+    # Every client on one address, as the gRPC channel is: no per-address limit on either port.
+    server, port = create_server([model], settings=dataclasses.replace(settings, http_port=0, max_calls_per_peer=0))
     channel, stub = stub_for(port)
     name = server.pipeline.models()[0].name
-    url = f"http://127.0.0.1:{server.http.port}/v1/models/{name}/score?scales={SCALE}&stride=32&top_k=5"
-    sessions = [httpx.Client(headers={"Content-Type": "image/jpeg"}) for _ in range(max(CONCURRENCY))]
+    path = f"/v1/models/{name}/score?scales={SCALE}&stride=32&top_k=5"
+    # The clients run in the server's own process: a keep-alive connection of the standard library's, as light a
+    # client as gRPC's C-core stub (httpx's per-call Python took the interpreter from the server it measured).
+    sessions = [http.client.HTTPConnection("127.0.0.1", server.http.port) for _ in range(max(CONCURRENCY))]
 
     def over_http(index: int) -> None:
-        sessions[index].post(url, content=encoded).raise_for_status()
+        session = sessions[index]
+        try:
+            session.request("POST", path, body=encoded, headers={"Content-Type": "image/jpeg"})
+            answer = session.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            session.close()  # the server closed the idle connection: the request again on a new one
+            session.request("POST", path, body=encoded, headers={"Content-Type": "image/jpeg"})
+            answer = session.getresponse()
+        answer.read()
+        if answer.status != 200:
+            raise RuntimeError(f"HTTP /v1 answered {answer.status}")
 
     senders = {"gRPC": lambda _index: stub.Score(job), "HTTP": over_http}
     best: dict[tuple[str, int], float] = {}
