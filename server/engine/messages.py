@@ -4,12 +4,18 @@ Every message is small: ids, places, shapes, offsets into the front's shared-mem
 (server/engine/shm.py), deadlines (time.monotonic(), one clock for every process of a machine). Pixels and
 lattices stay in shared memory; only an array the region had no room for travels inline, as bytes. Nothing
 is pickled, and nothing holds a lock, event or object of the other side (vLLM V1's serial_utils does the same).
-Decoded with one tagged-union decoder per direction.
+Decoded with one tagged-union decoder per direction; each side reads its socket through `received`.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
 import msgspec
+import zmq
 
 from server.engine.client import EngineFacts, PlanKey, QueueState
 from server.errors import Refusal, ScoringError
@@ -17,9 +23,12 @@ from server.geometry.dense import Passes
 from convert.memory_model import Device
 
 __all__ = ["Abort", "Ask", "Done", "Failed", "Facts", "ItemSpec", "Queue", "Submit", "Warm", "Warmed",
-           "decode_from_engine", "decode_to_engine", "encode"]
+           "STOP_POLL_MS", "decode_from_engine", "decode_to_engine", "encode", "received"]
 
+LOG = logging.getLogger(__name__)
+T = TypeVar("T")
 STRUCT = dict(tag=True, array_like=True, omit_defaults=True, gc=False)
+STOP_POLL_MS = 100  # how often a thread waiting on a socket looks whether its side is stopping
 
 
 class PassesSpec(msgspec.Struct, array_like=True, gc=False):
@@ -179,3 +188,21 @@ def decode_from_engine(data: bytes | memoryview) -> FromEngine:
 def plan_key(spec: tuple[int, int, int, PassesSpec]) -> PlanKey:
     height, width, batch, passes = spec
     return PlanKey(height, width, batch, passes.passes())
+
+
+def received(socket: zmq.Socket, decode: Callable[[bytes], T], stopping: threading.Event, *,
+             reader: str) -> Iterator[T]:
+    """Each message that arrives on `socket`, decoded, until `stopping` is set; one `reader` cannot read is logged
+    and dropped."""
+    socket.setsockopt(zmq.RCVTIMEO, STOP_POLL_MS)
+    while not stopping.is_set():
+        try:
+            data = socket.recv()  # a copy: cheaper than a zero-copy frame for messages this small
+        except zmq.Again:
+            continue
+        try:
+            message = decode(data)
+        except Exception:
+            LOG.exception("a message %s cannot read: dropped", reader)
+            continue
+        yield message

@@ -28,8 +28,8 @@ from zmq.utils.monitor import recv_monitor_message
 from server.engine.batcher import Work
 from server.engine.client import QueueState, Submission
 from server.engine.core import EngineCore
-from server.engine.messages import (Abort, Ask, Done, Facts, Failed, ItemSpec, Queue, Submit, Warm, Warmed,
-                                    decode_to_engine, encode, plan_key)
+from server.engine.messages import (STOP_POLL_MS, Abort, Ask, Done, Facts, Failed, ItemSpec, Queue, Submit, Warm,
+                                    Warmed, decode_to_engine, encode, plan_key, received)
 from server.engine.shm import Region, region_of_front
 from server.errors import NoRoom, Refusal, ScoringError
 from server.scoring.request import GroupKey, Item, ItemKey
@@ -38,7 +38,6 @@ __all__ = ["EngineLoop"]
 
 LOG = logging.getLogger(__name__)
 LINGER_MS = 0  # a closing engine drops what it could not send: its fronts see it gone and refuse at once
-STOP_POLL_MS = 100  # how often a waiting thread looks whether the loop is stopping
 
 
 @dataclass(eq=False)
@@ -113,17 +112,7 @@ class EngineLoop:
         # The input thread answers asks and refusals on sockets of its own: a hand-over to the output thread would
         # add a thread's wake-up to every request's round trip.
         self._replies = {index: self._connect(address) for index, address in self._fronts.items()}
-        self._input.setsockopt(zmq.RCVTIMEO, STOP_POLL_MS)
-        while not self._stopping.is_set():
-            try:
-                data = self._input.recv()  # a copy: cheaper than a zero-copy frame for messages this small
-            except zmq.Again:
-                continue
-            try:
-                message = decode_to_engine(data)
-            except Exception:
-                LOG.exception("a message the engine cannot read: dropped")
-                continue
+        for message in received(self._input, decode_to_engine, self._stopping, reader="the engine"):
             try:
                 self._dispatch(message)
             except Exception as error:  # a bug in one call's handling never stops the engine's input

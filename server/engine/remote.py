@@ -25,8 +25,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from server.engine.client import CanvasStore, EngineClient, PlanKey, QueueState, Ran, Submission
 from server.engine.device_graph import LATTICE_FP16
-from server.engine.messages import (Abort, Ask, Done, Facts, Failed, ItemSpec, PassesSpec, Queue, Submit, Warm,
-                                    Warmed, decode_from_engine, encode)
+from server.engine.messages import (STOP_POLL_MS, Abort, Ask, Done, Facts, Failed, ItemSpec, PassesSpec, Queue,
+                                    Submit, Warm, Warmed, decode_from_engine, encode, received)
 from server.engine.shm import Allocator, Region
 from server.errors import NoRoom, Refusal, ScoringError, Transient, retry_after, shutting_down
 from server.scoring.request import ItemKey, Scored
@@ -35,7 +35,6 @@ __all__ = ["RemoteClient", "ShmCanvases"]
 
 LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting call looks at its cancellation flag
-STOP_POLL_MS = 100  # how often the client's threads look whether it is closing
 SEND_WAIT_MS = 2000  # how long a message waits for the engine's connection before the call is refused
 ABORT_ACK_SECONDS = 1.0  # how long an ended call waits for the engine to say it writes nothing more for it
 TRUSTED_SECONDS = 0.001  # a queue state that refuses is asked again once older than this, or one item's time
@@ -329,17 +328,7 @@ class RemoteClient(EngineClient):
 
     # --- receiving -----------------------------------------------------------------------------------------
     def _receive(self) -> None:
-        self._receive_socket.setsockopt(zmq.RCVTIMEO, STOP_POLL_MS)
-        while not self._stopping.is_set():
-            try:
-                data = self._receive_socket.recv()  # a copy: cheaper than a zero-copy frame for messages this small
-            except zmq.Again:
-                continue
-            try:
-                message = decode_from_engine(data)
-            except Exception:
-                LOG.exception("a message from the engine this front cannot read: dropped")
-                continue
+        for message in received(self._receive_socket, decode_from_engine, self._stopping, reader="this front"):
             if isinstance(message, Facts):
                 self.facts, self._classes = message.facts(), dict(message.classes)
                 with self._lock:

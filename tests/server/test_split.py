@@ -22,7 +22,7 @@ from PIL import Image
 
 from protos import RETRY_AFTER_KEY, scoring_pb2, scoring_pb2_grpc
 from tests.server.test_main import serve_command
-from tests.server.test_workers import alive, children, once_warm
+from tests.server.test_workers import alive, children, once_warm, supervised
 
 FRONTS = 2
 PIXELS = np.random.default_rng(11).integers(0, 256, (96, 128, 3), dtype=np.uint8)
@@ -49,26 +49,16 @@ def wait_until(condition, seconds: float = 60.0) -> bool:
 
 @contextlib.contextmanager
 def server(tmp_path, model_path: str, *flags: str, fronts: int = FRONTS) -> Iterator[tuple[subprocess.Popen, int]]:
-    """`scoremap-serve` (with `--fronts`, unless 0) until the block ends; every process killed if still running."""
-    log = tmp_path / f"serve-{fronts}.log"
-    process = subprocess.Popen(
-        serve_command() + [model_path, "--port", "0", "--fronts", str(fronts), "--intra-op-threads", "1", *flags],
-        stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
-    )
-    pids: list[int] = []
+    """`scoremap-serve` (with `--fronts`, unless 0) until the block ends; every process killed if still running,
+    and the fronts' shared memory removed."""
+    arguments = [model_path, "--port", "0", "--fronts", str(fronts), "--intra-op-threads", "1", *flags]
+    supervisor = None
     try:
-        line = process.stdout.readline()
-        assert line.startswith("scoremap-serve listening on 127.0.0.1:"), (line, log.read_text())
-        pids = children(process.pid)
-        yield process, int(line.rsplit(":", 1)[1])
+        with supervised(tmp_path / f"serve-{fronts}.log", arguments) as (process, port):
+            supervisor = process.pid
+            yield process, port
     finally:
-        pids = pids or children(process.pid)
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        for pid in filter(alive, pids):
-            os.kill(pid, signal.SIGKILL)
-        for name in regions(process.pid):
+        for name in regions(supervisor) if supervisor is not None else ():
             (SHM / name).unlink(missing_ok=True)
 
 

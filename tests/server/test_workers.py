@@ -12,6 +12,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -63,22 +64,16 @@ def score_once_warm(stub: scoring_pb2_grpc.DenseScoringStub, request) -> object:
 
 
 @contextlib.contextmanager
-def workers(tmp_path, model_path: str, *flags: str) -> Iterator[tuple[subprocess.Popen, int, list[str]]]:
-    """`scoremap-serve --workers 2` with its metrics: the supervisor, the gRPC port, each worker's other lines
-    (HTTP, metrics); every process killed at the end if still running."""
-    log = tmp_path / "serve.log"
-    process = subprocess.Popen(
-        serve_command() + [model_path, "--port", "0", "--workers", str(WORKERS), "--intra-op-threads", "1",
-                           "--metrics-port", "0", *flags],
-        stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
-    )
+def supervised(log: Path, arguments: list[str]) -> Iterator[tuple[subprocess.Popen, int]]:
+    """`scoremap-serve` with `arguments`, a supervisor of several processes: it and its gRPC port once it listens;
+    every process of it killed at the end if still running."""
+    process = subprocess.Popen(serve_command() + arguments, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
     pids: list[int] = []
     try:
         line = process.stdout.readline()
         assert line.startswith("scoremap-serve listening on 127.0.0.1:"), (line, log.read_text())
         pids = children(process.pid)
-        lines_each = 1 + ("--http-port" in flags)
-        yield process, int(line.rsplit(":", 1)[1]), [process.stdout.readline() for _ in range(WORKERS * lines_each)]
+        yield process, int(line.rsplit(":", 1)[1])
     finally:
         pids = pids or children(process.pid)  # before the supervisor goes: then they are no longer its children
         if process.poll() is None:
@@ -86,6 +81,17 @@ def workers(tmp_path, model_path: str, *flags: str) -> Iterator[tuple[subprocess
             process.wait()
         for pid in filter(alive, pids):
             os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def workers(tmp_path, model_path: str, *flags: str) -> Iterator[tuple[subprocess.Popen, int, list[str]]]:
+    """`scoremap-serve --workers 2` with its metrics: the supervisor, the gRPC port, each worker's other lines
+    (HTTP, metrics); every process killed at the end if still running."""
+    arguments = [model_path, "--port", "0", "--workers", str(WORKERS), "--intra-op-threads", "1", "--metrics-port",
+                 "0", *flags]
+    with supervised(tmp_path / "serve.log", arguments) as (process, port):
+        lines_each = 1 + ("--http-port" in flags)
+        yield process, port, [process.stdout.readline() for _ in range(WORKERS * lines_each)]
 
 
 def alive(pid: int) -> bool:
