@@ -2,11 +2,17 @@
 
 It answers the same ScoreResponse protos as the server, so the CLI has one code path for both,
 raises the same ScoremapError (translated from the server's ScoringError here, once, with its
-retry hint) and retries a full queue by the same policy (clients/api/retry.py).
+retry hint) and retries a full queue by the same policy (clients/api/retry.py). Two of the server's
+settings do not apply to a job in this process: plans are made when the job first needs them, never warmed
+up front (a server warms every scale and the tile canvas so its first answers are prompt; here that held a
+job most of a minute before its first photo, for plans it may never use), and compute runs at the process's
+own priority (a server lowers it to keep its edges answering; here there are no edges, and a lowered job
+crawls beside any other work on the machine).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Sequence
@@ -25,14 +31,16 @@ __all__ = ["LocalScorer"]
 
 
 class LocalScorer:
-    """Scores requests with server.scoring.pipeline.Pipeline over `model_paths`, in this process."""
+    """Scores requests with server.scoring.pipeline.Pipeline over `model_paths`, in this process, with `settings`
+    (the server's defaults when None), its plans made on demand and its compute at this process's priority."""
 
     def __init__(self, model_paths: Sequence[str], *, settings: Settings | None = None,
                  client_settings: ClientSettings | None = None) -> None:
         self.client_settings = client_settings or ClientSettings()
         self._stop = threading.Event()
         try:
-            self._pipeline = Pipeline(list(model_paths), settings=settings)
+            own = dataclasses.replace(settings or Settings(), warm_up=False, compute_nice=0)
+            self._pipeline = Pipeline(list(model_paths), settings=own)
         except ScoringError as error:
             raise _translated(error) from error
 

@@ -378,3 +378,24 @@ def test_an_out_folder_that_cannot_be_made_is_named_with_the_fix(server, photos,
     assert main([str(photos), "--out", out, "--server", server, "--no-progress"]) == EXIT_REFUSED
     said = caplog.text
     assert f"--out '{out}'" in said and "give --out a folder you can write to" in said and "Errno" not in said
+
+
+def test_local_makes_each_plan_when_first_needed_and_runs_at_its_own_priority(tiny_model):
+    """--local warms nothing up front and lowers no thread, whatever the settings say: the server's warm-up of
+    every scale and the tile canvas would hold a batch job most of a minute before its first photo, and compute at
+    nice 19 crawls beside any other work on the machine."""
+    from clients.batch.local import LocalScorer
+    from server.settings import Settings
+    from tests.server.conftest import raw_request
+
+    def raised() -> list[int]:
+        return [int(task.name) for task in Path("/proc/self/task").iterdir()
+                if os.getpriority(os.PRIO_PROCESS, int(task.name)) != os.getpriority(os.PRIO_PROCESS, 0)]
+
+    with LocalScorer([tiny_model], settings=Settings(warm_up=True, compute_nice=19, intra_op_threads=2)) as scorer:
+        model = scorer.models()[0].name
+        plans = scorer._pipeline.engine.served(model).plans
+        assert plans.made == 0
+        assert scorer.score_request(raw_request(np.zeros((64, 64, 3), np.uint8), scales=[64])).top_k
+        assert plans.made == 1
+        assert not raised()
