@@ -174,8 +174,8 @@ def test_nothing_of_the_server_outlives_its_killed_supervisor(tiny_model_path, t
 
 def test_a_dev_shm_too_small_for_the_fronts_is_refused_at_start(tiny_model_path):
     """Docker's 64 MB /dev/shm: refused before anything starts, with the size needed and how to give it."""
-    free = os.statvfs("/dev/shm")
-    too_much = free.f_bavail * free.f_frsize // FRONTS + 2**20
+    shm = os.statvfs("/dev/shm")
+    too_much = shm.f_blocks * shm.f_frsize // FRONTS + 2**20  # beyond its whole size, whatever others use of it
     finished = subprocess.run(serve_command() + [tiny_model_path, "--port", "0", "--fronts", str(FRONTS),
                                                  "--front-shm-bytes", str(too_much)],
                               capture_output=True, text=True, timeout=60)
