@@ -4,11 +4,13 @@ Every message is small: ids, places, shapes, offsets into the front's shared-mem
 (server/engine/shm.py), deadlines (time.monotonic(), one clock for every process of a machine). Pixels and
 lattices stay in shared memory; only an array the region had no room for travels inline, as bytes. Nothing
 is pickled, and nothing holds a lock, event or object of the other side (vLLM V1's serial_utils does the same).
-Decoded with one tagged-union decoder per direction; each side reads its socket through `received`.
+Decoded with one tagged-union decoder per direction; each side reads its socket through `received`, which blocks
+with no timeout (an idle reader never wakes) until `waking` sends it an empty frame to stop on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -23,12 +25,13 @@ from server.geometry.dense import Passes
 from convert.memory_model import Device
 
 __all__ = ["Abort", "Ask", "Done", "Failed", "Facts", "ItemSpec", "Queue", "Submit", "Warm", "Warmed",
-           "STOP_POLL_MS", "decode_from_engine", "decode_to_engine", "encode", "received"]
+           "decode_from_engine", "decode_to_engine", "encode", "received", "waking"]
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
 STRUCT = dict(tag=True, array_like=True, omit_defaults=True, gc=False)
-STOP_POLL_MS = 100  # how often a thread waiting on a socket looks whether its side is stopping
+WAKE = b""  # the frame that wakes a reader blocked in `received` to find its side stopping: no message is empty
+WAKE_SEND_MS = 1000  # how long `waking` may wait to hand its frame to ZMQ (it never waits on a live reader)
 
 
 class PassesSpec(msgspec.Struct, array_like=True, gc=False):
@@ -192,13 +195,13 @@ def plan_key(spec: tuple[int, int, int, PassesSpec]) -> PlanKey:
 
 def received(socket: zmq.Socket, decode: Callable[[bytes], T], stopping: threading.Event, *,
              reader: str) -> Iterator[T]:
-    """Each message that arrives on `socket`, decoded, until `stopping` is set; one `reader` cannot read is logged
-    and dropped."""
-    socket.setsockopt(zmq.RCVTIMEO, STOP_POLL_MS)
-    while not stopping.is_set():
-        try:
-            data = socket.recv()  # a copy: cheaper than a zero-copy frame for messages this small
-        except zmq.Again:
+    """Each message that arrives on `socket`, decoded, until `stopping` is set and the reader woken (`waking`); one
+    `reader` cannot read is logged and dropped."""
+    while True:
+        data = socket.recv()  # a copy: cheaper than a zero-copy frame for messages this small
+        if stopping.is_set():
+            return
+        if data == WAKE:
             continue
         try:
             message = decode(data)
@@ -206,3 +209,20 @@ def received(socket: zmq.Socket, decode: Callable[[bytes], T], stopping: threadi
             LOG.exception("a message %s cannot read: dropped", reader)
             continue
         yield message
+
+
+@contextlib.contextmanager
+def waking(context: zmq.Context, address: str) -> Iterator[None]:
+    """Wake the reader of `address` (blocked in `received`, its `stopping` set) and keep the frame's socket open
+    while the caller waits for the reader to end, so the frame is delivered."""
+    socket = context.socket(zmq.PUSH)
+    socket.setsockopt(zmq.SNDTIMEO, WAKE_SEND_MS)
+    socket.connect(address)
+    try:
+        socket.send(WAKE)
+    except zmq.Again:
+        LOG.warning("the reader of %s could not be woken", address)
+    try:
+        yield
+    finally:
+        socket.close(linger=0)

@@ -28,8 +28,8 @@ from zmq.utils.monitor import recv_monitor_message
 from server.engine.batcher import Work
 from server.engine.client import QueueState, Submission
 from server.engine.core import EngineCore
-from server.engine.messages import (STOP_POLL_MS, Abort, Ask, Done, Facts, Failed, ItemSpec, Queue, Submit, Warm,
-                                    Warmed, decode_to_engine, encode, plan_key, received)
+from server.engine.messages import (Abort, Ask, Done, Facts, Failed, ItemSpec, Queue, Submit, Warm, Warmed,
+                                    decode_to_engine, encode, plan_key, received, waking)
 from server.engine.shm import Region, region_of_front
 from server.errors import NoRoom, Refusal, ScoringError
 from server.scoring.request import GroupKey, Item, ItemKey
@@ -59,6 +59,7 @@ class EngineLoop:
                  on_idle: Callable[[], None] | None = None) -> None:
         self.core = core
         self._context = zmq.Context()
+        self._input_address = input_address
         self._input = self._context.socket(zmq.PULL)
         self._input.bind(input_address)
         self._fronts = fronts
@@ -97,9 +98,10 @@ class EngineLoop:
     def stop(self) -> None:
         """Stop answering; the engine itself is closed by its owner."""
         self._stopping.set()
-        self._out.put(None)
-        for thread in self._threads:
-            thread.join(timeout=5)
+        self._out.put(None)  # the output thread ends; closing its sockets wakes the watch thread
+        with waking(self._context, self._input_address):
+            for thread in self._threads:
+                thread.join(timeout=5)
         with self._lock:
             for sockets in self._thread_sockets:
                 for socket in sockets.values():
@@ -244,7 +246,8 @@ class EngineLoop:
         for index, address in self._fronts.items():
             socket = sockets[index] = self._context.socket(zmq.PUSH)
             socket.setsockopt(zmq.LINGER, LINGER_MS)
-            monitors[index] = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            monitors[index] = socket.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED)
             socket.connect(address)
         ready.set()
         while True:
@@ -302,13 +305,14 @@ class EngineLoop:
 
     # --- fronts coming and going ---------------------------------------------------------------------------
     def _watch(self, monitors: dict[int, zmq.Socket]) -> None:
+        """Blocks with no timeout (an idle engine never wakes it): the output thread's closing sockets end it."""
         poller = zmq.Poller()
         fronts = {}
         for index, monitor in monitors.items():
             poller.register(monitor, zmq.POLLIN)
             fronts[monitor] = index
         while not self._stopping.is_set():
-            for monitor, _ in poller.poll(STOP_POLL_MS):
+            for monitor, _ in poller.poll():
                 event = recv_monitor_message(monitor)["event"]
                 front = fronts[monitor]
                 if event == zmq.EVENT_CONNECTED:

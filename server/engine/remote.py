@@ -25,8 +25,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from server.engine.client import CanvasStore, EngineClient, PlanKey, QueueState, Ran, Submission
 from server.engine.device_graph import LATTICE_FP16
-from server.engine.messages import (STOP_POLL_MS, Abort, Ask, Done, Facts, Failed, ItemSpec, PassesSpec, Queue,
-                                    Submit, Warm, Warmed, decode_from_engine, encode, received)
+from server.engine.messages import (Abort, Ask, Done, Facts, Failed, ItemSpec, PassesSpec, Queue, Submit, Warm,
+                                    Warmed, decode_from_engine, encode, received, waking)
 from server.engine.shm import Allocator, Region
 from server.errors import NoRoom, Refusal, ScoringError, Transient, retry_after, shutting_down
 from server.scoring.request import ItemKey, Scored
@@ -124,9 +124,10 @@ class RemoteClient(EngineClient):
         self._send_socket.setsockopt(zmq.LINGER, 0)
         self._send_socket.connect(engine_address)
         self._send_lock = threading.Lock()
+        self._results_address = results_address
         self._receive_socket = self._context.socket(zmq.PULL)
         self._receive_socket.setsockopt(zmq.LINGER, 0)
-        monitor = self._receive_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = self._receive_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED)
         self._receive_socket.bind(results_address)
         self._calls = itertools.count(time.monotonic_ns())  # never an id an earlier front of this index used
         self._pending: dict[int, Pending] = {}
@@ -238,8 +239,9 @@ class RemoteClient(EngineClient):
             return
         self._stopping.set()
         self._fail_all(shutting_down())
-        for thread in self._threads:
-            thread.join(timeout=2)
+        with waking(self._context, self._results_address):  # the results thread closes its socket, which ends the watch
+            for thread in self._threads:
+                thread.join(timeout=2)
         with self._send_lock:
             self._send_socket.close(linger=0)
         self._context.destroy(linger=0)
@@ -368,12 +370,10 @@ class RemoteClient(EngineClient):
             view.state, view.heard, view.sent = state, time.monotonic(), 0
 
     def _watch(self, monitor: zmq.Socket) -> None:
-        poller = zmq.Poller()
-        poller.register(monitor, zmq.POLLIN)
+        """Blocks with no timeout (an idle front never wakes it) until the results socket closes."""
         while not self._stopping.is_set():
-            if not poller.poll(STOP_POLL_MS):
-                continue
-            if recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED and not self._stopping.is_set():
                 LOG.error("the engine process went away: calls refused until it is back")
                 self._facts_known.clear()
                 if self.on_ready is not None:
