@@ -40,7 +40,7 @@ from bench.bench_overload import start_server
 from bench.models import null_model
 from clients.loadtest.latency import LevelReport
 from clients.loadtest.run import LevelPlan, LoadLimits, LoadTester, Target
-from clients.loadtest.traffic import SCORE_METHOD, Payloads, clock
+from clients.loadtest.traffic import SCORE_METHOD, Payloads
 from protos import scoring_pb2
 
 IN_FLIGHT = (1, 16, 64)

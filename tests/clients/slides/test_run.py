@@ -21,7 +21,6 @@ from clients.batch.local import LocalScorer
 from clients.slides.readers import SlideError, open_image
 from clients.slides.run import RunError, SlideOptions, score_slide
 from clients.slides.tiles import TileOptions, score_map
-from convert.card import read_card
 from protos.scoring_pb2 import SHIFT_GRID
 from tests.clients.slides.nets import ON_DEMAND
 from tests.tiny_models import tolerance

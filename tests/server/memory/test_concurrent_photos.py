@@ -18,7 +18,6 @@ import time
 
 import grpc
 import onnx
-import pytest
 
 from clients import ClientSettings, ScoremapClient
 from convert import convert_classifier

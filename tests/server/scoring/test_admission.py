@@ -227,7 +227,6 @@ def test_a_budget_evicts_until_the_plans_held_together_fit(tiny_model_path, coor
 
 
 def test_a_plan_that_cannot_fit_alone_is_refused_with_the_numbers(tiny_model_path, coordinate_model_path):
-    import grpc
 
     from server.errors import ScoringError
 
@@ -316,7 +315,6 @@ def test_by_default_no_size_cap_the_request_s_own_estimate_decides():
 def test_a_request_too_large_for_host_memory_is_refused_before_decoding():
     import io
 
-    import grpc
     from PIL import Image
 
     from server.memory.host_budget import admit_host
@@ -399,7 +397,6 @@ def test_the_converted_tf2onnx_graph_is_admitted_and_scored(kit, tmp_path):
 
 
 def test_requests_in_flight_share_the_host_budget():
-    import grpc
 
     from server.memory.host_budget import HostBudget
     from server.errors import ScoringError
