@@ -26,9 +26,9 @@ is what the check compares when it names the layer that loses the most.
   Otherwise its range is the whole pixel range, so no pixel is clipped.
 * Accuracy-driven mixed precision (as Intel Neural Compressor's and TensorRT's precision fallback): while the graph
   falls short of the thresholds on the calibration photos, the quantized layer whose weights, put back in float, lift
-  the scores' signal-to-quantization-noise ratio on them the most (`fallback_layer`, measured on the fused plan) is
-  kept in float and the graph quantized again, at most MAX_FALLBACK_LAYERS times; the card names each layer and the
-  numbers that chose it. The held-out photos take no part in the choice.
+  the scores' signal-to-quantization-noise ratio on them the most (`fallback_ranking`, measured once on the fused
+  plan) is kept in float and the graph quantized again, at most MAX_FALLBACK_LAYERS times; the card names each layer
+  and the numbers that chose it. The held-out photos take no part in the choice.
 * The check (convert.verify.agreement) gates the result: below MIN_TOP1_AGREEMENT or MIN_MAP_CORRELATION
   on the calibration or the held-out photos, nothing is written unless the caller allows the loss, and
   then the card carries a warning.
@@ -58,7 +58,7 @@ from convert.errors import ConversionError
 from protos.model_card_pb2 import Agreement, CalibrationTrial, ModelCard, Quantization, Verification
 
 __all__ = ["CALIBRATION_METHODS", "MIN_TOP1_AGREEMENT", "MIN_MAP_CORRELATION", "to_int8", "quantize", "input_grid",
-           "MAX_FALLBACK_LAYERS", "fallback_layer", "float_ops"]
+           "MAX_FALLBACK_LAYERS", "fallback_ranking", "float_ops"]
 
 log = logging.getLogger(__name__)
 
@@ -177,23 +177,21 @@ def _with_float_weights(candidate: onnx.ModelProto, reference: onnx.ModelProto, 
     return guard_float_layers(out, (name,))
 
 
-def fallback_layer(reference: onnx.ModelProto, candidate: onnx.ModelProto, tensors: list[np.ndarray], *,
-                   keep_float: tuple[str, ...] = ()) -> tuple[str, float, float] | None:
-    """(name, the scores' SNR in dB, the SNR with that layer in float) of the quantized layer (one with quantized
-    weights) of `candidate`, not in `keep_float`, whose weights put back in float lift the graph's output's
-    signal-to-quantization-noise ratio over `tensors` the most; None when no layer is quantized.
+def fallback_ranking(reference: onnx.ModelProto, candidate: onnx.ModelProto, tensors: list[np.ndarray], *,
+                     keep_float: tuple[str, ...] = ()) -> tuple[float, list[tuple[str, float]]]:
+    """(the scores' signal-to-quantization-noise ratio in dB over `tensors`, [(layer, that ratio with the layer's
+    weights put back in float)], highest first) for each quantized layer (one with quantized weights) of `candidate`
+    not in `keep_float`.
 
-    Measured on the plan onnxruntime runs (fused), each layer in turn, the rest of the int8 graph as it is: what
-    the scores lose, not what a layer's own output loses (a layer's output SNR hides how its noise grows or fades
-    on the way to the scores, and a ReLU folded into a convolution hides the convolution)."""
+    Measured on the plan onnxruntime runs (fused), each layer in turn, the rest of the int8 graph as it is: what the
+    scores gain, not what a layer's own output loses (a layer's output SNR hides how its noise grows or fades on the
+    way to the scores, and a ReLU folded into a convolution hides the convolution)."""
     producers = {output: node for node in candidate.graph.node for output in node.output}
     weights = {tensor.name for tensor in candidate.graph.initializer}
     names = [node.name for node in candidate.graph.node
              if node.op_type not in QDQ_OPS and node.name not in keep_float and len(node.input) > 1
              and getattr(producers.get(node.input[1]), "op_type", None) == "DequantizeLinear"
              and producers[node.input[1]].input[0] in weights]
-    if not names:
-        return None
     session = verify.session(reference)
     expected = [verify.run(session, tensor).astype(np.float64) for tensor in tensors]
     signal = sum(float(np.sum(value ** 2)) for value in expected)
@@ -204,20 +202,17 @@ def fallback_layer(reference: onnx.ModelProto, candidate: onnx.ModelProto, tenso
                     for tensor, value in zip(tensors, expected))
         return float(10 * np.log10(max(signal, 1e-30) / max(noise, 1e-30)))
 
-    lifted = {name: snr(_with_float_weights(candidate, reference, name)) for name in names}
-    best = max(lifted, key=lifted.get)
-    return best, snr(candidate), lifted[best]
+    lifted = [(name, snr(_with_float_weights(candidate, reference, name))) for name in names]
+    return snr(candidate), sorted(lifted, key=lambda entry: -entry[1])
 
 
-def _worst_layer(reference: onnx.ModelProto, candidate: onnx.ModelProto, tensors: list[np.ndarray], *,
-                 keep_float: tuple[str, ...]) -> str:
-    """The quantized layer the fallback would keep in float next (`fallback_layer`), and what that would give."""
-    worst = fallback_layer(reference, candidate, tensors, keep_float=keep_float)
-    if worst is None:
+def _worst_layer(reference: onnx.ModelProto, snr: float, ranking: list[tuple[str, float]]) -> str:
+    """The first layer of `ranking` (`fallback_ranking`): the one that loses the most."""
+    if not ranking:
         return "none: no layer is quantized"
-    name, before, after = worst
-    return (f"{_op_type(reference, name)} {name!r}: in float, it would lift the scores' signal-to-quantization-noise "
-            f"ratio on the calibration photos the most of the quantized layers, from {before:.1f} to {after:.1f} dB")
+    name, lifted = ranking[0]
+    return (f"{_op_type(reference, name)} {name!r}: in float, it lifts the scores' signal-to-quantization-noise ratio "
+            f"on the calibration photos the most of the quantized layers, from {snr:.1f} to {lifted:.1f} dB")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,25 +242,24 @@ def _describe(name: str, record: Agreement) -> str:
             f"{record.max_probability_diff:.3f}, mean {record.mean_probability_diff:.2g}")
 
 
-def _fall_back(model: onnx.ModelProto, best: _Trial, kept: dict[str, str], calibration: list[list[np.ndarray]], *,
-               reference: onnxruntime.InferenceSession, sides: tuple[int, ...], logits: bool, max_layers: int,
-               min_top1: float, min_correlation: float) -> tuple[_Trial, dict[str, str]]:
-    """Accuracy-driven mixed precision: while `best` falls short of the thresholds on the calibration photos, the
-    quantized layer whose float weights lift the scores the most on them (`fallback_layer`) joins `kept` in float
-    and the graph is quantized again, `max_layers` times at most. The held-out photos take no part: they check the
-    result."""
+def _fall_back(model: onnx.ModelProto, best: _Trial, kept: dict[str, str], calibration: list[list[np.ndarray]],
+               ranking: list[tuple[str, float]], snr: float, *, reference: onnxruntime.InferenceSession,
+               sides: tuple[int, ...], logits: bool, max_layers: int, min_top1: float,
+               min_correlation: float) -> tuple[_Trial, dict[str, str]]:
+    """Accuracy-driven mixed precision: while `best` falls short of the thresholds on the calibration photos, the next
+    layer of `ranking` (`fallback_ranking` of `best`, whose SNR is `snr`) joins `kept` in float and the graph is
+    quantized again, `max_layers` times at most (ranked once, as Intel Neural Compressor's fallback does: each
+    ranking costs a run per quantized layer). The held-out photos take no part: they check the result."""
     tensors = [tensor for per_photo in calibration for tensor in per_photo]
     fallen: dict[str, str] = {}
-    while len(fallen) < max_layers:
+    for name, lifted in ranking[:max_layers]:
         problems = _shortfalls("calibration photos", best.calibration, min_top1=min_top1,
                                min_correlation=min_correlation)
-        worst = fallback_layer(model, best.model, tensors, keep_float=(*kept, *fallen)) if problems else None
-        if worst is None:
+        if not problems:
             break
-        name, before, after = worst
-        fallen[name] = (f"the fallback's choice {len(fallen) + 1}: in float it lifted the scores' signal-to-"
-                        f"quantization-noise ratio on the calibration photos the most of the quantized layers, from "
-                        f"{before:.1f} to {after:.1f} dB, where {'; '.join(problems)}")
+        fallen[name] = (f"the fallback's choice {len(fallen) + 1}: alone in float it lifted the scores' signal-to-"
+                        f"quantization-noise ratio on the calibration photos from {snr:.1f} to {lifted:.1f} dB, "
+                        f"where {'; '.join(problems)}")
         candidate = quantize(model, tensors, method=best.method, keep_float=(*kept, *fallen))
         best = _Trial(best.method, candidate, verify.agreement(reference, candidate, calibration, sides=sides,
                                                                logits=logits))
@@ -309,13 +303,15 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
         trials.append(_Trial(method, candidate, verify.agreement(reference, candidate, calibration, sides=sides,
                                                                  logits=logits)))
         log.info("int8 with %s calibration: %s", method, _describe("calibration", trials[-1].calibration))
-    best, fallen = _fall_back(model, max(trials, key=lambda trial: trial.rank), kept, calibration,
-                              reference=reference, sides=sides, logits=logits, max_layers=max_fallback_layers,
-                              min_top1=min_top1_agreement, min_correlation=min_map_correlation)
+    best = max(trials, key=lambda trial: trial.rank)
+    tensors = [tensor for per_photo in calibration for tensor in per_photo]
+    snr, ranking = fallback_ranking(model, best.model, tensors, keep_float=tuple(kept))
+    best, fallen = _fall_back(model, best, kept, calibration, ranking, snr, reference=reference, sides=sides,
+                              logits=logits, max_layers=max_fallback_layers, min_top1=min_top1_agreement,
+                              min_correlation=min_map_correlation)
     kept = {**kept, **fallen}
     held = verify.agreement(reference, best.model, held_out, sides=sides, logits=logits)
-    worst = _worst_layer(model, best.model, [tensor for per_photo in calibration for tensor in per_photo],
-                         keep_float=tuple(kept))
+    worst = _worst_layer(model, snr, [entry for entry in ranking if entry[0] not in fallen])
     record = Quantization(
         method=best.method, calibration_source=photos.source,
         calibration_images=[photo.name for photo in photos.calibration],

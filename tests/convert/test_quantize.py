@@ -17,7 +17,7 @@ from convert.errors import ConversionError, UsageError
 from convert.profile import profile_model
 from convert.int8_passes import (PAIR_SUM_LEVELS, channel_means, correct_biases, float_layers, head_nodes, name_nodes,
                                  pair_bounded_levels, pair_bounded_scale, weight_sensitivity)
-from convert.quantize import fallback_layer, input_grid, quantize, to_int8
+from convert.quantize import fallback_ranking, input_grid, quantize, to_int8
 from server.geometry.dense import resized_size
 from tests.tiny_models import heavy_net, int8_net, mobile_net, patch_net
 
@@ -346,15 +346,16 @@ def test_at_the_fallback_bound_the_refusal_names_the_layers_kept_in_float(photos
     assert not record.warning
 
 
-def test_the_fallback_measures_each_quantized_layer_in_float_on_the_scores(photos):
+def test_the_fallback_ranks_each_quantized_layer_in_float_by_the_scores(photos):
     """Each layer with quantized weights, in turn in float, the rest of the int8 graph as it is: the badly quantizing
-    layer lifts the scores' SNR the most; layers already in float are not measured again."""
+    layer lifts the scores' SNR the most; layers already in float are not measured."""
     net = badly_quantizing_net(layers=("project",))
     tensors = mobile_tensors(photos, net)
     quantized = quantize(net, tensors, method="minmax", keep_float=("scores", "pool"))
-    name, before, after = fallback_layer(net, quantized, tensors, keep_float=("scores", "pool"))
-    assert name == "project" and after > before + 6
-    assert fallback_layer(net, quantized, tensors, keep_float=("scores", "pool", "project"))[0] != "project"
+    snr, ranking = fallback_ranking(net, quantized, tensors, keep_float=("scores", "pool"))
+    assert [name for name, _ in ranking][0] == "project" and ranking[0][1] > snr + 6
+    assert {name for name, _ in ranking} == {"stem", "depthwise", "project", "expand"}
+    assert [lifted for _, lifted in ranking] == sorted((lifted for _, lifted in ranking), reverse=True)
     everything = ("scores", "pool", "stem", "depthwise", "project", "expand")
-    assert fallback_layer(net, quantize(net, tensors, method="minmax", keep_float=everything), tensors,
-                          keep_float=everything) is None
+    assert fallback_ranking(net, quantize(net, tensors, method="minmax", keep_float=everything), tensors,
+                            keep_float=everything)[1] == []
