@@ -26,7 +26,7 @@ is what the check compares when it names the layer that loses the most.
   Otherwise its range is the whole pixel range, so no pixel is clipped.
 * Accuracy-driven mixed precision (as Intel Neural Compressor's and TensorRT's precision fallback): while the graph
   falls short of the thresholds on the calibration photos, the quantized layer whose weights, put back in float, lift
-  the scores' signal-to-quantization-noise ratio on them the most (`fallback_ranking`, measured once on the fused
+  the cells' probabilities' signal-to-quantization-noise ratio on them the most (`fallback_ranking`, measured once on the fused
   plan) is kept in float and the graph quantized again, at most MAX_FALLBACK_LAYERS times; the card names each layer
   and the numbers that chose it. The held-out photos take no part in the choice.
 * The check (convert.verify.agreement) gates the result: below MIN_TOP1_AGREEMENT or MIN_MAP_CORRELATION
@@ -178,14 +178,15 @@ def _with_float_weights(candidate: onnx.ModelProto, reference: onnx.ModelProto, 
 
 
 def fallback_ranking(reference: onnx.ModelProto, candidate: onnx.ModelProto, tensors: list[np.ndarray], *,
-                     keep_float: tuple[str, ...] = ()) -> tuple[float, list[tuple[str, float]]]:
-    """(the scores' signal-to-quantization-noise ratio in dB over `tensors`, [(layer, that ratio with the layer's
-    weights put back in float)], highest first) for each quantized layer (one with quantized weights) of `candidate`
-    not in `keep_float`.
+                     logits: bool, keep_float: tuple[str, ...] = ()) -> tuple[float, list[tuple[str, float]]]:
+    """(the cells' class probabilities' signal-to-quantization-noise ratio in dB over `tensors`, [(layer, that ratio
+    with the layer's weights put back in float)], highest first) for each quantized layer (one with quantized
+    weights) of `candidate` not in `keep_float`; `logits`: the scores are logits (softmax first).
 
     Measured on the plan onnxruntime runs (fused), each layer in turn, the rest of the int8 graph as it is: what the
-    scores gain, not what a layer's own output loses (a layer's output SNR hides how its noise grows or fades on the
-    way to the scores, and a ReLU folded into a convolution hides the convolution)."""
+    check sees, not what a layer's own output loses (a layer's output SNR hides how its noise grows or fades on the
+    way to the scores, and a ReLU folded into a convolution hides the convolution). Probabilities, as the check
+    compares them, weigh the classes that hold a cell's top places; logits weigh a thousand unlikely classes alike."""
     producers = {output: node for node in candidate.graph.node for output in node.output}
     weights = {tensor.name for tensor in candidate.graph.initializer}
     names = [node.name for node in candidate.graph.node
@@ -193,12 +194,12 @@ def fallback_ranking(reference: onnx.ModelProto, candidate: onnx.ModelProto, ten
              and getattr(producers.get(node.input[1]), "op_type", None) == "DequantizeLinear"
              and producers[node.input[1]].input[0] in weights]
     session = verify.session(reference)
-    expected = [verify.run(session, tensor).astype(np.float64) for tensor in tensors]
+    expected = [verify.probabilities(verify.run(session, tensor), logits=logits) for tensor in tensors]
     signal = sum(float(np.sum(value ** 2)) for value in expected)
 
     def snr(model: onnx.ModelProto) -> float:
         session = verify.session(model)
-        noise = sum(float(np.sum((verify.run(session, tensor) - value) ** 2))
+        noise = sum(float(np.sum((verify.probabilities(verify.run(session, tensor), logits=logits) - value) ** 2))
                     for tensor, value in zip(tensors, expected))
         return float(10 * np.log10(max(signal, 1e-30) / max(noise, 1e-30)))
 
@@ -211,7 +212,7 @@ def _worst_layer(reference: onnx.ModelProto, snr: float, ranking: list[tuple[str
     if not ranking:
         return "none: no layer is quantized"
     name, lifted = ranking[0]
-    return (f"{_op_type(reference, name)} {name!r}: in float, it lifts the scores' signal-to-quantization-noise ratio "
+    return (f"{_op_type(reference, name)} {name!r}: in float, it lifts the probabilities' signal-to-quantization-noise ratio "
             f"on the calibration photos the most of the quantized layers, from {snr:.1f} to {lifted:.1f} dB")
 
 
@@ -257,7 +258,7 @@ def _fall_back(model: onnx.ModelProto, best: _Trial, kept: dict[str, str], calib
                                min_correlation=min_correlation)
         if not problems:
             break
-        fallen[name] = (f"the fallback's choice {len(fallen) + 1}: alone in float it lifted the scores' signal-to-"
+        fallen[name] = (f"the fallback's choice {len(fallen) + 1}: alone in float it lifted the probabilities' signal-to-"
                         f"quantization-noise ratio on the calibration photos from {snr:.1f} to {lifted:.1f} dB, "
                         f"where {'; '.join(problems)}")
         candidate = quantize(model, tensors, method=best.method, keep_float=(*kept, *fallen))
@@ -305,7 +306,7 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
         log.info("int8 with %s calibration: %s", method, _describe("calibration", trials[-1].calibration))
     best = max(trials, key=lambda trial: trial.rank)
     tensors = [tensor for per_photo in calibration for tensor in per_photo]
-    snr, ranking = fallback_ranking(model, best.model, tensors, keep_float=tuple(kept))
+    snr, ranking = fallback_ranking(model, best.model, tensors, logits=logits, keep_float=tuple(kept))
     best, fallen = _fall_back(model, best, kept, calibration, ranking, snr, reference=reference, sides=sides,
                               logits=logits, max_layers=max_fallback_layers, min_top1=min_top1_agreement,
                               min_correlation=min_map_correlation)

@@ -311,7 +311,7 @@ def test_the_fallback_keeps_the_badly_quantizing_layer_in_float_and_the_result_p
     assert card.verification.passed and not record.warning
     assert [layer.split(":")[0] for layer in record.float_layers] == ["Conv 'scores'", "AveragePool 'pool'",
                                                                       "Conv 'project'"]
-    assert "the fallback's choice 1" in record.float_layers[2] and "scores" in record.float_layers[2]
+    assert "the fallback's choice 1" in record.float_layers[2] and "probabilities" in record.float_layers[2]
     for check in (record.calibration, record.held_out):
         assert check.top1_agreement >= record.min_top1_agreement and check.map_correlation >= record.min_map_correlation
     assert conv_inputs(int8, "project")[1] == "project_w"  # float weights
@@ -339,7 +339,7 @@ def test_at_the_fallback_bound_the_refusal_names_the_layers_kept_in_float(photos
     net = badly_quantizing_net(layers=("project", "expand"))
     with pytest.raises(ConversionError, match=r"Kept in float \(the fallback's bound: at most 1 layers beyond the first "
                                               r"choice\): Conv 'scores', AveragePool 'pool', Conv '(project|expand)'\. "
-                                              r"The layer that loses the most: Conv '(expand|project)'"):
+                                              r"The layer that loses the most: Conv '\w+': in float, it lifts"):
         to_int8(net, photos, methods=("minmax",), min_weight_snr_db=-np.inf, max_fallback_layers=1)
     record = read_card(to_int8(net, photos, methods=("minmax",), min_weight_snr_db=-np.inf)).quantization
     assert {"Conv 'project'", "Conv 'expand'"} <= {layer.split(":")[0] for layer in record.float_layers[2:]}
@@ -352,10 +352,10 @@ def test_the_fallback_ranks_each_quantized_layer_in_float_by_the_scores(photos):
     net = badly_quantizing_net(layers=("project",))
     tensors = mobile_tensors(photos, net)
     quantized = quantize(net, tensors, method="minmax", keep_float=("scores", "pool"))
-    snr, ranking = fallback_ranking(net, quantized, tensors, keep_float=("scores", "pool"))
+    snr, ranking = fallback_ranking(net, quantized, tensors, logits=True, keep_float=("scores", "pool"))
     assert [name for name, _ in ranking][0] == "project" and ranking[0][1] > snr + 6
     assert {name for name, _ in ranking} == {"stem", "depthwise", "project", "expand"}
     assert [lifted for _, lifted in ranking] == sorted((lifted for _, lifted in ranking), reverse=True)
     everything = ("scores", "pool", "stem", "depthwise", "project", "expand")
     assert fallback_ranking(net, quantize(net, tensors, method="minmax", keep_float=everything), tensors,
-                            keep_float=everything)[1] == []
+                            logits=True, keep_float=everything)[1] == []
