@@ -277,7 +277,7 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
 
     Convolutions whose weights alone, quantized, leave less than `min_weight_snr_db` stay in float from the start
     (convert.int8_passes.float_layers); below the thresholds on the calibration photos, up to `max_fallback_layers`
-    more follow, the worst first (`_fall_back`). Raises ConversionError, naming the numbers, the layers kept in float
+    more follow, in the order `fallback_ranking` measures (`_fall_back`). Raises ConversionError, naming the numbers, the layers kept in float
     and the layer that loses the most, when the check still falls below the thresholds and `allow_precision_loss` is
     not given; with it, the card carries a warning."""
     try:
@@ -297,15 +297,14 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
     reference = verify.session(model)
     kept = float_layers(model, [per_photo[0] for per_photo in calibration], pointwise_bits=7 if REDUCE_RANGE else 8,
                         min_snr_db=min_weight_snr_db)
+    tensors = [tensor for per_photo in calibration for tensor in per_photo]
     trials = []
     for method in methods:
-        candidate = quantize(model, [tensor for per_photo in calibration for tensor in per_photo], method=method,
-                             keep_float=tuple(kept))
+        candidate = quantize(model, tensors, method=method, keep_float=tuple(kept))
         trials.append(_Trial(method, candidate, verify.agreement(reference, candidate, calibration, sides=sides,
                                                                  logits=logits)))
         log.info("int8 with %s calibration: %s", method, _describe("calibration", trials[-1].calibration))
     best = max(trials, key=lambda trial: trial.rank)
-    tensors = [tensor for per_photo in calibration for tensor in per_photo]
     snr, ranking = fallback_ranking(model, best.model, tensors, logits=logits, keep_float=tuple(kept))
     best, fallen = _fall_back(model, best, kept, calibration, ranking, snr, reference=reference, sides=sides,
                               logits=logits, max_layers=max_fallback_layers, min_top1=min_top1_agreement,
