@@ -1,7 +1,8 @@
 """int8 against fp32 on the CPU: the plans' speed and the agreement on held-out photos (convert.quantize).
 
-The default model converted, then quantized by `to_int8` (MinMax calibration, the default photo set, written
-whatever its check says, so the numbers can be read); the plan graph of each in sessions made as the server makes
+The default model converted, then quantized by `to_int8` (MinMax calibration, the default photo set, the fallback's
+layers kept in float where the calibration photos fall short, written whatever its check says, so the numbers can
+be read); the plan graph of each in sessions made as the server makes
 them, runs alternated in one process, the fastest of each (bench_cpu_plans.int8_speed_rows); the check's numbers
 from the int8 card, with the layers it kept in float.
 Targets: the int8 plan >= 1.8x the fp32 plan's speed at 1x384x576 and 4x384x384.

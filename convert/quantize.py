@@ -24,6 +24,11 @@ is what the check compares when it names the layer that loses the most.
   pixel_scale / std and a whole-pixel mean for every channel: the default model's (x - 127) / 128): the
   uint8 canvas then is the quantized input, and the server feeds it as it is (server/engine/device_graph.py).
   Otherwise its range is the whole pixel range, so no pixel is clipped.
+* Accuracy-driven mixed precision (as Intel Neural Compressor's and TensorRT's precision fallback): while the graph
+  falls short of the thresholds on the calibration photos, the quantized layer whose weights, put back in float, lift
+  the cells' probabilities' signal-to-quantization-noise ratio on them the most (`fallback_ranking`, measured once on the fused
+  plan) is kept in float and the graph quantized again, at most MAX_FALLBACK_LAYERS times; the card names each layer
+  and the numbers that chose it. The held-out photos take no part in the choice.
 * The check (convert.verify.agreement) gates the result: below MIN_TOP1_AGREEMENT or MIN_MAP_CORRELATION
   on the calibration or the held-out photos, nothing is written unless the caller allows the loss, and
   then the card carries a warning.
@@ -41,17 +46,19 @@ import tempfile
 import numpy as np
 import onnx
 import onnxruntime
+from onnx import numpy_helper
 from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
 
 from convert import verify
-from convert.int8_passes import correct_biases, float_layers, name_nodes, requantize_weights, with_outputs
+from convert.int8_passes import (FLOAT_LAYER_MIN_SNR_DB, correct_biases, float_layers, guard_float_layers, name_nodes,
+                                 requantize_weights)
 from convert.calibration import PhotoSet, as_fed, fed_sides
 from convert.card import CardError, ImageInput, Precision, is_logits, read_card, write_card
 from convert.errors import ConversionError
 from protos.model_card_pb2 import Agreement, CalibrationTrial, ModelCard, Quantization, Verification
 
 __all__ = ["CALIBRATION_METHODS", "MIN_TOP1_AGREEMENT", "MIN_MAP_CORRELATION", "to_int8", "quantize", "input_grid",
-           "layer_losses", "float_ops"]
+           "MAX_FALLBACK_LAYERS", "fallback_ranking", "float_ops"]
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +73,9 @@ MIN_MAP_CORRELATION = 0.98
 # replaces them, and the weight sensitivity that keeps layers in float assumes that coarsest case.
 REDUCE_RANGE = True
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
-# What a layer loses is counted from at most this SNR of its inputs: an input computed in float (a layer kept in
-# float) matches the fp32 graph to float32 rounding, hundreds of dB that no int8 layer after it could keep.
-EXACT_SNR_DB = 60.0
+# Layers the fallback (`_fall_back`) may keep in float beyond float_layers' choice: each costs a quantization and
+# runs at fp32 speed (the measured choice in docs/design.md).
+MAX_FALLBACK_LAYERS = 4
 
 
 class _Reader(CalibrationDataReader):
@@ -116,7 +123,8 @@ def _input_overrides(card: ModelCard) -> dict:
 def quantize(model: onnx.ModelProto, tensors: list[np.ndarray], *, method: str, keep_float: tuple[str, ...] = (),
              bias_correction: bool = True) -> onnx.ModelProto:
     """The QDQ int8 graph of a converted fp32 `model`, calibrated by `method` on its input `tensors`, the nodes
-    named in `keep_float` left in float, its conv weights quantized again (depthwise at 8 bits, the others
+    named in `keep_float` left in float (guarded, so they stay so in onnxruntime's plans), its conv weights
+    quantized again (depthwise at 8 bits, the others
     pair-bounded) and (unless told not to) its biases corrected on `tensors` (convert.int8_passes)."""
     model = name_nodes(model)
     card = read_card(model)
@@ -133,7 +141,9 @@ def quantize(model: onnx.ModelProto, tensors: list[np.ndarray], *, method: str, 
         quantized = onnx.load(path)
     quantized.ir_version = model.ir_version
     quantized = requantize_weights(quantized, model)
-    return correct_biases(quantized, model, tensors) if bias_correction else quantized
+    if bias_correction:
+        quantized = correct_biases(quantized, model, tensors)
+    return guard_float_layers(quantized, keep_float)
 
 
 def _op_type(model: onnx.ModelProto, name: str) -> str:
@@ -147,43 +157,63 @@ def float_ops(model: onnx.ModelProto) -> list[str]:
                    if node.op_type not in QDQ_OPS and not any(name in dequantized for name in node.input if name)})
 
 
-def layer_losses(reference: onnx.ModelProto, candidate: onnx.ModelProto, tensor: np.ndarray) -> list[tuple[str, float, float]]:
-    """(layer, signal-to-quantization-noise ratio of its output in dB, dB it lost against its inputs' worst) for
-    each layer of the fp32 graph, on one input: what the int8 graph's next layer sees (its dequantized copy)
-    against the fp32 value. The candidate runs unfused, in float, computing the values its kernels compute."""
-    dequantized = {}
-    quantized_from = {node.output[0]: node.input[0] for node in candidate.graph.node if node.op_type == "QuantizeLinear"}
-    for node in candidate.graph.node:
-        if node.op_type == "DequantizeLinear" and node.input[0] in quantized_from:
-            dequantized[quantized_from[node.input[0]]] = node.output[0]
-    made = {name for node in candidate.graph.node for name in node.output}
-    layers = [node for node in reference.graph.node if node.output[0] in made]
-    names = [node.output[0] for node in layers]
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
-    runs = []
-    for model, wanted in ((reference, names), (candidate, [dequantized.get(name, name) for name in names])):
-        session = onnxruntime.InferenceSession(with_outputs(model, wanted).SerializeToString(), options,
-                                               providers=verify.PROVIDERS)
-        outputs = dict(zip([value.name for value in session.get_outputs()],
-                           session.run(None, {session.get_inputs()[0].name: tensor})))
-        runs.append([outputs[name].astype(np.float64) for name in wanted])
-    sqnr = {}
-    for name, expected, got in zip(names, *runs):
-        noise = float(np.sum((expected - got) ** 2))
-        sqnr[name] = float(10 * np.log10(max(float(np.sum(expected ** 2)), 1e-30) / max(noise, 1e-30)))
-    losses = []
-    for node in layers:
-        before = min((min(sqnr[name], EXACT_SNR_DB) for name in node.input if name in sqnr), default=None)
-        after = sqnr[node.output[0]]
-        losses.append((f"{node.op_type} {node.name or node.output[0]!r}", after, 0.0 if before is None else before - after))
-    return losses
+def _with_float_weights(candidate: onnx.ModelProto, reference: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """`candidate` with node `name`'s quantized weights and bias replaced by `reference`'s float ones (guarded, so
+    they stay float): that layer kept in float, the rest of the int8 graph as it is."""
+    out = onnx.ModelProto()
+    out.CopyFrom(candidate)
+    original = next(node for node in reference.graph.node if node.name == name)
+    node = next(node for node in out.graph.node if node.name == name)
+    floats = {tensor.name: tensor for tensor in reference.graph.initializer}
+    for index in range(1, len(original.input)):
+        if original.input[index] in floats:
+            node.input[index] = f"{name}_float_input_{index}"
+            out.graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(floats[original.input[index]]),
+                                                                 node.input[index]))
+    used = {value for other in out.graph.node for value in other.input}
+    unused = [other for other in out.graph.node if other.op_type == "DequantizeLinear" and other.output[0] not in used]
+    for other in unused:
+        out.graph.node.remove(other)
+    return guard_float_layers(out, (name,))
 
 
-def _worst_layer(reference: onnx.ModelProto, candidate: onnx.ModelProto, tensor: np.ndarray) -> str:
-    layer, after, lost = max(layer_losses(reference, candidate, tensor), key=lambda entry: entry[2])
-    return f"{layer}: its output's signal-to-quantization-noise ratio falls by {lost:.1f} dB to {after:.1f} dB"
+def fallback_ranking(reference: onnx.ModelProto, candidate: onnx.ModelProto, tensors: list[np.ndarray], *,
+                     logits: bool, keep_float: tuple[str, ...] = ()) -> tuple[float, list[tuple[str, float]]]:
+    """(the cells' class probabilities' signal-to-quantization-noise ratio in dB over `tensors`, [(layer, that ratio
+    with the layer's weights put back in float)], highest first) for each quantized layer (one with quantized
+    weights) of `candidate` not in `keep_float`; `logits`: the scores are logits (softmax first).
+
+    Measured on the plan onnxruntime runs (fused), each layer in turn, the rest of the int8 graph as it is: what the
+    check sees, not what a layer's own output loses (a layer's output SNR hides how its noise grows or fades on the
+    way to the scores, and a ReLU folded into a convolution hides the convolution). Probabilities, as the check
+    compares them, weigh the classes that hold a cell's top places; logits weigh a thousand unlikely classes alike."""
+    producers = {output: node for node in candidate.graph.node for output in node.output}
+    weights = {tensor.name for tensor in candidate.graph.initializer}
+    names = [node.name for node in candidate.graph.node
+             if node.op_type not in QDQ_OPS and node.name not in keep_float and len(node.input) > 1
+             and getattr(producers.get(node.input[1]), "op_type", None) == "DequantizeLinear"
+             and producers[node.input[1]].input[0] in weights]
+    session = verify.session(reference)
+    expected = [verify.probabilities(verify.run(session, tensor), logits=logits) for tensor in tensors]
+    signal = sum(float(np.sum(value ** 2)) for value in expected)
+
+    def snr(model: onnx.ModelProto) -> float:
+        session = verify.session(model)
+        noise = sum(float(np.sum((verify.probabilities(verify.run(session, tensor), logits=logits) - value) ** 2))
+                    for tensor, value in zip(tensors, expected))
+        return float(10 * np.log10(max(signal, 1e-30) / max(noise, 1e-30)))
+
+    lifted = [(name, snr(_with_float_weights(candidate, reference, name))) for name in names]
+    return snr(candidate), sorted(lifted, key=lambda entry: -entry[1])
+
+
+def _worst_layer(reference: onnx.ModelProto, snr: float, ranking: list[tuple[str, float]]) -> str:
+    """The first layer of `ranking` (`fallback_ranking`): the one that loses the most."""
+    if not ranking:
+        return "none: no layer is quantized"
+    name, lifted = ranking[0]
+    return (f"{_op_type(reference, name)} {name!r}: in float, it lifts the probabilities' signal-to-quantization-noise ratio "
+            f"on the calibration photos the most of the quantized layers, from {snr:.1f} to {lifted:.1f} dB")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,13 +243,43 @@ def _describe(name: str, record: Agreement) -> str:
             f"{record.max_probability_diff:.3f}, mean {record.mean_probability_diff:.2g}")
 
 
+def _fall_back(model: onnx.ModelProto, best: _Trial, kept: dict[str, str], calibration: list[list[np.ndarray]],
+               ranking: list[tuple[str, float]], snr: float, *, reference: onnxruntime.InferenceSession,
+               sides: tuple[int, ...], logits: bool, max_layers: int, min_top1: float,
+               min_correlation: float) -> tuple[_Trial, dict[str, str]]:
+    """Accuracy-driven mixed precision: while `best` falls short of the thresholds on the calibration photos, the next
+    layer of `ranking` (`fallback_ranking` of `best`, whose SNR is `snr`) joins `kept` in float and the graph is
+    quantized again, `max_layers` times at most (ranked once, as Intel Neural Compressor's fallback does: each
+    ranking costs a run per quantized layer). The held-out photos take no part: they check the result."""
+    tensors = [tensor for per_photo in calibration for tensor in per_photo]
+    fallen: dict[str, str] = {}
+    for name, lifted in ranking[:max_layers]:
+        problems = _shortfalls("calibration photos", best.calibration, min_top1=min_top1,
+                               min_correlation=min_correlation)
+        if not problems:
+            break
+        fallen[name] = (f"the fallback's choice {len(fallen) + 1}: alone in float it lifted the probabilities' signal-to-"
+                        f"quantization-noise ratio on the calibration photos from {snr:.1f} to {lifted:.1f} dB, "
+                        f"where {'; '.join(problems)}")
+        candidate = quantize(model, tensors, method=best.method, keep_float=(*kept, *fallen))
+        best = _Trial(best.method, candidate, verify.agreement(reference, candidate, calibration, sides=sides,
+                                                               logits=logits))
+        log.info("int8 with %s kept in float too: %s", name, _describe("calibration", best.calibration))
+    return best, fallen
+
+
 def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...] = tuple(CALIBRATION_METHODS),
             allow_precision_loss: bool = False, min_top1_agreement: float = MIN_TOP1_AGREEMENT,
-            min_map_correlation: float = MIN_MAP_CORRELATION) -> onnx.ModelProto:
-    """The int8 graph of a converted fp32 graph, its card recording the calibration and the check.
+            min_map_correlation: float = MIN_MAP_CORRELATION, max_fallback_layers: int = MAX_FALLBACK_LAYERS,
+            min_weight_snr_db: float = FLOAT_LAYER_MIN_SNR_DB) -> onnx.ModelProto:
+    """The int8 graph of a converted fp32 graph, its card recording the calibration, the layers kept in float and
+    the check.
 
-    Raises ConversionError, naming the numbers and the layer that loses the most, when the check falls below
-    the thresholds and `allow_precision_loss` is not given; with it, the card carries a warning."""
+    Convolutions whose weights alone, quantized, leave less than `min_weight_snr_db` stay in float from the start
+    (convert.int8_passes.float_layers); below the thresholds on the calibration photos, up to `max_fallback_layers`
+    more follow, in the order `fallback_ranking` measures (`_fall_back`). Raises ConversionError, naming the numbers, the layers kept in float
+    and the layer that loses the most, when the check still falls below the thresholds and `allow_precision_loss` is
+    not given; with it, the card carries a warning."""
     try:
         card = read_card(model)
     except CardError as error:
@@ -235,17 +295,23 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
     held_out = [[as_fed(photo, card, side=side) for side in sides] for photo in photos.held_out]
     logits = is_logits(card)
     reference = verify.session(model)
-    kept = float_layers(model, [per_photo[0] for per_photo in calibration], pointwise_bits=7 if REDUCE_RANGE else 8)
+    kept = float_layers(model, [per_photo[0] for per_photo in calibration], pointwise_bits=7 if REDUCE_RANGE else 8,
+                        min_snr_db=min_weight_snr_db)
+    tensors = [tensor for per_photo in calibration for tensor in per_photo]
     trials = []
     for method in methods:
-        candidate = quantize(model, [tensor for per_photo in calibration for tensor in per_photo], method=method,
-                             keep_float=tuple(kept))
+        candidate = quantize(model, tensors, method=method, keep_float=tuple(kept))
         trials.append(_Trial(method, candidate, verify.agreement(reference, candidate, calibration, sides=sides,
                                                                  logits=logits)))
         log.info("int8 with %s calibration: %s", method, _describe("calibration", trials[-1].calibration))
     best = max(trials, key=lambda trial: trial.rank)
+    snr, ranking = fallback_ranking(model, best.model, tensors, logits=logits, keep_float=tuple(kept))
+    best, fallen = _fall_back(model, best, kept, calibration, ranking, snr, reference=reference, sides=sides,
+                              logits=logits, max_layers=max_fallback_layers, min_top1=min_top1_agreement,
+                              min_correlation=min_map_correlation)
+    kept = {**kept, **fallen}
     held = verify.agreement(reference, best.model, held_out, sides=sides, logits=logits)
-    worst = _worst_layer(model, best.model, calibration[0][0])
+    worst = _worst_layer(model, snr, [entry for entry in ranking if entry[0] not in fallen])
     record = Quantization(
         method=best.method, calibration_source=photos.source,
         calibration_images=[photo.name for photo in photos.calibration],
@@ -258,10 +324,14 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
                              min_correlation=min_map_correlation),
                 *_shortfalls("held-out photos", held, min_top1=min_top1_agreement, min_correlation=min_map_correlation)]
     numbers = f"{_describe('calibration', best.calibration)}; {_describe('held out', held)}"
+    bound = (f" (the fallback's bound: at most {max_fallback_layers} layers beyond the first choice)"
+             if len(fallen) == max_fallback_layers else "")
     if problems and not allow_precision_loss:
         raise ConversionError(
             f"the int8 graph ({best.method} calibration, the best of {[trial.method for trial in trials]}) strays "
-            f"from the fp32 graph: {'; '.join(problems)}. {numbers}. The layer that loses the most: {worst}. "
+            f"from the fp32 graph: {'; '.join(problems)}. {numbers}. Kept in float{bound}: "
+            f"{', '.join(f'{_op_type(model, name)} {name!r}' for name in kept)}. The layer that loses the most: "
+            f"{worst}. "
             "Nothing written: keep this model in fp32 (or fp16 on a GPU), calibrate on photos like those it will "
             "score (--calibration DIR), or write it anyway with --allow-precision-loss")
     if problems:
