@@ -388,14 +388,18 @@ def test_local_makes_each_plan_when_first_needed_and_runs_at_its_own_priority(ti
     from server.settings import Settings
     from tests.server.conftest import raw_request
 
-    def raised() -> list[int]:
-        return [int(task.name) for task in Path("/proc/self/task").iterdir()
-                if os.getpriority(os.PRIO_PROCESS, int(task.name)) != os.getpriority(os.PRIO_PROCESS, 0)]
+    def tasks() -> set[int]:
+        return {int(task.name) for task in Path("/proc/self/task").iterdir()}
 
+    def lowered(since: set[int]) -> list[int]:  # of the threads started since (earlier tests may leave theirs)
+        here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        return [task for task in tasks() - since if os.getpriority(os.PRIO_PROCESS, task) != here]
+
+    before = tasks()
     with LocalScorer([tiny_model], settings=Settings(warm_up=True, compute_nice=19, intra_op_threads=2)) as scorer:
         model = scorer.models()[0].name
         plans = scorer._pipeline.engine.served(model).plans
         assert plans.made == 0
         assert scorer.score_request(raw_request(np.zeros((64, 64, 3), np.uint8), scales=[64])).top_k
         assert plans.made == 1
-        assert not raised()
+        assert not lowered(before)
