@@ -48,10 +48,10 @@ CASES = {  # what each timed request asks for
 }
 
 
-def decode_and_resize(data: bytes) -> Image.Image:
+def decode_and_resize(data: bytes, scale: int = SCALE) -> Image.Image:
     """What any server of this image must do: decode (upright, RGB) and resize to the scale."""
     image = ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")
-    height, width = resized_size(image.height, image.width, scale=SCALE, multiple=32)
+    height, width = resized_size(image.height, image.width, scale=scale, multiple=32)
     return image.resize((width, height), Image.Resampling.BILINEAR)
 
 

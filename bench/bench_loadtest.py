@@ -8,7 +8,9 @@ and this one) is set against the yardstick of bench_host, the CPU PIL takes to d
 Target: the load tester's CPU per request <= 0.1x decode + resize, at every level, so that a load tester on the
 server's host takes a small share of what the server's host path needs. Beside it, how busy the load tester was
 (ran or waited to run, over its one core) and the server's CPU per request; and gRPC's own floor, one bare blocking
-call at a time from one process, for what no arrangement of the load tester's work can go below.
+call at a time from one process, for what no arrangement of the load tester's work can go below. The levels are
+run again with each photo requests commonly carry (bench_split's: cat.jpg enlarged, a photo shrunk to 384, a
+12-megapixel phone photo shrunk to 768), each against its own decode + resize.
 
 Then the ways of issuing the calls, alternated round by round in the same run (the machine's load drifts; a
 comparison of runs far apart would measure that): the sending process's CPU per request (the merging process
@@ -16,7 +18,7 @@ left out) with gRPC's own client I/O (the load tester's choice, LoadLimits.grpc_
 EventEngine client (its default), and a grpc.aio closed loop of as many tasks (one event loop, the same
 pre-serialized requests). Last, one `scoremap-loadtest --processes auto` against four `--processes 1` commands
 started together at a quarter of the callers each (what bench_workers did by hand): the one command's req/s over
-the four's sum, alternated. About 4 minutes.
+the four's sum, alternated. About 6 minutes.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from clients.loadtest.traffic import SCORE_METHOD, Payloads
 from protos import scoring_pb2
 
 IN_FLIGHT = (1, 16, 64)
+# The common photos' levels: 64 decodes of a 12-megapixel photo at once exceed the host budget (refused, rightly).
+PHOTO_IN_FLIGHT = (1, 16)
 SECONDS = 5.0
 PROCESSES = 1
 YARDSTICK_CALLS = 40
@@ -65,13 +69,13 @@ SERVER_FLAGS = ("--grpc-workers", str(max(IN_FLIGHT) + 8), "--max-concurrent-rpc
                 "--max-queue-ms", "60000")
 
 
-def yardstick_ms(data: bytes, *, calls: int = YARDSTICK_CALLS) -> float:
-    """Median process CPU ms of one PIL decode + resize of `data` at the scale."""
-    decode_and_resize(data)
+def yardstick_ms(data: bytes, *, scale: int = SCALE, calls: int = YARDSTICK_CALLS) -> float:
+    """Median process CPU ms of one PIL decode + resize of `data` at `scale`."""
+    decode_and_resize(data, scale)
     times = []
     for _ in range(calls):
         started = time.process_time()
-        decode_and_resize(data)
+        decode_and_resize(data, scale)
         times.append(time.process_time() - started)
     return 1000 * statistics.median(times)
 
@@ -199,10 +203,11 @@ def drive(address: str, photos: pathlib.Path, *, rounds: int = DRIVE_ROUNDS,
 
 def measure(*, seconds: float = SECONDS, in_flight: tuple[int, ...] = IN_FLIGHT,
             processes: int = PROCESSES) -> tuple[list[tuple[LevelReport, float]], tuple[float, float],
-                                                 dict[str, dict[int, list[float]]], list[tuple[float, float, int]], float]:
+                                                 dict[str, dict[int, list[float]]], list[tuple[float, float, int]], float,
+                                                 list[tuple[str, LevelReport, float]]]:
     """Each level's report and the yardstick around it (the mean of the one before and the one after); then
     gRPC's own floor at one call at a time (bare_grpc_ms); the ways of issuing (alternatives); one command
-    against four (drive); the yardstick after them."""
+    against four (drive); the yardstick after them; the levels again for each of the common photos (photo_rows)."""
     data = SAMPLE.read_bytes()
     request = scoring_pb2.ScoreRequest(encoded=data, scales=[SCALE])
     rows = []
@@ -229,10 +234,35 @@ def measure(*, seconds: float = SECONDS, in_flight: tuple[int, ...] = IN_FLIGHT,
             (photos / SAMPLE.name).write_bytes(data)
             driven = drive(address, photos, rounds=DRIVE_ROUNDS, seconds=DRIVE_SECONDS)
             last = yardstick_ms(data)
+            by_photo = photo_rows(address, server.pid, seconds=seconds)
         finally:
             server.terminate()
             server.wait(30)
-    return rows, floor, ways, driven, last
+    return rows, floor, ways, driven, last, by_photo
+
+
+def photo_rows(address: str, server_pid: int, *, seconds: float,
+               in_flight: tuple[int, ...] = PHOTO_IN_FLIGHT) -> list[tuple[str, LevelReport, float]]:
+    """(photo, level report, yardstick) for the photos requests most often carry (bench_split's: cat.jpg enlarged,
+    a photo shrunk, a 12-megapixel phone photo shrunk), each at its scale, the yardstick that photo's decode + resize
+    to it (the mean of the one before and the one after the level)."""
+    from bench.bench_split import photos
+
+    rows, limits = [], LoadLimits()
+    for name, (data, scale) in photos().items():
+        request = scoring_pb2.ScoreRequest(encoded=data, scales=[scale])
+        with LoadTester(Target(address), [request], processes=PROCESSES, limits=limits, server_pid=server_pid) as tester:
+            before = yardstick_ms(data, scale=scale)
+            for level in in_flight:
+                plan = LevelPlan(duration_s=seconds, max_requests=limits.max_requests, timeout_s=120.0,
+                                 warmup=2 * level)
+                report = tester.closed(level, plan)
+                if report.errors:
+                    raise RuntimeError(f"{name}, {level} in flight: requests failed: {report.errors}")
+                after = yardstick_ms(data, scale=scale)
+                rows.append((name, report, (before + after) / 2))
+                before = after
+    return rows
 
 
 def _median_ratio(these: list[float], ours: list[float]) -> float:
@@ -241,7 +271,7 @@ def _median_ratio(these: list[float], ours: list[float]) -> float:
 
 def run(*, seconds: float = SECONDS) -> str:
     load_before = os.getloadavg()[0]
-    rows, (floor_ms, floor_rate), ways, driven, last = measure(seconds=seconds)
+    rows, (floor_ms, floor_rate), ways, driven, last, by_photo = measure(seconds=seconds)
     load_after = os.getloadavg()[0]
     ratios = [report.client_cpu_ms / yardstick for report, yardstick in rows]
     verdict = "met" if max(ratios) <= TARGET else "missed"
@@ -283,6 +313,14 @@ def run(*, seconds: float = SECONDS) -> str:
             f"{name} " + ", ".join(f"{_median_ratio(found[level], ways[OURS][level]):.2f}x at {level}"
                                    for level in ALTERNATIVE_LEVELS)
             for name, found in ways.items() if name != OURS) + ".",
+        "",
+        "The same levels with each photo requests commonly carry, on the same server, against that photo's own "
+        "decode + resize to its scale:",
+        "",
+        "| photo | in flight | req/s | load tester CPU ms/req | decode + resize CPU ms | ratio | load tester busy |",
+        "|---|---|---|---|---|---|---|",
+        *[f"| {name} | {report.level:g} | {report.throughput_rps:.1f} | {report.client_cpu_ms:.3f} | {yardstick:.2f} | "
+          f"{report.client_cpu_ms / yardstick:.3f}x | {report.client_busy:.0%} |" for name, report, yardstick in by_photo],
         "",
         f"One command against {DRIVE_COMMANDS}: `scoremap-loadtest --processes auto --concurrency {DRIVE_CALLERS}` "
         f"against {DRIVE_COMMANDS} `--processes 1 --concurrency {DRIVE_CALLERS // DRIVE_COMMANDS}` commands started "
