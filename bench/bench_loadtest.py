@@ -210,23 +210,13 @@ def measure(*, seconds: float = SECONDS, in_flight: tuple[int, ...] = IN_FLIGHT,
     against four (drive); the yardstick after them; the levels again for each of the common photos (photo_rows)."""
     data = SAMPLE.read_bytes()
     request = scoring_pb2.ScoreRequest(encoded=data, scales=[SCALE])
-    rows = []
     with tempfile.TemporaryDirectory() as folder:
         server, address, _metrics = start_server(null_model(folder), pathlib.Path(folder) / "server.log", SERVER_FLAGS)
         try:
             limits = LoadLimits()
             with LoadTester(Target(address), [request], processes=processes, limits=limits,
                             server_pid=server.pid) as tester:
-                before = yardstick_ms(data)
-                for level in in_flight:
-                    plan = LevelPlan(duration_s=seconds, max_requests=limits.max_requests, timeout_s=60.0,
-                                     warmup=2 * level)
-                    report = tester.closed(level, plan)
-                    if report.errors:
-                        raise RuntimeError(f"{level} in flight: requests failed: {report.errors}")
-                    after = yardstick_ms(data)
-                    rows.append((report, (before + after) / 2))
-                    before = after
+                rows = closed_levels(tester, data, scale=SCALE, in_flight=in_flight, seconds=seconds, limits=limits)
             floor = bare_grpc_ms(address, request, seconds=seconds)
             ways = alternatives(address, request, rounds=ALTERNATIVE_ROUNDS, seconds=ALTERNATIVE_SECONDS)
             photos = pathlib.Path(folder) / "photos"
@@ -252,16 +242,24 @@ def photo_rows(address: str, server_pid: int, *, seconds: float,
     for name, (data, scale) in photos().items():
         request = scoring_pb2.ScoreRequest(encoded=data, scales=[scale])
         with LoadTester(Target(address), [request], processes=PROCESSES, limits=limits, server_pid=server_pid) as tester:
-            before = yardstick_ms(data, scale=scale)
-            for level in in_flight:
-                plan = LevelPlan(duration_s=seconds, max_requests=limits.max_requests, timeout_s=120.0,
-                                 warmup=2 * level)
-                report = tester.closed(level, plan)
-                if report.errors:
-                    raise RuntimeError(f"{name}, {level} in flight: requests failed: {report.errors}")
-                after = yardstick_ms(data, scale=scale)
-                rows.append((name, report, (before + after) / 2))
-                before = after
+            rows += [(name, report, yardstick) for report, yardstick in
+                     closed_levels(tester, data, scale=scale, in_flight=in_flight, seconds=seconds, limits=limits)]
+    return rows
+
+
+def closed_levels(tester: LoadTester, data: bytes, *, scale: int, in_flight: tuple[int, ...], seconds: float,
+                  limits: LoadLimits) -> list[tuple[LevelReport, float]]:
+    """Each closed level's report and the yardstick around it: `data`'s decode + resize to `scale`, the mean of the
+    one before and the one after the level."""
+    rows, before = [], yardstick_ms(data, scale=scale)
+    for level in in_flight:
+        plan = LevelPlan(duration_s=seconds, max_requests=limits.max_requests, timeout_s=120.0, warmup=2 * level)
+        report = tester.closed(level, plan)
+        if report.errors:
+            raise RuntimeError(f"{level} in flight, scale {scale}: requests failed: {report.errors}")
+        after = yardstick_ms(data, scale=scale)
+        rows.append((report, (before + after) / 2))
+        before = after
     return rows
 
 
