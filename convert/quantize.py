@@ -244,14 +244,15 @@ def _describe(name: str, record: Agreement) -> str:
 
 
 def _fall_back(model: onnx.ModelProto, best: _Trial, kept: dict[str, str], calibration: list[list[np.ndarray]],
-               ranking: list[tuple[str, float]], snr: float, *, reference: onnxruntime.InferenceSession,
+               tensors: list[np.ndarray], ranking: list[tuple[str, float]], snr: float, *,
+               reference: onnxruntime.InferenceSession,
                sides: tuple[int, ...], logits: bool, max_layers: int, min_top1: float,
                min_correlation: float) -> tuple[_Trial, dict[str, str]]:
     """Accuracy-driven mixed precision: while `best` falls short of the thresholds on the calibration photos, the next
     layer of `ranking` (`fallback_ranking` of `best`, whose SNR is `snr`) joins `kept` in float and the graph is
     quantized again, `max_layers` times at most (ranked once, as Intel Neural Compressor's fallback does: each
-    ranking costs a run per quantized layer). The held-out photos take no part: they check the result."""
-    tensors = [tensor for per_photo in calibration for tensor in per_photo]
+    ranking costs a run per quantized layer). The held-out photos take no part: they check the result. `tensors`
+    are the calibration photos' input tensors, every side, as `quantize` calibrates on them."""
     fallen: dict[str, str] = {}
     for name, lifted in ranking[:max_layers]:
         problems = _shortfalls("calibration photos", best.calibration, min_top1=min_top1,
@@ -306,7 +307,7 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
         log.info("int8 with %s calibration: %s", method, _describe("calibration", trials[-1].calibration))
     best = max(trials, key=lambda trial: trial.rank)
     snr, ranking = fallback_ranking(model, best.model, tensors, logits=logits, keep_float=tuple(kept))
-    best, fallen = _fall_back(model, best, kept, calibration, ranking, snr, reference=reference, sides=sides,
+    best, fallen = _fall_back(model, best, kept, calibration, tensors, ranking, snr, reference=reference, sides=sides,
                               logits=logits, max_layers=max_fallback_layers, min_top1=min_top1_agreement,
                               min_correlation=min_map_correlation)
     kept = {**kept, **fallen}

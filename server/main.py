@@ -216,14 +216,14 @@ def serve(server: ScoringServer, port: int, args: argparse.Namespace, *, stop: t
     sys.stdout.flush()
     names = [summary.name for summary in server.pipeline.models()]
     LOG.info("serving %s on %s:%d (%s)", ", ".join(names), args.host, port, server.pipeline.provider(names[0]))
-    while not stop.wait(0.1):  # until the warm-up has ended: then `stop` alone, so an idle server never wakes here
+    # A failed warm-up is looked for until the warm-up has ended; then `stop` alone: an idle server never wakes here.
+    while not server.front.ready.is_set() and not stop.wait(0.1):
         if server.warm_up_error is not None:
             sys.stderr.write(f"scoremap-serve: warm-up failed, the server could never be SERVING: "
                              f"{server.warm_up_error.message}\n")
             server.stop(0).wait()
             return 3
-        if server.front.ready.is_set():
-            stop.wait()
+    stop.wait()
     LOG.info("draining: new calls get UNAVAILABLE, %d in-flight calls have %.1f s",
              server.front.active, settings.grace_seconds)
     server.stop(settings.grace_seconds).wait()
