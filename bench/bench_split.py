@@ -5,12 +5,13 @@ over gRPC on 16 connections (as from 16 clients: SO_REUSEPORT spreads connection
 would reach one front), stride 32, top-5, one intra-op thread (a plan's run then takes its wall time in CPU). Three
 photos: samples/cat.jpg enlarged to 384, a 600x512 JPEG shrunk to 384, a 12-megapixel JPEG shrunk to 768, each
 server warmed up at its photo's scale (its canvas one of the buckets: one item per request, not tiles). Per level:
-throughput, p50, and each process's CPU per request from /proc. The engine's own work per request is its CPU less
-its batcher threads' (the plans' runs and the batching around them), both read in the same level. Targets (the
-engine split's): the engine's own CPU per request <= 0.3 ms; a front's CPU per request (the fronts' CPU over the
-requests they shared) no more than the single process's; at one client the split adds <= 0.3 ms p50; batching on >= 0.95x off at 1 and 4 clients; `--fronts 2`
->= 0.85x the single process's req/s at 16 clients; the idle server with 2 fronts <= 350 MiB PSS + 60 MiB per front,
-shared memory counted.
+throughput and each process's CPU per request from /proc, the means of two levels of each layout, alternated; at one
+client, both servers up at once and their calls alternated one for one, each one's p50. The engine's own work per
+request is its CPU less its batcher threads' (the plans' runs and the batching around them), both read in the same
+level. Targets (the engine split's): the engine's own CPU per request <= 0.3 ms; a front's CPU per request (the
+fronts' CPU over the requests they shared) no more than the single process's; at one client the split adds <= 0.3 ms
+p50; batching on >= 0.95x off at 1 and 4 clients; `--fronts 2` >= 0.85x the single process's req/s at 16 clients;
+the idle server with 2 fronts <= 350 MiB PSS + 60 MiB per front, shared memory counted.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ CLIENTS = 16
 CONNECTIONS = 16  # as many clients' connections: the kernel spreads them over the fronts (SO_REUSEPORT)
 ENGINE_TARGET_MS = 0.3
 LATENCY_TARGET_MS = 0.3
+ONE_CLIENT_CALLS = 400  # each server's calls at one client, alternated; the first ONE_CLIENT_WARM_UP not counted
+ONE_CLIENT_WARM_UP = 20
 RATE_TARGET = 0.85
 BATCHING_TARGET = 0.95
 BATCHING = {"on": ("--max-batch", "8"), "off": ("--max-batch", "1")}
@@ -142,6 +145,40 @@ def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image:
     return figures
 
 
+def means(levels: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's mean over `levels`."""
+    return {key: statistics.mean(each[key] for each in levels) for key in levels[0]}
+
+
+def one_client_p50s(model: str, folder: pathlib.Path, *, image: bytes, scale: int) -> tuple[float, float]:
+    """p50 ms at one client of one process and of `--fronts FRONTS`, both serving at once, their calls alternated
+    one for one (ONE_CLIENT_CALLS each): the machine's drift falls on both alike. Levels run one after the other on
+    servers of their own differed by up to 1 ms here from one start to the next, three times the target."""
+    servers, stubs = [], []
+    try:
+        for fronts in (0, FRONTS):
+            server, address, _metrics = start_server(model, folder / f"one-client-{fronts}.log",
+                                                    ("--fronts", str(fronts), "--intra-op-threads", "1",
+                                                     "--warm-up-scales", str(scale)))
+            servers.append(server)
+            stubs.append(scoring_pb2_grpc.DenseScoringStub(grpc.insecure_channel(address)))
+        request = scoring_pb2.ScoreRequest(encoded=image, scales=[scale])
+        for stub in stubs:
+            answered(stub, request)
+        seconds: list[list[float]] = [[], []]
+        for _ in range(ONE_CLIENT_CALLS):
+            for stub, each in zip(stubs, seconds):
+                started = time.perf_counter()
+                stub.Score(request, timeout=120)
+                each.append(time.perf_counter() - started)
+        single, split = (1000 * statistics.median(each[ONE_CLIENT_WARM_UP:]) for each in seconds)
+        return single, split
+    finally:
+        for server in servers:
+            server.terminate()
+            server.wait(60)
+
+
 def answered(stub: scoring_pb2_grpc.DenseScoringStub, request: scoring_pb2.ScoreRequest, *,
              seconds: float = 120.0) -> None:
     """One call answered, retried while the process behind the connection is still warming up (UNAVAILABLE): a
@@ -185,19 +222,18 @@ def run() -> str:
         folder = pathlib.Path(scratch)
         model = null_model(scratch)
         for name, (image, scale) in photos().items():
-            single = level(model, folder, fronts=0, clients=CLIENTS, image=image, scale=scale)
-            split = level(model, folder, fronts=FRONTS, clients=CLIENTS, image=image, scale=scale)
-            p50s: dict[int, list[float]] = {0: [], FRONTS: []}
+            levels: dict[int, list[dict[str, float]]] = {0: [], FRONTS: []}
             for fronts in (0, FRONTS, FRONTS, 0):  # alternated: the machine's drift falls on both alike
-                p50s[fronts].append(level(model, folder, fronts=fronts, clients=1, image=image, scale=scale)["p50"])
-            one_single, one_split = ({"p50": statistics.mean(p50s[fronts])} for fronts in (0, FRONTS))
+                levels[fronts].append(level(model, folder, fronts=fronts, clients=CLIENTS, image=image, scale=scale))
+            single, split = (means(levels[fronts]) for fronts in (0, FRONTS))
+            one_single, one_split = one_client_p50s(model, folder, image=image, scale=scale)
             engine_own = split["engine"] - split["inference"]
             front_cpu = sum(split[f"front {i}"] for i in range(FRONTS))  # each front serves its connections' share
-            rate, added = split["rate"] / single["rate"], one_split["p50"] - one_single["p50"]
+            rate, added = split["rate"] / single["rate"], one_split - one_single
             rows.append(f"| {name} | {single['rate']:.1f} / {split['rate']:.1f} = {rate:.2f}x | "
                         f"{single['cpu']:.2f} / {split['cpu']:.2f} | {front_cpu:.2f} | {split['engine']:.2f} - "
-                        f"{split['inference']:.2f} = {engine_own:.2f} | {one_single['p50']:.2f} / "
-                        f"{one_split['p50']:.2f} ({added:+.2f}) |")
+                        f"{split['inference']:.2f} = {engine_own:.2f} | {one_single:.2f} / "
+                        f"{one_split:.2f} ({added:+.2f}) |")
             verdicts.append((name, engine_own <= ENGINE_TARGET_MS, front_cpu <= single["cpu"],
                              added <= LATENCY_TARGET_MS, rate >= RATE_TARGET))
         image, scale = photos()["cat.jpg 451x300 enlarged to 384"]
@@ -223,10 +259,12 @@ def run() -> str:
         f"{CONNECTIONS} connections (spread over the fronts by SO_REUSEPORT), each on a "
         f"server of its own warmed up at the photo's scale (`--warm-up-scales`: its canvas a bucket, one item per "
         f"request): one process (`--fronts 0`) against `--fronts {FRONTS}` (an engine process and {FRONTS} fronts); "
-        "CPU from /proc per process over every request sent.",
+        f"CPU from /proc per process over every request sent; the means of two levels of each, alternated (one, "
+        f"split, split, one). At one client: both servers up at once, "
+        f"{ONE_CLIENT_CALLS} calls each, alternated one for one (the first {ONE_CLIENT_WARM_UP} not counted).",
         "",
         f"| photo | req/s at {CLIENTS} clients, one / split | server CPU ms per request, one / split | the fronts' CPU "
-        "ms | the engine's CPU less its runners', ms | p50 ms at 1 client, one / split (added; two levels each) |",
+        "ms | the engine's CPU less its runners', ms | p50 ms at 1 client, one / split (added; calls alternated) |",
         "|---|---|---|---|---|---|",
         *rows,
         "",
