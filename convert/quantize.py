@@ -72,6 +72,8 @@ CALIBRATION_METHODS = {"minmax": CalibrationMethod.MinMax, "entropy": Calibratio
 MIN_TOP1_AGREEMENT = 0.97
 MIN_MAP_CORRELATION = 0.98
 PAIR_BOUNDED = Int8Weights.INT8_WEIGHTS_PAIR_BOUNDED
+# onnxruntime's own weight levels at 7 bits: requantize_weights replaces them (full 8-bit or pair-bounded).
+REDUCE_RANGE = True
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # Layers the fallback (`_fall_back`) may keep in float beyond float_layers' choice: each costs a quantization and
 # runs at fp32 speed (the measured choice in docs/design.md).
@@ -135,7 +137,7 @@ def quantize(model: onnx.ModelProto, tensors: list[np.ndarray], *, method: str, 
         with contextlib.redirect_stdout(io.StringIO()):  # onnxruntime prints its calibration's progress
             quantize_static(
                 source, path, _Reader(card.preprocessing.input_name, tensors), quant_format=QuantFormat.QDQ,
-                per_channel=True, reduce_range=pair_bounded, activation_type=QuantType.QUInt8,
+                per_channel=True, reduce_range=REDUCE_RANGE, activation_type=QuantType.QUInt8,
                 weight_type=QuantType.QInt8, calibrate_method=CALIBRATION_METHODS[method],
                 calibration_providers=verify.PROVIDERS, nodes_to_exclude=list(keep_float),
                 extra_options={"CalibStridedMinMax": 1, "TensorQuantOverrides": _input_overrides(card)})
