@@ -16,10 +16,10 @@ is what the check compares when it names the layer that loses the most.
   (VPMADDUBSW), which saturates when two neighbouring weights near 127 meet large activations. Each output
   channel's scale is the smallest at which any two neighbours along the reduction sum to at most 128 levels: never
   coarser than 7-bit weights (onnxruntime's `reduce_range`), on the default model's 34 such convolutions 1.2-1.7x
-  finer. On the default model, full 8-bit weights agreed with fp32 on 97.2% of the calibration photos' cells when
-  the graph ran unfused, in float, and on 69.7% through the fused kernels; 7-bit weights on 90.9% fused, and the
-  pair bound on 94.7% fused (held out: 96.6% with 7 bits, 97.0% pair-bounded); pair-bounded with entropy
-  calibration 97.4% (held out 96.1%), with percentile 97.1% (held out 96.8%).
+  finer. On the default model on an AVX2 CPU without VNNI, full 8-bit weights agreed with fp32 on 97.2% of the
+  calibration photos' cells when the graph ran unfused, in float, and on 69.7% through the fused kernels; 7-bit
+  weights on 90.9% fused, and the pair bound on 94.7% fused (held out: 96.6% with 7 bits, 97.0% pair-bounded);
+  pair-bounded with entropy calibration 97.4% (held out 96.1%), with percentile 97.1% (held out 96.8%).
 * Some layers stay in float, depthwise weights are quantized again at 8 bits, and each convolution's bias is
   corrected for the mean shift its rounding causes: convert.int8_passes, each measured there.
 * The image input is quantized on the pixel grid when the card's normalisation allows (one scale
@@ -334,7 +334,8 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
              if len(fallen) == max_fallback_layers else "")
     if problems and not allow_precision_loss:
         raise ConversionError(
-            f"the int8 graph ({int8_kernels.describe(weights)} weights, {best.method} calibration, the best of {[trial.method for trial in trials]}) strays "
+            f"the int8 graph ({int8_kernels.describe(weights)} weights, {best.method} calibration, the best of "
+            f"{[trial.method for trial in trials]}) strays "
             f"from the fp32 graph: {'; '.join(problems)}. {numbers}. Kept in float{bound}: "
             f"{', '.join(f'{_op_type(model, name)} {name!r}' for name in kept)}. The layer that loses the most: "
             f"{worst}. "
