@@ -7,8 +7,9 @@ in 32 bits and do not. Full 8-bit weights are exact only on the latter; pair-bou
 
 The answer is measured, not read from the CPU's flags (`pair_sums_saturate`): a QDQ convolution whose neighbouring
 weights are 127 and 127, on inputs of 255, runs through the fused kernels onnxruntime picks on this CPU and is compared
-with the same graph computed unfused. So it holds for whatever kernels this onnxruntime build and CPU pair up, ARM's
-included (its NEON and dot-product kernels widen to 32 bits before they add).
+with the same graph computed unfused. So it holds for whatever kernels this onnxruntime build and CPU pair up; on ARM,
+whose NEON and dot-product kernels widen to 32 bits before they add, it should find no saturation (not measured by
+the project).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ _PROBE_OUTPUT_SCALE = 4096.0  # the largest probe sum, 255 x 127 x 18 (a 3x3 ker
 
 
 def instructions() -> str:
-    """The x86 integer dot-product extensions this CPU offers (onnxruntime's MLAS picks its int8 kernels by them)."""
+    """The integer dot-product extensions this CPU offers, x86's or ARM's (onnxruntime's MLAS picks its int8 kernels
+    by them), for messages and reports: `pair_sums_saturate` decides."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             flags = next(line for line in cpuinfo if line.startswith(("flags", "Features"))).split()
