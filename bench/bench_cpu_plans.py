@@ -369,12 +369,3 @@ def int8_speed_rows(fp32_path: str, int8_path: str, *,
         del sessions
     return rows
 
-
-def cpu_int8_instructions() -> str:
-    """The x86 integer dot-product extensions this CPU offers (onnxruntime's MLAS picks its int8 kernels by them)."""
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    found = [flag for flag in ("avx512_vnni", "avx_vnni", "amx_int8", "avx512bw", "avx2") if flag in flags]
-    return ", ".join(found) or "none of avx2/avx512/vnni"

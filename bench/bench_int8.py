@@ -1,6 +1,7 @@
 """int8 against fp32 on the CPU: the plans' speed and the agreement on held-out photos (convert.quantize).
 
-The default model converted, then quantized by `to_int8` (MinMax calibration, the default photo set, the fallback's
+The default model converted, then quantized by `to_int8` as `scoremap-convert --precision int8` quantizes it (every
+calibration method tried, the weights `--int8-weights auto` gives on this CPU, the default photo set, the fallback's
 layers kept in float where the calibration photos fall short, written whatever its check says, so the numbers can
 be read); the plan graph of each in sessions made as the server makes
 them, runs alternated in one process, the fastest of each (bench_cpu_plans.int8_speed_rows); each model served as
@@ -46,15 +47,17 @@ def served_rates(paths: dict[str, str], *, rounds: int = SERVED_ROUNDS) -> dict[
 
 
 def run() -> str:
-    from bench.bench_cpu_plans import INT8_SPEED_TARGET, cpu_int8_instructions, int8_speed_rows
+    from bench.bench_cpu_plans import INT8_SPEED_TARGET, int8_speed_rows
     from bench.models import converted
+    from convert import int8_kernels
     from convert.calibration import default_set
     from convert.card import read_card
     from convert.quantize import float_ops, to_int8
 
     with tempfile.TemporaryDirectory() as folder:
         fp32_path = converted(folder)
-        int8 = to_int8(onnx.load(fp32_path), default_set(), methods=("minmax",), allow_precision_loss=True)
+        int8 = to_int8(onnx.load(fp32_path), default_set(), allow_precision_loss=True,
+                       weights=int8_kernels.weights_for("auto"))
         int8_path = f"{folder}/default-int8.onnx"
         onnx.save(int8, int8_path)
         rows = int8_speed_rows(fp32_path, int8_path)
@@ -64,16 +67,15 @@ def run() -> str:
     ratios = [fp32 / quantized for _, fp32, quantized, _, _ in rows]
     verdict = "met" if min(ratios) >= INT8_SPEED_TARGET else "NOT met"
     served_verdict = "met" if served_ratio >= SERVED_TARGET else "NOT met"
-    instructions = cpu_int8_instructions()
-    kernels = ("onnxruntime's MLAS runs uint8 x int8 with VNNI's 32-bit sums; the pair-bounded weights the model keeps "
-               "for AVX2-only CPUs cost it nothing but their coarser levels" if "vnni" in instructions else
-               "onnxruntime's MLAS runs uint8 x int8 on AVX2 with VPMADDUBSW, no VNNI being offered; the weights are "
-               "pair-bounded so its 16-bit sums cannot saturate")
+    kernels = ("onnxruntime's uint8 x int8 kernels sum each two neighbouring products in 16 bits here (no VNNI or AMX): "
+               "the weights are pair-bounded, so they cannot saturate" if int8_kernels.pair_sums_saturate() else
+               "onnxruntime's uint8 x int8 kernels sum in 32 bits here (VNNI or AMX; measured by convert.int8_kernels' "
+               "probe): the weights are full 8-bit")
     checks = [(name, getattr(record, name)) for name in ("calibration", "held_out")]
     return "\n".join([
         f"## int8 against fp32 on the CPU (bench_int8; target >= {INT8_SPEED_TARGET:g}x, {verdict})",
         "",
-        f"CPU integer extensions: {instructions} ({kernels}). Ops left in float: "
+        f"CPU integer extensions: {int8_kernels.instructions()} ({kernels}). Ops left in float: "
         f"{', '.join(float_ops(int8)) or 'none'}.",
         "",
         "| plan (batch x canvas, 1 pass) | fp32 ms (fastest) | int8 ms (fastest) | speed-up | median / fastest: fp32, int8 |",
@@ -87,7 +89,8 @@ def run() -> str:
         f"(each round: fp32 {', '.join(f'{rate:.2f}' for rate in served['fp32'])}; int8 "
         f"{', '.join(f'{rate:.2f}' for rate in served['int8'])}); target >= {SERVED_TARGET:g}x: {served_verdict}.",
         "",
-        f"Agreement with fp32 ({record.method} calibration on {len(record.calibration_images)} photos; held out: "
+        f"Agreement with fp32 ({int8_kernels.describe(record.weights)} weights, {record.method} calibration (the best of "
+        f"{', '.join(trial.method for trial in record.trials)}) on {len(record.calibration_images)} photos; held out: "
         f"{', '.join(record.held_out_images)}; each at sides {list(record.held_out.sides)}):",
         "",
         "| photos | cells' top-1 agreement | images' top-1 | map correlation min / mean | probability diff max / mean |",

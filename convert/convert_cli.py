@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from convert.arguments import DEFAULT_OUTPUT_STRIDE, SUPPORTED_OUTPUT_STRIDES, number_in, number_list, size_pair
 from convert.errors import ConversionError, UsageError
+from convert.int8_kernels import WEIGHT_CHOICES
 from convert.labels import LABEL_SETS
 from convert.presets import PRESETS
 from protos import version
@@ -78,6 +79,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-method", choices=("auto", "minmax", "entropy", "percentile"), default="auto",
                    help="int8: how activation ranges are calibrated (auto: each tried, the one agreeing best with "
                         "fp32 on the calibration photos kept)")
+    p.add_argument("--int8-weights", choices=("auto", *WEIGHT_CHOICES), default="auto",
+                   help="int8: the weights' levels in convolutions that are not depthwise. full: 8 bits, closer to "
+                        "fp32, but wrong on CPUs whose int8 kernels sum in 16 bits (x86 without VNNI or AMX), which "
+                        "refuse to load it; pair-bounded: a little coarser, right on every CPU; auto: full where this "
+                        "CPU's kernels sum in 32 bits, else pair-bounded (docs/converting.md)")
     p.add_argument("--allow-precision-loss", action="store_true",
                    help="int8: write the graph even below the agreement thresholds, with a warning in its card")
     p.add_argument("--verbose", action="store_true", help="show progress and third-party warnings (torch's exporter)")
@@ -200,9 +206,12 @@ def calibration_photos(folder: str | None):
 
 def int8_summary(card) -> str:
     """The int8 check in a few lines: the method chosen, both photo sets' numbers, the worst layer."""
+    from convert.int8_kernels import describe
+
     q = card.quantization
-    lines = [f"int8: {q.method} calibration (tried {', '.join(trial.method for trial in q.trials)}) on "
-             f"{len(q.calibration_images)} photos from {q.calibration_source}"]
+    lines = [f"int8: {describe(q.weights)} weights, {q.method} calibration (tried "
+             f"{', '.join(trial.method for trial in q.trials)}) on {len(q.calibration_images)} photos from "
+             f"{q.calibration_source}"]
     for name, record in (("calibration", q.calibration), ("held out", q.held_out)):
         lines.append(f"  {name}: {record.images} photos at sides {list(record.sides)}: top-1 agreement "
                      f"{record.top1_agreement:.1%} of cells ({record.image_top1_agreement:.0%} of images), map "
@@ -232,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         arguments.error("--size is the side of the --report image; pass --report IMAGE with it, or drop --size")
     int8_only = [flag for flag, given in (("--calibration", args.calibration is not None),
                                           ("--calibration-method", args.calibration_method != "auto"),
+                                          ("--int8-weights", args.int8_weights != "auto"),
                                           ("--allow-precision-loss", args.allow_precision_loss)) if given]
     if int8_only and args.precision != "int8":
         arguments.error(f"{', '.join(int8_only)} apply to --precision int8; add it, or drop them")
@@ -253,10 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.precision == "fp16":
             converted = to_fp16(converted)
         elif args.precision == "int8":
+            from convert.int8_kernels import weights_for
             from convert.quantize import CALIBRATION_METHODS, to_int8
 
             methods = tuple(CALIBRATION_METHODS) if args.calibration_method == "auto" else (args.calibration_method,)
-            converted = to_int8(converted, photos, methods=methods, allow_precision_loss=args.allow_precision_loss)
+            converted = to_int8(converted, photos, methods=methods, allow_precision_loss=args.allow_precision_loss,
+                                weights=weights_for(args.int8_weights))
         save(converted, args.output)
     except (ConversionError, OSError) as error:
         if args.traceback:

@@ -17,7 +17,8 @@
   - the others pair-bounded (`pair_bounded_scale`, `pair_bounded_levels`): AVX2's VPMADDUBSW sums the products
     of each two neighbouring input channels in 16 bits, saturating past 32,767; with at most PAIR_SUM_LEVELS
     levels in any two neighbours, uint8 activations up to 255 cannot reach it (checked on a 1x1 conv: weights
-    127, 127 on inputs of 255 saturate, 127, 0 and 64, 64 do not).
+    127, 127 on inputs of 255 saturate, 127, 0 and 64, 64 do not); or, asked for (`pair_bounded=False`: where the
+    kernels sum in 32 bits, convert.int8_kernels), at 8 bits as the depthwise ones.
 * Layers kept in float stay in float in onnxruntime's plans (`guard_float_layers`): its WeightBiasQuantization
   transform quantizes the float weights of any Conv (and Gemm) whose input comes from a DequantizeLinear with one scale,
   per tensor to int8, and the fusion then runs it as QLinearConv. On the default model, with three 1x1 projections
@@ -212,10 +213,11 @@ def pair_bounded_levels(weights: np.ndarray, scale: np.ndarray, *, pair_sum: int
     return levels.astype(np.int8)
 
 
-def requantize_weights(quantized: onnx.ModelProto, model: onnx.ModelProto, *,
+def requantize_weights(quantized: onnx.ModelProto, model: onnx.ModelProto, *, pair_bounded: bool = True,
                        depthwise_bits: int = DEPTHWISE_WEIGHT_BITS) -> onnx.ModelProto:
     """`quantized` with its conv weights quantized again from `model`'s (symmetric per output channel), their int32
-    biases rescaled with them: depthwise ones at `depthwise_bits`, the others pair-bounded (module docstring)."""
+    biases rescaled with them: depthwise ones at `depthwise_bits`, the others pair-bounded (module docstring), or at
+    `depthwise_bits` too where `pair_bounded` is False."""
     out = onnx.ModelProto()
     out.CopyFrom(quantized)
     inits = {tensor.name: tensor for tensor in out.graph.initializer}
@@ -226,7 +228,8 @@ def requantize_weights(quantized: onnx.ModelProto, model: onnx.ModelProto, *,
             continue
         values = numpy_helper.to_array(originals[original.input[1]]).astype(np.float64)
         old_scale = numpy_helper.to_array(inits[weight.input[1]]).astype(np.float64)
-        if _is_depthwise(node):
+        full = _is_depthwise(node) or not pair_bounded
+        if full:
             largest = np.abs(values).reshape(values.shape[0], -1).max(axis=1)
             scale = np.where(largest > 0, largest / top, old_scale)
         else:
@@ -244,7 +247,7 @@ def requantize_weights(quantized: onnx.ModelProto, model: onnx.ModelProto, *,
             inits[bias.input[0]].CopyFrom(numpy_helper.from_array(
                 np.round(real_bias / new_bias_scale).astype(np.int32), bias.input[0]))
             inits[bias.input[1]].CopyFrom(numpy_helper.from_array(new_bias_scale, bias.input[1]))
-        if _is_depthwise(node):
+        if full:
             levels = np.clip(np.round(values / scale.reshape(-1, 1, 1, 1)), -top, top).astype(np.int8)
         else:
             levels = pair_bounded_levels(values, scale)

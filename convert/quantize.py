@@ -9,15 +9,17 @@ is what the check compares when it names the layer that loses the most.
 * The calibration method is chosen by measurement: each of CALIBRATION_METHODS quantizes the graph, and
   the one whose result agrees best with the fp32 graph on the calibration photos (cells' top class,
   then the maps' correlation) is kept; the held-out photos only check the choice.
-* Weights of the convolutions that are not depthwise are pair-bounded (convert.int8_passes.requantize_weights):
+* Weights of the convolutions that are not depthwise are full 8-bit or pair-bounded, as the caller chooses (`weights`;
+  the CLI's `--int8-weights auto` asks convert.int8_kernels whether this CPU's kernels sum in 32 bits, where full 8-bit
+  weights agree better with fp32; docs/design.md). Pair-bounded (convert.int8_passes.requantize_weights):
   onnxruntime's uint8 x int8 kernels on AVX2 CPUs without VNNI sum each two neighbouring products in 16 bits
   (VPMADDUBSW), which saturates when two neighbouring weights near 127 meet large activations. Each output
   channel's scale is the smallest at which any two neighbours along the reduction sum to at most 128 levels: never
   coarser than 7-bit weights (onnxruntime's `reduce_range`), on the default model's 34 such convolutions 1.2-1.7x
-  finer. On the default model, full 8-bit weights agreed with fp32 on 97.2% of the calibration photos' cells when
-  the graph ran unfused, in float, and on 69.7% through the fused kernels; 7-bit weights on 90.9% fused, and the
-  pair bound on 94.7% fused (held out: 96.6% with 7 bits, 97.0% pair-bounded); pair-bounded with entropy
-  calibration 97.4% (held out 96.1%), with percentile 97.1% (held out 96.8%).
+  finer. On the default model on an AVX2 CPU without VNNI, full 8-bit weights agreed with fp32 on 97.2% of the
+  calibration photos' cells when the graph ran unfused, in float, and on 69.7% through the fused kernels; 7-bit
+  weights on 90.9% fused, and the pair bound on 94.7% fused (held out: 96.6% with 7 bits, 97.0% pair-bounded);
+  pair-bounded with entropy calibration 97.4% (held out 96.1%), with percentile 97.1% (held out 96.8%).
 * Some layers stay in float, depthwise weights are quantized again at 8 bits, and each convolution's bias is
   corrected for the mean shift its rounding causes: convert.int8_passes, each measured there.
 * The image input is quantized on the pixel grid when the card's normalisation allows (one scale
@@ -49,13 +51,13 @@ import onnxruntime
 from onnx import numpy_helper
 from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
 
-from convert import verify
+from convert import int8_kernels, verify
 from convert.int8_passes import (FLOAT_LAYER_MIN_SNR_DB, correct_biases, float_layers, guard_float_layers, name_nodes,
                                  requantize_weights)
 from convert.calibration import PhotoSet, as_fed, fed_sides
 from convert.card import CardError, ImageInput, Precision, is_logits, read_card, write_card
 from convert.errors import ConversionError
-from protos.model_card_pb2 import Agreement, CalibrationTrial, ModelCard, Quantization, Verification
+from protos.model_card_pb2 import Agreement, CalibrationTrial, Int8Weights, ModelCard, Quantization, Verification
 
 __all__ = ["CALIBRATION_METHODS", "MIN_TOP1_AGREEMENT", "MIN_MAP_CORRELATION", "to_int8", "quantize", "input_grid",
            "MAX_FALLBACK_LAYERS", "fallback_ranking", "float_ops"]
@@ -69,8 +71,8 @@ CALIBRATION_METHODS = {"minmax": CalibrationMethod.MinMax, "entropy": Calibratio
 # server returns keep their shape (Pearson >= 0.98 over the top-5 classes' probability maps at the dense size).
 MIN_TOP1_AGREEMENT = 0.97
 MIN_MAP_CORRELATION = 0.98
-# onnxruntime's own weight levels at 7 bits, the pair bound's coarsest (module docstring); requantize_weights then
-# replaces them, and the weight sensitivity that keeps layers in float assumes that coarsest case.
+PAIR_BOUNDED = Int8Weights.INT8_WEIGHTS_PAIR_BOUNDED
+# onnxruntime's own weight levels at 7 bits: requantize_weights replaces them (full 8-bit or pair-bounded).
 REDUCE_RANGE = True
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # Layers the fallback (`_fall_back`) may keep in float beyond float_layers' choice: each costs a quantization and
@@ -121,11 +123,12 @@ def _input_overrides(card: ModelCard) -> dict:
 
 
 def quantize(model: onnx.ModelProto, tensors: list[np.ndarray], *, method: str, keep_float: tuple[str, ...] = (),
-             bias_correction: bool = True) -> onnx.ModelProto:
+             weights: int = PAIR_BOUNDED, bias_correction: bool = True) -> onnx.ModelProto:
     """The QDQ int8 graph of a converted fp32 `model`, calibrated by `method` on its input `tensors`, the nodes
     named in `keep_float` left in float (guarded, so they stay so in onnxruntime's plans), its conv weights
-    quantized again (depthwise at 8 bits, the others
-    pair-bounded) and (unless told not to) its biases corrected on `tensors` (convert.int8_passes)."""
+    quantized again (depthwise at 8 bits, the others as `weights`, an Int8Weights) and (unless told not to) its
+    biases corrected on `tensors` (convert.int8_passes)."""
+    pair_bounded = weights != Int8Weights.INT8_WEIGHTS_FULL
     model = name_nodes(model)
     card = read_card(model)
     with tempfile.TemporaryDirectory(prefix="scoremap-int8-") as folder:
@@ -140,7 +143,7 @@ def quantize(model: onnx.ModelProto, tensors: list[np.ndarray], *, method: str, 
                 extra_options={"CalibStridedMinMax": 1, "TensorQuantOverrides": _input_overrides(card)})
         quantized = onnx.load(path)
     quantized.ir_version = model.ir_version
-    quantized = requantize_weights(quantized, model)
+    quantized = requantize_weights(quantized, model, pair_bounded=pair_bounded)
     if bias_correction:
         quantized = correct_biases(quantized, model, tensors)
     return guard_float_layers(quantized, keep_float)
@@ -247,7 +250,7 @@ def _fall_back(model: onnx.ModelProto, best: _Trial, kept: dict[str, str], calib
                tensors: list[np.ndarray], ranking: list[tuple[str, float]], snr: float, *,
                reference: onnxruntime.InferenceSession,
                sides: tuple[int, ...], logits: bool, max_layers: int, min_top1: float,
-               min_correlation: float) -> tuple[_Trial, dict[str, str]]:
+               min_correlation: float, weights: int) -> tuple[_Trial, dict[str, str]]:
     """Accuracy-driven mixed precision: while `best` falls short of the thresholds on the calibration photos, the next
     layer of `ranking` (`fallback_ranking` of `best`, whose SNR is `snr`) joins `kept` in float and the graph is
     quantized again, `max_layers` times at most (ranked once, as Intel Neural Compressor's fallback does: each
@@ -262,7 +265,7 @@ def _fall_back(model: onnx.ModelProto, best: _Trial, kept: dict[str, str], calib
         fallen[name] = (f"the fallback's choice {len(fallen) + 1}: alone in float it lifted the probabilities' signal-to-"
                         f"quantization-noise ratio on the calibration photos from {snr:.1f} to {lifted:.1f} dB, "
                         f"where {'; '.join(problems)}")
-        candidate = quantize(model, tensors, method=best.method, keep_float=(*kept, *fallen))
+        candidate = quantize(model, tensors, method=best.method, keep_float=(*kept, *fallen), weights=weights)
         best = _Trial(best.method, candidate, verify.agreement(reference, candidate, calibration, sides=sides,
                                                                logits=logits))
         log.info("int8 with %s kept in float too: %s", name, _describe("calibration", best.calibration))
@@ -272,8 +275,9 @@ def _fall_back(model: onnx.ModelProto, best: _Trial, kept: dict[str, str], calib
 def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...] = tuple(CALIBRATION_METHODS),
             allow_precision_loss: bool = False, min_top1_agreement: float = MIN_TOP1_AGREEMENT,
             min_map_correlation: float = MIN_MAP_CORRELATION, max_fallback_layers: int = MAX_FALLBACK_LAYERS,
-            min_weight_snr_db: float = FLOAT_LAYER_MIN_SNR_DB) -> onnx.ModelProto:
-    """The int8 graph of a converted fp32 graph, its card recording the calibration, the layers kept in float and
+            min_weight_snr_db: float = FLOAT_LAYER_MIN_SNR_DB, weights: int = PAIR_BOUNDED) -> onnx.ModelProto:
+    """The int8 graph of a converted fp32 graph, its card recording the calibration, the weights' levels (`weights`,
+    an Int8Weights: pair-bounded, right on every CPU, unless asked for full 8 bits), the layers kept in float and
     the check.
 
     Convolutions whose weights alone, quantized, leave less than `min_weight_snr_db` stay in float from the start
@@ -296,12 +300,13 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
     held_out = [[as_fed(photo, card, side=side) for side in sides] for photo in photos.held_out]
     logits = is_logits(card)
     reference = verify.session(model)
-    kept = float_layers(model, [per_photo[0] for per_photo in calibration], pointwise_bits=7 if REDUCE_RANGE else 8,
-                        min_snr_db=min_weight_snr_db)
+    # Pair-bounded weights are never coarser than 7 bits (module docstring): the sensitivity assumes that coarsest case.
+    kept = float_layers(model, [per_photo[0] for per_photo in calibration],
+                        pointwise_bits=8 if weights == Int8Weights.INT8_WEIGHTS_FULL else 7, min_snr_db=min_weight_snr_db)
     tensors = [tensor for per_photo in calibration for tensor in per_photo]
     trials = []
     for method in methods:
-        candidate = quantize(model, tensors, method=method, keep_float=tuple(kept))
+        candidate = quantize(model, tensors, method=method, keep_float=tuple(kept), weights=weights)
         trials.append(_Trial(method, candidate, verify.agreement(reference, candidate, calibration, sides=sides,
                                                                  logits=logits)))
         log.info("int8 with %s calibration: %s", method, _describe("calibration", trials[-1].calibration))
@@ -309,7 +314,7 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
     snr, ranking = fallback_ranking(model, best.model, tensors, logits=logits, keep_float=tuple(kept))
     best, fallen = _fall_back(model, best, kept, calibration, tensors, ranking, snr, reference=reference, sides=sides,
                               logits=logits, max_layers=max_fallback_layers, min_top1=min_top1_agreement,
-                              min_correlation=min_map_correlation)
+                              min_correlation=min_map_correlation, weights=weights)
     kept = {**kept, **fallen}
     held = verify.agreement(reference, best.model, held_out, sides=sides, logits=logits)
     worst = _worst_layer(model, snr, [entry for entry in ranking if entry[0] not in fallen])
@@ -319,7 +324,7 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
         held_out_images=[photo.name for photo in photos.held_out], calibration=best.calibration, held_out=held,
         min_top1_agreement=min_top1_agreement, min_map_correlation=min_map_correlation,
         trials=[CalibrationTrial(method=trial.method, calibration=trial.calibration) for trial in trials],
-        worst_layer=worst, float_ops=float_ops(best.model),
+        worst_layer=worst, float_ops=float_ops(best.model), weights=weights,
         float_layers=[f"{_op_type(model, name)} {name!r}: {why}" for name, why in kept.items()])
     problems = [*_shortfalls("calibration photos", best.calibration, min_top1=min_top1_agreement,
                              min_correlation=min_map_correlation),
@@ -329,7 +334,8 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
              if len(fallen) == max_fallback_layers else "")
     if problems and not allow_precision_loss:
         raise ConversionError(
-            f"the int8 graph ({best.method} calibration, the best of {[trial.method for trial in trials]}) strays "
+            f"the int8 graph ({int8_kernels.describe(weights)} weights, {best.method} calibration, the best of "
+            f"{[trial.method for trial in trials]}) strays "
             f"from the fp32 graph: {'; '.join(problems)}. {numbers}. Kept in float{bound}: "
             f"{', '.join(f'{_op_type(model, name)} {name!r}' for name in kept)}. The layer that loses the most: "
             f"{worst}. "

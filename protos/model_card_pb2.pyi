@@ -38,6 +38,12 @@ class Precision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PRECISION_FP32: _ClassVar[Precision]
     PRECISION_FP16: _ClassVar[Precision]
     PRECISION_INT8: _ClassVar[Precision]
+
+class Int8Weights(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INT8_WEIGHTS_UNSPECIFIED: _ClassVar[Int8Weights]
+    INT8_WEIGHTS_PAIR_BOUNDED: _ClassVar[Int8Weights]
+    INT8_WEIGHTS_FULL: _ClassVar[Int8Weights]
 LAYOUT_UNSPECIFIED: Layout
 LAYOUT_NCHW: Layout
 LAYOUT_NHWC: Layout
@@ -55,6 +61,9 @@ PRECISION_UNSPECIFIED: Precision
 PRECISION_FP32: Precision
 PRECISION_FP16: Precision
 PRECISION_INT8: Precision
+INT8_WEIGHTS_UNSPECIFIED: Int8Weights
+INT8_WEIGHTS_PAIR_BOUNDED: Int8Weights
+INT8_WEIGHTS_FULL: Int8Weights
 
 class Preprocessing(_message.Message):
     __slots__ = ("input_name", "layout", "dtype", "channel_order", "pixel_scale", "mean", "std", "resize_filter")
@@ -131,7 +140,7 @@ class CalibrationTrial(_message.Message):
     def __init__(self, method: _Optional[str] = ..., calibration: _Optional[_Union[Agreement, _Mapping]] = ...) -> None: ...
 
 class Quantization(_message.Message):
-    __slots__ = ("method", "calibration_source", "calibration_images", "held_out_images", "calibration", "held_out", "min_top1_agreement", "min_map_correlation", "trials", "worst_layer", "warning", "float_ops", "float_layers")
+    __slots__ = ("method", "calibration_source", "calibration_images", "held_out_images", "calibration", "held_out", "min_top1_agreement", "min_map_correlation", "trials", "worst_layer", "warning", "float_ops", "float_layers", "weights")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_SOURCE_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_IMAGES_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +154,7 @@ class Quantization(_message.Message):
     WARNING_FIELD_NUMBER: _ClassVar[int]
     FLOAT_OPS_FIELD_NUMBER: _ClassVar[int]
     FLOAT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     method: str
     calibration_source: str
     calibration_images: _containers.RepeatedScalarFieldContainer[str]
@@ -158,7 +168,8 @@ class Quantization(_message.Message):
     warning: str
     float_ops: _containers.RepeatedScalarFieldContainer[str]
     float_layers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, method: _Optional[str] = ..., calibration_source: _Optional[str] = ..., calibration_images: _Optional[_Iterable[str]] = ..., held_out_images: _Optional[_Iterable[str]] = ..., calibration: _Optional[_Union[Agreement, _Mapping]] = ..., held_out: _Optional[_Union[Agreement, _Mapping]] = ..., min_top1_agreement: _Optional[float] = ..., min_map_correlation: _Optional[float] = ..., trials: _Optional[_Iterable[_Union[CalibrationTrial, _Mapping]]] = ..., worst_layer: _Optional[str] = ..., warning: _Optional[str] = ..., float_ops: _Optional[_Iterable[str]] = ..., float_layers: _Optional[_Iterable[str]] = ...) -> None: ...
+    weights: Int8Weights
+    def __init__(self, method: _Optional[str] = ..., calibration_source: _Optional[str] = ..., calibration_images: _Optional[_Iterable[str]] = ..., held_out_images: _Optional[_Iterable[str]] = ..., calibration: _Optional[_Union[Agreement, _Mapping]] = ..., held_out: _Optional[_Union[Agreement, _Mapping]] = ..., min_top1_agreement: _Optional[float] = ..., min_map_correlation: _Optional[float] = ..., trials: _Optional[_Iterable[_Union[CalibrationTrial, _Mapping]]] = ..., worst_layer: _Optional[str] = ..., warning: _Optional[str] = ..., float_ops: _Optional[_Iterable[str]] = ..., float_layers: _Optional[_Iterable[str]] = ..., weights: _Optional[_Union[Int8Weights, str]] = ...) -> None: ...
 
 class ModelCard(_message.Message):
     __slots__ = ("name", "labels", "preprocessing", "training_height", "training_width", "output_stride", "receptive_field", "scores_name", "output_kind", "source", "verification", "precision", "default_scale", "size_multiple", "native_output_stride", "quantization")

@@ -125,10 +125,11 @@ def assert_same_top_k(got, expected, provider: str) -> None:
             np.testing.assert_allclose(label.probability, theirs[label.index], **close)
 
 
-def int8_net(net: onnx.ModelProto, *, sides: tuple[int, ...] = (64, 96), seed: int = 0,
-             method: str = "minmax") -> onnx.ModelProto:
-    """`net` quantized to int8 (convert.quantize), calibrated on a few random photos at `sides`, its card carried over
-    with precision int8 (unchecked: for tests of what runs an int8 graph, not of its accuracy)."""
+def int8_net(net: onnx.ModelProto, *, sides: tuple[int, ...] = (64, 96), seed: int = 0, method: str = "minmax",
+             weights: int | None = None) -> onnx.ModelProto:
+    """`net` quantized to int8 (convert.quantize; `weights`: an Int8Weights, recorded in the card, else quantize's
+    default, unrecorded), calibrated on a few random photos at `sides`, its card carried over with precision int8
+    (unchecked: for tests of what runs an int8 graph, not of its accuracy)."""
     from convert.card import Precision
     from convert.preprocessing import to_input
     from convert.quantize import quantize
@@ -137,8 +138,10 @@ def int8_net(net: onnx.ModelProto, *, sides: tuple[int, ...] = (64, 96), seed: i
     rng = np.random.default_rng(seed)
     tensors = [to_input(rng.integers(0, 256, (1, side, side, 3)).astype(np.float32), card.preprocessing)
                for side in sides for _ in range(2)]
-    quantized = quantize(net, tensors, method=method)
+    quantized = quantize(net, tensors, method=method, **({} if weights is None else {"weights": weights}))
     card.precision = Precision.PRECISION_INT8
+    if weights is not None:
+        card.quantization.weights = weights
     return write_card(quantized, card)
 
 

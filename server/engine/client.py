@@ -19,6 +19,7 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
+from convert import int8_kernels
 from convert.memory_model import Device
 from server.errors import NoRoom, Transient
 from server.geometry.dense import Passes
@@ -51,15 +52,19 @@ class EngineFacts:
     memory_budget_bytes: int | None
     runners: int
     max_batch: int
+    # The CPU's int8 kernels sum neighbouring products in 16 bits (convert.int8_kernels.pair_sums_saturate): measured
+    # where the plans run, so that full 8-bit int8 weights are refused there.
+    int8_sums_saturate: bool = False
 
     @property
     def on_gpu(self) -> bool:
         return self.device is Device.CUDA
 
-    def int8_refusal(self) -> str | None:
-        """Why an int8 graph is not served here, or None where it runs on integer kernels (the CPU's)."""
+    def int8_refusal(self, weights: int) -> str | None:
+        """Why an int8 graph with these weights (the card's Int8Weights) is not served here, or None where it runs on
+        integer kernels that compute it right (the CPU's; full 8-bit weights only where they sum in 32 bits)."""
         if self.device is Device.CPU:
-            return None
+            return int8_kernels.refusal(weights, sums_saturate=self.int8_sums_saturate)
         return (f"an int8 graph does not run on {self.provider}: onnxruntime's {self.provider} has no int8 convolution "
                 "kernels (it would compute in float32 between quantize/dequantize nodes: slower than the fp32 graph, "
                 "with int8's loss); serve the fp16 or fp32 model on a GPU, or this one with --provider cpu")

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from convert.int8_kernels import pair_sums_saturate
+from convert.memory_model import Device
 from protos import model_card_pb2
 from server.engine.batcher import Batcher, Reservation, Work
 from server.engine.client import CanvasStore, EngineClient, EngineFacts, PlanKey, QueueState, Ran, Submission
@@ -67,7 +69,8 @@ class EngineCore(EngineClient):
         on_gpu = self.engine.on_gpu
         self.facts = EngineFacts(provider=self.engine.provider, device=self.engine.device,
                                  memory_budget_bytes=self.budget.total_bytes, runners=settings.runners_for(on_gpu=on_gpu),
-                                 max_batch=settings.max_batch_for(on_gpu=on_gpu))
+                                 max_batch=settings.max_batch_for(on_gpu=on_gpu),
+                                 int8_sums_saturate=self.engine.device is Device.CPU and pair_sums_saturate())
         self._served: dict[str, Served] = {}
         self._lock = threading.Lock()
 

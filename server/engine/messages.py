@@ -115,11 +115,13 @@ class Facts(msgspec.Struct, **STRUCT):
     memory_budget_bytes: int | None
     runners: int
     max_batch: int
+    int8_sums_saturate: bool
     classes: dict[str, int]
     queues: dict[str, QueueState]
 
     def facts(self) -> EngineFacts:
-        return EngineFacts(self.provider, Device(self.device), self.memory_budget_bytes, self.runners, self.max_batch)
+        return EngineFacts(self.provider, Device(self.device), self.memory_budget_bytes, self.runners, self.max_batch,
+                           self.int8_sums_saturate)
 
 
 class Queue(msgspec.Struct, **STRUCT):

@@ -235,7 +235,7 @@ class EngineLoop:
     def _facts(self) -> bytes:
         facts = self.core.facts
         return encode(Facts(facts.provider, facts.device.value, facts.memory_budget_bytes, facts.runners,
-                            facts.max_batch, self._classes,
+                            facts.max_batch, facts.int8_sums_saturate, self._classes,
                             {model: self.core.queue_state(model) for model in self._classes}))
 
     def _answer(self, front: int, message) -> None:

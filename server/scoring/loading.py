@@ -60,7 +60,7 @@ def load(name: str, path: str, *, settings: Settings, facts: EngineFacts, budget
         imaging.resample_filter(image.resize_filter)
     except (CardError, imaging.ImageError) as error:
         raise ScoringError(Refusal.INVALID_ARGUMENT, f"{path}: {error}") from error
-    if card.precision == Precision.PRECISION_INT8 and (refusal := facts.int8_refusal()):
+    if card.precision == Precision.PRECISION_INT8 and (refusal := facts.int8_refusal(card.quantization.weights)):
         raise ScoringError(Refusal.FAILED_PRECONDITION, f"{path}: {refusal}")
     name = name or card.name or pathlib.Path(path).stem  # never the folders, which ListModels would show
     total = facts.memory_budget_bytes

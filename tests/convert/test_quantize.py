@@ -10,6 +10,7 @@ import onnxruntime
 import pytest
 from PIL import Image
 
+from convert import int8_kernels
 from convert.calibration import HELD_OUT_EVERY, as_fed, default_set, fed_sides, fed_size, folder_set
 from convert.card import Precision, read_card, write_card
 from convert.convert_cli import EXIT_CONVERSION, EXIT_OK, EXIT_USAGE, main
@@ -19,6 +20,7 @@ from convert.int8_passes import (PAIR_SUM_LEVELS, channel_means, correct_biases,
                                  pair_bounded_levels, pair_bounded_scale, weight_sensitivity)
 from convert.quantize import fallback_ranking, input_grid, quantize, to_int8
 from server.geometry.dense import resized_size
+from protos.model_card_pb2 import Int8Weights
 from tests.tiny_models import heavy_net, int8_net, mobile_net, patch_net
 
 
@@ -125,16 +127,32 @@ def test_an_int8_profile_counts_int8_weights_and_uint8_activations():
     assert 0.2 < quantized.peak_activation_bytes / full.peak_activation_bytes < 0.35
 
 
-def test_the_cli_writes_an_int8_model_and_prints_its_check(tmp_path, capsys):
+@pytest.mark.parametrize("choice", ["auto", "full", "pair-bounded"])
+def test_the_cli_writes_an_int8_model_and_prints_its_check(tmp_path, capsys, choice):
     source, out = tmp_path / "small.onnx", tmp_path / "int8.onnx"
     onnx.save(patch_classifier(), source)
     code = main([str(source), "-o", str(out), "--preprocessing", "raw", "--precision", "int8",
                  "--calibration", str(photo_folder(tmp_path / "photos", 6) if (tmp_path / "photos").mkdir() is None
-                                      else None), "--calibration-method", "minmax", "--allow-precision-loss"])
+                                      else None), "--calibration-method", "minmax", "--allow-precision-loss",
+                 "--int8-weights", choice])
     printed = capsys.readouterr().out
     assert code == EXIT_OK, printed
-    assert read_card(str(out)).precision == Precision.PRECISION_INT8
-    assert "int8: minmax calibration" in printed and "held out: 1 photos" in printed
+    card = read_card(str(out))
+    expected = int8_kernels.weights_for(choice)  # auto: this CPU's kernels decide
+    assert card.precision == Precision.PRECISION_INT8 and card.quantization.weights == expected
+    assert expected == (WEIGHTS[choice] if choice != "auto" else
+                        WEIGHTS["pair-bounded" if int8_kernels.pair_sums_saturate() else "full"])
+    assert f"int8: {int8_kernels.describe(expected)} weights, minmax calibration" in printed
+    assert "held out: 1 photos" in printed
+
+
+WEIGHTS = {"full": Int8Weights.INT8_WEIGHTS_FULL, "pair-bounded": Int8Weights.INT8_WEIGHTS_PAIR_BOUNDED}
+
+
+def test_auto_weights_are_full_only_where_the_kernels_sum_in_32_bits(monkeypatch):
+    for saturate, expected in ((True, "pair-bounded"), (False, "full")):
+        monkeypatch.setattr(int8_kernels, "pair_sums_saturate", lambda saturate=saturate: saturate)
+        assert int8_kernels.weights_for("auto") == WEIGHTS[expected]
 
 
 def test_int8_options_without_int8_and_a_missing_folder_are_usage_errors(tmp_path, capsys):
@@ -143,6 +161,9 @@ def test_int8_options_without_int8_and_a_missing_folder_are_usage_errors(tmp_pat
     with pytest.raises(SystemExit) as exit_:
         main([str(source), "-o", str(tmp_path / "out.onnx"), "--preprocessing", "raw", "--calibration", str(tmp_path)])
     assert exit_.value.code == EXIT_USAGE and "apply to --precision int8" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main([str(source), "-o", str(tmp_path / "out.onnx"), "--preprocessing", "raw", "--int8-weights", "full"])
+    assert exit_.value.code == EXIT_USAGE and "--int8-weights apply to --precision int8" in capsys.readouterr().err
     assert main([str(source), "-o", str(tmp_path / "out.onnx"), "--preprocessing", "raw", "--precision", "int8",
                  "--calibration", str(tmp_path / "none")]) == EXIT_USAGE
     assert "is not a folder" in capsys.readouterr().err
@@ -192,18 +213,24 @@ def test_the_head_from_its_pooling_to_the_output_and_the_sensitive_convolutions_
     assert conv_inputs(quantized, "scores")[1] == "scores_w"  # its float weights, no DequantizeLinear
 
 
-def test_depthwise_weights_get_eight_bits_and_the_others_pair_bounded(photos):
+@pytest.mark.parametrize("weights", ["pair-bounded", "full"])
+def test_depthwise_weights_get_eight_bits_and_the_others_pair_bounded_or_full_as_asked(photos, weights):
     net = mobile_net()
-    quantized = quantize(net, mobile_tensors(photos, net), method="minmax", bias_correction=False)
+    quantized = quantize(net, mobile_tensors(photos, net), method="minmax", bias_correction=False,
+                         weights=WEIGHTS[weights])
     values = {t.name: onnx.numpy_helper.to_array(t) for t in quantized.graph.initializer}
     producers = {node.output[0]: node for node in quantized.graph.node}
     levels = {name: values[producers[conv_inputs(quantized, name)[1]].input[0]].astype(int)
               for name in ("depthwise", "project", "expand")}
     assert np.abs(levels["depthwise"]).max() == 127
     for name in ("project", "expand"):
-        pairs = levels[name].reshape(levels[name].shape[0], -1, 2)  # even input channels: neighbours in twos
-        assert np.abs(pairs).sum(axis=2).max() <= PAIR_SUM_LEVELS
-        assert np.abs(levels[name]).max() > 64  # finer than 7-bit weights
+        pairs = np.abs(levels[name].reshape(levels[name].shape[0], -1, 2)).sum(axis=2)  # neighbours in twos
+        if weights == "full":  # every output channel reaches 127, and some pair of neighbours passes the bound
+            assert np.all(np.abs(levels[name]).reshape(levels[name].shape[0], -1).max(axis=1) == 127)
+            assert pairs.max() > PAIR_SUM_LEVELS
+        else:
+            assert pairs.max() <= PAIR_SUM_LEVELS
+            assert np.abs(levels[name]).max() > 64  # finer than 7-bit weights
     original = {t.name: onnx.numpy_helper.to_array(t) for t in net.graph.initializer}
     weights = dequantized(quantized, conv_inputs(quantized, "depthwise")[1])
     assert np.abs(weights - original["depthwise_w"]).max() <= np.abs(original["depthwise_w"]).max() / 254 + 1e-6
@@ -230,12 +257,16 @@ def test_pair_bounded_weights_keep_every_pair_of_neighbours_within_the_sixteen_b
     assert np.abs(levels[0]).max() == 64 and np.abs(levels[1:]).max() > 64
 
 
-def test_the_fused_int8_kernels_compute_what_the_unfused_graph_computes(photos):
-    """The CPU's fused kernels (QLinearConv, with AVX2's 16-bit pair sums) against the same QDQ graph computed in
-    float: pair-bounded weights cannot saturate, so the two differ by the requantization's rounding only."""
+@pytest.mark.parametrize("weights", ["pair-bounded", "full"])
+def test_the_fused_int8_kernels_compute_what_the_unfused_graph_computes(photos, weights):
+    """The CPU's fused kernels (QLinearConv) against the same QDQ graph computed in float: pair-bounded weights cannot
+    saturate AVX2's 16-bit pair sums, and full 8-bit ones are only made where the kernels sum in 32 bits, so the two
+    differ by the requantization's rounding only."""
+    if weights == "full" and int8_kernels.pair_sums_saturate():
+        pytest.skip(f"this CPU's int8 kernels sum in 16 bits ({int8_kernels.instructions()}): full weights saturate")
     net = mobile_net()
     tensors = mobile_tensors(photos, net)
-    quantized = quantize(net, tensors, method="minmax")
+    quantized = quantize(net, tensors, method="minmax", weights=WEIGHTS[weights])
     options = onnxruntime.SessionOptions()
     options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
     unfused = onnxruntime.InferenceSession(quantized.SerializeToString(), options, providers=["CPUExecutionProvider"])
