@@ -12,9 +12,9 @@
     the most sensitive activation, in float) took the held-out cells' top-1 agreement from 92.5% to 96.6% (the
     calibration photos' from 78.2% to 90.9%).
 * Weights quantized again from the fp32 graph's (`requantize_weights`), symmetric per output channel:
-  - depthwise ones at 8 bits: onnxruntime's depthwise int8 kernel sums products in 32 bits (checked: 3x3 filters
-    of 127 on inputs of 255 give the unfused result);
-  - the others pair-bounded (`pair_bounded_scale`, `pair_bounded_levels`): AVX2's VPMADDUBSW sums the products
+  - depthwise ones (one input and one output channel per group) at 8 bits: onnxruntime's depthwise int8 kernel sums
+    products in 32 bits (checked: 3x3 filters of 127 on inputs of 255 give the unfused result);
+  - the others, grouped ones with several channels per group included, pair-bounded (`pair_bounded_scale`, `pair_bounded_levels`): AVX2's VPMADDUBSW sums the products
     of each two neighbouring input channels in 16 bits, saturating past 32,767; with at most PAIR_SUM_LEVELS
     levels in any two neighbours, uint8 activations up to 255 cannot reach it (checked on a 1x1 conv: weights
     127, 127 on inputs of 255 saturate, 127, 0 and 64, 64 do not); or, asked for (`pair_bounded=False`: where the
@@ -70,8 +70,11 @@ def _group(node: onnx.NodeProto) -> int:
     return next((attribute.i for attribute in node.attribute if attribute.name == "group"), 1)
 
 
-def _is_depthwise(node: onnx.NodeProto) -> bool:
-    return node.op_type == "Conv" and _group(node) > 1
+def _is_depthwise(node: onnx.NodeProto, shape: tuple[int, ...]) -> bool:
+    """One input and one output channel per group (weights of `shape`): what onnxruntime's depthwise int8 kernel runs.
+    A grouped convolution with more channels per group (AlexNet's, ShuffleNet's) runs as one GEMM per group, whose
+    kernels sum in pairs as any other convolution's."""
+    return node.op_type == "Conv" and _group(node) > 1 and shape[1] == 1 and shape[0] == _group(node)
 
 
 def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -135,7 +138,7 @@ def weight_sensitivity(model: onnx.ModelProto, tensors: list[np.ndarray], *, poi
         index = initializers[node.input[1]]
         original = model.graph.initializer[index]
         weights = numpy_helper.to_array(original).copy()
-        bits = DEPTHWISE_WEIGHT_BITS if _is_depthwise(node) else pointwise_bits
+        bits = DEPTHWISE_WEIGHT_BITS if _is_depthwise(node, weights.shape) else pointwise_bits
         model.graph.initializer[index].CopyFrom(numpy_helper.from_array(_fake_quantized(weights, bits), original.name))
         session = verify.session(model)
         sensitivity[node.name] = _snr_db(expected, [verify.run(session, tensor) for tensor in tensors])
@@ -228,7 +231,7 @@ def requantize_weights(quantized: onnx.ModelProto, model: onnx.ModelProto, *, pa
             continue
         values = numpy_helper.to_array(originals[original.input[1]]).astype(np.float64)
         old_scale = numpy_helper.to_array(inits[weight.input[1]]).astype(np.float64)
-        full = _is_depthwise(node) or not pair_bounded
+        full = _is_depthwise(node, values.shape) or not pair_bounded
         if full:
             largest = np.abs(values).reshape(values.shape[0], -1).max(axis=1)
             scale = np.where(largest > 0, largest / top, old_scale)
