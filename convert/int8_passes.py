@@ -2,9 +2,10 @@
 (EfficientNet-Lite0, the default photo set; numbers in docs/design.md's int8 record and bench/RESULTS.md).
 
 * Layers left in float (`float_layers`), before quantizing:
-  - the classifier head, from its pooling to the output: the scores are logits, and uint8 logits (1/16 of a
-    logit apart on the default model) flip every cell whose two best classes lie closer than that; and
-    onnxruntime's QLinearAveragePool ran 14x slower than the float pool on an AVX2 CPU;
+  - the classifier head, from its pooling (or, with none near the output, its last convolution) to the output:
+    the scores are logits, and uint8 logits (1/16 of a logit apart on the default model) flip every cell whose two
+    best classes lie closer than that; uint8 probabilities (1/255 apart) would round most of a thousand classes to 0;
+    and onnxruntime's QLinearAveragePool ran 14x slower than the float pool on an AVX2 CPU;
   - every convolution whose weights alone, quantized, bring the output below FLOAT_LAYER_MIN_SNR_DB of
     signal-to-quantization-noise: on the default model its stem (23.5 dB) and first depthwise convolution
     (21.3 dB at 8 bits; 12 dB at 7: 3x3 filters of weights up to +-16 whose output is their small difference),
@@ -91,21 +92,25 @@ def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def head_nodes(model: onnx.ModelProto) -> list[str]:
-    """The nodes from the classifier's pooling to the graph's output (the output's producer alone when the chain
-    back from it meets no pooling within a few ops)."""
+    """The nodes from the classifier's pooling to the graph's output; where the chain back from the output meets no
+    pooling within a few ops (AlexNet's, VGG's: FC layers turned into convolutions), from the last convolution, the
+    classifier's, so its logits and the Softmax after them stay in float (the output's producer alone when there is
+    neither)."""
     producers = {output: node for node in model.graph.node for output in node.output}
     weights = {tensor.name for tensor in model.graph.initializer}
-    chain, tensor = [], model.graph.output[0].name
+    chain, tensor, classifier = [], model.graph.output[0].name, 0
     while tensor in producers and len(chain) < 6:
         node = producers[tensor]
         chain.append(node.name)
         if node.op_type in POOLS:
             return chain
+        if node.op_type == "Conv" and not classifier:
+            classifier = len(chain)
         inputs = [name for name in node.input if name and name not in weights]
         if len(inputs) != 1:
             break
         tensor = inputs[0]
-    return chain[:1]
+    return chain[:classifier or 1]
 
 
 def _fake_quantized(weights: np.ndarray, bits: int) -> np.ndarray:
