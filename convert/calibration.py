@@ -111,8 +111,11 @@ def default_set() -> PhotoSet:
 
 
 def fed_sides(card: ModelCard) -> tuple[int, int]:
-    """The shorter sides photos are fed at: the training size and the card's dense (default) scale."""
-    training = min(card.training_height, card.training_width)
+    """The shorter sides photos are fed at: the training size, rounded up to the model's size multiple (rounded to the
+    nearest, as `fed_size` rounds, a training size off the multiple can fall below what the head needs for one cell),
+    and the card's dense (default) scale."""
+    multiple = max(card.size_multiple or card.output_stride, 1)
+    training = -(-min(card.training_height, card.training_width) // multiple) * multiple
     return training, max(card.default_scale or training, training)
 
 

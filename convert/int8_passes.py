@@ -2,9 +2,10 @@
 (EfficientNet-Lite0, the default photo set; numbers in docs/design.md's int8 record and bench/RESULTS.md).
 
 * Layers left in float (`float_layers`), before quantizing:
-  - the classifier head, from its pooling to the output: the scores are logits, and uint8 logits (1/16 of a
-    logit apart on the default model) flip every cell whose two best classes lie closer than that; and
-    onnxruntime's QLinearAveragePool ran 14x slower than the float pool on an AVX2 CPU;
+  - the classifier head, from its pooling (or, with none near the output, its last convolution) to the output:
+    the scores are logits, and uint8 logits (1/16 of a logit apart on the default model) flip every cell whose two
+    best classes lie closer than that; uint8 probabilities (1/255 apart) would round most of a thousand classes to 0;
+    and onnxruntime's QLinearAveragePool ran 14x slower than the float pool on an AVX2 CPU;
   - every convolution whose weights alone, quantized, bring the output below FLOAT_LAYER_MIN_SNR_DB of
     signal-to-quantization-noise: on the default model its stem (23.5 dB) and first depthwise convolution
     (21.3 dB at 8 bits; 12 dB at 7: 3x3 filters of weights up to +-16 whose output is their small difference),
@@ -12,9 +13,9 @@
     the most sensitive activation, in float) took the held-out cells' top-1 agreement from 92.5% to 96.6% (the
     calibration photos' from 78.2% to 90.9%).
 * Weights quantized again from the fp32 graph's (`requantize_weights`), symmetric per output channel:
-  - depthwise ones at 8 bits: onnxruntime's depthwise int8 kernel sums products in 32 bits (checked: 3x3 filters
-    of 127 on inputs of 255 give the unfused result);
-  - the others pair-bounded (`pair_bounded_scale`, `pair_bounded_levels`): AVX2's VPMADDUBSW sums the products
+  - depthwise ones (one input and one output channel per group) at 8 bits: onnxruntime's depthwise int8 kernel sums
+    products in 32 bits (checked: 3x3 filters of 127 on inputs of 255 give the unfused result);
+  - the others, grouped ones with several channels per group included, pair-bounded (`pair_bounded_scale`, `pair_bounded_levels`): AVX2's VPMADDUBSW sums the products
     of each two neighbouring input channels in 16 bits, saturating past 32,767; with at most PAIR_SUM_LEVELS
     levels in any two neighbours, uint8 activations up to 255 cannot reach it (checked on a 1x1 conv: weights
     127, 127 on inputs of 255 saturate, 127, 0 and 64, 64 do not); or, asked for (`pair_bounded=False`: where the
@@ -70,8 +71,11 @@ def _group(node: onnx.NodeProto) -> int:
     return next((attribute.i for attribute in node.attribute if attribute.name == "group"), 1)
 
 
-def _is_depthwise(node: onnx.NodeProto) -> bool:
-    return node.op_type == "Conv" and _group(node) > 1
+def _is_depthwise(node: onnx.NodeProto, shape: tuple[int, ...]) -> bool:
+    """One input and one output channel per group (weights of `shape`): what onnxruntime's depthwise int8 kernel runs.
+    A grouped convolution with more channels per group (AlexNet's, ShuffleNet's) runs as one GEMM per group, whose
+    kernels sum in pairs as any other convolution's."""
+    return node.op_type == "Conv" and _group(node) > 1 and shape[1] == 1 and shape[0] == _group(node)
 
 
 def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -88,21 +92,25 @@ def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def head_nodes(model: onnx.ModelProto) -> list[str]:
-    """The nodes from the classifier's pooling to the graph's output (the output's producer alone when the chain
-    back from it meets no pooling within a few ops)."""
+    """The nodes from the classifier's pooling to the graph's output; where the chain back from the output meets no
+    pooling within a few ops (AlexNet's, VGG's: FC layers turned into convolutions), from the last convolution, the
+    classifier's, so its logits and the Softmax after them stay in float (the output's producer alone when there is
+    neither)."""
     producers = {output: node for node in model.graph.node for output in node.output}
     weights = {tensor.name for tensor in model.graph.initializer}
-    chain, tensor = [], model.graph.output[0].name
+    chain, tensor, classifier = [], model.graph.output[0].name, 0
     while tensor in producers and len(chain) < 6:
         node = producers[tensor]
         chain.append(node.name)
         if node.op_type in POOLS:
             return chain
+        if node.op_type == "Conv" and not classifier:
+            classifier = len(chain)
         inputs = [name for name in node.input if name and name not in weights]
         if len(inputs) != 1:
             break
         tensor = inputs[0]
-    return chain[:1]
+    return chain[:classifier or 1]
 
 
 def _fake_quantized(weights: np.ndarray, bits: int) -> np.ndarray:
@@ -135,7 +143,7 @@ def weight_sensitivity(model: onnx.ModelProto, tensors: list[np.ndarray], *, poi
         index = initializers[node.input[1]]
         original = model.graph.initializer[index]
         weights = numpy_helper.to_array(original).copy()
-        bits = DEPTHWISE_WEIGHT_BITS if _is_depthwise(node) else pointwise_bits
+        bits = DEPTHWISE_WEIGHT_BITS if _is_depthwise(node, weights.shape) else pointwise_bits
         model.graph.initializer[index].CopyFrom(numpy_helper.from_array(_fake_quantized(weights, bits), original.name))
         session = verify.session(model)
         sensitivity[node.name] = _snr_db(expected, [verify.run(session, tensor) for tensor in tensors])
@@ -228,7 +236,7 @@ def requantize_weights(quantized: onnx.ModelProto, model: onnx.ModelProto, *, pa
             continue
         values = numpy_helper.to_array(originals[original.input[1]]).astype(np.float64)
         old_scale = numpy_helper.to_array(inits[weight.input[1]]).astype(np.float64)
-        full = _is_depthwise(node) or not pair_bounded
+        full = _is_depthwise(node, values.shape) or not pair_bounded
         if full:
             largest = np.abs(values).reshape(values.shape[0], -1).max(axis=1)
             scale = np.where(largest > 0, largest / top, old_scale)

@@ -48,7 +48,7 @@ import tempfile
 import numpy as np
 import onnx
 import onnxruntime
-from onnx import numpy_helper
+from onnx import numpy_helper, version_converter
 from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
 
 from convert import int8_kernels, verify
@@ -60,7 +60,7 @@ from convert.errors import ConversionError
 from protos.model_card_pb2 import Agreement, CalibrationTrial, Int8Weights, ModelCard, Quantization, Verification
 
 __all__ = ["CALIBRATION_METHODS", "MIN_TOP1_AGREEMENT", "MIN_MAP_CORRELATION", "to_int8", "quantize", "input_grid",
-           "MAX_FALLBACK_LAYERS", "fallback_ranking", "float_ops"]
+           "MAX_FALLBACK_LAYERS", "fallback_ranking", "float_ops", "QDQ_OPSET", "qdq_opset"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,9 @@ PAIR_BOUNDED = Int8Weights.INT8_WEIGHTS_PAIR_BOUNDED
 # onnxruntime's own weight levels at 7 bits: requantize_weights replaces them (full 8-bit or pair-bounded).
 REDUCE_RANGE = True
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+# Per-channel QuantizeLinear/DequantizeLinear (their `axis`) came with opset 13; converted Caffe-era graphs are at
+# convert.normalize's TARGET_OPSET, 12.
+QDQ_OPSET = 13
 # Layers the fallback (`_fall_back`) may keep in float beyond float_layers' choice: each costs a quantization and
 # runs at fp32 speed (the measured choice in docs/design.md).
 MAX_FALLBACK_LAYERS = 4
@@ -122,6 +125,21 @@ def _input_overrides(card: ModelCard) -> dict:
     return {card.preprocessing.input_name: [{"rmin": np.array(min(ends), np.float32), "rmax": np.array(max(ends), np.float32)}]}
 
 
+def qdq_opset(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` at QDQ_OPSET at least (onnx's version converter; a converted graph's Softmax is over its last axis, which
+    opset 13 computes as 12 did); `model` itself when it is already there."""
+    version = next((entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")), QDQ_OPSET)
+    if version >= QDQ_OPSET:
+        return model
+    try:
+        upgraded = version_converter.convert_version(model, QDQ_OPSET)
+    except Exception as error:  # the converter raises bare RuntimeErrors naming the op
+        raise ConversionError(f"int8 needs the graph at opset {QDQ_OPSET} (per-channel weights); onnx's version "
+                              f"converter cannot upgrade it from opset {version}: {error}") from error
+    upgraded.ir_version = model.ir_version
+    return upgraded
+
+
 def quantize(model: onnx.ModelProto, tensors: list[np.ndarray], *, method: str, keep_float: tuple[str, ...] = (),
              weights: int = PAIR_BOUNDED, bias_correction: bool = True) -> onnx.ModelProto:
     """The QDQ int8 graph of a converted fp32 `model`, calibrated by `method` on its input `tensors`, the nodes
@@ -129,7 +147,7 @@ def quantize(model: onnx.ModelProto, tensors: list[np.ndarray], *, method: str, 
     quantized again (depthwise at 8 bits, the others as `weights`, an Int8Weights) and (unless told not to) its
     biases corrected on `tensors` (convert.int8_passes)."""
     pair_bounded = weights != Int8Weights.INT8_WEIGHTS_FULL
-    model = name_nodes(model)
+    model = name_nodes(qdq_opset(model))
     card = read_card(model)
     with tempfile.TemporaryDirectory(prefix="scoremap-int8-") as folder:
         source, path = os.path.join(folder, "fp32.onnx"), os.path.join(folder, "int8.onnx")
@@ -294,7 +312,7 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
     unknown = [method for method in methods if method not in CALIBRATION_METHODS]
     if unknown or not methods:
         raise ConversionError(f"calibration methods {unknown or list(methods)}; expected some of {list(CALIBRATION_METHODS)}")
-    model = name_nodes(model)
+    model = name_nodes(qdq_opset(model))
     sides = fed_sides(card)
     calibration = [[as_fed(photo, card, side=side) for side in sides] for photo in photos.calibration]
     held_out = [[as_fed(photo, card, side=side) for side in sides] for photo in photos.held_out]
