@@ -26,6 +26,7 @@ __all__ = ["Verdict", "classify", "Backoff", "Interrupted", "Retrying", "WaitNot
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+SIGNAL_SLICE_S = 0.1  # the longest a pause waits at once, so Ctrl-C stops a retrying client within it (`_paused`)
 
 
 class Verdict(enum.Enum):
@@ -143,10 +144,21 @@ class Retrying:
         pause = min(max(next(self._pauses), error.retry_after_s or 0.0), remaining)  # the last try at the deadline
         if self.on_wait:
             self.on_wait(error, verdict, remaining)
-        if self.stop is None:
-            time.sleep(pause)
-        elif self.stop.wait(pause):
+        if self._paused(pause):
             raise Interrupted() from error
+
+    def _paused(self, seconds: float) -> bool:
+        """Wait `seconds`, in slices of at most SIGNAL_SLICE_S; True when `stop` was set meanwhile. A signal the
+        kernel hands to another thread (gRPC's own, say) does not wake the main thread from a wait: Python runs its
+        handler (Ctrl-C's KeyboardInterrupt) only when the wait returns, so one long wait would hold Ctrl-C back for
+        the whole pause."""
+        ends = time.monotonic() + seconds
+        while (left := ends - time.monotonic()) > 0:
+            if self.stop is None:
+                time.sleep(min(left, SIGNAL_SLICE_S))
+            elif self.stop.wait(min(left, SIGNAL_SLICE_S)):
+                return True
+        return False
 
 
 def call_with_retries(attempt: Callable[[], T], retrying: Retrying) -> T:

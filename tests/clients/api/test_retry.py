@@ -1,3 +1,4 @@
+import signal
 import threading
 import time
 
@@ -65,6 +66,24 @@ def test_a_stop_ends_the_pause_with_interrupted():
     with pytest.raises(Interrupted):
         call_with_retries(failing(ScoremapError(grpc.StatusCode.UNAVAILABLE, "down"), []),
                           Retrying(budget_s=60, backoff=Backoff(initial_s=30, max_s=30), stop=stop))
+
+
+@pytest.mark.parametrize("stop", [threading.Event(), None], ids=["stoppable", "plain"])
+def test_ctrl_c_handed_to_another_thread_ends_a_long_pause_at_once(stop):
+    """The kernel may hand a process's SIGINT to any of its threads (gRPC's among them); Python raises
+    KeyboardInterrupt in the main thread only once its wait returns, so a 30 s pause must wait in short slices."""
+    assert threading.current_thread() is threading.main_thread()
+
+    def interrupt_from_another_thread() -> None:
+        time.sleep(0.2)
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # delivered to this thread, not the main one
+
+    threading.Thread(target=interrupt_from_another_thread).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        call_with_retries(failing(ScoremapError(grpc.StatusCode.UNAVAILABLE, "down"), []),
+                          Retrying(budget_s=60, backoff=Backoff(initial_s=30, max_s=30), stop=stop))
+    assert time.monotonic() - started < 10  # not the pause's 15-30 s
 
 
 def test_the_hint_is_read_from_trailing_metadata():
