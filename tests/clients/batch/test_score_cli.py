@@ -1,5 +1,6 @@
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -233,9 +234,15 @@ def test_ctrl_c_while_waiting_for_the_server_stops_at_once(photos, tmp_path):
         reader = threading.Thread(target=read)
         reader.start()
         assert waiting.wait(60), said
+        signals = pathlib.Path(f"/proc/{run.pid}/status").read_text()
         run.send_signal(signal.SIGINT)
         interrupted = time.monotonic()
-        code = run.wait(30)
+        try:
+            code = run.wait(30)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            raise AssertionError(f"no exit 30 s after SIGINT; its signal masks: "
+                                 f"{[line for line in signals.splitlines() if line.startswith('Sig')]}; said: {said}")
         stopped_after = time.monotonic() - interrupted
         reader.join(10)
     finally:
