@@ -220,9 +220,15 @@ def test_ctrl_c_while_waiting_for_the_server_stops_at_once(photos, tmp_path):
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        run = subprocess.Popen([sys.executable, "-m", "clients.batch.score_cli", str(photos), "--out", str(tmp_path / "out"),
-                                "--server", f"127.0.0.1:{port}", "--retry-for", "120", "--no-progress"],
-                               cwd=REPO, stderr=subprocess.PIPE, text=True)
+        # A client started as a terminal starts it: SIGINT caught, not ignored. A suite run in the background (`&`)
+        # ignores SIGINT, and a child inherits an ignored signal through exec (a caught one comes back as default).
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            run = subprocess.Popen([sys.executable, "-m", "clients.batch.score_cli", str(photos), "--out",
+                                    str(tmp_path / "out"), "--server", f"127.0.0.1:{port}", "--retry-for", "120",
+                                    "--no-progress"], cwd=REPO, stderr=subprocess.PIPE, text=True)
+        finally:
+            signal.signal(signal.SIGINT, previous)
         said: list[str] = []
         waiting = threading.Event()
 
