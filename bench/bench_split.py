@@ -104,8 +104,8 @@ def pss_mib(pid: int) -> float:
 
 def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image: bytes, scale: int,
           flags: tuple[str, ...] = ()) -> dict[str, float]:
-    """One closed loop on a server of its own: req/s, p50 ms, the engine runners' CPU ms per request, CPU ms per
-    request of the whole server and of each role."""
+    """One closed loop on a server of its own: req/s, the engine runners' CPU ms per request, CPU ms per request of
+    the whole server and of each role."""
     server, address, _metrics = start_server(model, folder / "server.log",
                                             ("--fronts", str(fronts), "--intra-op-threads", "1",
                                              "--warm-up-scales", str(scale), *flags))
@@ -126,7 +126,7 @@ def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image:
             report = run_level(traffic, plan, limits=limits)
             sent = max(report.sent, 1)
             inference = 1000 * (runner_cpu_seconds(processes.get("engine")) - runs_before) / sent
-            figures = {"rate": report.throughput_rps, "p50": report.p50_ms, "inference": inference,
+            figures = {"rate": report.throughput_rps, "inference": inference,
                        "cpu": 1000 * (process_cpu_seconds(server.pid) - whole) / sent}
             for role, pid in processes.items():
                 try:

@@ -15,7 +15,8 @@
 * Weights quantized again from the fp32 graph's (`requantize_weights`), symmetric per output channel:
   - depthwise ones (one input and one output channel per group) at 8 bits: onnxruntime's depthwise int8 kernel sums
     products in 32 bits (checked: 3x3 filters of 127 on inputs of 255 give the unfused result);
-  - the others, grouped ones with several channels per group included, pair-bounded (`pair_bounded_scale`, `pair_bounded_levels`): AVX2's VPMADDUBSW sums the products
+  - the others, grouped ones with several channels per group included, pair-bounded (`pair_bounded_scale`,
+    `pair_bounded_levels`): AVX2's VPMADDUBSW sums the products
     of each two neighbouring input channels in 16 bits, saturating past 32,767; with at most PAIR_SUM_LEVELS
     levels in any two neighbours, uint8 activations up to 255 cannot reach it (checked on a 1x1 conv: weights
     127, 127 on inputs of 255 saturate, 127, 0 and 64, 64 do not); or, asked for (`pair_bounded=False`: where the
