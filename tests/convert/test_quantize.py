@@ -18,6 +18,7 @@ from convert.errors import ConversionError, UsageError
 from convert.profile import profile_model
 from convert.int8_passes import (PAIR_SUM_LEVELS, channel_means, correct_biases, float_layers, head_nodes, name_nodes,
                                  pair_bounded_levels, pair_bounded_scale, weight_sensitivity)
+from convert import quantize as quantize_module
 from convert.quantize import fallback_ranking, input_grid, quantize, to_int8
 from server.geometry.dense import resized_size
 from protos.model_card_pb2 import Int8Weights
@@ -352,6 +353,25 @@ def test_the_fallback_keeps_the_badly_quantizing_layer_in_float_and_the_result_p
     plan = onnx.load(options.optimized_model_filepath)
     assert not any(node.op_type == "QLinearConv" and node.name.startswith("project") for node in plan.graph.node)
     assert any(node.op_type == "QLinearConv" and node.name.startswith("expand") for node in plan.graph.node)
+
+
+def test_a_layer_the_fallback_chose_that_the_later_choices_make_unneeded_goes_back_to_int8(photos, monkeypatch):
+    """The ranking the fallback follows puts a harmless layer first ('expand'): it goes to float while the graph still
+    falls short, the badly quantizing layer chosen after it makes the graph pass, and then 'expand' is put back in
+    int8, as the graph passes without it. Without that last step both would stay in float."""
+    net = badly_quantizing_net(layers=("project",))
+    measured = quantize_module.fallback_ranking
+
+    def harmless_first(*args, **kwargs):
+        snr, ranking = measured(*args, **kwargs)
+        return snr, sorted(ranking, key=lambda entry: entry[0] != "expand")  # stable: the rest in measured order
+
+    monkeypatch.setattr(quantize_module, "fallback_ranking", harmless_first)
+    card = read_card(to_int8(net, photos, methods=("minmax",), min_weight_snr_db=-np.inf))
+    layers = card.quantization.float_layers
+    assert [layer.split(":")[0] for layer in layers] == ["Conv 'scores'", "AveragePool 'pool'", "Conv 'project'"]
+    assert "the fallback's choice 2" in layers[2]
+    assert card.verification.passed and not card.quantization.warning
 
 
 def test_a_float_layer_reading_a_per_tensor_dequantize_gets_its_own_per_channel_one(photos):
