@@ -332,13 +332,37 @@ def run() -> str:
 
 INT8_SHAPES = ((1, 384, 576, 1), (4, 384, 384, 1))  # batch, h, w, passes
 INT8_SPEED_TARGET = 1.8
+INT8_ROUNDS = 30
 
 
-def int8_speed_rows(fp32_path: str, int8_path: str, *,
-                    rounds: int = SPEED_ROUNDS) -> list[tuple[str, float, float, float, float]]:
-    """(plan shape, fp32 plan ms, int8 plan ms, fp32 median / fastest, int8 median / fastest): each model's plan
-    graph in a session made as the server makes it, in one process, runs alternated (each round in the other
-    order); the fastest run of each, as the machine is shared (the medians over the fastest say how noisy)."""
+@dataclasses.dataclass(frozen=True)
+class Int8Speed:
+    """One plan shape's fp32 and int8 runs, alternated in one process. `ratios` are each round's fp32 run over its
+    int8 run, the two back to back: this host's speed drifts by up to 1.8x from one second to the next (the fastest
+    fp32 run of one measurement took 19 ms, of the next 35), and a pair run back to back is what the drift touches
+    least, so the target is read on their median. The fastest run of each is shown beside it."""
+
+    shape: str
+    fp32_seconds: list[float]
+    int8_seconds: list[float]
+
+    @property
+    def ratios(self) -> list[float]:
+        return [fp32 / int8 for fp32, int8 in zip(self.fp32_seconds, self.int8_seconds)]
+
+    @property
+    def speed_up(self) -> float:
+        return statistics.median(self.ratios)
+
+    @property
+    def quartiles(self) -> tuple[float, float]:
+        first, _, third = statistics.quantiles(self.ratios, n=4)
+        return first, third
+
+
+def int8_speed_rows(fp32_path: str, int8_path: str, *, rounds: int = INT8_ROUNDS) -> list[Int8Speed]:
+    """Each model's plan graph in a session made as the server makes it, in one process, runs alternated (each round
+    in the other order), at each of INT8_SHAPES."""
     from server.memory.runtime import configure_allocator
     from server.engine.device_graph import PIXELS, VALID
     from server.engine.providers import Engine
@@ -363,9 +387,7 @@ def int8_speed_rows(fp32_path: str, int8_path: str, *,
                 start = time.perf_counter()
                 session.run(None, feeds)
                 times[name].append(time.perf_counter() - start)
-        rows.append((f"{batch}x{height}x{width}", 1000 * min(times["fp32"]), 1000 * min(times["int8"]),
-                     statistics.median(times["fp32"]) / min(times["fp32"]),
-                     statistics.median(times["int8"]) / min(times["int8"])))
+        rows.append(Int8Speed(f"{batch}x{height}x{width}", times["fp32"], times["int8"]))
         del sessions
     return rows
 
