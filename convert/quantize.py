@@ -299,7 +299,7 @@ def _prune(model: onnx.ModelProto, best: _Trial, kept: dict[str, str], fallen: d
     chose it, the graph quantized again without it in float, and kept so when the calibration photos still pass.
     A layer chosen while the graph was at its worst can be made unneeded by the layers chosen after it: on the
     default model the first choice (a 1152-to-320 projection) was, and the graph without it agreed better and
-    ran 6% faster (docs/design.md)."""
+    ran faster (docs/design.md)."""
     def passes(trial: _Trial) -> bool:
         return not _shortfalls("calibration photos", trial.calibration, min_top1=min_top1,
                                min_correlation=min_correlation)
