@@ -21,12 +21,12 @@ from typing import Callable, TypeVar
 import grpc
 
 from clients.api.errors import ScoremapError
+from clients.api.interrupts import SIGNAL_SLICE_S
 
 __all__ = ["Verdict", "classify", "Backoff", "Interrupted", "Retrying", "WaitNotice", "call_with_retries"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-SIGNAL_SLICE_S = 0.1  # the longest a pause waits at once, so Ctrl-C stops a retrying client within it (`_paused`)
 
 
 class Verdict(enum.Enum):
@@ -148,10 +148,7 @@ class Retrying:
             raise Interrupted() from error
 
     def _paused(self, seconds: float) -> bool:
-        """Wait `seconds`, in slices of at most SIGNAL_SLICE_S; True when `stop` was set meanwhile. A signal the
-        kernel hands to another thread (gRPC's own, say) does not wake the main thread from a wait: Python runs its
-        handler (Ctrl-C's KeyboardInterrupt) only when the wait returns, so one long wait would hold Ctrl-C back for
-        the whole pause."""
+        """Wait `seconds`, in slices (clients/api/interrupts.py); True when `stop` was set meanwhile."""
         ends = time.monotonic() + seconds
         while (left := ends - time.monotonic()) > 0:
             if self.stop is None:

@@ -16,7 +16,7 @@ import logging
 import re
 import time
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
@@ -29,6 +29,7 @@ from clients.api.heatmap import heatmap_png
 from clients.api.images import open_photo
 from clients.api.options import ScoreOptions, build_request
 from clients.api.results import result_from_response
+from clients.api.interrupts import first_done
 from clients.api.retry import Interrupted
 from clients.batch.files import ImageFile, ResultsLog, atomic_write, keep_records, read_records, remove_partials
 from clients.batch.run_options import run_options, settle_options
@@ -350,8 +351,7 @@ def run_batch(
             try:
                 refill()
                 while in_flight:
-                    done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
-                    for future in done:
+                    for future in first_done(in_flight):
                         in_flight.discard(future)
                         if future.cancelled():
                             continue

@@ -20,7 +20,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +28,7 @@ import numpy as np
 from PIL import Image
 
 from clients.api.heatmap import colormap
+from clients.api.interrupts import first_done
 from clients.slides import DEFAULT_CANVAS, DEFAULT_MAX_SLIDE_PIXELS
 from clients.slides.errors import SlideError, TileError
 from clients.slides.readers import Reader
@@ -316,8 +317,7 @@ def _score_tiles(reader: Reader, score: Scorer, group, tiles: list[tiling.Tile],
                 pending[pool.submit(score_map, score, pixels, options.tile)] = tile
             if not pending:
                 return done
-            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for future in finished:
+            for future in first_done(pending):
                 tile = pending.pop(future)
                 store_tile(group, tile, future.result(), options)
                 ledger.record(tile)
