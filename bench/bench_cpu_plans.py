@@ -338,13 +338,12 @@ INT8_ROUNDS = 30
 @dataclasses.dataclass(frozen=True)
 class Int8Speed:
     """One plan shape's fp32 and int8 runs, alternated in one process. `ratios` are each round's fp32 run over its
-    int8 run, the two back to back: this host's speed drifts by up to 1.8x from one second to the next (the fastest
-    fp32 run of one measurement took 19 ms, of the next 35), and a pair run back to back is what the drift touches
-    least, so the target is read on their median. The fastest run of each is shown beside it."""
+    int8 run, the two back to back: a pair is what the host's drift from one second to the next touches least
+    (docs/design.md), so the target is read on their median. The fastest run of each is shown beside it."""
 
     shape: str
-    fp32_seconds: list[float]
-    int8_seconds: list[float]
+    fp32_seconds: tuple[float, ...]
+    int8_seconds: tuple[float, ...]
 
     @property
     def ratios(self) -> list[float]:
@@ -387,7 +386,7 @@ def int8_speed_rows(fp32_path: str, int8_path: str, *, rounds: int = INT8_ROUNDS
                 start = time.perf_counter()
                 session.run(None, feeds)
                 times[name].append(time.perf_counter() - start)
-        rows.append(Int8Speed(f"{batch}x{height}x{width}", times["fp32"], times["int8"]))
+        rows.append(Int8Speed(f"{batch}x{height}x{width}", tuple(times["fp32"]), tuple(times["int8"])))
         del sessions
     return rows
 

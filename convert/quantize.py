@@ -296,23 +296,26 @@ def _prune(model: onnx.ModelProto, best: _Trial, kept: dict[str, str], fallen: d
            sides: tuple[int, ...], logits: bool, min_top1: float, min_correlation: float,
            weights: int) -> tuple[_Trial, dict[str, str]]:
     """The fallback's layers that the passing graph no longer needs, put back in int8: each in the order the fallback
-    chose it, the graph quantized again without it in float, and kept so when the calibration photos still pass.
-    A layer chosen while the graph was at its worst can be made unneeded by the layers chosen after it: on the
-    default model the first choice (a 1152-to-320 projection) was, and the graph without it agreed better and
-    ran faster (docs/design.md)."""
+    chose it, the graph quantized again without it in float, and kept so when the calibration photos still pass (the
+    thresholds, as the fallback itself stops at the first graph that meets them). A layer chosen while the graph
+    was at its worst can be made unneeded by those chosen after it: on the default model the fallback's first layer (a 1152-to-320 projection) was, and the graph without
+    it agreed better and ran faster (docs/design.md)."""
     def passes(trial: _Trial) -> bool:
         return not _shortfalls("calibration photos", trial.calibration, min_top1=min_top1,
                                min_correlation=min_correlation)
 
     if len(fallen) < 2 or not passes(best):  # without its only layer the graph is the one that fell short
         return best, fallen
-    for name in list(fallen):
+    chosen = list(fallen)
+    for name in chosen:
+        if name == chosen[-1] and len(fallen) == len(chosen):  # the graph before the last choice: it fell short
+            break
         rest = {other: why for other, why in fallen.items() if other != name}
         candidate = quantize(model, tensors, method=best.method, keep_float=(*kept, *rest), weights=weights)
         trial = _Trial(best.method, candidate, verify.agreement(reference, candidate, calibration, sides=sides,
                                                                 logits=logits))
         if passes(trial):
-            log.info("int8: %s back in int8, the others still in float: %s", name,
+            log.info("int8 with %s back in int8 (%s still in float): %s", name, ", ".join(rest),
                      _describe("calibration", trial.calibration))
             best, fallen = trial, rest
     return best, fallen
@@ -328,7 +331,8 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
 
     Convolutions whose weights alone, quantized, leave less than `min_weight_snr_db` stay in float from the start
     (convert.int8_passes.float_layers); below the thresholds on the calibration photos, up to `max_fallback_layers`
-    more follow, in the order `fallback_ranking` measures (`_fall_back`). Raises ConversionError, naming the numbers, the layers kept in float
+    more follow, in the order `fallback_ranking` measures (`_fall_back`), and those the passing graph no longer needs
+    go back to int8 (`_prune`). Raises ConversionError, naming the numbers, the layers kept in float
     and the layer that loses the most, when the check still falls below the thresholds and `allow_precision_loss` is
     not given; with it, the card carries a warning."""
     try:

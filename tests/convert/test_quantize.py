@@ -367,11 +367,13 @@ def test_a_layer_the_fallback_chose_that_the_later_choices_make_unneeded_goes_ba
         return snr, sorted(ranking, key=lambda entry: entry[0] != "expand")  # stable: the rest in measured order
 
     monkeypatch.setattr(quantize_module, "fallback_ranking", harmless_first)
-    card = read_card(to_int8(net, photos, methods=("minmax",), min_weight_snr_db=-np.inf))
+    int8 = to_int8(net, photos, methods=("minmax",), min_weight_snr_db=-np.inf)
+    card = read_card(int8)
     layers = card.quantization.float_layers
     assert [layer.split(":")[0] for layer in layers] == ["Conv 'scores'", "AveragePool 'pool'", "Conv 'project'"]
     assert "the fallback's choice 2" in layers[2]
     assert card.verification.passed and not card.quantization.warning
+    assert conv_inputs(int8, "expand")[1] != "expand_w" and conv_inputs(int8, "project")[1] == "project_w"
 
 
 def test_a_float_layer_reading_a_per_tensor_dequantize_gets_its_own_per_channel_one(photos):
