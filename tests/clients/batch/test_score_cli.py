@@ -223,7 +223,10 @@ def interrupt_another_thread(pid: int) -> None:
     """SIGINT to one of `pid`'s threads other than its main one that does not block it, as the kernel may choose
     when a terminal's Ctrl-C reaches the process."""
     for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
-        status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+        try:
+            status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+        except OSError:  # the thread ended meanwhile
+            continue
         if int(task.name) != pid and not int(status["SigBlk"], 16) & (1 << (signal.SIGINT - 1)):
             if ctypes.CDLL(None, use_errno=True).syscall(TGKILL, pid, int(task.name), signal.SIGINT) == 0:
                 return
