@@ -25,6 +25,7 @@ from protos import is_loopback, version
 from server import settings as declared
 from server.edges.exposure import StartRefused, check_exposure, check_port_free, read_tls, read_token
 from server.settings import Settings
+from server.stop_signal import SignalledStop
 
 if TYPE_CHECKING:
     from server.serving import ScoringServer
@@ -112,25 +113,20 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    stop = threading.Event()
+    stop = SignalledStop()
     # Caught before anything else runs: a SIGTERM while the models load or warm up is a stop like any other (the
     # server drains once it can), never a death by signal. Put back when no server started (a refused start, or a
     # test calling main in its own process); a started server's process exits with them still caught.
-    previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in STOP_SIGNALS}
+    put_back = stop.catch(STOP_SIGNALS)
     try:
         started = start(argv, stop)
     except BaseException:
-        put_back(previous)
+        put_back()
         raise
     if isinstance(started, int):
-        put_back(previous)
+        put_back()
         return started
     return serve(*started, stop=stop)
-
-
-def put_back(handlers: dict[int, Any]) -> None:
-    for signum, handler in handlers.items():
-        signal.signal(signum, handler)
 
 
 def start(argv: Sequence[str] | None, stop: threading.Event) -> tuple[ScoringServer, int, argparse.Namespace] | int:

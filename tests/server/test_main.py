@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import scoring_pb2, scoring_pb2_grpc
 from server.main import StartRefused, main, model_sources, parse_args, settings_from
 from tests.server.conftest import raw_request
+from tests.signal_threads import TGKILL, signal_another_thread
 from tests.tiny_models import heavy_net
 
 PIXELS = np.random.default_rng(5).integers(0, 256, (64, 64, 3), dtype=np.uint8)
@@ -110,6 +111,28 @@ def test_help_and_version_import_nothing_heavy():
     from server.main import build_parser
 
     assert [action.dest for action in build_parser()._actions if not action.help] == []  # every flag explained
+
+
+@pytest.mark.skipif(TGKILL is None, reason="tgkill's syscall number is not known on this machine")
+def test_a_sigterm_the_kernel_hands_to_another_thread_still_drains_and_exits_zero(tiny_model_path):
+    """Python runs a signal's handler in the main thread only, once its wait returns: an idle server's main thread
+    (waiting for its stop, with no timeout, once SERVING) must wake for a SIGTERM that another of its threads (gRPC's,
+    the batcher's) received."""
+    served = Served([tiny_model_path, "--port", "0", "--intra-op-threads", "1", "--log-level", "INFO"])
+    process = served.process
+    try:
+        served.wait_for("ready: health SERVING")
+        time.sleep(0.5)  # the main thread's last look at the warm-up is over: it waits for its stop alone
+        signal_another_thread(process.pid, signal.SIGTERM)
+        try:
+            code = process.wait(60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running 60 s after SIGTERM: {served.log}") from None
+        assert code == 0 and "draining" in served.log, served.log
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_zero(kit, tiny_model_path, tmp_path):

@@ -1,4 +1,3 @@
-import ctypes
 import json
 import os
 import pathlib
@@ -22,6 +21,7 @@ from clients import ScoremapClient
 from clients.batch.files import read_records
 from clients.batch.score_cli import EXIT_FAILURES, EXIT_OK, EXIT_REFUSED, main
 from protos import scoring_pb2, scoring_pb2_grpc
+from tests.signal_threads import TGKILL, signal_another_thread
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -216,23 +216,6 @@ class UnavailableScorer(scoring_pb2_grpc.DenseScoringServicer):
         context.abort(grpc.StatusCode.UNAVAILABLE, "stopping")
 
 
-TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine())  # Linux's syscall numbers
-
-
-def interrupt_another_thread(pid: int) -> None:
-    """SIGINT to one of `pid`'s threads other than its main one that does not block it, as the kernel may choose
-    when a terminal's Ctrl-C reaches the process."""
-    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
-        try:
-            status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
-        except OSError:  # the thread ended meanwhile
-            continue
-        if int(task.name) != pid and not int(status["SigBlk"], 16) & (1 << (signal.SIGINT - 1)):
-            if ctypes.CDLL(None, use_errno=True).syscall(TGKILL, pid, int(task.name), signal.SIGINT) == 0:
-                return
-    raise AssertionError(f"no thread of {pid} but its main one takes SIGINT")
-
-
 @pytest.mark.parametrize("to", ["the process", "another thread"])
 def test_ctrl_c_while_waiting_for_the_server_stops_at_once(photos, tmp_path, to):
     """A run waiting for its server stops at once on Ctrl-C, whichever of its threads the kernel hands SIGINT to:
@@ -268,7 +251,7 @@ def test_ctrl_c_while_waiting_for_the_server_stops_at_once(photos, tmp_path, to)
         if to == "the process":
             run.send_signal(signal.SIGINT)
         else:
-            interrupt_another_thread(run.pid)
+            signal_another_thread(run.pid, signal.SIGINT)
         interrupted = time.monotonic()
         try:
             code = run.wait(30)
