@@ -159,8 +159,9 @@ def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_zero(kit, tin
             assert next(answers).request_id == "before"
             assert in_flight_calls(metrics_url) == 1
             process.send_signal(signal.SIGTERM)
-            refused = None
+            refused, ends = None, time.monotonic() + 60
             while refused is None:
+                assert time.monotonic() < ends, f"still serving 60 s after SIGTERM: {log.read_text()}"
                 try:
                     stub.ListModels(scoring_pb2.ListModelsRequest(), timeout=10)
                 except grpc.RpcError as error:
