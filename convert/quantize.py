@@ -265,56 +265,68 @@ def _describe(name: str, record: Agreement) -> str:
             f"{record.max_probability_diff:.3f}, mean {record.mean_probability_diff:.2g}")
 
 
-def _fall_back(model: onnx.ModelProto, best: _Trial, kept: dict[str, str], calibration: list[list[np.ndarray]],
-               tensors: list[np.ndarray], ranking: list[tuple[str, float]], snr: float, *,
-               reference: onnxruntime.InferenceSession,
-               sides: tuple[int, ...], logits: bool, max_layers: int, min_top1: float,
-               min_correlation: float, weights: int) -> tuple[_Trial, dict[str, str]]:
+@dataclasses.dataclass(frozen=True)
+class _Trials:
+    """What every quantization trial of one conversion shares: the fp32 `model` and its `reference` session, the
+    calibration photos (`calibration`: each photo's tensors at every side; `tensors`: all of them, as `quantize`
+    calibrates on them), the weights' kind and the thresholds on the calibration photos."""
+
+    model: onnx.ModelProto
+    reference: onnxruntime.InferenceSession
+    calibration: list[list[np.ndarray]]
+    tensors: list[np.ndarray]
+    sides: tuple[int, ...]
+    logits: bool
+    weights: int
+    min_top1: float
+    min_correlation: float
+
+    def run(self, method: str, keep_float: tuple[str, ...]) -> _Trial:
+        """The graph quantized by `method` with `keep_float` in float, checked on the calibration photos."""
+        candidate = quantize(self.model, self.tensors, method=method, keep_float=keep_float, weights=self.weights)
+        return _Trial(method, candidate, verify.agreement(self.reference, candidate, self.calibration, sides=self.sides,
+                                                          logits=self.logits))
+
+    def shortfalls(self, trial: _Trial) -> list[str]:
+        return _shortfalls("calibration photos", trial.calibration, min_top1=self.min_top1,
+                           min_correlation=self.min_correlation)
+
+
+def _fall_back(trials: _Trials, best: _Trial, kept: dict[str, str], ranking: list[tuple[str, float]], snr: float, *,
+               max_layers: int) -> tuple[_Trial, dict[str, str]]:
     """Accuracy-driven mixed precision: while `best` falls short of the thresholds on the calibration photos, the next
     layer of `ranking` (`fallback_ranking` of `best`, whose SNR is `snr`) joins `kept` in float and the graph is
     quantized again, `max_layers` times at most (ranked once, as Intel Neural Compressor's fallback does: each
-    ranking costs a run per quantized layer). The held-out photos take no part: they check the result. `tensors`
-    are the calibration photos' input tensors, every side, as `quantize` calibrates on them."""
+    ranking costs a run per quantized layer). The held-out photos take no part: they check the result."""
     fallen: dict[str, str] = {}
     for name, lifted in ranking[:max_layers]:
-        problems = _shortfalls("calibration photos", best.calibration, min_top1=min_top1,
-                               min_correlation=min_correlation)
+        problems = trials.shortfalls(best)
         if not problems:
             break
         fallen[name] = (f"the fallback's choice {len(fallen) + 1}: alone in float it lifted the probabilities' signal-to-"
                         f"quantization-noise ratio on the calibration photos from {snr:.1f} to {lifted:.1f} dB, "
                         f"where {'; '.join(problems)}")
-        candidate = quantize(model, tensors, method=best.method, keep_float=(*kept, *fallen), weights=weights)
-        best = _Trial(best.method, candidate, verify.agreement(reference, candidate, calibration, sides=sides,
-                                                               logits=logits))
+        best = trials.run(best.method, (*kept, *fallen))
         log.info("int8 with %s kept in float too: %s", name, _describe("calibration", best.calibration))
     return best, fallen
 
 
-def _prune(model: onnx.ModelProto, best: _Trial, kept: dict[str, str], fallen: dict[str, str],
-           calibration: list[list[np.ndarray]], tensors: list[np.ndarray], *, reference: onnxruntime.InferenceSession,
-           sides: tuple[int, ...], logits: bool, min_top1: float, min_correlation: float,
-           weights: int) -> tuple[_Trial, dict[str, str]]:
+def _prune(trials: _Trials, best: _Trial, kept: dict[str, str],
+           fallen: dict[str, str]) -> tuple[_Trial, dict[str, str]]:
     """The fallback's layers that the passing graph no longer needs, put back in int8: each in the order the fallback
     chose it, the graph quantized again without it in float, and kept so when the calibration photos still pass (the
     thresholds, as the fallback itself stops at the first graph that meets them). A layer chosen while the graph
-    was at its worst can be made unneeded by those chosen after it: on the default model the fallback's first layer (a 1152-to-320 projection) was, and the graph without
-    it agreed better and ran faster (docs/design.md)."""
-    def passes(trial: _Trial) -> bool:
-        return not _shortfalls("calibration photos", trial.calibration, min_top1=min_top1,
-                               min_correlation=min_correlation)
-
-    if len(fallen) < 2 or not passes(best):  # without its only layer the graph is the one that fell short
+    was at its worst can be made unneeded by those chosen after it: on the default model the fallback's first layer
+    (a 1152-to-320 projection) was, and the graph without it agreed better and ran faster (docs/design.md)."""
+    if len(fallen) < 2 or trials.shortfalls(best):  # without its only layer the graph is the one that fell short
         return best, fallen
     chosen = list(fallen)
     for name in chosen:
         if name == chosen[-1] and len(fallen) == len(chosen):  # the graph before the last choice: it fell short
             break
         rest = {other: why for other, why in fallen.items() if other != name}
-        candidate = quantize(model, tensors, method=best.method, keep_float=(*kept, *rest), weights=weights)
-        trial = _Trial(best.method, candidate, verify.agreement(reference, candidate, calibration, sides=sides,
-                                                                logits=logits))
-        if passes(trial):
+        trial = trials.run(best.method, (*kept, *rest))
+        if not trials.shortfalls(trial):
             log.info("int8 with %s back in int8 (%s still in float): %s", name, ", ".join(rest),
                      _describe("calibration", trial.calibration))
             best, fallen = trial, rest
@@ -354,20 +366,16 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
     kept = float_layers(model, [per_photo[0] for per_photo in calibration],
                         pointwise_bits=8 if weights == Int8Weights.INT8_WEIGHTS_FULL else 7, min_snr_db=min_weight_snr_db)
     tensors = [tensor for per_photo in calibration for tensor in per_photo]
-    trials = []
+    trials = _Trials(model, reference, calibration, tensors, sides, logits, weights, min_top1_agreement,
+                     min_map_correlation)
+    by_method = []
     for method in methods:
-        candidate = quantize(model, tensors, method=method, keep_float=tuple(kept), weights=weights)
-        trials.append(_Trial(method, candidate, verify.agreement(reference, candidate, calibration, sides=sides,
-                                                                 logits=logits)))
-        log.info("int8 with %s calibration: %s", method, _describe("calibration", trials[-1].calibration))
-    best = max(trials, key=lambda trial: trial.rank)
+        by_method.append(trials.run(method, tuple(kept)))
+        log.info("int8 with %s calibration: %s", method, _describe("calibration", by_method[-1].calibration))
+    best = max(by_method, key=lambda trial: trial.rank)
     snr, ranking = fallback_ranking(model, best.model, tensors, logits=logits, keep_float=tuple(kept))
-    best, fallen = _fall_back(model, best, kept, calibration, tensors, ranking, snr, reference=reference, sides=sides,
-                              logits=logits, max_layers=max_fallback_layers, min_top1=min_top1_agreement,
-                              min_correlation=min_map_correlation, weights=weights)
-    best, fallen = _prune(model, best, kept, fallen, calibration, tensors, reference=reference, sides=sides,
-                          logits=logits, min_top1=min_top1_agreement, min_correlation=min_map_correlation,
-                          weights=weights)
+    best, fallen = _fall_back(trials, best, kept, ranking, snr, max_layers=max_fallback_layers)
+    best, fallen = _prune(trials, best, kept, fallen)
     kept = {**kept, **fallen}
     held = verify.agreement(reference, best.model, held_out, sides=sides, logits=logits)
     worst = _worst_layer(model, snr, [entry for entry in ranking if entry[0] not in fallen])
@@ -376,7 +384,7 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
         calibration_images=[photo.name for photo in photos.calibration],
         held_out_images=[photo.name for photo in photos.held_out], calibration=best.calibration, held_out=held,
         min_top1_agreement=min_top1_agreement, min_map_correlation=min_map_correlation,
-        trials=[CalibrationTrial(method=trial.method, calibration=trial.calibration) for trial in trials],
+        trials=[CalibrationTrial(method=trial.method, calibration=trial.calibration) for trial in by_method],
         worst_layer=worst, float_ops=float_ops(best.model), weights=weights,
         float_layers=[f"{_op_type(model, name)} {name!r}: {why}" for name, why in kept.items()])
     problems = [*_shortfalls("calibration photos", best.calibration, min_top1=min_top1_agreement,
@@ -388,7 +396,7 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
     if problems and not allow_precision_loss:
         raise ConversionError(
             f"the int8 graph ({int8_kernels.describe(weights)} weights, {best.method} calibration, the best of "
-            f"{[trial.method for trial in trials]}) strays "
+            f"{[trial.method for trial in by_method]}) strays "
             f"from the fp32 graph: {'; '.join(problems)}. {numbers}. Kept in float{bound}: "
             f"{', '.join(f'{_op_type(model, name)} {name!r}' for name in kept)}. The layer that loses the most: "
             f"{worst}. "

@@ -1,10 +1,15 @@
-"""A signal sent to one thread of another process, as the kernel may choose when a signal reaches the process."""
+"""A signal handed to a thread other than the main one, as the kernel may choose when a signal reaches a process."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import pathlib
 import platform
+import signal
+import threading
+import time
+from collections.abc import Iterator
 
 TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine())  # Linux's syscall numbers
 
@@ -22,3 +27,22 @@ def signal_another_thread(pid: int, signum: int) -> None:
             if ctypes.CDLL(None, use_errno=True).syscall(TGKILL, pid, int(task.name), signum) == 0:
                 return
     raise AssertionError(f"no thread of {pid} but its main one takes signal {signum}")
+
+
+@contextlib.contextmanager
+def ctrl_c_from_another_thread(after_s: float = 0.2) -> Iterator[None]:
+    """Within the block, SIGINT delivered after `after_s` to another thread of this process (the block runs in the
+    main thread), with Python's own Ctrl-C handler as a CLI has it: a server started earlier in this process may
+    have installed its own."""
+    assert threading.current_thread() is threading.main_thread()
+
+    def interrupt() -> None:
+        time.sleep(after_s)
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # delivered to this thread, not the main one
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt, daemon=True).start()
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -21,7 +21,7 @@ from typing import Callable, TypeVar
 import grpc
 
 from clients.api.errors import ScoremapError
-from clients.api.interrupts import SIGNAL_SLICE_S
+from clients.api.interrupts import paused
 
 __all__ = ["Verdict", "classify", "Backoff", "Interrupted", "Retrying", "WaitNotice", "call_with_retries"]
 
@@ -144,18 +144,8 @@ class Retrying:
         pause = min(max(next(self._pauses), error.retry_after_s or 0.0), remaining)  # the last try at the deadline
         if self.on_wait:
             self.on_wait(error, verdict, remaining)
-        if self._paused(pause):
+        if paused(pause, self.stop):  # in slices, so that Ctrl-C ends it at once (clients/api/interrupts.py)
             raise Interrupted() from error
-
-    def _paused(self, seconds: float) -> bool:
-        """Wait `seconds`, in slices (clients/api/interrupts.py); True when `stop` was set meanwhile."""
-        ends = time.monotonic() + seconds
-        while (left := ends - time.monotonic()) > 0:
-            if self.stop is None:
-                time.sleep(min(left, SIGNAL_SLICE_S))
-            elif self.stop.wait(min(left, SIGNAL_SLICE_S)):
-                return True
-        return False
 
 
 def call_with_retries(attempt: Callable[[], T], retrying: Retrying) -> T:

@@ -1,4 +1,3 @@
-import signal
 import threading
 import time
 
@@ -7,6 +6,7 @@ import pytest
 
 from clients.api.errors import RETRY_AFTER_KEY, ScoremapError, from_rpc_error
 from clients.api.retry import Backoff, Interrupted, Retrying, Verdict, call_with_retries, classify
+from tests.signal_threads import ctrl_c_from_another_thread
 
 FAST = Backoff(initial_s=0.001, max_s=0.002)
 
@@ -72,23 +72,11 @@ def test_a_stop_ends_the_pause_with_interrupted():
 def test_ctrl_c_handed_to_another_thread_ends_a_long_pause_at_once(stop):
     """The kernel may hand a process's SIGINT to any of its threads (gRPC's among them); Python raises
     KeyboardInterrupt in the main thread only once its wait returns, so a 30 s pause must wait in short slices."""
-    assert threading.current_thread() is threading.main_thread()
-
-    def interrupt_from_another_thread() -> None:
-        time.sleep(0.2)
-        signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # delivered to this thread, not the main one
-
-    # Python's own Ctrl-C handler, as in a CLI: a server started earlier in this process may have installed its own.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        threading.Thread(target=interrupt_from_another_thread).start()
-        started = time.monotonic()
-        with pytest.raises(KeyboardInterrupt):
-            call_with_retries(failing(ScoremapError(grpc.StatusCode.UNAVAILABLE, "down"), []),
-                              Retrying(budget_s=60, backoff=Backoff(initial_s=30, max_s=30), stop=stop))
-        assert time.monotonic() - started < 10  # not the pause's 15-30 s
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    started = time.monotonic()
+    with ctrl_c_from_another_thread(), pytest.raises(KeyboardInterrupt):
+        call_with_retries(failing(ScoremapError(grpc.StatusCode.UNAVAILABLE, "down"), []),
+                          Retrying(budget_s=60, backoff=Backoff(initial_s=30, max_s=30), stop=stop))
+    assert time.monotonic() - started < 10  # not the pause's 15-30 s
 
 
 def test_the_hint_is_read_from_trailing_metadata():
