@@ -76,15 +76,12 @@ class ProviderTerms:
     # Every plan's runs take their activations from one arena (server.memory.arena) and hand them back: a plan
     # keeps none between runs, the arena the largest block a running batch took.
     arena_shared: bool = False
-    # For an int8 (QDQ) graph, whose live peak counts uint8 activations: onnxruntime's integer convolutions also
-    # hold int32 accumulators and im2col buffers per image (INT8_CPU_MEASUREMENTS); None where int8 does not run.
-    int8_activation_factor: float | None = None
 
 
 PROVIDER_TERMS = {
     Device.CPU: ProviderTerms(
         weight_copies=0.0, session_bytes=1 * MiB, workspace_bytes=1 * MiB, activation_factor=1.1, keeps_run_memory=True,
-        weights_shared=True, arena_shared=True, int8_activation_factor=2.6,
+        weights_shared=True, arena_shared=True,
         fitted_on="resident set a plan's session keeps after its warm-up runs, onnxruntime 1.31 CPU provider with its "
                   "arena and memory pattern, the default model, a VGG-width net and the same net taking NHWC, "
                   "224-512 px, batch 1 and 4, RSS growth of a scoremap-serve process at each plan's first request "
@@ -139,19 +136,6 @@ CPU_SHARED_MEASUREMENTS = (
     ("efficientnet-lite0 dense", 544, 416, 1, 4, 114.0, 0.9, 122.9),
     ("efficientnet-lite0 dense", 416, 608, 1, 4, 127.4, 0.9, 137.5),
     ("efficientnet-lite0 dense", 608, 416, 1, 4, 127.4, 1.0, 137.5),
-)
-
-# The int8 CPU measurements int8_activation_factor was fitted on (2026-11-29, onnxruntime 1.31.1, 2-core AMD EPYC with
-# AVX2, no VNNI): heavy_net (tests/tiny_models.py) quantized by convert.quantize, one scoremap-serve process as
-# bench_cpu_plans.server_plan_memory runs it: model, side, batch, int8 live peak MiB (convert.profile), what the
-# plan's running batch took from the arena MiB. The ratio falls with the batch (3.1 at 1, 2.2 at 4: part of the
-# workspace is per image run, not per batch); 2.6 keeps all four within 20%. One net only: the default model's
-# int8 plans are not measured yet, and admission replaces any prediction by the plan's measurement once made.
-INT8_CPU_MEASUREMENTS = (
-    ("heavy_net int8", 320, 1, 10.5, 32.3),
-    ("heavy_net int8", 448, 1, 20.6, 63.4),
-    ("heavy_net int8", 320, 4, 42.2, 92.2),
-    ("heavy_net int8", 448, 4, 82.7, 180.6),
 )
 
 # The CUDA measurements the terms were fitted on: model, side, batch, weights MiB,
@@ -232,7 +216,7 @@ class MemoryTerms:
         return [
             ("weights", self.weights, "every initializer, at its dtype" + (", once per model" if terms.weights_shared else "")),
             ("weight copies", self.weight_copies, f"{terms.weight_copies:g} x weights"),
-            ("session state", self.session_state, "per session"),
+            ("session state", self.session_state, "per session, with the int8 weights its kernels pack"),
             ("run workspace", self.run_workspace, "per run, constant" + (", shared arena" if terms.arena_shared else "")),
             ("activations", self.activations, f"{terms.activation_factor:g} x live peak"
              + (", shared arena: held while the batch runs" if terms.arena_shared else "")),
@@ -245,17 +229,18 @@ class MemoryTerms:
                 "fitted_on": PROVIDER_TERMS[self.device].fitted_on}
 
 
-def predict(device: Device, *, weights_bytes: int, peak_activation_bytes: int, int8: bool = False) -> MemoryTerms:
-    """Every term of one session's memory on `device` for a graph with these weights and live peak (`int8`: a QDQ
-    graph's, its activations uint8)."""
+def predict(device: Device, *, weights_bytes: int, peak_activation_bytes: int, packed_bytes: int = 0) -> MemoryTerms:
+    """Every term of one session's memory on `device` for a graph with these weights and live peak; `packed_bytes`:
+    the int8 weights its integer kernels pack, which each session keeps a copy of (onnxruntime shares initializers
+    between sessions, not what a kernel packs from them: the default model's int8 plans each held 5-6 MiB beyond
+    the session state, its int8 weights being 4.5 MiB)."""
     terms = PROVIDER_TERMS[device]
-    factor = terms.int8_activation_factor if int8 and terms.int8_activation_factor else terms.activation_factor
     return MemoryTerms(
         device=device,
         weights=weights_bytes,
         weight_copies=int(terms.weight_copies * weights_bytes),
-        session_state=terms.session_bytes,
+        session_state=terms.session_bytes + packed_bytes,
         run_workspace=terms.workspace_bytes,
         live_peak=peak_activation_bytes,
-        activations=int(factor * peak_activation_bytes),
+        activations=int(terms.activation_factor * peak_activation_bytes),
     )

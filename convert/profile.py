@@ -35,7 +35,7 @@ import re
 
 import onnx
 from google.protobuf.message import DecodeError
-from onnx import TensorProto, helper, shape_inference
+from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from convert.card import METADATA_KEY, CardError, ImageInput, Layout, batch_shape, channel_axis, label, read_card, spatial_axes
 from convert.graph import real_inputs
@@ -59,6 +59,16 @@ __all__ = [
 # Upper bounds of the searches in largest_batch / largest_square_size.
 MAX_BATCH = 4096
 MAX_SIDE = 16384
+
+# onnxruntime's QLinearConv buffers (`_int8_scratch`): MLAS's x86 symmetric kernels (convsym.cpp) take depthwise
+# convolutions over a multiple of 16 channels, and others with input channels a multiple of 4 and at least 16 output
+# channels, a multiple of 8 (AVX2's alignment; AVX-512's 4 takes more of them, which then hold less).
+POINTER_BYTES = 8
+INT32_BYTES = 4
+SYMMETRIC_GROUP_ALIGN = 16
+SYMMETRIC_INPUT_ALIGN = 4
+SYMMETRIC_MIN_OUTPUTS = 16
+SYMMETRIC_OUTPUT_ALIGN = 8
 
 # Ops whose output is a view of their first input (onnxruntime declares them as aliasing).
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Dropout"})
@@ -200,6 +210,9 @@ class Skeleton:
     dtype: str  # of most weight bytes: an fp16 graph keeps float32 only at its edges
     layout: int  # a Layout value: where the channel and spatial axes of the image input are
     channels: int
+    # DequantizeLinear inputs of weights whose zero point is 0 everywhere: the int8 convolutions reading them run
+    # on onnxruntime's symmetric path (`_int8_scratch`).
+    symmetric_weights: frozenset[str] = frozenset()
 
 
 def _image_layout(model: onnx.ModelProto, image: onnx.ValueInfoProto, layout: int | None) -> tuple[int, int]:
@@ -255,8 +268,14 @@ def _skeleton(model: onnx.ModelProto, layout: int | None = None) -> Skeleton:
     symbolic = [dim.dim_value if dim.HasField("dim_value") else (dim.dim_param or f"unknown_{axis}")
                 for axis, dim in enumerate(dims)]
     main_type = max(bytes_by_type, key=bytes_by_type.get) if bytes_by_type else image.type.tensor_type.elem_type
+    initializers = {init.name: init for init in graph.initializer}
+    symmetric = frozenset(
+        node.output[0] for node in graph.node
+        if node.op_type == "DequantizeLinear" and node.input[0] in initializers
+        and (len(node.input) < 3 or node.input[2] in initializers
+             and not numpy_helper.to_array(initializers[node.input[2]]).any()))
     return Skeleton(graph_skeleton(model, input_shape=symbolic), image.name, weights, _dtype_name(main_type),
-                    layout, channels)
+                    layout, channels, symmetric)
 
 
 @functools.lru_cache(maxsize=16)
@@ -330,9 +349,9 @@ def profile_model(model: onnx.ModelProto | str | Skeleton, *, height: int, width
                   device: Device = Device.CPU) -> Profile:
     """Per-layer table and predicted peak memory of one session running batch images of height x width
     on `device` (convert.memory_model's terms for that execution provider)."""
-    for label, value in (("height", height), ("width", width), ("batch", batch)):
+    for name, value in (("height", height), ("width", width), ("batch", batch)):
         if not isinstance(value, int) or value <= 0:
-            raise ProfileError(f"{label} must be a positive integer, got {value!r}")
+            raise ProfileError(f"{name} must be a positive integer, got {value!r}")
     return _profile(load_skeleton(model), height, width, batch, device)
 
 
@@ -370,13 +389,22 @@ def _profile(skeleton: Skeleton, height: int, width: int, batch: int, device: De
             readers.setdefault(name, []).append(node)
     quantized_as: dict[str, str] = {}
     weight_copies: set[str] = set()
+    dequantized: set[str] = set()
     for node in graph.node:
-        if node.op_type == "DequantizeLinear" and node.input[0] in weights:
-            weight_copies.add(node.output[0])
+        if node.op_type == "DequantizeLinear":
+            (weight_copies if node.input[0] in weights else dequantized).add(node.output[0])
         for name in node.output:
             if name and (readers.get(name) and all(r.op_type == "QuantizeLinear" for r in readers[name])
                          and node.op_type not in QDQ_OPS and name not in {o.name for o in graph.output}):
                 quantized_as[name] = readers[name][0].output[0]
+
+    def scratch_of(node: onnx.NodeProto) -> int:
+        """Bytes a fused int8 convolution allocates for its run beside its input and output."""
+        if (node.op_type != "Conv" or node.input[0] not in dequantized or node.input[1] not in weight_copies
+                or node.output[0] not in quantized_as):
+            return 0
+        return _int8_scratch(node, shapes[node.input[1]][0], shapes[node.output[0]][0],
+                             symmetric=node.input[1] in skeleton.symmetric_weights)
 
     def size_of(name: str, _size_of=size_of) -> tuple[tuple[int, ...], int, int]:
         shape, count, nbytes = _size_of(name)
@@ -423,20 +451,50 @@ def _profile(skeleton: Skeleton, height: int, width: int, batch: int, device: De
         name = node.name or f"{node.op_type}_{index}"
         layers.append(Layer(name, node.op_type, first_shape, new_activations, params,
                             _macs(node, shapes, first_shape), new_bytes))
-        if live_bytes > peak_bytes:
-            peak_bytes, peak_layer = live_bytes, name
+        running = live_bytes + scratch_of(node)
+        if running > peak_bytes:
+            peak_bytes, peak_layer = running, name
         for buffer in [b for b in live if buffer_death[b] <= index]:
             live.discard(buffer)
             live_bytes -= buffer_bytes[buffer]
 
     weights_bytes = sum(math.prod(shape) * size for shape, size in weights.values())
+    integer_inputs = {node.input[1] for node in graph.node if node.op_type == "MatMulInteger"} | {
+        node.input[0] for node in graph.node if node.op_type == "DequantizeLinear" and node.output[0] in weight_copies}
+    packed_bytes = sum(math.prod(weights[name][0]) * weights[name][1] for name in integer_inputs
+                       if name in weights and weights[name][1] == 1)
     return Profile(
         height=height, width=width, batch=batch, dtype=skeleton.dtype, layers=tuple(layers),
         input_activations=input_activations, input_bytes=input_bytes, weights_bytes=weights_bytes,
         naive_activation_bytes=naive_bytes, peak_activation_bytes=peak_bytes, peak_layer=peak_layer,
-        terms=predict(device, weights_bytes=weights_bytes, peak_activation_bytes=peak_bytes,
-                      int8=skeleton.dtype == "int8"),
+        terms=predict(device, weights_bytes=weights_bytes, peak_activation_bytes=peak_bytes, packed_bytes=packed_bytes),
     )
+
+
+def _int8_scratch(node: onnx.NodeProto, weight_shape: tuple[int, ...], output_shape: tuple[int, ...], *,
+                  symmetric: bool) -> int:
+    """What onnxruntime's QLinearConv (channels last) allocates for a run beside its input and output
+    (onnxruntime/core/providers/cpu/quantization/qlinearconv.cc, 1.31), counted for every image of the batch: its
+    source sizes them for one image, but a run's resident set grew as if each image had its own (measured alone, a
+    symmetric 3x3 convolution over 48 channels at 320x320: 40 MiB at batch 1, 164 at batch 4). On its symmetric path
+    (weights' zero point 0, and channels MLAS's x86 kernels take: SYMMETRIC_*) a pointer per kernel tap and output
+    pixel, none for a pointwise convolution; else int32 sums of its output and, unless pointwise, the im2col of its
+    input (a depthwise one: the pointers)."""
+    outputs, group_inputs, *kernel = weight_shape
+    group = next((attribute.i for attribute in node.attribute if attribute.name == "group"), 1)
+    lists = {attribute.name: list(attribute.ints) for attribute in node.attribute}
+    taps, pixels = math.prod(kernel), output_shape[0] * math.prod(output_shape[2:])
+    pointwise = taps == 1 and not any(lists.get("pads", ())) and all(step == 1 for step in lists.get("strides", ()))
+    depthwise = group > 1 and group_inputs == 1 and outputs == group
+    pointers = POINTER_BYTES * taps * pixels
+    if symmetric and (group % SYMMETRIC_GROUP_ALIGN == 0 if depthwise else
+                      group == 1 and group_inputs % SYMMETRIC_INPUT_ALIGN == 0 and outputs >= SYMMETRIC_MIN_OUTPUTS
+                      and outputs % SYMMETRIC_OUTPUT_ALIGN == 0):
+        return 0 if pointwise and not depthwise else pointers
+    sums = INT32_BYTES * outputs * pixels
+    if depthwise:
+        return sums + pointers
+    return sums if pointwise else sums + group_inputs * taps * pixels
 
 
 def _reused_buffer(node: onnx.NodeProto, position: int, nbytes: int, index: int, buffer_of: dict[str, int],
