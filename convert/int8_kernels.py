@@ -20,7 +20,7 @@ from protos.model_card_pb2 import Int8Weights
 
 # numpy, onnx and onnxruntime are imported by the probe alone: the CLI's parser reads WEIGHT_CHOICES before any of them.
 
-__all__ = ["instructions", "pair_sums_saturate", "weights_for", "WEIGHT_CHOICES", "describe", "refusal"]
+__all__ = ["instructions", "gemm_on_amx", "pair_sums_saturate", "weights_for", "WEIGHT_CHOICES", "describe", "refusal"]
 
 # --int8-weights: auto (this CPU's kernels decide), or one of the two kinds of weights by name.
 WEIGHT_CHOICES = {"full": Int8Weights.INT8_WEIGHTS_FULL, "pair-bounded": Int8Weights.INT8_WEIGHTS_PAIR_BOUNDED}
@@ -29,17 +29,31 @@ _PROBE_SIDE = 8
 _PROBE_OUTPUT_SCALE = 4096.0  # the largest probe sum, 255 x 127 x 18 (a 3x3 kernel over two channels), in 142 levels
 
 
+@functools.cache
+def _flags() -> frozenset[str] | None:
+    """The CPU's feature flags, x86's or ARM's, as Linux lists them; None where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return frozenset(next(line for line in cpuinfo if line.startswith(("flags", "Features"))).split())
+    except (OSError, StopIteration):
+        return None
+
+
 def instructions() -> str:
     """The integer dot-product extensions this CPU offers, x86's or ARM's (onnxruntime's MLAS picks its int8 kernels
     by them), for messages and reports: `pair_sums_saturate` decides."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next(line for line in cpuinfo if line.startswith(("flags", "Features"))).split()
-    except (OSError, StopIteration):
+    flags = _flags()
+    if flags is None:
         return "unknown"
     found = [flag for flag in ("avx512_vnni", "avx_vnni", "amx_int8", "avx512bw", "avx2", "asimddp", "i8mm")
              if flag in flags]
     return ", ".join(found) or "none of avx2/avx512/vnni/dot-product"
+
+
+def gemm_on_amx() -> bool:
+    """Whether this CPU has AMX's int8 tiles, on which onnxruntime's MLAS runs its int8 GEMM (MLAS checks the same
+    CPU feature; convert.int8_forms.gemm_weights sends deep pointwise convolutions there)."""
+    return "amx_int8" in (_flags() or ())
 
 
 def _probe_graph() -> bytes:

@@ -126,19 +126,28 @@ def assert_same_top_k(got, expected, provider: str) -> None:
 
 
 def int8_net(net: onnx.ModelProto, *, sides: tuple[int, ...] = (64, 96), seed: int = 0, method: str = "minmax",
-             weights: int | None = None) -> onnx.ModelProto:
+             weights: int | None = None, float_head: bool = False) -> onnx.ModelProto:
     """`net` quantized to int8 (convert.quantize; `weights`: an Int8Weights, recorded in the card, else quantize's
     default, unrecorded), calibrated on a few random photos at `sides`, its card carried over with precision int8
-    (unchecked: for tests of what runs an int8 graph, not of its accuracy)."""
+    (unchecked: for tests of what runs an int8 graph, not of its accuracy). `float_head`: its head kept out of
+    quantization and its classifier made integer sums where it can be, as `scoremap-convert --precision int8` leaves
+    them; else every layer quantized."""
     from convert.card import Precision
+    from convert.int8_forms import integer_classifier
+    from convert.int8_passes import head_nodes, name_nodes
     from convert.preprocessing import to_input
     from convert.quantize import quantize
+    from protos.model_card_pb2 import Int8Weights
 
     card = read_card(net)
     rng = np.random.default_rng(seed)
     tensors = [to_input(rng.integers(0, 256, (1, side, side, 3)).astype(np.float32), card.preprocessing)
                for side in sides for _ in range(2)]
-    quantized = quantize(net, tensors, method=method, **({} if weights is None else {"weights": weights}))
+    head = head_nodes(name_nodes(net)) if float_head else []
+    quantized = quantize(net, tensors, method=method, keep_float=tuple(head),
+                         **({} if weights is None else {"weights": weights}))
+    if float_head:
+        quantized = integer_classifier(quantized, head, pair_bounded=weights != Int8Weights.INT8_WEIGHTS_FULL)
     card.precision = Precision.PRECISION_INT8
     if weights is not None:
         card.quantization.weights = weights

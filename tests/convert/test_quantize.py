@@ -15,6 +15,7 @@ from convert.calibration import HELD_OUT_EVERY, as_fed, default_set, fed_sides, 
 from convert.card import Precision, read_card, write_card
 from convert.convert_cli import EXIT_CONVERSION, EXIT_OK, EXIT_USAGE, main
 from convert.errors import ConversionError, UsageError
+from convert.int8_forms import INTEGER_CLASSIFIER
 from convert.profile import profile_model
 from convert.int8_passes import (PAIR_SUM_LEVELS, channel_means, correct_biases, float_layers, head_nodes, name_nodes,
                                  pair_bounded_levels, pair_bounded_scale, weight_sensitivity)
@@ -312,7 +313,7 @@ def test_bias_correction_removes_the_mean_shift_that_rounding_leaves_in_each_con
 def test_the_card_names_the_layers_kept_in_float_and_why(photos):
     int8 = to_int8(mobile_net(), photos, methods=("minmax",), allow_precision_loss=True)
     layers = read_card(int8).quantization.float_layers
-    assert layers[:2] == ["Conv 'scores': the classifier head (float logits and pooling)",
+    assert layers[:2] == [f"Conv 'scores': {INTEGER_CLASSIFIER}",
                           "AveragePool 'pool': the classifier head (float logits and pooling)"]
 
 

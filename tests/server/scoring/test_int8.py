@@ -9,6 +9,7 @@ import onnx
 import pytest
 
 from convert import convert_classifier
+from convert.int8_forms import INTEGER_SUMS
 from protos.model_card_pb2 import Int8Weights
 from protos.scoring_pb2 import SHIFT_GRID, SHIFT_NONE
 from convert.memory_model import Device
@@ -26,10 +27,13 @@ from tests.tiny_models import int8_net
 
 @pytest.fixture(scope="module")
 def int8_path(tmp_path_factory) -> str:
-    """The tiling tests' tiny padded classifier, converted, then quantized to int8."""
+    """The tiling tests' tiny padded classifier, converted, then quantized to int8 as scoremap-convert quantizes it:
+    its classifier integer sums with float logits (convert.int8_forms)."""
     path = tmp_path_factory.mktemp("int8") / "tiny-int8.onnx"
     net = convert_classifier(tiny_classifier(padded=True, nhwc=False, size=64), preprocessing=UNIT)
-    onnx.save(int8_net(net, sides=(64, 128)), path)
+    int8 = int8_net(net, sides=(64, 128), float_head=True)
+    assert any(node.name.endswith(INTEGER_SUMS) for node in int8.graph.node)
+    onnx.save(int8, path)
     return str(path)
 
 
