@@ -80,6 +80,7 @@ PAIR_BOUNDED = Int8Weights.INT8_WEIGHTS_PAIR_BOUNDED
 # onnxruntime's own weight levels at 7 bits: requantize_weights replaces them (full 8-bit or pair-bounded).
 REDUCE_RANGE = True
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+INTEGER_OPS = ("MatMulInteger",)  # integer arithmetic on quantized tensors without a DequantizeLinear
 # Per-channel QuantizeLinear/DequantizeLinear (their `axis`) came with opset 13; converted Caffe-era graphs are at
 # convert.normalize's TARGET_OPSET, 12.
 QDQ_OPSET = 13
@@ -180,10 +181,12 @@ def _op_type(model: onnx.ModelProto, name: str) -> str:
 
 
 def float_ops(model: onnx.ModelProto) -> list[str]:
-    """Op types of a QDQ graph that run in float: no DequantizeLinear feeds them (onnxruntime fuses none)."""
+    """Op types of a QDQ graph that run in float: no DequantizeLinear feeds them (onnxruntime fuses none), and they
+    are not integer ops of their own (an integer classifier's MatMulInteger)."""
     dequantized = {node.output[0] for node in model.graph.node if node.op_type == "DequantizeLinear"}
     return sorted({node.op_type for node in model.graph.node
-                   if node.op_type not in QDQ_OPS and not any(name in dequantized for name in node.input if name)})
+                   if node.op_type not in QDQ_OPS + INTEGER_OPS
+                   and not any(name in dequantized for name in node.input if name)})
 
 
 def _with_float_weights(candidate: onnx.ModelProto, reference: onnx.ModelProto, name: str) -> onnx.ModelProto:

@@ -153,6 +153,7 @@ def test_to_int8_makes_the_classifier_integer_sums_where_the_calibration_photos_
     record = read_card(int8).quantization
     assert classifier_in_integers(int8, "scores")
     assert record.float_layers[0] == f"Conv 'scores': {INTEGER_CLASSIFIER}"
+    assert "MatMulInteger" not in record.float_ops and "AveragePool" in record.float_ops
     assert record.calibration.top1_agreement >= record.min_top1_agreement
 
 
