@@ -26,14 +26,15 @@ from onnx import TensorProto, helper, numpy_helper
 
 from convert.int8_passes import POOLS, pair_bounded_levels, pair_bounded_scale
 
-__all__ = ["MIN_GEMM_CHANNELS", "INTEGER_CLASSIFIER", "INTEGER_SUMS", "integer_classifier", "gemm_weights", "classifier_in_integers"]
+__all__ = ["MIN_GEMM_CHANNELS", "INTEGER_CLASSIFIER", "INTEGER_SUMS", "integer_classifier", "gemm_weights",
+           "classifier_in_integers"]
 
 MIN_GEMM_CHANNELS = 320
 GEMM_ZERO_POINT = -1
-INTEGER_SUMS = "/integer_sums"
+INTEGER_SUMS = "/integer_sums"  # an integer classifier's MatMulInteger is named after its Conv with this
 # The card's reason for the classifier among the layers kept out of QDQ quantization, once it is integer sums.
 INTEGER_CLASSIFIER = ("the classifier head: float logits, from int8 weights' integer sums over the uint8 activations "
-                      "(MatMulInteger), pooled after")  # the MatMulInteger of an integer classifier is named after its Conv with this
+                      "(MatMulInteger), pooled after")
 
 
 def _attribute(node: onnx.NodeProto, name: str, default):
@@ -84,7 +85,7 @@ def integer_classifier(quantized: onnx.ModelProto, head: list[str], *, pair_boun
     out = onnx.ModelProto()
     out.CopyFrom(quantized)
     name = conv.name
-    constants = {f"{name}/levels": levels[:, :, 0, 0].T.copy(), f"{name}/zero_point": zero_point.reshape(-1)[:1].reshape(()),
+    constants = {f"{name}/levels": levels[:, :, 0, 0].T.copy(), f"{name}/zero_point": zero_point.reshape(-1)[0],
                  f"{name}/scale": (float(input_scale.reshape(-1)[0]) * scale).astype(np.float32)}
     nodes = [
         helper.make_node("Transpose", [source.input[0]], [f"{name}/nhwc"], name=f"{name}/nhwc", perm=[0, 2, 3, 1]),

@@ -58,7 +58,8 @@ RAY_LOG_LEVEL = logging.ERROR
 LOG = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 STARTS = 2  # tries of a local cluster's start (start_local_cluster)
-STARTUP_TIMEOUT = "timed out during startup"  # Ray's words when its node does not register in its 30 s
+# Ray's words when its node does not register in its 30 s, or its GCS server does not write its port in its 30 s
+STARTUP_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
 ABORTED = "aborted"  # the record field an actor sets when the service, not the file, failed
 # An input naming a pyarrow filesystem (scheme://...) rather than a local path.
 URI_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -178,8 +179,9 @@ def connect(address: str | None) -> bool:
 
 
 def start_local_cluster(**options) -> None:
-    """`ray.init` of a cluster on loopback, tried twice: Ray waits a fixed 30 s for its node to register,
-    which a loaded machine can outlast (a fresh-clone CI run did), and a second start finds it warm."""
+    """`ray.init` of a cluster on loopback, tried twice: Ray waits a fixed 30 s for its GCS server's port and for
+    its node to register, which a loaded machine can outlast (a fresh-clone CI run did, and a suite run right after a
+    benchmark), and a second start finds it warm."""
     import ray
 
     for attempt in range(STARTS):
@@ -187,9 +189,9 @@ def start_local_cluster(**options) -> None:
             ray.init(include_dashboard=False, _node_ip_address=LOOPBACK, log_to_driver=False, **options)
             return
         except Exception as error:  # Ray raises a bare Exception for this
-            if attempt == STARTS - 1 or STARTUP_TIMEOUT not in str(error):
+            if attempt == STARTS - 1 or not any(words in str(error) for words in STARTUP_TIMEOUTS):
                 raise
-            LOG.warning("Ray's node did not register in time (%s); starting it again", error)
+            LOG.warning("Ray's cluster did not start in time (%s); starting it again", error)
             ray.shutdown()
 
 
