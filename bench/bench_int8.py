@@ -53,6 +53,7 @@ def run() -> str:
     from convert import int8_kernels
     from convert.calibration import default_set
     from convert.card import read_card
+    from convert.int8_forms import on_gemm
     from convert.quantize import float_ops, to_int8
 
     with tempfile.TemporaryDirectory() as folder:
@@ -70,7 +71,8 @@ def run() -> str:
     kernels = ("onnxruntime's uint8 x int8 kernels sum each two neighbouring products in 16 bits here (no VNNI or AMX): "
                "the weights are pair-bounded, so they cannot saturate" if int8_kernels.pair_sums_saturate() else
                "onnxruntime's uint8 x int8 kernels sum in 32 bits here (VNNI or AMX; measured by convert.int8_kernels' "
-               "probe): the weights are full 8-bit")
+               f"probe): the weights are full 8-bit; {on_gemm(int8)} 1x1 convolutions run on the int8 GEMM"
+               f"{' (AMX tiles)' if int8_kernels.gemm_on_amx() else ''}, the others on the symmetric convolution")
     checks = [(name, getattr(record, name)) for name in ("calibration", "held_out")]
     return "\n".join([
         f"## int8 against fp32 on the CPU (bench_int8; target >= {INT8_SPEED_TARGET:g}x, {verdict})",

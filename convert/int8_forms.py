@@ -27,10 +27,11 @@ from onnx import TensorProto, helper, numpy_helper
 from convert.int8_passes import POOLS, pair_bounded_levels, pair_bounded_scale
 
 __all__ = ["MIN_GEMM_CHANNELS", "INTEGER_CLASSIFIER", "INTEGER_SUMS", "integer_classifier", "gemm_weights",
-           "classifier_in_integers"]
+           "on_gemm", "classifier_in_integers"]
 
 MIN_GEMM_CHANNELS = 320
 GEMM_ZERO_POINT = -1
+GEMM_ZERO_POINT_SUFFIX = "/gemm_zero_point"  # the name of a weight's zero point once on the GEMM, after its scale's
 INTEGER_SUMS = "/integer_sums"  # an integer classifier's MatMulInteger is named after its Conv with this
 # The card's reason for the classifier among the layers kept out of QDQ quantization, once it is integer sums.
 INTEGER_CLASSIFIER = ("the classifier head: float logits, from int8 weights' integer sums over the uint8 activations "
@@ -128,6 +129,11 @@ def classifier_in_integers(model: onnx.ModelProto, name: str) -> bool:
     return any(node.name == name + INTEGER_SUMS for node in model.graph.node)
 
 
+def on_gemm(model: onnx.ModelProto) -> int:
+    """How many of `model`'s convolutions `gemm_weights` sent to the GEMM."""
+    return sum(tensor.name.endswith(GEMM_ZERO_POINT_SUFFIX) for tensor in model.graph.initializer)
+
+
 def gemm_weights(quantized: onnx.ModelProto) -> onnx.ModelProto:
     """`quantized` with the symmetric int8 weights of each 1x1 convolution over at least MIN_GEMM_CHANNELS input
     channels one level down under a zero point of GEMM_ZERO_POINT: the same values (-127..127 become -128..126), which
@@ -149,7 +155,7 @@ def gemm_weights(quantized: onnx.ModelProto) -> onnx.ModelProto:
             continue
         inits[weight.input[0]].CopyFrom(numpy_helper.from_array((levels.astype(np.int16) - 1).astype(np.int8),
                                                                 weight.input[0]))
-        shifted = f"{weight.input[1]}/gemm_zero_point"
+        shifted = weight.input[1] + GEMM_ZERO_POINT_SUFFIX
         out.graph.initializer.append(numpy_helper.from_array(np.full(zero_point.shape, GEMM_ZERO_POINT, np.int8),
                                                              shifted))
         weight.input[2] = shifted

@@ -12,7 +12,8 @@ import pytest
 from convert import int8_kernels
 from convert.calibration import as_fed, default_set, fed_sides
 from convert.card import read_card
-from convert.int8_forms import INTEGER_CLASSIFIER, MIN_GEMM_CHANNELS, classifier_in_integers, gemm_weights, integer_classifier
+from convert.int8_forms import (INTEGER_CLASSIFIER, MIN_GEMM_CHANNELS, classifier_in_integers, gemm_weights,
+                                integer_classifier, on_gemm)
 from convert.int8_passes import with_outputs
 from convert.quantize import quantize, to_int8
 from protos.model_card_pb2 import Int8Weights
@@ -146,6 +147,7 @@ def test_quantize_moves_them_on_a_cpu_with_amx_and_full_weights_only(photos, mon
     producers = {each.output[0]: each for each in quantized.graph.node}
     zero_point = values(quantized)[producers[node(quantized, "project").input[1]].input[2]]
     assert np.all(zero_point == (-1 if moved else 0))
+    assert on_gemm(quantized) == (2 if moved else 0)  # the projection and the expansion
 
 
 def test_to_int8_makes_the_classifier_integer_sums_where_the_calibration_photos_still_pass(photos):
