@@ -250,6 +250,27 @@ def server_plan_memory(model_path: str, *, sizes=MEMORY_SIZES, batches=MEMORY_BA
     return results, warnings
 
 
+def worst_deviations(memory: list[tuple[str, PlanMemory]]) -> tuple[float, float, float]:
+    """The largest |ratio - 1| of the plans' growth, of the whole account against what the server holds, and against
+    its steady peak."""
+    return (max(abs(plan.ratio - 1) for _, plan in memory), max(abs(plan.held_ratio - 1) for _, plan in memory),
+            max(abs(plan.steady_ratio - 1) for _, plan in memory))
+
+
+def memory_table(memory: list[tuple[str, PlanMemory]]) -> list[str]:
+    """The Markdown table of (model, plan) measurements, MiB."""
+    return [
+        "| model | plan | predicted | server's own footprint | RSS growth | predicted/growth | creation peak | "
+        "account / held | ratio | account / steady peak | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *[f"| {label} | {plan.plan} | {_mib(plan.predicted)} | {_mib(plan.measured_by_server)} | "
+          f"{_mib(plan.creation_growth)} | {plan.ratio:.3f} | {_mib(plan.creation_peak)} | "
+          f"{_mib(plan.held_predicted)} / {_mib(plan.held)} | {plan.held_ratio:.3f} | "
+          f"{_mib(plan.held_predicted)} / {_mib(plan.steady_held)} | {plan.steady_ratio:.3f} |"
+          for label, plan in memory],
+    ]
+
+
 # --- the section ------------------------------------------------------------------------------
 
 def _mib(value: float) -> str:
@@ -274,9 +295,7 @@ def run() -> str:
             warnings += said
     ratios = [server / defaults for _, server, defaults in speed]
     speed_verdict = "met" if max(ratios) <= SPEED_TARGET else "NOT met"
-    worst = max(abs(plan.ratio - 1) for _, plan in memory)
-    worst_steady = max(abs(plan.steady_ratio - 1) for _, plan in memory)
-    worst_held = max(abs(plan.held_ratio - 1) for _, plan in memory)
+    worst, worst_held, worst_steady = worst_deviations(memory)
     memory_verdict = "met" if max(worst, worst_steady, worst_held) <= MEMORY_BOUND else "NOT met"
     return "\n".join([
         "## CPU plans: speed against onnxruntime's defaults, memory in the server's own process",
@@ -315,14 +334,7 @@ def run() -> str:
         "twice more minus VmRSS before the server's first plan (the requests' own memory included), against the "
         "whole account. The server's own footprint: what it measured the plan to hold alone. MiB.",
         "",
-        "| model | plan | predicted | server's own footprint | RSS growth | predicted/growth | creation peak | "
-        "account / held | ratio | account / steady peak | ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-        *[f"| {label} | {plan.plan} | {_mib(plan.predicted)} | {_mib(plan.measured_by_server)} | "
-          f"{_mib(plan.creation_growth)} | {plan.ratio:.3f} | {_mib(plan.creation_peak)} | "
-          f"{_mib(plan.held_predicted)} / {_mib(plan.held)} | {plan.held_ratio:.3f} | "
-          f"{_mib(plan.held_predicted)} / {_mib(plan.steady_held)} | {plan.steady_ratio:.3f} |"
-          for label, plan in memory],
+        *memory_table(memory),
         "",
         f"Server warnings during these runs: {len(warnings)}" + (f" (first: `{warnings[0]}`)" if warnings else ""),
     ])

@@ -7,7 +7,8 @@ be read); the plan graph of each in sessions made as the server makes
 them, runs alternated in one process, read as the median of each round's fp32 run over its int8 run
 (bench_cpu_plans.Int8Speed says why); each model served as
 bench_server serves it (its request, 16 clients in a closed loop, servers alternated); the check's numbers from the
-int8 card, with the layers it kept in float.
+int8 card, with the layers it kept in float; the int8 plans' memory in a server of their own, as bench_cpu_plans
+measures the fp32 ones.
 Targets: the int8 plan >= 1.8x the fp32 plan's speed at 1x384x576 and 4x384x384; served req/s at 16 clients >= 1.7x.
 """
 
@@ -48,7 +49,8 @@ def served_rates(paths: dict[str, str], *, rounds: int = SERVED_ROUNDS) -> dict[
 
 
 def run() -> str:
-    from bench.bench_cpu_plans import INT8_ROUNDS, INT8_SPEED_TARGET, int8_speed_rows
+    from bench.bench_cpu_plans import (INT8_ROUNDS, INT8_SPEED_TARGET, MEMORY_BOUND, int8_speed_rows, memory_table,
+                                       server_plan_memory, worst_deviations)
     from bench.models import converted
     from convert import int8_kernels
     from convert.calibration import default_set
@@ -64,6 +66,10 @@ def run() -> str:
         onnx.save(int8, int8_path)
         rows = int8_speed_rows(fp32_path, int8_path)
         served = served_rates({"fp32": fp32_path, "int8": int8_path})
+        plans, warnings = server_plan_memory(int8_path)
+    memory = [("efficientnet-lite0 int8", plan) for plan in plans]
+    worst = max(worst_deviations(memory))
+    memory_verdict = "met" if worst <= MEMORY_BOUND else "NOT met"
     served_ratio = max(served["int8"]) / max(served["fp32"])
     record = read_card(int8).quantization
     verdict = "met" if min(row.speed_up for row in rows) >= INT8_SPEED_TARGET else "NOT met"
@@ -104,6 +110,12 @@ def run() -> str:
           f"{check.mean_probability_diff:.2g} |" for name, check in checks],
         "",
         "Kept in float: " + ("; ".join(record.float_layers) or "nothing") + ".",
+        "",
+        f"Memory of the int8 plans, admission's account against the server process as bench_cpu_plans measures the fp32 "
+        f"ones (target +-{MEMORY_BOUND:.0%}, {memory_verdict}: worst {worst:.1%}); server warnings: {len(warnings)}"
+        + (f" (first: `{warnings[0]}`)" if warnings else "") + ":",
+        "",
+        *memory_table(memory),
         "",
         f"Worst layer: {record.worst_layer}. {record.warning}",
     ])
