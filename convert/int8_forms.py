@@ -2,9 +2,9 @@
 (EfficientNet-Lite0 at 1x384x576 and 4x384x384, plans alternated; docs/design.md's int8 record).
 
 * The classifier in integer sums (`integer_classifier`). The head stays out of QDQ quantization (its logits must stay
-  float: convert.int8_passes), so onnxruntime ran it as a float 1x1 convolution over pooled, dequantized activations,
-  about a tenth of the int8 plan. Where its 1x1 classifier reads the uint8 activations through a DequantizeLinear
-  (and a pooling), it becomes MatMulInteger over those activations as they are, with int8 weights per output channel:
+  float: convert.int8_passes); as a float 1x1 convolution over pooled, dequantized activations it is about a tenth of
+  the int8 plan. Where its 1x1 classifier reads the uint8 activations through a DequantizeLinear (and a pooling), it
+  becomes MatMulInteger over those activations as they are, with int8 weights per output channel:
   its int32 sums scaled to float logits, then the pooling, then the bias. Pooling and a 1x1 convolution are both
   linear, so pooling after the classifier computes the same scores, and no pooled value is rounded to 8 bits; pooling
   first would have fused into onnxruntime's QLinearAveragePool, 11x slower than the float pool here. The plan ran
@@ -15,7 +15,8 @@
   CPU with AMX runs on AMX tiles. 1x1 convolutions with at least MIN_GEMM_CHANNELS input channels ran 1.10-1.68x
   faster on the GEMM (10 shapes from 320 to 2048 channels), those with 240-256 0.87-1.04x, and shallower ones
   slower; on the default model's plan 1.02-1.03x. Their levels move one down under a zero point of -1: the same
-  values, and the plans' outputs were bit-identical.
+  values, and the plans' outputs were bit-identical. The GEMM path holds int32 sums of the layer's output for its run
+  (convert.profile counts them): small at the depths moved, which run at low resolution in a classifier.
 """
 
 from __future__ import annotations
@@ -26,16 +27,17 @@ from onnx import TensorProto, helper, numpy_helper
 
 from convert.int8_passes import POOLS, pair_bounded_levels, pair_bounded_scale
 
-__all__ = ["MIN_GEMM_CHANNELS", "INTEGER_CLASSIFIER", "INTEGER_SUMS", "integer_classifier", "gemm_weights",
+__all__ = ["MIN_GEMM_CHANNELS", "INTEGER_CLASSIFIER", "INTEGER_HEAD", "INTEGER_SUMS", "integer_classifier", "gemm_weights",
            "on_gemm", "classifier_in_integers"]
 
 MIN_GEMM_CHANNELS = 320
 GEMM_ZERO_POINT = -1
-GEMM_ZERO_POINT_SUFFIX = "/gemm_zero_point"  # the name of a weight's zero point once on the GEMM, after its scale's
+GEMM_ZERO_POINT_SUFFIX = "/gemm_zero_point"  # a moved weight's new zero point: its levels' name and this
 INTEGER_SUMS = "/integer_sums"  # an integer classifier's MatMulInteger is named after its Conv with this
 # The card's reason for the classifier among the layers kept out of QDQ quantization, once it is integer sums.
 INTEGER_CLASSIFIER = ("the classifier head: float logits, from int8 weights' integer sums over the uint8 activations "
                       "(MatMulInteger), pooled after")
+INTEGER_HEAD = "the classifier head after its integer sums: on float logits"  # its other nodes' reason then
 
 
 def _attribute(node: onnx.NodeProto, name: str, default):
@@ -76,12 +78,18 @@ def integer_classifier(quantized: onnx.ModelProto, head: list[str], *, pair_boun
     source = producers.get(pool.input[0]) if pool is not None and pool.op_type in POOLS and pool.name in head else pool
     if pool is source:
         pool = None
-    if (not _pointwise(conv, weights) or source is None or source.op_type != "DequantizeLinear"
-            or len(source.input) < 3 or not all(name in inits for name in source.input[1:3])):
+    readers = [node for node in quantized.graph.node for name in node.input if pool is not None and name == pool.output[0]]
+    pooled_elsewhere = pool is not None and (readers != [conv] or pool.output[0] in {v.name for v in quantized.graph.output})
+    has_bias = len(conv.input) > 2 and bool(conv.input[2])
+    if (not _pointwise(conv, weights) or source is None or source.op_type != "DequantizeLinear" or pooled_elsewhere
+            or len(source.input) < 3 or not all(name in inits for name in source.input[1:3])
+            or has_bias and conv.input[2] not in inits):
         return quantized
     input_scale, zero_point = (numpy_helper.to_array(inits[name]) for name in source.input[1:3])
+    # Only activations quantized per tensor (or per channel, every channel alike) as uint8 have one zero point to
+    # hand MatMulInteger.
     if zero_point.dtype != np.uint8 or np.unique(input_scale).size != 1 or np.unique(zero_point).size != 1:
-        return quantized  # activations quantized per tensor (or per channel, every channel alike), as uint8
+        return quantized
     levels, scale = _per_channel_levels(weights, pair_bounded=pair_bounded)
     out = onnx.ModelProto()
     out.CopyFrom(quantized)
@@ -100,16 +108,15 @@ def integer_classifier(quantized: onnx.ModelProto, head: list[str], *, pair_boun
         pooled = helper.make_node(pool.op_type, [f"{name}/nchw"], [f"{name}/pooled"], name=pool.name)
         pooled.attribute.extend(pool.attribute)
         nodes.append(pooled)
-    has_bias = len(conv.input) > 2 and conv.input[2]
     if has_bias:
         bias = numpy_helper.to_array(inits[conv.input[2]]).astype(np.float32).reshape(1, -1, 1, 1)
         constants[f"{name}/bias"] = bias
         nodes.append(helper.make_node("Add", [nodes[-1].output[0], f"{name}/bias"], [conv.output[0]], name=f"{name}/bias"))
     else:
         nodes[-1].output[0] = conv.output[0]
-    replaced = {conv.name} | ({pool.name} if pool is not None else set())
-    position = min(index for index, node in enumerate(out.graph.node) if node.name in replaced)
-    kept = [node for node in out.graph.node if node.name not in replaced]
+    replaced = {conv.output[0]} | ({pool.output[0]} if pool is not None else set())
+    position = min(index for index, node in enumerate(out.graph.node) if node.output[0] in replaced)
+    kept = [node for node in out.graph.node if node.output[0] not in replaced]
     read = {value for node in kept for value in node.input} | {value.name for value in out.graph.output}
     if source.output[0] not in read:  # the dequantized activations had no other reader
         kept = [node for node in kept if node.output[0] != source.output[0]]
@@ -143,21 +150,27 @@ def gemm_weights(quantized: onnx.ModelProto) -> onnx.ModelProto:
     out.CopyFrom(quantized)
     producers = {output: node for node in out.graph.node for output in node.output}
     inits = {tensor.name: tensor for tensor in out.graph.initializer}
+    readers: dict[str, int] = {}
+    for node in out.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
     for node in out.graph.node:
         weight = producers.get(node.input[1]) if node.op_type == "Conv" else None
         if weight is None or weight.op_type != "DequantizeLinear" or len(weight.input) < 3:
             continue
-        if not all(name in inits for name in (weight.input[0], weight.input[2])):
-            continue
+        shifted = weight.input[0] + GEMM_ZERO_POINT_SUFFIX
+        if (not all(name in inits for name in (weight.input[0], weight.input[2])) or readers[weight.input[0]] != 1
+                or readers[weight.output[0]] != 1 or shifted in inits):
+            continue  # levels another node reads too would be moved under it
         levels, zero_point = (numpy_helper.to_array(inits[name]) for name in (weight.input[0], weight.input[2]))
         if (levels.dtype != np.int8 or not _pointwise(node, levels) or levels.shape[1] < MIN_GEMM_CHANNELS
                 or np.any(zero_point != 0) or levels.min() < -127):
             continue
         inits[weight.input[0]].CopyFrom(numpy_helper.from_array((levels.astype(np.int16) - 1).astype(np.int8),
                                                                 weight.input[0]))
-        shifted = weight.input[1] + GEMM_ZERO_POINT_SUFFIX
         out.graph.initializer.append(numpy_helper.from_array(np.full(zero_point.shape, GEMM_ZERO_POINT, np.int8),
                                                              shifted))
+        inits[shifted] = out.graph.initializer[-1]
         weight.input[2] = shifted
     used = {value for node in out.graph.node for value in node.input}
     remaining = [tensor for tensor in out.graph.initializer if tensor.name in used]

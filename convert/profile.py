@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import math
 import os
+import platform
 import re
 
 import onnx
@@ -63,6 +64,7 @@ MAX_SIDE = 16384
 # onnxruntime's QLinearConv buffers (`_int8_scratch`): MLAS's x86 symmetric kernels (convsym.cpp) take depthwise
 # convolutions over a multiple of 16 channels, and others with input channels a multiple of 4 and at least 16 output
 # channels, a multiple of 8 (AVX2's alignment; AVX-512's 4 takes more of them, which then hold less).
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 POINTER_BYTES = 8
 INT32_BYTES = 4
 SYMMETRIC_GROUP_ALIGN = 16
@@ -269,9 +271,12 @@ def _skeleton(model: onnx.ModelProto, layout: int | None = None) -> Skeleton:
                 for axis, dim in enumerate(dims)]
     main_type = max(bytes_by_type, key=bytes_by_type.get) if bytes_by_type else image.type.tensor_type.elem_type
     initializers = {init.name: init for init in graph.initializer}
+    # MLAS's symmetric convolutions take int8 weights with zero points of 0, on x86 only (its ARM64 build sends 1x1 and
+    # narrow convolutions to the GEMM): elsewhere every int8 convolution is counted on the GEMM, the larger buffers.
     symmetric = frozenset(
         node.output[0] for node in graph.node
-        if node.op_type == "DequantizeLinear" and node.input[0] in initializers
+        if X86 and node.op_type == "DequantizeLinear" and node.input[0] in initializers
+        and initializers[node.input[0]].data_type == TensorProto.INT8
         and (len(node.input) < 3 or node.input[2] in initializers
              and not numpy_helper.to_array(initializers[node.input[2]]).any()))
     return Skeleton(graph_skeleton(model, input_shape=symbolic), image.name, weights, _dtype_name(main_type),

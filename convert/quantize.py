@@ -56,7 +56,7 @@ from onnx import numpy_helper, version_converter
 from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
 
 from convert import int8_kernels, verify
-from convert.int8_forms import INTEGER_CLASSIFIER, classifier_in_integers, gemm_weights, integer_classifier
+from convert.int8_forms import INTEGER_CLASSIFIER, INTEGER_HEAD, classifier_in_integers, gemm_weights, integer_classifier
 from convert.int8_passes import (FLOAT_LAYER_MIN_SNR_DB, correct_biases, float_layers, guard_float_layers, head_nodes,
                                  name_nodes, requantize_weights)
 from convert.calibration import PhotoSet, as_fed, fed_sides
@@ -406,7 +406,9 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
     best, fallen = _fall_back(trials, best, kept, ranking, snr, max_layers=max_fallback_layers)
     best, fallen = _prune(trials, best, kept, fallen)
     best = _integer_classifier(trials, best, [name for name in head_nodes(model) if name in kept])
-    kept = {name: INTEGER_CLASSIFIER if classifier_in_integers(best.model, name) else why
+    head = head_nodes(model)
+    integer = [name for name in head if classifier_in_integers(best.model, name)]
+    kept = {name: INTEGER_CLASSIFIER if name in integer else INTEGER_HEAD if integer and name in head else why
             for name, why in {**kept, **fallen}.items()}
     held = verify.agreement(reference, best.model, held_out, sides=sides, logits=logits)
     worst = _worst_layer(model, snr, [entry for entry in ranking if entry[0] not in fallen])

@@ -180,8 +180,7 @@ def connect(address: str | None) -> bool:
 
 def start_local_cluster(**options) -> None:
     """`ray.init` of a cluster on loopback, tried twice: Ray waits a fixed 30 s for its GCS server's port and for
-    its node to register, which a loaded machine can outlast (a fresh-clone CI run did, and a suite run right after a
-    benchmark), and a second start finds it warm."""
+    its node to register, which a loaded machine can outlast, and a second start finds it warm."""
     import ray
 
     for attempt in range(STARTS):

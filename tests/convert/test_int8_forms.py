@@ -173,3 +173,29 @@ def test_to_int8_keeps_a_classifier_in_float_when_its_integer_sums_fall_short(ph
     int8 = to_int8(mobile_net(), photos, methods=("minmax",), weights=FULL)
     assert not classifier_in_integers(int8, "scores")
     assert read_card(int8).quantization.float_layers[0] == "Conv 'scores': the classifier head (float logits and pooling)"
+
+
+def test_a_classifier_whose_pooled_features_are_read_elsewhere_stays_as_it_is(photos):
+    """The pooled features as a second output (an embedding beside the scores): the pool must stay, so the classifier
+    does too."""
+    net = mobile_net()
+    net.graph.output.append(onnx.helper.make_empty_tensor_value_info("pooled"))
+    floats = quantize(net, tensors_for(photos, net), method="minmax", keep_float=HEAD, weights=FULL,
+                      bias_correction=False)
+    assert integer_classifier(floats, list(HEAD), pair_bounded=False) is floats
+
+
+def test_a_classifier_without_a_bias_runs_as_integer_sums_on_a_batch(photos):
+    net, weights = with_representable_classifier(mobile_net())
+    conv = node(net, "scores")
+    del conv.input[2]
+    tensors = tensors_for(photos, net)
+    floats = quantize(net, tensors, method="minmax", keep_float=HEAD, weights=FULL, bias_correction=False)
+    quantized = integer_classifier(floats, list(HEAD), pair_bounded=False)
+    assert classifier_in_integers(quantized, "scores")
+    assert next(each for each in quantized.graph.node if each.output[0] == "scores").op_type == "AveragePool"
+    batch = np.concatenate([tensors[0], tensors[0][:, :, ::-1]])  # two images of one size
+    expected, got = (fused(model).run(["scores"], {"image": batch})[0] for model in (floats, quantized))
+    assert got.shape == expected.shape and got.shape[0] == 2
+    # The float head pools rounded activations the same way; only float rounding and summation order differ.
+    np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())

@@ -15,8 +15,9 @@ from convert.calibration import HELD_OUT_EVERY, as_fed, default_set, fed_sides, 
 from convert.card import Precision, read_card, write_card
 from convert.convert_cli import EXIT_CONVERSION, EXIT_OK, EXIT_USAGE, main
 from convert.errors import ConversionError, UsageError
-from convert.int8_forms import INTEGER_CLASSIFIER
-from convert.profile import profile_model
+from convert.int8_forms import INTEGER_CLASSIFIER, INTEGER_HEAD
+from convert.memory_model import PROVIDER_TERMS, Device
+from convert.profile import _int8_scratch, profile_model
 from convert.int8_passes import (PAIR_SUM_LEVELS, channel_means, correct_biases, float_layers, head_nodes, name_nodes,
                                  pair_bounded_levels, pair_bounded_scale, weight_sensitivity)
 from convert import quantize as quantize_module
@@ -134,6 +135,31 @@ def test_an_int8_profile_counts_int8_weights_and_uint8_activations():
     first = next(node.name for node in int8.graph.node if node.op_type == "Conv")
     assert quantized.peak_layer == first
     assert quantized.peak_activation_bytes >= sums + im2col + outputs
+
+
+@pytest.mark.parametrize(("kernel", "group", "inputs", "outputs", "symmetric", "expected"), [
+    ((1, 1), 1, 64, 128, True, 0),  # pointwise on the symmetric path: reads its input in place
+    ((3, 3), 1, 64, 128, True, 8 * 9),  # a pointer per tap and pixel
+    ((3, 3), 64, 1, 64, True, 8 * 9),  # depthwise over a multiple of 16 channels: pointers
+    ((3, 3), 24, 1, 24, True, 4 * 24 + 8 * 9),  # depthwise over 24: int32 sums and pointers
+    ((1, 1), 1, 320, 128, False, 4 * 128),  # a zero point of -1 (on the GEMM): int32 sums of the output
+    ((3, 3), 1, 3, 48, True, 4 * 48 + 3 * 9),  # 3 input channels, off the symmetric path: sums and an im2col
+])
+def test_a_fused_int8_convolution_holds_its_kernels_buffers_for_each_image(kernel, group, inputs, outputs, symmetric,
+                                                                           expected):
+    """Bytes per output pixel, as onnxruntime's QLinearConv allocates them on x86 (qlinearconv.cc), for each image."""
+    node = onnx.helper.make_node("Conv", ["x", "w"], ["y"], group=group, pads=[kernel[0] // 2] * 4)
+    scratch = _int8_scratch(node, (outputs, inputs, *kernel), (2, outputs, 10, 12), symmetric=symmetric)
+    assert scratch == 2 * 10 * 12 * expected
+
+
+def test_each_int8_plan_keeps_its_own_copy_of_the_weights_its_kernels_pack():
+    int8 = int8_net(heavy_net())
+    packed = sum(t.raw_data and len(t.raw_data) or np.prod(t.dims) for t in int8.graph.initializer
+                 if t.data_type == onnx.TensorProto.INT8 and len(t.dims) == 4)
+    terms = profile_model(int8, height=64, width=64).terms
+    assert terms.session_state == PROVIDER_TERMS[Device.CPU].session_bytes + packed
+    assert profile_model(heavy_net(), height=64, width=64).terms.session_state == PROVIDER_TERMS[Device.CPU].session_bytes
 
 
 @pytest.mark.parametrize("choice", ["auto", "full", "pair-bounded"])
@@ -314,7 +340,7 @@ def test_the_card_names_the_layers_kept_in_float_and_why(photos):
     int8 = to_int8(mobile_net(), photos, methods=("minmax",), allow_precision_loss=True)
     layers = read_card(int8).quantization.float_layers
     assert layers[:2] == [f"Conv 'scores': {INTEGER_CLASSIFIER}",
-                          "AveragePool 'pool': the classifier head (float logits and pooling)"]
+                          f"AveragePool 'pool': {INTEGER_HEAD}"]
 
 
 def badly_quantizing_net(*, layers: tuple[str, ...]) -> onnx.ModelProto:

@@ -201,9 +201,8 @@ def test_ray_keeps_its_own_logging_to_itself(tmp_path):
 
 
 def test_a_local_cluster_that_does_not_start_in_time_is_started_once_more(monkeypatch):
-    """Ray waits a fixed 30 s for its GCS server's port and for its node: a loaded machine can outlast either once (a
-    CI run did, and a suite run right after a benchmark); any other failure, or a second timeout, is raised as it
-    is."""
+    """Ray waits a fixed 30 s for its GCS server's port and for its node: a loaded machine can outlast either once;
+    any other failure, or a second timeout, is raised as it is."""
     tries, shutdowns, timeouts, gcs_timeouts = [], [], [1], [5]  # which tries (1-based) time out, and how
 
     def init(**options):
