@@ -72,6 +72,9 @@ SYMMETRIC_INPUT_ALIGN = 4
 SYMMETRIC_MIN_OUTPUTS = 16
 SYMMETRIC_OUTPUT_ALIGN = 8
 
+# Ops whose second input is their weights: in a QDQ graph, fused only with quantized (dequantized) weights.
+WEIGHTED_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
+
 # Ops whose output is a view of their first input (onnxruntime declares them as aliasing).
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Dropout"})
 # Quantization pairs around the ops of a QDQ (int8) graph, fused by onnxruntime into the ops' integer kernels.
@@ -385,23 +388,31 @@ def _profile(skeleton: Skeleton, height: int, width: int, batch: int, device: De
     for output in graph.output:
         last_read[output.name] = end
 
-    # A QDQ (int8) graph as onnxruntime runs it: each QuantizeLinear/DequantizeLinear pair fused with its op, so an
-    # op whose output only a QuantizeLinear reads writes the quantized bytes itself, a QuantizeLinear or
-    # DequantizeLinear of an activation writes nothing new, and a DequantizeLinear of a weight is part of the weights.
+    # A QDQ (int8) graph as onnxruntime runs it: an op whose every data input is dequantized is fused with its
+    # QuantizeLinear/DequantizeLinear pairs into an integer kernel, so if only a QuantizeLinear reads its output it
+    # writes the quantized bytes itself; a DequantizeLinear of an activation that only such ops read writes nothing
+    # new (one a float layer reads writes its float tensor); a QuantizeLinear writes nothing new; and a
+    # DequantizeLinear of a weight is part of the weights.
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
-    quantized_as: dict[str, str] = {}
     weight_copies: set[str] = set()
     dequantized: set[str] = set()
     for node in graph.node:
         if node.op_type == "DequantizeLinear":
             (weight_copies if node.input[0] in weights else dequantized).add(node.output[0])
-        for name in node.output:
-            if name and (readers.get(name) and all(r.op_type == "QuantizeLinear" for r in readers[name])
-                         and node.op_type not in QDQ_OPS and name not in {o.name for o in graph.output}):
-                quantized_as[name] = readers[name][0].output[0]
+
+    def fused(node: onnx.NodeProto) -> bool:
+        data = [name for name in node.input if name and name not in weights and name not in weight_copies]
+        float_weights = node.op_type in WEIGHTED_OPS and len(node.input) > 1 and node.input[1] not in weight_copies
+        return node.op_type not in QDQ_OPS and bool(data) and all(name in dequantized for name in data) and not float_weights
+
+    outputs = {value.name for value in graph.output}
+    quantized_as = {name: readers[name][0].output[0] for node in graph.node if fused(node) for name in node.output
+                    if name and readers.get(name) and name not in outputs
+                    and all(reader.op_type == "QuantizeLinear" for reader in readers[name])}
+    float_dequantized = {name for name in dequantized if not all(fused(reader) for reader in readers.get(name, ()))}
 
     def scratch_of(node: onnx.NodeProto) -> int:
         """Bytes a fused int8 convolution allocates for its run beside its input and output."""
@@ -439,7 +450,8 @@ def _profile(skeleton: Skeleton, height: int, width: int, batch: int, device: De
             shape, count, nbytes = size_of(name)
             if position == 0:
                 first_shape = shape
-            target = _reused_buffer(node, position, nbytes, index, buffer_of, buffer_bytes, buffer_death)
+            target = None if name in float_dequantized else _reused_buffer(node, position, nbytes, index, buffer_of,
+                                                                           buffer_bytes, buffer_death)
             death = last_read.get(name, index)
             if target is None:
                 target = len(buffer_bytes)

@@ -153,6 +153,20 @@ def test_a_fused_int8_convolution_holds_its_kernels_buffers_for_each_image(kerne
     assert scratch == 2 * 10 * 12 * expected
 
 
+def test_a_layer_kept_in_float_inside_an_int8_graph_is_counted_in_float(photos):
+    """Its input dequantized to float32 and its float32 output before the next QuantizeLinear are real tensors, where
+    an int8 layer reads its uint8 input and writes uint8."""
+    net = mobile_net(width=16)
+    tensors = mobile_tensors(photos, net)[:2]
+    int8, with_float = (quantize(net, tensors, method="minmax", keep_float=kept, bias_correction=False)
+                        for kept in ((), ("depthwise",)))
+    layers = [{layer.name: layer.bytes for layer in profile_model(model, height=512, width=512, batch=2).layers}
+              for model in (int8, with_float)]
+    uint8 = 2 * 16 * 256 * 256  # the depthwise convolution's output at 512x512 (after the stride-2 stem)
+    assert layers[0]["depthwise"] == uint8
+    assert layers[1]["depthwise"] == 4 * uint8 and layers[1]["depthwise_float_input"] == 4 * uint8
+
+
 def test_each_int8_plan_keeps_its_own_copy_of_the_weights_its_kernels_pack():
     int8 = int8_net(heavy_net())
     packed = sum(t.raw_data and len(t.raw_data) or np.prod(t.dims) for t in int8.graph.initializer
