@@ -415,9 +415,8 @@ def _profile(skeleton: Skeleton, height: int, width: int, batch: int, device: De
     float_dequantized = {name for name in dequantized if not all(fused(reader) for reader in readers.get(name, ()))}
 
     def scratch_of(node: onnx.NodeProto) -> int:
-        """Bytes a fused int8 convolution allocates for its run beside its input and output."""
-        if (node.op_type != "Conv" or node.input[0] not in dequantized or node.input[1] not in weight_copies
-                or node.output[0] not in quantized_as):
+        """Bytes a fused int8 convolution (one whose output is quantized_as) allocates beside its input and output."""
+        if node.op_type != "Conv" or node.output[0] not in quantized_as:
             return 0
         return _int8_scratch(node, shapes[node.input[1]][0], shapes[node.output[0]][0],
                              symmetric=node.input[1] in skeleton.symmetric_weights)

@@ -405,8 +405,8 @@ def to_int8(model: onnx.ModelProto, photos: PhotoSet, *, methods: tuple[str, ...
     snr, ranking = fallback_ranking(model, best.model, tensors, logits=logits, keep_float=tuple(kept))
     best, fallen = _fall_back(trials, best, kept, ranking, snr, max_layers=max_fallback_layers)
     best, fallen = _prune(trials, best, kept, fallen)
-    best = _integer_classifier(trials, best, [name for name in head_nodes(model) if name in kept])
-    head = head_nodes(model)
+    head = head_nodes(model)  # in `kept` from the start (float_layers)
+    best = _integer_classifier(trials, best, head)
     integer = [name for name in head if classifier_in_integers(best.model, name)]
     kept = {name: INTEGER_CLASSIFIER if name in integer else INTEGER_HEAD if integer and name in head else why
             for name, why in {**kept, **fallen}.items()}
