@@ -196,7 +196,7 @@ def answered(stub: scoring_pb2_grpc.DenseScoringStub, request: scoring_pb2.Score
 
 def runner_cpu_seconds(pid: int | None) -> float:
     """CPU of the engine's batcher threads (`batcher-MODEL`): the plans' runs and the batching around them; the
-    rest of the engine's CPU (its input, output and watch threads, ZMQ's I/O thread) is its own work per request."""
+    rest of the engine's CPU (its input threads, one per front) is its own work per request."""
     return 0.0 if pid is None else own_cpu_seconds(pid, threads="batcher-")
 
 

@@ -169,7 +169,7 @@ def start(argv: Sequence[str] | None, stop: threading.Event) -> tuple[ScoringSer
     if role == "engine":
         from server.split import run_engine
 
-        return run_engine(args.models, settings=settings, fronts=int(number), stop=stop)
+        return run_engine(args.models, settings=settings, stop=stop)
 
     from server.errors import ScoringError
     from server.memory.runtime import configure_allocator

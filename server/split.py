@@ -1,7 +1,7 @@
 """`--fronts N`: one engine process and N front processes, supervised (vLLM V1's split of engine and API servers).
 
     clients ──► front 0 ─┐  (gRPC and HTTP on the same ports, SO_REUSEPORT; admission, decode, assembly)
-            ──► front 1 ─┼─ ZMQ: typed messages ─► engine (plans, batcher, memory budget; one CUDA context)
+            ──► front 1 ─┼─ a Unix socket each: typed messages ─► engine (plans, batcher, memory budget; one CUDA context)
                  ...     ┘  shared memory: each front's canvases and lattices
 
 The supervisor (this module's `supervise`) reserves the ports, checks /dev/shm, starts the engine and then the
@@ -32,7 +32,7 @@ from server.memory.python_heap import freeze_startup_heap
 from server.settings import Settings
 from server.workers import STOP_MARGIN_SECONDS, announce, drained_with, reserved
 
-__all__ = ["engine_address", "front_address", "front_client", "run_engine", "supervise"]
+__all__ = ["engine_address", "front_client", "run_engine", "supervise"]
 
 LOG = logging.getLogger("scoremap.serve")
 RESTART_PAUSE_SECONDS = 0.5  # between a process's unexpected end and its new start: a crash loop stays slow
@@ -41,11 +41,8 @@ ROLE_FRONT = "front"
 
 
 def engine_address(run: str) -> str:
-    return f"ipc://{run}/engine"
-
-
-def front_address(run: str, front: int) -> str:
-    return f"ipc://{run}/front-{front}"
+    """Where the engine listens for its fronts: a Unix socket in the server's run folder."""
+    return os.path.join(run, "engine.sock")
 
 
 def run_name(run: str) -> str:
@@ -126,7 +123,7 @@ def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
         engine_flags = ["--port", "0", "--reuse-port"]
         if settings.metrics_port is not None:
             engine_flags += ["--metrics-port", "0", "--metrics-address", "127.0.0.1"]
-        engine = Child(ROLE_ENGINE, child_argv(argv, role=f"{ROLE_ENGINE}:{settings.fronts}", run=run,
+        engine = Child(ROLE_ENGINE, child_argv(argv, role=ROLE_ENGINE, run=run,
                                                extra=engine_flags), dict(os.environ))
         front_env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a front never makes a CUDA context
         fronts = []
@@ -207,7 +204,7 @@ def stop(children: Sequence[Child], *, grace: float) -> None:
 
 
 # --- the engine process ---------------------------------------------------------------------------------------
-def run_engine(models, *, settings: Settings, fronts: int, stop: threading.Event) -> int:
+def run_engine(models, *, settings: Settings, stop: threading.Event) -> int:
     """The engine process: load and warm every model in-process, then serve the fronts until `stop` (SIGTERM),
     finishing what it holds first. 2: it could not load; 3: a warm-up pass failed; 0 when stopped, at any moment."""
     from server.engine.process import EngineLoop
@@ -249,9 +246,7 @@ def run_engine(models, *, settings: Settings, fronts: int, stop: threading.Event
     freeze_startup_heap()
     core = pipeline.engine
     classes = {summary.name: summary.classes for summary in pipeline.models()}
-    loop = EngineLoop(core, input_address=engine_address(run),
-                      fronts={index: front_address(run, index) for index in range(fronts)},
-                      classes=classes, on_idle=lambda: core.went_idle(False))
+    loop = EngineLoop(core, address=engine_address(run), classes=classes, on_idle=lambda: core.went_idle(False))
     loop.start()
     if settings.metrics_port is not None:
         publish_metrics(run, ROLE_ENGINE, metrics.serve(port=0, address=settings.metrics_address),
@@ -283,7 +278,7 @@ def front_client(settings: Settings, index: int, *, stop: threading.Event):
 
     set_title(f"front {index}")
     run = settings.split_run
-    client = RemoteClient(front=index, engine_address=engine_address(run), results_address=front_address(run, index),
+    client = RemoteClient(front=index, engine_address=engine_address(run),
                           region_name=region_name(run_name(run), index, os.getpid()),
                           region_bytes=settings.front_shm_bytes)
     while not client.wait_for_engine(0.1):

@@ -3,7 +3,7 @@
 The front side (admission, decoding, assembly) asks the engine for room, runs a request's items, cancels them and
 gives room back only through an `EngineClient`; nothing else of the engine crosses. `server/engine/core.py`'s
 `EngineCore` is the engine in the calling process; `server/engine/remote.py`'s `RemoteClient` reaches an engine
-process (`server/engine/process.py`) over ZMQ with the canvases and lattices in shared memory, as vLLM V1's
+process (`server/engine/process.py`) over a Unix socket with the canvases and lattices in shared memory, as vLLM V1's
 `InprocClient` and `MPClient` do. This module imports nothing that opens a session.
 """
 

@@ -1,37 +1,26 @@
-"""What crosses between a front process and the engine process: typed msgspec structs over ZMQ.
+"""What crosses between a front process and the engine process: typed msgspec structs (server/engine/channel.py
+carries them).
 
 Every message is small: ids, places, shapes, offsets into the front's shared-memory region
 (server/engine/shm.py), deadlines (time.monotonic(), one clock for every process of a machine). Pixels and
 lattices stay in shared memory; only an array the region had no room for travels inline, as bytes. Nothing
 is pickled, and nothing holds a lock, event or object of the other side (vLLM V1's serial_utils does the same).
-Decoded with one tagged-union decoder per direction; each side reads its socket through `received`, which blocks
-with no timeout (an idle reader never wakes) until `waking` sends it an empty frame to stop on.
+Decoded with one tagged-union decoder per direction.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import threading
-from collections.abc import Callable, Iterator
-from typing import TypeVar
-
 import msgspec
-import zmq
 
 from server.engine.client import EngineFacts, PlanKey, QueueState
 from server.errors import Refusal, ScoringError
 from server.geometry.dense import Passes
 from convert.memory_model import Device
 
-__all__ = ["Abort", "Ask", "Done", "Failed", "Facts", "ItemSpec", "Queue", "Submit", "Warm", "Warmed",
-           "decode_from_engine", "decode_to_engine", "encode", "received", "waking"]
+__all__ = ["Abort", "Ask", "Done", "Failed", "Facts", "Hello", "ItemSpec", "Queue", "Submit", "Warm", "Warmed",
+           "decode_from_engine", "decode_to_engine", "encode"]
 
-LOG = logging.getLogger(__name__)
-T = TypeVar("T")
 STRUCT = dict(tag=True, array_like=True, omit_defaults=True, gc=False)
-WAKE = b""  # the frame that wakes a reader blocked in `received` to find its side stopping: no message is empty
-WAKE_SEND_MS = 1000  # how long `waking` may wait to hand its frame to ZMQ (it never waits on a live reader)
 
 
 class PassesSpec(msgspec.Struct, array_like=True, gc=False):
@@ -49,6 +38,12 @@ class PassesSpec(msgspec.Struct, array_like=True, gc=False):
 
 
 # --- front to engine ----------------------------------------------------------------------------------------
+class Hello(msgspec.Struct, **STRUCT):
+    """A front's first message on its connection: which front it is (answered by `Facts`)."""
+
+    front: int
+
+
 class Ask(msgspec.Struct, **STRUCT):
     """The state of `model`'s queue now (answered by `Queue`): a front asks when the state it holds would refuse a
     request and is older than one item's time in the queue."""
@@ -108,7 +103,8 @@ class Warm(msgspec.Struct, **STRUCT):
 
 # --- engine to front ----------------------------------------------------------------------------------------
 class Facts(msgspec.Struct, **STRUCT):
-    """The engine is up, and what the front needs to know of it; sent to every front once the engine has warmed."""
+    """The engine is up, and what the front needs to know of it: the answer to `Hello` (the engine listens once
+    it has warmed)."""
 
     provider: str
     device: str
@@ -171,7 +167,7 @@ class Warmed(msgspec.Struct, **STRUCT):
     failures: list[str]
 
 
-ToEngine = Ask | Submit | Abort | Warm
+ToEngine = Hello | Ask | Submit | Abort | Warm
 FromEngine = Facts | Queue | Done | Failed | Warmed
 _ENCODER = msgspec.msgpack.Encoder()
 _TO_ENGINE = msgspec.msgpack.Decoder(ToEngine)
@@ -193,38 +189,3 @@ def decode_from_engine(data: bytes | memoryview) -> FromEngine:
 def plan_key(spec: tuple[int, int, int, PassesSpec]) -> PlanKey:
     height, width, batch, passes = spec
     return PlanKey(height, width, batch, passes.passes())
-
-
-def received(socket: zmq.Socket, decode: Callable[[bytes], T], stopping: threading.Event, *,
-             reader: str) -> Iterator[T]:
-    """Each message that arrives on `socket`, decoded, until `stopping` is set and the reader woken (`waking`); one
-    `reader` cannot read is logged and dropped."""
-    while True:
-        data = socket.recv()  # a copy: cheaper than a zero-copy frame for messages this small
-        if stopping.is_set():
-            return
-        if data == WAKE:
-            continue
-        try:
-            message = decode(data)
-        except Exception:
-            LOG.exception("a message %s cannot read: dropped", reader)
-            continue
-        yield message
-
-
-@contextlib.contextmanager
-def waking(context: zmq.Context, address: str) -> Iterator[None]:
-    """Wake the reader of `address` (blocked in `received`, its `stopping` set) and keep the frame's socket open
-    while the caller waits for the reader to end, so the frame is delivered."""
-    socket = context.socket(zmq.PUSH)
-    socket.setsockopt(zmq.SNDTIMEO, WAKE_SEND_MS)
-    socket.connect(address)
-    try:
-        socket.send(WAKE)
-    except zmq.Again:
-        LOG.warning("the reader of %s could not be woken", address)
-    try:
-        yield
-    finally:
-        socket.close(linger=0)

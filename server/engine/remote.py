@@ -1,13 +1,13 @@
-"""The engine reached from a front process: `RemoteClient`, the `EngineClient` over ZMQ and shared memory.
+"""The engine reached from a front process: `RemoteClient`, the `EngineClient` over a Unix socket and shared memory.
 
 The front writes each canvas into its own shared-memory region (`ShmCanvases`), sends the engine a small
-typed message (server/engine/messages.py) and reads the lattices back from the same region. Admission decides
-here, without a round trip, on the queue's state the engine sends with every answer (`QueueView`); the engine
-decides again when the items arrive, as other fronts may have filled the queue meanwhile. One socket sends
-(under a lock: the calls' threads share it), one receives on a thread of its own, which wakes each waiting
-call by its id; a watch thread hears the engine go (every call waiting then fails at once with UNAVAILABLE and
-a retry hint, and `on_ready(False)`) and a new engine's facts arrive when it is warm (`on_ready(True)`).
-Nothing here opens a session or imports onnxruntime.
+typed message (server/engine/messages.py) over its connection (server/engine/channel.py) and reads the lattices
+back from the same region. Admission decides here, without a round trip, on the queue's state the engine sends
+with every answer (`QueueView`); the engine decides again when the items arrive, as other fronts may have filled
+the queue meanwhile. The calls' threads send; one thread reads, waking each waiting call by its id. When the
+connection ends, the engine is gone: every call waiting fails at once with UNAVAILABLE and a retry hint, and
+`on_ready(False)`; the thread then connects again until a new engine listens, which it does once warm
+(`on_ready(True)` with its facts). Nothing here opens a session or imports onnxruntime.
 """
 
 from __future__ import annotations
@@ -20,13 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import zmq
-from zmq.utils.monitor import recv_monitor_message
 
+from server.engine.channel import Channel, connect
 from server.engine.client import CanvasStore, EngineClient, PlanKey, QueueState, Ran, Submission
 from server.engine.device_graph import LATTICE_FP16
-from server.engine.messages import (Abort, Ask, Done, Facts, Failed, ItemSpec, PassesSpec, Queue, Submit, Warm,
-                                    Warmed, decode_from_engine, encode, received, waking)
+from server.engine.messages import (Abort, Ask, Done, Facts, Failed, Hello, ItemSpec, PassesSpec, Queue, Submit,
+                                    Warm, Warmed, decode_from_engine)
 from server.engine.shm import Allocator, Region
 from server.errors import NoRoom, Refusal, ScoringError, Transient, retry_after, shutting_down
 from server.scoring.request import ItemKey, Scored
@@ -35,7 +34,7 @@ __all__ = ["RemoteClient", "ShmCanvases"]
 
 LOG = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often a waiting call looks at its cancellation flag
-SEND_WAIT_MS = 2000  # how long a message waits for the engine's connection before the call is refused
+RECONNECT_SECONDS = 0.05  # how often a front whose engine is gone tries to connect to the new one
 ABORT_ACK_SECONDS = 1.0  # how long an ended call waits for the engine to say it writes nothing more for it
 TRUSTED_SECONDS = 0.001  # a queue state that refuses is asked again once older than this, or one item's time
 ENGINE_GONE = "the engine process is not running (it is being started again); retry shortly"
@@ -108,27 +107,17 @@ class ShmCanvases:
 
 
 class RemoteClient(EngineClient):
-    """The engine process's client in front `front`: sends to `engine_address`, receives on `results_address`,
-    writes arrays into region `region_name` of `region_bytes`. Its `facts` are known once the engine has said them
+    """The engine process's client in front `front`: connects to the engine listening at `engine_address`, writes
+    arrays into region `region_name` of `region_bytes`. Its `facts` are known once the engine has said them
     (`wait_for_engine`)."""
 
-    def __init__(self, *, front: int, engine_address: str, results_address: str, region_name: str,
-                 region_bytes: int) -> None:
+    def __init__(self, *, front: int, engine_address: str, region_name: str, region_bytes: int) -> None:
         self.front = front
         self.region = Region(region_name, region_bytes, create=True)
         self.allocator = Allocator(region_bytes)
         self._base = self.region.array(0, (1,), np.uint8).__array_interface__["data"][0]
-        self._context = zmq.Context()
-        self._send_socket = self._context.socket(zmq.PUSH)
-        self._send_socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for an engine not connected: refused now
-        self._send_socket.setsockopt(zmq.LINGER, 0)
-        self._send_socket.connect(engine_address)
-        self._send_lock = threading.Lock()
-        self._results_address = results_address
-        self._receive_socket = self._context.socket(zmq.PULL)
-        self._receive_socket.setsockopt(zmq.LINGER, 0)
-        monitor = self._receive_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED)
-        self._receive_socket.bind(results_address)
+        self._engine_address = engine_address
+        self._channel: Channel | None = None  # while connected
         self._calls = itertools.count(time.monotonic_ns())  # never an id an earlier front of this index used
         self._pending: dict[int, Pending] = {}
         self._ending: dict[int, threading.Event] = {}  # calls ended here, until the engine acknowledges
@@ -137,10 +126,8 @@ class RemoteClient(EngineClient):
         self._classes: dict[str, int] = {}
         self._views: dict[str, QueueView] = {}
         self._stopping = threading.Event()
-        self._threads = [threading.Thread(target=self._receive, name="engine-results", daemon=True),
-                         threading.Thread(target=self._watch, args=(monitor,), name="engine-watch", daemon=True)]
-        for thread in self._threads:
-            thread.start()
+        self._thread = threading.Thread(target=self._link, name="engine-results", daemon=True)
+        self._thread.start()
 
     def wait_for_engine(self, timeout: float | None) -> bool:
         """Block until the engine has said its facts (it is warm); False after `timeout` seconds."""
@@ -239,12 +226,10 @@ class RemoteClient(EngineClient):
             return
         self._stopping.set()
         self._fail_all(shutting_down())
-        with waking(self._context, self._results_address):  # the results thread closes its socket, which ends the watch
-            for thread in self._threads:
-                thread.join(timeout=2)
-        with self._send_lock:
-            self._send_socket.close(linger=0)
-        self._context.destroy(linger=0)
+        channel = self._channel
+        if channel is not None:
+            channel.close()  # its reader wakes and ends
+        self._thread.join(timeout=2)
         self.region.close()
 
     # --- sending and waiting -------------------------------------------------------------------------------
@@ -272,25 +257,14 @@ class RemoteClient(EngineClient):
 
     def _send(self, message, call: int | None, *, quiet: bool = False) -> None:
         """Send to the engine, or (unless `quiet`) refuse the call with UNAVAILABLE when no engine is connected."""
-        try:
-            data = encode(message)
-            if call is not None and not self._facts_known.is_set():  # heard going: a send could reach no one
-                raise zmq.Again()
-            with self._send_lock:
-                try:
-                    self._send_socket.send(data, zmq.NOBLOCK)
-                except zmq.Again:
-                    # Not connected yet (the engine's facts come on its own connection, which may be up first) or
-                    # its queue full: a live engine takes it within moments, a gone one was heard going.
-                    if not (self._facts_known.is_set() and self._send_socket.poll(SEND_WAIT_MS, zmq.POLLOUT)):
-                        raise
-                    self._send_socket.send(data, zmq.NOBLOCK)
-        except (zmq.Again, zmq.ZMQError):
-            if call is not None:
-                with self._lock:
-                    self._pending.pop(call, None)
-            if not quiet:
-                raise engine_gone() from None
+        channel = self._channel
+        if channel is not None and self._facts_known.is_set() and channel.send(message):
+            return
+        if call is not None:
+            with self._lock:
+                self._pending.pop(call, None)
+        if not quiet:
+            raise engine_gone()
 
     def _wait(self, call: int, pending: Pending, *, deadline: float | None,
               cancelled: threading.Event | None) -> dict[int, object]:
@@ -329,37 +303,57 @@ class RemoteClient(EngineClient):
         return ended
 
     # --- receiving -----------------------------------------------------------------------------------------
-    def _receive(self) -> None:
-        for message in received(self._receive_socket, decode_from_engine, self._stopping, reader="this front"):
-            if isinstance(message, Facts):
-                self.facts, self._classes = message.facts(), dict(message.classes)
-                with self._lock:
-                    for model, state in message.queues.items():
-                        self._heard(model, state)
-                self._facts_known.set()
-                LOG.info("the engine is ready (%s)", self.facts.provider)
-                if self.on_ready is not None:
-                    self.on_ready(True)
+    def _link(self) -> None:
+        """Connect to the engine, say which front this is, and read its answers until the connection ends; then,
+        the engine gone, fail what waits for it and connect again."""
+        while not self._stopping.is_set():
+            channel = connect(self._engine_address)
+            if channel is None:  # not listening: not warm yet, or being started again
+                self._stopping.wait(RECONNECT_SECONDS)
                 continue
+            self._channel = channel
+            if self._stopping.is_set() or not channel.send(Hello(self.front)):
+                channel.close()
+            for message in channel.messages(decode_from_engine, reader="this front"):
+                self._handle(message)
+            self._channel = None
+            if self._stopping.is_set():
+                return
+            LOG.error("the engine process went away: calls refused until it is back")
+            self._facts_known.clear()
+            if self.on_ready is not None:
+                self.on_ready(False)
+            self._fail_all(engine_gone())
+
+    def _handle(self, message) -> None:
+        if isinstance(message, Facts):
+            self.facts, self._classes = message.facts(), dict(message.classes)
             with self._lock:
-                pending = self._pending.get(message.call)
-                ending = self._ending.get(message.call) if isinstance(message, Failed) else None
-                state = message.state if isinstance(message, Queue) else getattr(message, "queue", None)
-                if state is not None and pending is not None and pending.model is not None:
-                    self._heard(pending.model, state)
-            if ending is not None:  # the engine's acknowledgement of an ended call
-                ending.set()
-                continue
-            if pending is None:  # the call ended (cancelled, its deadline passed): nothing waits for it
-                continue
-            if isinstance(message, Failed):
-                pending.error = message.error()
-                pending.done.set()
-                continue
-            pending.answers[message.index if isinstance(message, Done) else 0] = message
-            if len(pending.answers) == pending.expected:
-                pending.done.set()
-        self._receive_socket.close(linger=0)
+                for model, state in message.queues.items():
+                    self._heard(model, state)
+            self._facts_known.set()
+            LOG.info("the engine is ready (%s)", self.facts.provider)
+            if self.on_ready is not None:
+                self.on_ready(True)
+            return
+        with self._lock:
+            pending = self._pending.get(message.call)
+            ending = self._ending.get(message.call) if isinstance(message, Failed) else None
+            state = message.state if isinstance(message, Queue) else getattr(message, "queue", None)
+            if state is not None and pending is not None and pending.model is not None:
+                self._heard(pending.model, state)
+        if ending is not None:  # the engine's acknowledgement of an ended call
+            ending.set()
+            return
+        if pending is None:  # the call ended (cancelled, its deadline passed): nothing waits for it
+            return
+        if isinstance(message, Failed):
+            pending.error = message.error()
+            pending.done.set()
+            return
+        pending.answers[message.index if isinstance(message, Done) else 0] = message
+        if len(pending.answers) == pending.expected:
+            pending.done.set()
 
     def _heard(self, model: str, state: QueueState) -> None:
         """The engine's newest state of `model`'s queue (under the lock): it counts the items sent before it."""
@@ -368,18 +362,6 @@ class RemoteClient(EngineClient):
             self._views[model] = QueueView(state, time.monotonic())
         else:
             view.state, view.heard, view.sent = state, time.monotonic(), 0
-
-    def _watch(self, monitor: zmq.Socket) -> None:
-        """Blocks with no timeout (an idle front never wakes it) until the results socket closes."""
-        while not self._stopping.is_set():
-            event = recv_monitor_message(monitor)["event"]
-            if event == zmq.EVENT_DISCONNECTED and not self._stopping.is_set():
-                LOG.error("the engine process went away: calls refused until it is back")
-                self._facts_known.clear()
-                if self.on_ready is not None:
-                    self.on_ready(False)
-                self._fail_all(engine_gone())
-        monitor.close(linger=0)
 
     def _fail_all(self, error: ScoringError) -> None:
         with self._lock:

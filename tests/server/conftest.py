@@ -65,7 +65,7 @@ LAYOUTS = ("single", "split")
 @contextlib.contextmanager
 def engine_process_in_this_one(models, settings) -> "Iterator[RemoteClient]":
     """The split's front-to-engine path inside the test's process: an engine loop serving an in-process engine on
-    ZMQ sockets of a temporary folder, and a front's client of it with its shared-memory region; what crosses
+    a Unix socket of a temporary folder, and a front's client of it with its shared-memory region; what crosses
     crosses as between the processes of `--fronts`."""
     import dataclasses
     import os
@@ -77,16 +77,15 @@ def engine_process_in_this_one(models, settings) -> "Iterator[RemoteClient]":
     from server.engine.shm import region_name
     from server.metrics import Metrics
     from server.scoring.pipeline import Pipeline
-    from server.split import engine_address, front_address, run_name
+    from server.split import engine_address, run_name
 
     run = tempfile.mkdtemp(prefix="scoremap-test-")
     metrics = Metrics()
     engine = Pipeline(models, settings=dataclasses.replace(settings, warm_up=False), metrics=metrics)
     classes = {summary.name: summary.classes for summary in engine.models()}
-    loop = EngineLoop(engine.engine, input_address=engine_address(run), fronts={0: front_address(run, 0)},
-                      classes=classes)
+    loop = EngineLoop(engine.engine, address=engine_address(run), classes=classes)
     loop.start()
-    client = RemoteClient(front=0, engine_address=engine_address(run), results_address=front_address(run, 0),
+    client = RemoteClient(front=0, engine_address=engine_address(run),
                           region_name=region_name(run_name(run), 0, os.getpid()), region_bytes=settings.front_shm_bytes)
     try:
         assert client.wait_for_engine(30), "the engine loop never said its facts"

@@ -1,4 +1,4 @@
-"""The engine reached through `RemoteClient` and `EngineLoop`: real ZMQ sockets and shared memory in one process,
+"""The engine reached through `RemoteClient` and `EngineLoop`: a real Unix socket and shared memory in one process,
 so each test can look into the engine (its queue) while a front's pipeline calls it."""
 
 from __future__ import annotations

@@ -1,0 +1,102 @@
+"""The front-to-engine connection on a real Unix socket: messages both ways, a reader woken by a close, a listener
+stopped while it waits, and a send the other side never takes cutting the connection instead of stalling."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from server.engine import channel as channel_module
+from server.engine.channel import EngineListener, connect
+from server.engine.messages import Abort, Hello, Warmed, decode_from_engine, decode_to_engine
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """(engine side, front side) of one connection, and the listener."""
+    listener = EngineListener(str(tmp_path / "engine.sock"))
+    accepted = []
+    accepting = threading.Thread(target=lambda: accepted.append(listener.accept()))
+    accepting.start()
+    front = connect(listener.path)
+    accepting.join(10)
+    try:
+        yield accepted[0], front, listener
+    finally:
+        front.close()
+        accepted[0].close()
+        listener.close()
+
+
+def test_messages_cross_both_ways_in_order(pair):
+    engine, front, _ = pair
+    assert front.send(Hello(3)) and front.send(Abort(3, 7))
+    received = engine.messages(decode_to_engine, reader="the test")
+    assert next(received) == Hello(3)
+    assert next(received) == Abort(3, 7)
+    assert engine.send(Warmed(7, ["one failure"]))
+    assert next(front.messages(decode_from_engine, reader="the test")) == Warmed(7, ["one failure"])
+
+
+def test_closing_wakes_a_blocked_reader_and_the_other_side_sees_the_end(pair):
+    engine, front, _ = pair
+    ended = threading.Event()
+
+    def read() -> None:
+        for _ in engine.messages(decode_to_engine, reader="the test"):
+            pass
+        ended.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    time.sleep(0.1)  # blocked in recv
+    front.close()  # as a front process ending closes its socket
+    assert ended.wait(5)
+    assert not engine.send(Warmed(1, []))  # nothing to send to: refused, not raised
+
+
+def test_a_listener_closed_while_waiting_for_a_front_ends_its_accept(tmp_path):
+    listener = EngineListener(str(tmp_path / "engine.sock"))
+    result = []
+    waiting = threading.Thread(target=lambda: result.append(listener.accept()))
+    waiting.start()
+    time.sleep(0.1)
+    listener.close()
+    waiting.join(5)
+    assert result == [None]
+    assert connect(listener.path) is None  # no one listens there any more
+
+
+def test_a_socket_file_left_by_a_killed_engine_is_replaced(tmp_path):
+    path = str(tmp_path / "engine.sock")
+    left = socket.socket(socket.AF_UNIX)
+    left.bind(path)  # as a killed engine leaves it: the file stays, no one listens
+    left.close()
+    assert connect(path) is None
+    listener = EngineListener(path)  # a new engine listens at the same path
+    threading.Thread(target=listener.accept, daemon=True).start()
+    front = connect(path)
+    assert front is not None
+    front.close()
+    listener.close()
+
+
+def test_a_send_the_other_side_never_takes_cuts_the_connection(pair, monkeypatch):
+    monkeypatch.setattr(channel_module, "SEND_TIMEOUT_SECONDS", 0.2)
+    _, other, listener = pair
+    never_read = []  # held, so its end stays open
+    threading.Thread(target=lambda: never_read.append(listener.accept()), daemon=True).start()
+    unread = connect(listener.path)  # made with the short timeout
+    gave_up = threading.Event()
+
+    def send_until_refused() -> None:
+        while unread.send(Warmed(1, ["x" * 65536])):
+            pass
+        gave_up.set()
+
+    threading.Thread(target=send_until_refused, daemon=True).start()
+    assert gave_up.wait(30), "a send no one takes blocked instead of cutting the connection"
+    assert unread.closed
+    assert other.send(Abort(0, 0))  # other connections are untouched
