@@ -20,10 +20,13 @@ Measured (default model, samples/cat.jpg, scale 384):
   batching on (the GPU default) and off (max batch 1), through gRPC (create_server, and scoremap-loadtest's
   LoadTester: sending processes of their own, their latencies merged) and in-process (Pipeline.score from as
   many threads).
+- the same gRPC levels on `scoremap-serve --fronts N` (an engine process and N fronts, batching on), the engine's
+  thread waiting for the GPU by spinning and by blocking (`--cuda-sync`), with the engine's and the whole server's CPU
+  per request from /proc: which wait to keep, and N's default on a GPU.
 Targets (`verdicts`): gRPC req/s at 16 clients >= 80% of the batch-8 plan's device-bound img/s, grid
 and à trous; 64 clients no slower than 16; p50 at 1 client <= the batch-1 plan's run + 3 ms; no request over
-100 ms at 16 clients; batching on never slower than off. A target whose level or plan the run left out is said to
-be not measured.
+100 ms at 16 clients; batching on never slower than off; the first four again for each `--fronts` layout. A target
+whose level or plan the run left out is said to be not measured.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ from onnx import TensorProto, helper
 from PIL import Image
 
 from bench.__main__ import record
+from bench.bench_overload import process_cpu_seconds, start_server
+from bench.bench_split import own_cpu_seconds, roles
 from bench.bench_memory import GPU_CASES, gpu_section
 from bench.models import converted, null_model
 from clients.loadtest.latency import LevelReport, Sample, summarise
@@ -74,6 +79,28 @@ SERVED_BATCH = 8  # the targets judge 16 clients against this batch's device-bou
 
 
 @dataclasses.dataclass(frozen=True)
+class Split:
+    """A `--fronts` layout measured beside one process: its fronts, and how the engine's thread waits for the GPU
+    (`--cuda-sync`)."""
+
+    fronts: int
+    sync: str
+
+    @property
+    def label(self) -> str:
+        return f"--fronts {self.fronts}, --cuda-sync {self.sync}"
+
+
+def starting_fronts() -> int:
+    """Where the fronts' default on a GPU is sought from: the cores less one for the engine and one for the rest
+    (the supervisor, the load tester here), at most 8."""
+    return max(1, min(8, (os.cpu_count() or 2) - 2))
+
+
+GPU_SPLITS = (Split(starting_fronts(), "spin"), Split(starting_fronts(), "block"))
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """How long and how hard to measure; `--dry-run` shrinks it to seconds on the CPU."""
 
@@ -89,16 +116,17 @@ class Config:
     note: str = ""  # said under the section's title
     # scoremap-loadtest's sending processes for the gRPC levels; None: as many as its calibration finds it needs.
     load_processes: int | None = None
+    splits: tuple[Split, ...] = GPU_SPLITS  # the `--fronts` layouts measured, batching on
 
 
 DRY_RUN = Config(clients=(1, 16), level_seconds=0.3, batches=(1, SERVED_BATCH), device_seconds=0.2, max_requests=200,
-                 shape_rounds=3, load_processes=2)
+                 shape_rounds=3, load_processes=2, splits=(Split(2, "auto"),))
 # `--quick`: three levels, 1-s windows, two batch sizes, three memory cases (about 3 minutes on an H200, estimated
 # from the 2026-11-27 run's parts; the time limit holds it under 4 whatever the machine does).
 QUICK = Config(clients=(1, 16, 64), level_seconds=1.0, batches=(1, SERVED_BATCH), device_seconds=0.5, shape_rounds=3,
                memory_cases={"default": ((384, 1), (384, 8)), "vgg16": ((224, 1),)},
                note="A --quick run: clients 1, 16 and 64, 1-s levels, batches 1 and 8, three memory cases.")
-QUICK_TIME_LIMIT_S = 200.0
+QUICK_TIME_LIMIT_S = 300.0
 REPORT_FILE = "bench_gpu.md"
 # The served engine's targets, and the plan's against a bare loop (docs/design.md: one session per shape).
 TARGETS = {"device_ratio": 0.8, "served_share": 0.8, "p50_1_over_run_ms": 3.0, "max_16_ms": 100.0}
@@ -320,6 +348,60 @@ def served(scheme: Scheme, settings: Settings, config: Config) -> list[LevelRepo
     return reports
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitLevel:
+    """One gRPC level on a `--fronts` server, and its CPU per request sent from /proc."""
+
+    report: LevelReport
+    engine_cpu_ms: float
+    server_cpu_ms: float
+
+
+def served_split(scheme: Scheme, split: Split, config: Config, *, folder: str, provider: str) -> list[SplitLevel]:
+    """Every concurrency level through gRPC on `scoremap-serve --fronts N` started for it, warmed up, batching on."""
+    flags = ["--fronts", str(split.fronts), "--cuda-sync", split.sync, "--warm-up-scales", str(SCALE),
+             *(["--require-gpu"] if provider == "cuda" else [])]
+    log = pathlib.Path(folder) / f"split-{scheme.shift}-{split.fronts}-{split.sync}.log"
+    server, address, _metrics = start_server(scheme.model, log, flags, provider=provider)
+    try:
+        engine = roles(server.pid)["engine"]
+        target = Target(address, settings=ClientSettings(timeout_s=TIMEOUT_S, max_message_bytes=64 << 20))
+        level = LevelPlan(duration_s=config.level_seconds, max_requests=config.max_requests, timeout_s=TIMEOUT_S)
+        levels = []
+        with LoadTester(target, [score_request(scheme)], processes=config.load_processes or 1,
+                        count_this_process=False) as tester:
+            if config.load_processes is None:
+                calibrate(tester, "closed", max(config.clients), level, limits=tester.limits)
+            for clients in config.clients:
+                engine_before, server_before = own_cpu_seconds(engine), process_cpu_seconds(server.pid)
+                report = tester.closed(clients, level)
+                sent = max(1, report.sent)
+                levels.append(SplitLevel(report, 1000 * (own_cpu_seconds(engine) - engine_before) / sent,
+                                         1000 * (process_cpu_seconds(server.pid) - server_before) / sent))
+    finally:
+        server.terminate()
+        server.wait(60)
+    return levels
+
+
+def sync_comparison(splits: dict[tuple[str, Split], list[SplitLevel]]) -> list[str]:
+    """Blocking against spinning, per scheme and fronts where both ran: p50 at the fewest clients, req/s and the
+    engine's CPU per request at the most."""
+    lines = []
+    for (scheme, split), levels in splits.items():
+        if split.sync != "spin" or (scheme, Split(split.fronts, "block")) not in splits:
+            continue
+        spin, block = levels, splits[(scheme, Split(split.fronts, "block"))]
+        few, most = (min(range(len(spin)), key=lambda i: spin[i].report.level),
+                     max(range(len(spin)), key=lambda i: spin[i].report.level))
+        lines.append(
+            f"- {scheme}, --fronts {split.fronts}, block against spin: p50 at {spin[few].report.level:g} client(s) "
+            f"{block[few].report.p50_ms:.2f} against {spin[few].report.p50_ms:.2f} ms; at {spin[most].report.level:g} "
+            f"clients {block[most].report.throughput_rps:.0f} against {spin[most].report.throughput_rps:.0f} req/s, "
+            f"the engine's CPU {block[most].engine_cpu_ms:.2f} against {spin[most].engine_cpu_ms:.2f} ms per request")
+    return lines
+
+
 # --- the section ----------------------------------------------------------------------------
 PATHS = {"closed": "gRPC", "in-process": "in-process"}  # a LevelReport's mode -> the path it measured
 
@@ -334,51 +416,68 @@ def report_rows(scheme: str, batching: str, reports: Sequence[LevelReport]) -> l
     return rows
 
 
-def verdicts(device: list[DeviceRate], results: dict[tuple[str, str], list[LevelReport]]) -> list[str]:
-    """One line per target (`TARGETS`, the plan against the bare loop included): the measured values and met or
-    missed, or not measured (a level, a batching mode or a plan the run left out, as a time limit may)."""
-    def grpc_level(scheme: str, batching: str, clients: int) -> LevelReport | None:
-        return next((r for r in results.get((scheme, batching), []) if r.mode == "closed" and r.level == clients), None)
-
+def verdicts(device: list[DeviceRate], results: dict[tuple[str, str], list[LevelReport]],
+             splits: dict[tuple[str, Split], list[SplitLevel]] | None = None) -> list[str]:
+    """One line per target (`TARGETS`, the plan against the bare loop included), for one process and for each
+    `--fronts` layout: the measured values and met or missed, or not measured (a level, a batching mode or a plan
+    the run left out, as a time limit may)."""
     def plan_rate(scheme: str, batch: int) -> DeviceRate | None:
         return next((rate for rate in device if rate.scheme == scheme and rate.batch == batch), None)
 
-    def judged(target: str, figures: str, ok: bool) -> str:
-        return f"- {target} ({figures}): {'met' if ok else 'missed'}"
-
-    def unmeasured(target: str) -> str:
-        return f"- {target}: not measured"
+    def grpc_level(reports: Sequence[LevelReport], clients: int) -> LevelReport | None:
+        return next((r for r in reports if r.mode == "closed" and r.level == clients), None)
 
     lines = []
     if device:
         worst = min(rate.plan / rate.bare for rate in device)
         lines.append(judged(f"device-bound plan >= {TARGETS['device_ratio']:.0%} of the bare loop", f"worst {worst:.0%}",
                             worst >= TARGETS["device_ratio"]))
-    share, margin = TARGETS["served_share"], TARGETS["p50_1_over_run_ms"]
     for scheme in sorted({rate.scheme for rate in device} | {s for s, _ in results}):
-        on16, on64, one = (grpc_level(scheme, "on", clients) for clients in (16, 64, 1))
-        batched, single = plan_rate(scheme, SERVED_BATCH), plan_rate(scheme, 1)
-        target = f"{scheme}: gRPC at 16 clients >= {share:.0%} of the batch-{SERVED_BATCH} plan's device-bound img/s"
-        lines.append(judged(target, f"{on16.throughput_rps:.0f} req/s against {batched.plan:.0f} img/s",
-                            on16.throughput_rps >= share * batched.plan) if on16 and batched else unmeasured(target))
-        target = f"{scheme}: 64 clients no slower than 16"
-        lines.append(judged(target, f"{on64.throughput_rps:.0f} against {on16.throughput_rps:.0f} req/s",
-                            on64.throughput_rps >= on16.throughput_rps) if on64 and on16 else unmeasured(target))
-        target = f"{scheme}: p50 at 1 client <= the batch-1 plan's run + {margin:g} ms"
-        lines.append(judged(target, f"{one.p50_ms:.1f} against {single.run_ms + margin:.1f} ms",
-                            one.p50_ms <= single.run_ms + margin) if one and single else unmeasured(target))
-        target = f"{scheme}: no request over {TARGETS['max_16_ms']:.0f} ms at 16 clients, batching on and off"
-        at16 = [grpc_level(scheme, b, 16) for b in ("on", "off")]
-        longest = max(r.max_ms for r in at16) if all(at16) else None
-        lines.append(judged(target, f"longest {longest:.1f} ms", longest <= TARGETS["max_16_ms"])
-                     if longest is not None else unmeasured(target))
+        on, off = results.get((scheme, "on"), []), results.get((scheme, "off"), [])
+        lines += served_verdicts(scheme, on, plan_rate(scheme, SERVED_BATCH), plan_rate(scheme, 1),
+                                 longest=[grpc_level(on, 16), grpc_level(off, 16)], at16="batching on and off")
         target = f"{scheme}: batching on never slower than off"
-        pairs = [(on, off) for c in sorted({r.level for r in results.get((scheme, "on"), [])})
-                 if (on := grpc_level(scheme, "on", c)) and (off := grpc_level(scheme, "off", c))]
-        slower = [int(on.level) for on, off in pairs if on.throughput_rps < off.throughput_rps]
+        pairs = [(a, b) for c in sorted({r.level for r in on}) if (a := grpc_level(on, c)) and (b := grpc_level(off, c))]
+        slower = [int(a.level) for a, b in pairs if a.throughput_rps < b.throughput_rps]
         lines.append(judged(target, f"{len(pairs)} levels; slower at clients: {slower or 'none'}", not slower)
                      if pairs else unmeasured(target))
+    for (scheme, split), levels in (splits or {}).items():
+        reports = [level.report for level in levels]
+        lines += served_verdicts(f"{scheme}, {split.label}", reports, plan_rate(scheme, SERVED_BATCH),
+                                 plan_rate(scheme, 1), longest=[grpc_level(reports, 16)], at16="batching on")
     return lines
+
+
+def served_verdicts(name: str, reports: Sequence[LevelReport], batched: DeviceRate | None, single: DeviceRate | None,
+                    *, longest: list[LevelReport | None], at16: str) -> list[str]:
+    """The served targets of one layout's batching-on gRPC levels against its scheme's plans: req/s at 16 clients
+    against the batch-8 plan, 64 clients against 16, p50 at one client against the batch-1 run, and the longest
+    request at 16 clients among `longest`."""
+    on16, on64, one = (next((r for r in reports if r.mode == "closed" and r.level == c), None) for c in (16, 64, 1))
+    share, margin = TARGETS["served_share"], TARGETS["p50_1_over_run_ms"]
+    lines = []
+    target = f"{name}: gRPC at 16 clients >= {share:.0%} of the batch-{SERVED_BATCH} plan's device-bound img/s"
+    lines.append(judged(target, f"{on16.throughput_rps:.0f} req/s against {batched.plan:.0f} img/s",
+                        on16.throughput_rps >= share * batched.plan) if on16 and batched else unmeasured(target))
+    target = f"{name}: 64 clients no slower than 16"
+    lines.append(judged(target, f"{on64.throughput_rps:.0f} against {on16.throughput_rps:.0f} req/s",
+                        on64.throughput_rps >= on16.throughput_rps) if on64 and on16 else unmeasured(target))
+    target = f"{name}: p50 at 1 client <= the batch-1 plan's run + {margin:g} ms"
+    lines.append(judged(target, f"{one.p50_ms:.1f} against {single.run_ms + margin:.1f} ms",
+                        one.p50_ms <= single.run_ms + margin) if one and single else unmeasured(target))
+    target = f"{name}: no request over {TARGETS['max_16_ms']:.0f} ms at 16 clients, {at16}"
+    worst = max(r.max_ms for r in longest) if all(longest) else None
+    lines.append(judged(target, f"longest {worst:.1f} ms", worst <= TARGETS["max_16_ms"])
+                 if worst is not None else unmeasured(target))
+    return lines
+
+
+def judged(target: str, figures: str, ok: bool) -> str:
+    return f"- {target} ({figures}): {'met' if ok else 'missed'}"
+
+
+def unmeasured(target: str) -> str:
+    return f"- {target}: not measured"
 
 
 def measure(folder: str, config: Config, *, dry_run: bool, report: Report, clock: Clock) -> None:
@@ -443,6 +542,27 @@ def measure(folder: str, config: Config, *, dry_run: bool, report: Report, clock
             ])
         return table
 
+    splits: dict[tuple[str, Split], list[SplitLevel]] = {}
+
+    def split_table(scheme: Scheme, split: Split) -> Callable[[], str]:
+        def table() -> str:
+            levels = splits[(scheme.name, split)] = served_split(scheme, split, config, folder=folder,
+                                                                  provider="cpu" if dry_run else "cuda")
+            rows = [f"| {scheme.name} | {split.label} | {level.report.level:g} | {level.report.throughput_rps:.1f} | "
+                    f"{level.report.p50_ms:.1f} | {level.report.p99_ms:.1f} | {level.report.max_ms:.1f} | "
+                    f"{', '.join(f'{code} {count}' for code, count in level.report.errors.items()) or '-'} | "
+                    f"{level.engine_cpu_ms:.2f} | {level.server_cpu_ms:.2f} |" for level in levels]
+            return "\n".join([
+                f"Closed loop on `scoremap-serve {split.label}`, {scheme.name}, batching on: the same levels over gRPC, "
+                "from a server process started for it (warmed up); CPU per request sent, from /proc: the engine "
+                "process's, and the whole server's (engine, fronts, supervisor):",
+                "",
+                "| scheme | layout | clients | req/s | p50 ms | p99 ms | max ms | errors | engine CPU ms | server CPU ms |",
+                "|---|---|---|---|---|---|---|---|---|---|",
+                *rows,
+            ])
+        return table
+
     def memory() -> str:
         if dry_run:
             return "(The memory table, bench_memory.gpu_section, runs with a GPU only.)"
@@ -451,6 +571,7 @@ def measure(folder: str, config: Config, *, dry_run: bool, report: Report, clock
     steps: list[tuple[str, Callable[[], str]]] = [("the cost of a change of shape", shape_change),
                                                   ("device-bound images/s", device_table)]
     steps += [(f"closed loop {s.name} batching {mode}", closed_loop_table(s, mode)) for mode in modes for s in schemes]
+    steps += [(f"{split.label} {s.name}", split_table(s, split)) for split in config.splits for s in schemes]
     steps.append(("memory on the CUDA provider", memory))
     for index, (_name, step) in enumerate(steps):
         if clock.out():
@@ -458,7 +579,9 @@ def measure(folder: str, config: Config, *, dry_run: bool, report: Report, clock
             report.add(f"Not measured, the time limit of {clock.limit_s:g} s having passed: {left}.")
             break
         report.add(step())
-    report.add("\n".join(["Targets, on what was measured:", "", *verdicts(device, results)]))
+    report.add("\n".join(["Targets, on what was measured:", "", *verdicts(device, results, splits),
+                           *(["", "How the engine's thread waits for the GPU:", "", *compared]
+                             if (compared := sync_comparison(splits)) else [])]))
 
 
 def run(*, dry_run: bool = False, config: Config | None = None, out_dir: str | os.PathLike | None = None,

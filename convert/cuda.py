@@ -1,4 +1,5 @@
-"""Whether a CUDA device is visible here, and its free memory: the CUDA runtime probed through ctypes.
+"""Whether a CUDA device is visible here, its free memory, and how a host thread waits for it: the CUDA runtime
+through ctypes.
 
 One probe for `scoremap-inspect --device cuda` (which says when its figures are for a GPU it cannot
 see) and for the server's engine and memory measurements (server/memory/runtime.py).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import io
 import os
 import threading
@@ -24,6 +26,18 @@ _DRIVER_FILE = "/proc/driver/nvidia/version"
 _DRIVER_LIBRARY = "libcuda.so.1"
 INSTALL_HINT = ("install the CUDA 13 runtime and cuDNN 9 wheels: `pip install -e '.[gpu]'` "
                 "(`make setup` does so where a driver is present)")
+
+SCHEDULE_BITS = 0x07  # cudaDeviceScheduleMask: the part of a device's flags that says how a host thread waits
+
+
+class Schedule(enum.IntEnum):
+    """How a host thread waiting for the device waits (cudaSetDeviceFlags' schedule, one per process and device)."""
+
+    AUTO = 0  # CUDA's heuristic: spin while the host has more cores than the process has active contexts
+    SPIN = 1  # poll: woken soonest, one core busy for the whole wait
+    YIELD = 2  # poll, giving the core to other threads between looks
+    BLOCK = 4  # sleep until the device signals: the core free for other work, a wake-up's latency added
+
 
 _preload_lock = threading.Lock()
 _preloaded: str | None = None  # what onnxruntime.preload_dlls said, once it ran
@@ -83,6 +97,22 @@ def cuda_free_bytes() -> int | None:
         return None
     free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
     return int(free.value) if cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) == 0 else None
+
+
+def set_schedule(schedule: Schedule) -> Schedule | None:
+    """Have host threads wait for the current device as `schedule` says, its other flags kept; the schedule in
+    force afterwards (read back), or None without a CUDA runtime and device. Called before the device's context
+    is made, as older CUDA refuses to change a made context's flags."""
+    cudart = runtime()
+    if cudart is None:
+        return None
+    flags = ctypes.c_uint(0)
+    if cudart.cudaGetDeviceFlags(ctypes.byref(flags)) != 0:
+        return None
+    if cudart.cudaSetDeviceFlags(ctypes.c_uint((flags.value & ~SCHEDULE_BITS) | schedule)) != 0:
+        return None
+    cudart.cudaGetDeviceFlags(ctypes.byref(flags))
+    return Schedule(flags.value & SCHEDULE_BITS)
 
 
 def why_no_cuda() -> str:

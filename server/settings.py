@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from convert.arguments import PORT, format_bytes, memory_size, number_in, size_pair
+from convert.cuda import Schedule
 from protos import LOOPBACK, TOKEN_ENV
 
 MiB = 2**20
@@ -290,6 +291,10 @@ class EngineOptions:
 
     provider: str = setting("auto", "auto: CUDA when it really loads, else the CPU", choices=("auto", "cuda", "cpu"))
     require_gpu: bool = setting(False, "refuse to start unless the CUDA provider really loads")
+    cuda_sync: str = setting(
+        "auto", "how the engine's thread waits for the GPU: spin (woken soonest, a core busy while the GPU works), "
+        "yield (polling, the core given to other threads between looks), block (asleep until the GPU signals, the "
+        "core free for decoding), auto (CUDA's choice: spin where cores outnumber contexts)", choices=tuple(schedule.name.lower() for schedule in Schedule))
     cudnn_conv_algo_search: str = setting("HEURISTIC", "CUDA convolution algorithm search: HEURISTIC suits "
                                           "variable shapes (EXHAUSTIVE re-tunes per shape)",
                                           choices=("HEURISTIC", "EXHAUSTIVE", "DEFAULT"))

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime
 
-from convert.cuda import INSTALL_HINT, cuda_free_bytes, driver_present, preload_libraries, why_no_cuda
+from convert.cuda import (INSTALL_HINT, Schedule, cuda_free_bytes, driver_present, preload_libraries,
+                         set_schedule, why_no_cuda)
 from convert.memory_model import Device
 from server.engine.priority import made_lowered
 from server.engine.shared_weights import SharedWeights, optimize
@@ -112,6 +113,10 @@ class Engine:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         available = onnxruntime.get_available_providers()
+        wanted = Schedule[settings.cuda_sync.upper()]
+        # Before the probe below makes the device's context: a context made keeps its schedule in older CUDA.
+        schedule = (set_schedule(wanted) if wanted is not Schedule.AUTO and settings.provider != "cpu"
+                    and CUDA in available else None)
         # The probe preloads the CUDA libraries (convert.cuda), before any CUDA session is made.
         device = settings.provider != "cpu" and CUDA in available and cuda_device_present()
         explain = settings.provider != "cpu" and CUDA in available and not device
@@ -124,6 +129,9 @@ class Engine:
             self._providers[0] = (CUDA, {
                 "cudnn_conv_algo_search": settings.cudnn_conv_algo_search, **PREDICTABLE_CUDA_OPTIONS,
             })
+            if wanted is not Schedule.AUTO and schedule is not wanted:
+                LOG.warning("--cuda-sync %s could not be set: the CUDA runtime keeps %s", settings.cuda_sync,
+                            "its own" if schedule is None else schedule.name.lower())
         else:
             LOG.log(logging.WARNING if choice.surprising else logging.INFO, "%s", choice.reason)
         self.provider = CUDA if CUDA in choice.providers else CPU

@@ -8,8 +8,9 @@ import pytest
 from bench import bench_gpu
 from clients.loadtest.latency import LevelReport
 
+SPLIT = bench_gpu.Split(1, "auto")
 TINY = bench_gpu.Config(clients=(2,), level_seconds=0.1, batches=(1,), device_seconds=0.05, max_requests=20,
-                        shape_rounds=2, warm_up=False)
+                        shape_rounds=2, warm_up=False, splits=(SPLIT,))
 
 
 def test_the_dry_run_measures_every_table_on_the_cpu():
@@ -21,6 +22,8 @@ def test_the_dry_run_measures_every_table_on_the_cpu():
             for path in ("gRPC", "in-process"):
                 # One row per level; its figures depend on this shared machine's load, so are not checked.
                 assert f"| {scheme} | {batching} | {path} | 2 |" in section
+        assert f"| {scheme} | {SPLIT.label} | 2 |" in section  # a real --fronts server, its CPU from /proc
+        assert f"- {scheme}, {SPLIT.label}: p50 at 1 client <= the batch-1 plan's run + 3 ms: not measured" in section
     assert "device-bound plan >= 80%" in section
     assert "ms after a change" in section
 
@@ -101,5 +104,28 @@ def test_the_verdicts_judge_the_targets_and_say_what_was_not_measured():
     assert "- grid: 64 clients no slower than 16: not measured" in lines
     assert "- grid: no request over 100 ms at 16 clients, batching on and off: not measured" in lines
     assert "- grid: batching on never slower than off: not measured" in lines
+    # A --fronts layout is judged on its own levels, against the same plans.
+    split = bench_gpu.Split(6, "spin")
+    lines = bench_gpu.verdicts(device, results, {("grid", split): [
+        bench_gpu.SplitLevel(level(1, 160, p50_ms=6.0), 0.3, 2.0), bench_gpu.SplitLevel(level(16, 420), 0.2, 1.5)]})
+    assert ("- grid, --fronts 6, --cuda-sync spin: gRPC at 16 clients >= 80% of the batch-8 plan's device-bound img/s "
+            "(420 req/s against 500 img/s): met") in lines
+    assert "- grid, --fronts 6, --cuda-sync spin: p50 at 1 client <= the batch-1 plan's run + 3 ms (6.0 against 5.5 ms): missed" in lines
+    assert "- grid, --fronts 6, --cuda-sync spin: 64 clients no slower than 16: not measured" in lines
+    assert "- grid, --fronts 6, --cuda-sync spin: no request over 100 ms at 16 clients, batching on (longest 50.0 ms): met" in lines
     # Stopped before any closed loop: each scheme's targets are still listed, as not measured.
     assert "- grid: p50 at 1 client <= the batch-1 plan's run + 3 ms: not measured" in bench_gpu.verdicts(device, {})
+
+
+def test_blocking_and_spinning_are_compared_where_both_ran():
+    spin, block, alone = bench_gpu.Split(6, "spin"), bench_gpu.Split(6, "block"), bench_gpu.Split(2, "spin")
+    levels = {
+        ("grid", spin): [bench_gpu.SplitLevel(level(1, 200, p50_ms=4.0), 0.9, 3.0),
+                         bench_gpu.SplitLevel(level(16, 900, p50_ms=17.0), 0.5, 2.0)],
+        ("grid", block): [bench_gpu.SplitLevel(level(1, 190, p50_ms=4.3), 0.2, 2.2),
+                          bench_gpu.SplitLevel(level(16, 950, p50_ms=16.0), 0.1, 1.6)],
+        ("grid", alone): [bench_gpu.SplitLevel(level(1, 100), 1.0, 3.0)],
+    }
+    assert bench_gpu.sync_comparison(levels) == [
+        "- grid, --fronts 6, block against spin: p50 at 1 client(s) 4.30 against 4.00 ms; at 16 clients 950 against "
+        "900 req/s, the engine's CPU 0.10 against 0.50 ms per request"]

@@ -1,9 +1,13 @@
+import pathlib
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import onnxruntime
 import pytest
 
-from server.engine.providers import CPU, CUDA, Engine, EngineError, choose_providers
+from server.engine.providers import CPU, CUDA, Engine, EngineError, choose_providers, cuda_device_present
 from server.errors import Refusal
 from server.settings import GPU_DEFAULT_MAX_BATCH, Settings
 from tests.tiny_models import assert_same_top_k, tolerance
@@ -114,7 +118,6 @@ def test_tolerances_follow_the_provider_that_ran():
 
 
 def test_require_gpu_refuses_to_start_on_this_machine_without_cuda(tiny_model_path):
-    from server.engine.providers import cuda_device_present
     from server.errors import ScoringError
     from server.scoring.pipeline import Pipeline
 
@@ -198,3 +201,17 @@ def test_a_cpu_session_keeps_the_shared_weights_it_runs_on_alive(tiny_model_path
     direct = onnxruntime.InferenceSession(tiny_model_path, providers=[CPU]).run(None, {"image": batch})[0]
     for _ in range(3):
         np.testing.assert_allclose(session.run(None, {"image": batch})[0], direct, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not cuda_device_present(), reason="no CUDA device here: the schedule is the GPU's")
+@pytest.mark.parametrize("sync, schedule", [("block", 4), ("spin", 1)])
+def test_cuda_sync_sets_how_the_engine_s_thread_waits_for_the_gpu(sync, schedule):
+    # In a process of its own: a context an earlier test made keeps its schedule in older CUDA.
+    code = ("import ctypes; from convert.cuda import runtime; from server.engine.providers import Engine; "
+            f"from server.settings import Settings; Engine(Settings(provider='cuda', cuda_sync='{sync}')); "
+            "flags = ctypes.c_uint(); runtime().cudaGetDeviceFlags(ctypes.byref(flags)); print(flags.value & 7)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=pathlib.Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == str(schedule)
+    assert "could not be set" not in done.stderr
