@@ -258,7 +258,7 @@ def run_engine(models, *, settings: Settings, stop: threading.Event) -> int:
         threading.Thread(target=pipeline.warm_up_tiles, name="engine-tiles", daemon=True).start()
     stop.wait()
     loop.drain(settings.grace_seconds + STOP_MARGIN_SECONDS)
-    pipeline.close()  # its runners end before the loop's sockets close under them
+    pipeline.close()  # its runs end first: the loop then forgets every front's calls and closes the connections
     loop.stop()
     metrics.close()
     return 0

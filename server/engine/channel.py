@@ -2,8 +2,7 @@
 
 `multiprocessing.connection` frames each message (its length, then its bytes) on a stream socket. A message is
 written by the thread that has it and read by a thread blocked in `recv`, with no I/O thread between: one wake-up
-per message, which halved a message's time from one process's thread to the other's against ZMQ's (its I/O thread
-on each side adds two; docs/design.md). The connection itself says when the other side goes: its reader sees the
+per message (docs/design.md measures it). The connection itself says when the other side goes: its reader sees the
 end of the stream, however the process ended.
 """
 
@@ -27,41 +26,53 @@ __all__ = ["Channel", "EngineListener", "connect"]
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
-SEND_TIMEOUT_SECONDS = 2.0  # a send the other side takes nothing of for this long cuts the connection
+SEND_TIMEOUT_SECONDS = 2.0  # a write the other side takes nothing of for this long cuts the connection
 BACKLOG = 64  # fronts connecting at once (each holds one connection)
 
 
 class Channel:
-    """One connection: `send` from any thread (under a lock: a message is written whole), `messages` on one reader
-    thread. A send that cannot be written within SEND_TIMEOUT_SECONDS (the other side is stopped or stuck) closes
-    the channel, as a partly written message leaves the stream unreadable; its reader then ends as on any loss."""
+    """One connection: `send` from any thread (one at a time: a message is written whole), `messages` on one
+    reader thread, which owns the descriptor and closes it once it stops reading.
+
+    A write the other side takes nothing of for SEND_TIMEOUT_SECONDS (it is stopped or stuck) cuts the connection,
+    as a partly written message leaves the stream unreadable: `on_cut` runs first (so that the side cutting forgets
+    what it would still write for the other before the other sees the cut), then the socket is shut down. `cut`
+    says this side did so."""
 
     def __init__(self, connection: Connection) -> None:
         self._connection = connection
-        self._lock = threading.Lock()
+        self._sending = threading.Lock()  # one writer at a time; the descriptor stays open while it is held
+        self._state = threading.Lock()  # `closed`, and the descriptor's shutdown
         self.closed = False
+        self.cut = False
+        self.on_cut: Callable[[], None] | None = None
         with _socket_of(connection) as sock:
             seconds = int(SEND_TIMEOUT_SECONDS)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                             struct.pack("ll", seconds, int((SEND_TIMEOUT_SECONDS - seconds) * 1e6)))
 
     def send(self, message: msgspec.Struct) -> bool:
-        """Send `message` whole; False (the channel closed) when it could not be."""
+        """Send `message` whole; False when the channel is closed, or was cut because it could not be written."""
         data = encode(message)
-        with self._lock:
+        with self._sending:
             if self.closed:
                 return False
             try:
                 self._connection.send_bytes(data)
                 return True
             except OSError as error:
-                LOG.warning("a message could not be sent (%s): the connection is closed", error)
+                if self.closed:  # closed meanwhile: the shutdown broke the write
+                    return False
+                LOG.warning("a message could not be sent (%s): the connection is cut", error)
+            self.cut = True
+            if self.on_cut is not None:
+                self.on_cut()
         self.close()
         return False
 
     def messages(self, decode: Callable[[bytes], T], *, reader: str) -> Iterator[T]:
         """Each message that arrives, decoded, until the connection ends or is closed; one `reader` cannot read is
-        logged and dropped. The reader owns the descriptor: it is closed here, once no one reads it."""
+        logged and dropped. The descriptor is closed here, once no one reads it and no one writes it."""
         try:
             while True:
                 try:
@@ -75,14 +86,14 @@ class Channel:
                     continue
                 yield message
         finally:
-            with self._lock:  # no send is writing meanwhile
+            with self._sending, self._state:
                 self.closed = True
                 self._connection.close()
 
     def close(self) -> None:
-        """End the connection both ways, from any thread: its reader wakes to find it ended (closing the
-        descriptor alone would not wake it) and closes the descriptor."""
-        with self._lock:
+        """End the connection both ways, from any thread, without waiting for a write under way (it fails): the
+        reader wakes to find it ended (closing the descriptor alone would not wake it) and closes the descriptor."""
+        with self._state:
             if self.closed:
                 return
             self.closed = True
@@ -99,35 +110,45 @@ def connect(path: str) -> Channel | None:
 
 
 class EngineListener:
-    """The engine's end: fronts connect at `path` (a socket file left by an engine killed before is replaced)."""
+    """The engine's end: fronts connect at `path` (a socket file left by an engine killed before is replaced).
+    One thread accepts; `close` from another ends it."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         self._listener = Listener(path, family="AF_UNIX", backlog=BACKLOG)
+        self._guard = threading.Lock()
         self._closed = False
+        self._waiting = False  # a thread is in accept
 
     def accept(self) -> Channel | None:
         """The next front's channel; None once `close` was called."""
-        while True:
-            try:
-                connection = self._listener.accept()
-            except OSError:
-                if self._closed:
-                    return None
-                raise
+        with self._guard:
             if self._closed:
-                connection.close()
                 return None
-            return Channel(connection)
+            self._waiting = True
+        try:
+            connection = self._listener.accept()
+        finally:
+            with self._guard:
+                self._waiting = False
+        if self._closed:  # the connection `close` made to wake this thread, or a front's just after
+            connection.close()
+            self._listener.close()
+            return None
+        return Channel(connection)
 
     def close(self) -> None:
-        """Stop accepting: a thread blocked in `accept` is woken by a connection of its own, then told to end."""
-        self._closed = True
+        """Stop accepting. A thread blocked in `accept` is woken by a connection of its own (closing the socket
+        would not wake it) and closes the listener; with none waiting, it is closed here."""
+        with self._guard:
+            self._closed = True
+            if not self._waiting:
+                self._listener.close()
+                return
         with contextlib.suppress(OSError):
             Client(self.path, family="AF_UNIX").close()
-        self._listener.close()
 
 
 def _socket_of(connection: Connection) -> socket.socket:

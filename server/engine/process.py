@@ -6,7 +6,9 @@ room for it, in one step; asks and aborts go straight to the in-process engine, 
 warm-up runs on a thread of its own) and answers asks and refusals itself; each batcher runner sends its items'
 results, with the queue's state, as it ends them. No message waits for another thread to pass it on: each
 hand-over would add a thread's wake-up to every request's round trip. A front's connection ending (the front
-went away, however) drops its queued items and unmaps its shared-memory regions.
+went away, however, or the engine cut it: the front took no answers) drops its queued items and unmaps its
+shared-memory regions; its calls are forgotten under the loop's lock before the front can see the end, so no
+lattice is written into memory the front has since given to another request.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Front:
     index: int
     channel: Channel
     regions: dict[str, Region] = field(default_factory=dict)
+    lost: bool = False  # its connection ended or is being cut: nothing more is queued or written for it
 
 
 @dataclass(eq=False)
@@ -67,7 +70,8 @@ class EngineLoop:
         self._classes = classes
         self._calls: dict[tuple[Front, int], Call] = {}  # by front and the front's call id
         self._fronts: set[Front] = set()
-        self._lock = threading.Lock()  # the calls and fronts: the input, runner and warm-up threads share them
+        self._channels: set[Channel] = set()  # every connection accepted, until its input thread ends
+        self._lock = threading.Lock()  # the calls, fronts and channels: the input, runner and warm-up threads share them
         self._on_idle = on_idle
         self._listener: EngineListener | None = None
         self._threads: list[threading.Thread] = []
@@ -90,45 +94,61 @@ class EngineLoop:
         return False
 
     def stop(self) -> None:
-        """Stop answering; the engine itself is closed by its owner."""
+        """Stop answering (every front forgotten first); the engine itself is closed by its owner."""
         if self._listener is not None:
             self._listener.close()
         with self._lock:
-            fronts = list(self._fronts)
+            fronts, channels = list(self._fronts), list(self._channels)
         for front in fronts:
-            front.channel.close()
+            self._lose(front)
+        for channel in channels:
+            channel.close()
         for thread in list(self._threads):
             thread.join(timeout=5)
 
     # --- input ---------------------------------------------------------------------------------------------
     def _accept(self) -> None:
         while (channel := self._listener.accept()) is not None:
+            with self._lock:
+                self._channels.add(channel)
             reading = titled(self._serve, "engine-input", channel)
             reading.start()
-            self._threads.append(reading)
+            self._threads = [thread for thread in self._threads if thread.is_alive()] + [reading]
 
     def _serve(self, channel: Channel) -> None:
         """One front's messages, from its `Hello` until its connection ends."""
         front = None
         for message in channel.messages(decode_to_engine, reader="the engine"):
-            if front is None:
-                if not isinstance(message, Hello):
-                    LOG.error("a connection began without saying which front it is: closed")
-                    break
-                front = Front(message.front, channel)
-                with self._lock:
-                    self._fronts.add(front)
-                channel.send(self._facts())
-                continue
             try:
-                self._dispatch(front, message)
+                if front is None:
+                    front = self._hello(channel, message)
+                else:
+                    self._dispatch(front, message)
             except Exception as error:  # a bug in one call's handling never stops the engine's input
                 LOG.exception("the engine failed handling %s", type(message).__name__)
-                channel.send(Failed.of(message.call, ScoringError(
-                    Refusal.INTERNAL, f"the engine failed handling the call: {error}")))
-        channel.close()
+                if front is None:
+                    channel.close()
+                else:
+                    channel.send(Failed.of(message.call, ScoringError(
+                        Refusal.INTERNAL, f"the engine failed handling the call: {error}")))
+        with self._lock:
+            self._channels.discard(channel)
         if front is not None:
             self._front_gone(front)
+
+    def _hello(self, channel: Channel, message) -> Front | None:
+        """A connection's first message names its front, which is told the engine's facts; a connection that does
+        not begin so is closed."""
+        if not isinstance(message, Hello):
+            LOG.error("a connection began with %s, not saying which front it is: closed", type(message).__name__)
+            channel.close()
+            return None
+        facts, front = self._facts(), Front(message.front, channel)
+        with self._lock:
+            self._fronts.add(front)
+        channel.on_cut = functools.partial(self._lose, front)
+        channel.send(facts)
+        return front
 
     def _dispatch(self, front: Front, message) -> None:
         if isinstance(message, Submit):
@@ -157,7 +177,12 @@ class EngineLoop:
                 raise places.refusal(deadline=deadline)
             call = Call(model, message.items, region, left=len(submissions))
             with self._lock:
-                self._calls[key] = call  # before its first item can end
+                lost = front.lost
+                if not lost:
+                    self._calls[key] = call  # before its first item can end
+            if lost:  # cut meanwhile: no one reads an answer
+                self.core.release(model, places)
+                return
             works = self.core.submit(model, places, submissions,
                                      on_done=functools.partial(self._finished, key))
         except Exception as error:
@@ -257,16 +282,23 @@ class EngineLoop:
                     dtype, inline, self._queue_state(call.model))
 
     # --- fronts going ---------------------------------------------------------------------------------------
-    def _front_gone(self, front: Front) -> None:
-        """A front's connection ended: free every call it held and unmap its regions."""
+    def _lose(self, front: Front) -> list[Call]:
+        """Forget `front` and its calls, under the lock (no runner writes for them after), and drop their items
+        not yet run; the calls forgotten."""
         with self._lock:
+            front.lost = True
             self._fronts.discard(front)
-            gone = [key for key in self._calls if key[0] is front]
-            calls = [self._calls.pop(key) for key in gone]
-            mapped, front.regions = list(front.regions.values()), {}
+            calls = [self._calls.pop(key) for key in [key for key in self._calls if key[0] is front]]
         for call in calls:
             if call.works:
                 self.core.cancel(call.model, call.works)
+        return calls
+
+    def _front_gone(self, front: Front) -> None:
+        """A front's connection ended: free every call it held and unmap its regions (its input thread, which
+        alone maps them)."""
+        calls = self._lose(front)
+        mapped, front.regions = list(front.regions.values()), {}
         for region in mapped:
             region.close()
         if calls:

@@ -68,12 +68,15 @@ class QueueView:
 
 @dataclass(eq=False)
 class Pending:
-    """A call waiting for the engine's answers."""
+    """A call waiting for the engine's answers, on the connection it was opened on: a call is never sent on a
+    connection made after it was failed."""
 
+    channel: Channel | None
     model: str | None = None
     expected: int = 1
     answers: dict[int, object] = field(default_factory=dict)
     error: ScoringError | None = None
+    abandon: bool = False  # its arrays may still be written: this front cut the connection to a live engine
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -194,12 +197,13 @@ class RemoteClient(EngineClient):
                 view.held -= places.items
                 view.sent += len(specs)
         places.items = 0
-        self._send(Submit(self.front, call, model, self.region.name, specs), call)
+        self._send(Submit(self.front, call, model, self.region.name, specs), call, pending)
         deadline = min((s.deadline for s in submissions if s.deadline is not None), default=None)
         try:
             answers = self._wait(call, pending, deadline=deadline, cancelled=cancelled)
         except ScoringError as error:
-            if error.refusal in (Refusal.CANCELLED, Refusal.DEADLINE_EXCEEDED) and not self._ended(call):
+            ended = error.refusal in (Refusal.CANCELLED, Refusal.DEADLINE_EXCEEDED) and not self._ended(call, pending)
+            if pending.abandon or ended:
                 canvases.abandon()  # the engine may still write a lattice there: never given to another request
             raise
         ran = {}
@@ -216,7 +220,7 @@ class RemoteClient(EngineClient):
     def warm(self, model: str, keys: Sequence[PlanKey], *, background: bool = False) -> list[str]:
         call, pending = self._open(None)
         self._send(Warm(self.front, call, model, [(k.height, k.width, k.batch, PassesSpec.of(k.passes)) for k in keys],
-                        background), call)
+                        background), call, pending)
         warmed = self._wait(call, pending, deadline=None, cancelled=None)[0]
         assert isinstance(warmed, Warmed)
         return list(warmed.failures)
@@ -234,15 +238,15 @@ class RemoteClient(EngineClient):
 
     # --- sending and waiting -------------------------------------------------------------------------------
     def _open(self, model: str | None, expected: int = 1) -> tuple[int, Pending]:
-        call, pending = next(self._calls), Pending(model, expected)
+        call = next(self._calls)
         with self._lock:
-            self._pending[call] = pending
+            pending = self._pending[call] = Pending(self._channel, model, expected)
         return call, pending
 
     def _ask(self, model: str, *, deadline: float | None) -> None:
         """The queue's state now, from the engine (the answer updates the view as every answer does)."""
         call, pending = self._open(model)
-        self._send(Ask(self.front, call, model), call)
+        self._send(Ask(self.front, call, model), call, pending)
         try:
             self._wait(call, pending, deadline=deadline, cancelled=None)
         except ScoringError:
@@ -255,15 +259,14 @@ class RemoteClient(EngineClient):
         offset = array.__array_interface__["data"][0] - self._base
         return offset if 0 <= offset < self.allocator.size and array.flags.c_contiguous else -1
 
-    def _send(self, message, call: int | None, *, quiet: bool = False) -> None:
-        """Send to the engine, or (unless `quiet`) refuse the call with UNAVAILABLE when no engine is connected."""
-        channel = self._channel
+    def _send(self, message, call: int, pending: Pending, *, quiet: bool = False) -> None:
+        """Send on the call's connection, or (unless `quiet`) refuse the call with UNAVAILABLE when it is gone."""
+        channel = pending.channel
         if channel is not None and self._facts_known.is_set() and channel.send(message):
             return
-        if call is not None:
+        if not quiet:
             with self._lock:
                 self._pending.pop(call, None)
-        if not quiet:
             raise engine_gone()
 
     def _wait(self, call: int, pending: Pending, *, deadline: float | None,
@@ -273,10 +276,10 @@ class RemoteClient(EngineClient):
         try:
             while not pending.done.wait(POLL_SECONDS):
                 if cancelled is not None and cancelled.is_set():
-                    self._end(call)
+                    self._end(call, pending)
                     raise ScoringError(Refusal.CANCELLED, "the call was cancelled")
                 if deadline is not None and time.monotonic() > deadline:
-                    self._end(call)
+                    self._end(call, pending)
                     raise ScoringError(Refusal.DEADLINE_EXCEEDED,
                                        "the deadline passed before the engine answered; dropped")
         finally:
@@ -286,18 +289,21 @@ class RemoteClient(EngineClient):
             raise pending.error.detached()
         return pending.answers
 
-    def _end(self, call: int) -> None:
+    def _end(self, call: int, pending: Pending) -> None:
         """Tell the engine to drop what it holds of `call`; its acknowledgement is awaited by `_ended`."""
         with self._lock:
             self._ending[call] = threading.Event()
-        self._send(Abort(self.front, call), None, quiet=True)
+        self._send(Abort(self.front, call), call, pending, quiet=True)
 
-    def _ended(self, call: int) -> bool:
+    def _ended(self, call: int, pending: Pending) -> bool:
         """Whether the engine acknowledged ending `call` (after which it writes nothing more for it), within
-        ABORT_ACK_SECONDS; a gone engine writes nothing either."""
+        ABORT_ACK_SECONDS, or the connection ended at the engine's end (a gone engine writes nothing either)."""
         with self._lock:
             acknowledged = self._ending.get(call)
-        ended = acknowledged is None or acknowledged.wait(ABORT_ACK_SECONDS) or not self._facts_known.is_set()
+        # Set by the acknowledgement, or by the connection's end at the engine's end; one this front cut may still
+        # be written.
+        ended = acknowledged is None or acknowledged.wait(ABORT_ACK_SECONDS)
+        ended = ended and not (pending.channel is not None and pending.channel.cut)
         with self._lock:
             self._ending.pop(call, None)
         return ended
@@ -323,7 +329,9 @@ class RemoteClient(EngineClient):
             self._facts_known.clear()
             if self.on_ready is not None:
                 self.on_ready(False)
-            self._fail_all(engine_gone())
+            # Connections end at the engine's end once it writes nothing more for this front (it forgets a front's
+            # calls before it cuts one, and its process ended otherwise); one this front cut may still be written.
+            self._fail_all(engine_gone(), abandon=channel.cut)
 
     def _handle(self, message) -> None:
         if isinstance(message, Facts):
@@ -363,12 +371,17 @@ class RemoteClient(EngineClient):
         else:
             view.state, view.heard, view.sent = state, time.monotonic(), 0
 
-    def _fail_all(self, error: ScoringError) -> None:
+    def _fail_all(self, error: ScoringError, *, abandon: bool = False) -> None:
+        """Fail every call waiting (`abandon`: their arrays kept from other requests), and stop waiting for the
+        acknowledgement of calls ended here."""
         with self._lock:
             pending, self._pending = list(self._pending.values()), {}
+            ending = list(self._ending.values())
         for each in pending:
-            each.error = error
+            each.error, each.abandon = error, abandon
             each.done.set()
+        for event in ending:
+            event.set()
 
 
 def engine_gone() -> ScoringError:

@@ -31,6 +31,19 @@ def pair(tmp_path):
         listener.close()
 
 
+def reading(channel, decode) -> threading.Event:
+    """Read `channel` on a thread of its own until it ends; the event is set then."""
+    ended = threading.Event()
+
+    def read() -> None:
+        for _ in channel.messages(decode, reader="the test"):
+            pass
+        ended.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return ended
+
+
 def test_messages_cross_both_ways_in_order(pair):
     engine, front, _ = pair
     assert front.send(Hello(3)) and front.send(Abort(3, 7))
@@ -43,14 +56,7 @@ def test_messages_cross_both_ways_in_order(pair):
 
 def test_closing_wakes_a_blocked_reader_and_the_other_side_sees_the_end(pair):
     engine, front, _ = pair
-    ended = threading.Event()
-
-    def read() -> None:
-        for _ in engine.messages(decode_to_engine, reader="the test"):
-            pass
-        ended.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    ended = reading(engine, decode_to_engine)
     time.sleep(0.1)  # blocked in recv
     front.close()  # as a front process ending closes its socket
     assert ended.wait(5)
@@ -100,3 +106,26 @@ def test_a_send_the_other_side_never_takes_cuts_the_connection(pair, monkeypatch
     assert gave_up.wait(30), "a send no one takes blocked instead of cutting the connection"
     assert unread.closed
     assert other.send(Abort(0, 0))  # other connections are untouched
+
+
+def test_closing_a_channel_wakes_its_own_blocked_reader(pair):
+    engine, _, _ = pair
+    ended = reading(engine, decode_to_engine)
+    time.sleep(0.1)  # blocked in recv
+    engine.close()  # as a stop closes the connections of a process that goes on running
+    assert ended.wait(1), "closing a channel left its reader blocked (the descriptor closed, the socket not shut down)"
+
+
+def test_a_cut_tells_its_side_before_the_other_side_can_see_it(pair, monkeypatch):
+    """The side that cuts forgets what it would still write for the other first (`on_cut`): the other side may reuse
+    that memory as soon as it sees the connection end."""
+    monkeypatch.setattr(channel_module, "SEND_TIMEOUT_SECONDS", 0.2)
+    _, _, listener = pair
+    never_read = []  # held, so its end stays open
+    threading.Thread(target=lambda: never_read.append(listener.accept()), daemon=True).start()
+    unread = connect(listener.path)
+    seen = []
+    unread.on_cut = lambda: seen.append(unread.closed)
+    while unread.send(Warmed(1, ["x" * 65536])):
+        pass
+    assert seen == [False] and unread.cut and unread.closed

@@ -10,10 +10,14 @@ import time
 import numpy as np
 import pytest
 
+from server.engine.channel import connect
+from server.engine.messages import Abort, Ask, decode_from_engine
+from server.engine.remote import RemoteClient
 from server.errors import NoRoom, Refusal, ScoringError, Transient
 from server.scoring.pipeline import Pipeline
 from server.settings import Settings
 from tests.server.conftest import engine_process_in_this_one, raw_request
+from tests.server.engine.test_channel import reading
 from tests.server.test_split import wait_until as wait_for
 
 PIXELS = np.random.default_rng(5).integers(0, 256, (96, 128, 3), dtype=np.uint8)
@@ -48,6 +52,30 @@ def held(batcher) -> tuple[threading.Event, threading.Event]:
 
     batcher._run = waiting
     return gate, entered
+
+
+def calls_refused_into(pipeline, refusals: list, *scales: list[int]) -> list[threading.Thread]:
+    """A thread per request (of these scales) through `pipeline`, each adding its refusal, if any, to `refusals`."""
+    def call(scales: list[int]) -> None:
+        try:
+            pipeline.score(raw_request(PIXELS, scales=scales))
+        except ScoringError as error:
+            refusals.append(error.refusal)
+
+    return [threading.Thread(target=call, args=(each,), daemon=True) for each in scales]
+
+
+def one_running_one_queued(pipeline, batcher) -> tuple[threading.Event, list[threading.Thread], list]:
+    """Two requests: the first's item running in the engine (held until the gate is set), the second's two items
+    queued behind it; their threads, and where their refusals go."""
+    gate, entered = held(batcher)
+    refusals = []
+    calls = calls_refused_into(pipeline, refusals, [96], [96, 128])
+    calls[0].start()
+    assert entered.wait(30)
+    calls[1].start()
+    assert wait_for(lambda: batcher.depth() == 2)
+    return gate, calls, refusals
 
 
 def test_answers_cross_as_in_one_process(tiny_model_path, front):
@@ -162,23 +190,99 @@ def test_an_expired_item_is_dropped_by_the_engine_before_it_runs(front):
 
 def test_a_front_that_goes_away_frees_what_it_held(front):
     pipeline, client, batcher = front
-    gate, entered = held(batcher)
-    refusals = []
-
-    def call(scales: list[int]) -> None:
-        try:
-            pipeline.score(raw_request(PIXELS, scales=scales))
-        except ScoringError as error:
-            refusals.append(error.refusal)
-
-    calls = [threading.Thread(target=call, args=(scales,), daemon=True) for scales in ([96], [96, 128])]
-    calls[0].start()
-    assert entered.wait(30)  # the engine's runner is busy with the first
-    calls[1].start()
-    assert wait_for(lambda: batcher.depth() == 2)  # the second's items queued in the engine
+    gate, calls, refusals = one_running_one_queued(pipeline, batcher)
     client.close()  # as a killed front's socket closes
     assert wait_for(lambda: batcher.depth() == 0)
     gate.set()
     for thread in calls:
         thread.join(30)
     assert refusals == [Refusal.UNAVAILABLE] * 2  # this front's calls end with it
+
+
+def test_a_connection_that_does_not_say_which_front_it_is_is_closed(front):
+    _pipeline, client, _batcher = front
+    stranger = connect(client.engine_loop.address)
+    assert stranger.send(Abort(0, 1))  # not a Hello
+    assert reading(stranger, decode_from_engine).wait(10), "the engine kept a connection that never said which front it is"
+
+
+def test_a_front_started_again_keeps_its_calls_when_the_old_connection_ends(tiny_model_path, front):
+    _pipeline, client, batcher = front
+    gate, entered = held(batcher)
+    chosen = settings(queue_depth=4)
+    again = RemoteClient(front=client.front, engine_address=client.engine_loop.address,
+                         region_name=f"{client.region.name}-again", region_bytes=chosen.front_shm_bytes)
+    answers = []
+    try:
+        assert again.wait_for_engine(30)
+        second = Pipeline([tiny_model_path], settings=chosen, engine=again)
+        calling = threading.Thread(target=lambda: answers.append(second.score(raw_request(PIXELS, scales=[96]))))
+        calling.start()
+        assert entered.wait(30)  # its item runs in the engine
+        client.close()  # the old front's connection ends, as when the front it was is replaced
+        time.sleep(0.2)  # the engine has heard it go
+        gate.set()
+        calling.join(30)
+        assert len(answers) == 1 and answers[0].top_k
+        second.close()
+    finally:
+        gate.set()
+        again.close()
+
+
+def test_a_call_opened_before_the_engine_went_is_never_sent_to_the_next(front):
+    """A call failed when its connection ended is not sent on the next one: the engine would write its lattice into
+    memory the front has given to another request."""
+    _pipeline, client, _batcher = front
+    call, pending = client._open("tiny")
+    old = client._channel
+    old.close()  # as the engine going: the front connects again (to the same engine loop here)
+    assert wait_for(lambda: client._channel not in (None, old) and client.ready)
+    with pytest.raises(ScoringError) as refused:
+        client._send(Ask(client.front, call, "tiny"), call, pending)
+    assert refused.value.refusal is Refusal.UNAVAILABLE
+
+
+def test_a_front_the_engine_cuts_has_its_calls_forgotten_first(front):
+    """What the engine does on cutting a front (its answers unread): its calls dropped, nothing more written."""
+    pipeline, client, batcher = front
+    gate, calls, refusals = one_running_one_queued(pipeline, batcher)
+    (engine_side,) = client.engine_loop._fronts
+    engine_side.channel.on_cut()  # what a send that timed out runs, before the connection is shut
+    assert batcher.depth() == 0 and not client.engine_loop._calls  # forgotten at once, under the loop's lock
+    engine_side.channel.close()
+    gate.set()
+    for thread in calls:
+        thread.join(30)
+    assert refusals == [Refusal.UNAVAILABLE] * 2
+
+
+def test_a_stop_ends_every_connection_even_one_that_never_said_hello(front):
+    _pipeline, client, _batcher = front
+    stranger = connect(client.engine_loop.address)  # connected, silent
+    assert wait_for(lambda: len(client.engine_loop._channels) == 2)
+    started = time.monotonic()
+    client.engine_loop.stop()
+    assert time.monotonic() - started < 2, "a stop waited for a connection's input thread to time out"
+    assert not [thread for thread in client.engine_loop._threads if thread.is_alive()]
+    stranger.close()
+
+
+@pytest.mark.parametrize("cut_here", [True, False])
+def test_arrays_of_calls_in_flight_are_reused_only_when_the_engine_ended_the_connection(front, cut_here):
+    """A connection the engine ended (its process gone, or it cut the front after forgetting its calls) writes
+    nothing more; one this front cut (a write the engine took nothing of) may still be written by a live engine."""
+    pipeline, client, batcher = front
+    gate, entered = held(batcher)
+    refusals = []
+    (calling,) = calls_refused_into(pipeline, refusals, [96])
+    calling.start()
+    assert entered.wait(30)
+    assert client.allocator.used_bytes > 0  # its canvas in the region
+    channel = client._channel
+    channel.cut = cut_here  # as a send that timed out leaves it, or not
+    channel.close()
+    calling.join(30)
+    gate.set()
+    assert refusals == [Refusal.UNAVAILABLE]
+    assert (client.allocator.used_bytes > 0) is cut_here
