@@ -232,10 +232,15 @@ class EngineLoop:
 
     # --- output --------------------------------------------------------------------------------------------
     def _finished(self, key: tuple[Front, int], index: int, work: Work) -> None:
-        """A batcher runner ended item `index` of a call: answered from that thread."""
+        """A batcher runner ended item `index` of a call: answered from that thread, then, the engine idle, its
+        arena told (after the answer: it is not the caller's wait)."""
         answer = self._done(key, index, work)
         if answer is not None:
             key[0].channel.send(answer)
+            with self._lock:
+                idle = not self._calls
+            if idle and self._on_idle is not None:
+                self._on_idle()
 
     def _facts(self) -> Facts:
         facts = self.core.facts
@@ -270,13 +275,10 @@ class EngineLoop:
                 call.left -= 1
                 if call.left == 0:
                     self._calls.pop(key, None)
-            idle = not self._calls
         if work.error is not None:
             if works:
                 self.core.cancel(call.model, works)
             return Failed.of(key[1], work.error, self._queue_state(call.model))
-        if idle and self._on_idle is not None:
-            self._on_idle()
         return Done(key[1], index, scored.probabilities.astype(np.float32, copy=False).tobytes(),
                     scored.planning_seconds, work.enqueued, work.started, work.run_seconds, work.batch_id, shape,
                     dtype, inline, self._queue_state(call.model))
