@@ -84,11 +84,13 @@ class EngineLoop:
         self._threads.append(accepting)
 
     def drain(self, timeout: float) -> bool:
-        """Wait until no front's call is held (the fronts drain first), at most `timeout` seconds."""
+        """Wait until every front has gone and no call is held, at most `timeout` seconds. The fronts drain first:
+        stopped before the engine, or at the same moment when the supervisor died, when a front still decoding a
+        request it admitted has yet to send its items."""
         ends = time.monotonic() + timeout
         while time.monotonic() < ends:
             with self._lock:
-                if not self._calls:
+                if not self._calls and not self._fronts:
                     return True
             time.sleep(0.05)
         return False

@@ -286,3 +286,13 @@ def test_arrays_of_calls_in_flight_are_reused_only_when_the_engine_ended_the_con
     gate.set()
     assert refusals == [Refusal.UNAVAILABLE]
     assert (client.allocator.used_bytes > 0) is cut_here
+
+
+def test_the_engine_drains_until_its_fronts_have_gone(front):
+    """A stop that reaches every process at once (the supervisor died): a front still decoding may yet send items."""
+    _pipeline, client, _batcher = front
+    assert not client.engine_loop.drain(0.3)  # no call held, but a front is still there
+    client.close()
+    started = time.monotonic()
+    assert client.engine_loop.drain(10)
+    assert time.monotonic() - started < 2
