@@ -1,7 +1,13 @@
-"""Finding a test's own helper processes by what their command line names (Ray actors carry their class)."""
+"""Finding a test's own helper processes by what their command line names (Ray actors carry their class), and
+starting one with process settings of its own.
+
+A child's settings are given by a command in front of it, not by subprocess's `preexec_fn`: that runs Python in the
+forked child of a test process whose gRPC threads hold locks, and gRPC's fork handler then aborted the child.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -15,3 +21,8 @@ def pids_named(name: bytes) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def with_umask_022(command: Sequence[str]) -> list[str]:
+    """`command` run with umask 022, so the modes of the files it writes are known."""
+    return ["sh", "-c", 'umask 022 && exec "$@"', "sh", *command]

@@ -1,7 +1,6 @@
 """scoremap-convert: exit codes, nothing written on failure, the --report comparison, preprocessing choices,
 labels, factories from the current folder, a quiet output, file modes and a fast --help."""
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from PIL import Image
 
 from convert.card import ChannelOrder, read_card
 from convert.convert_cli import EXIT_CONVERSION, EXIT_OK, EXIT_USAGE, main
+from tests.processes import with_umask_022
 
 rng = np.random.default_rng(0)
 
@@ -177,8 +177,7 @@ def test_an_onnx_conversion_does_not_import_torch_and_its_file_follows_the_umask
     probe = ("import sys; from convert.convert_cli import main\n"
              f"code = main([{str(source)!r}, '-o', {str(out)!r}, '--preprocessing', 'raw'])\n"
              "sys.stderr.write(repr((code, 'torch' in sys.modules)))")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
-                            preexec_fn=lambda: os.umask(0o022))
+    result = subprocess.run(with_umask_022([sys.executable, "-c", probe]), capture_output=True, text=True, cwd=ROOT)
     assert result.stderr.endswith("(0, False)")
     assert out.stat().st_mode & 0o777 == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense.onnx", "small.onnx"]  # no temporary file left
@@ -193,8 +192,8 @@ def test_a_factory_in_the_current_folder_converts_quietly(tmp_path):
         def tiny():
             return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
     """))
-    result = subprocess.run([str(CONVERT), "mynets:tiny", "-o", "tiny.onnx", "--training-size", "8", "--preprocessing", "unit"],
-                            capture_output=True, text=True, cwd=tmp_path, preexec_fn=lambda: os.umask(0o022))
+    result = subprocess.run(with_umask_022([str(CONVERT), "mynets:tiny", "-o", "tiny.onnx", "--training-size", "8",
+                                            "--preprocessing", "unit"]), capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == EXIT_OK, result.stderr
     assert result.stderr == "" and result.stdout.startswith("wrote tiny.onnx")
     assert (tmp_path / "tiny.onnx").stat().st_mode & 0o777 == 0o644

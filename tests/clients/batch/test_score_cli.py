@@ -22,6 +22,7 @@ from clients.batch.files import read_records
 from clients.batch.score_cli import EXIT_FAILURES, EXIT_OK, EXIT_REFUSED, main
 from protos import scoring_pb2, scoring_pb2_grpc
 from tests.signal_threads import TGKILL, signal_another_thread
+from tests.processes import with_umask_022
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -298,9 +299,9 @@ def test_a_folder_without_images_is_an_error(server, tmp_path, caplog):
 
 def test_outputs_follow_the_umask(server, photos, tmp_path):
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "clients.batch.score_cli", str(photos), "--out", str(out), "--server",
-                           server, "--maps", "--heatmaps", "--no-progress"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.umask(0o022))
+    done = subprocess.run(with_umask_022([sys.executable, "-m", "clients.batch.score_cli", str(photos), "--out", str(out),
+                                          "--server", server, "--maps", "--heatmaps", "--no-progress"]),
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == EXIT_OK, done.stderr
     written = [out / "results.jsonl", out / "options.json", *out.rglob("*.npz"), *out.rglob("*.png")]
     assert len(written) == 2 + 6 + 6
