@@ -32,6 +32,7 @@ whose level or plan the run left out is said to be not measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -40,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import onnx
@@ -333,19 +334,27 @@ def served(scheme: Scheme, settings: Settings, config: Config) -> list[LevelRepo
     neither they nor this process's interpreter lock are the ceiling), their samples merged."""
     request = score_request(scheme)
     server, port = create_server([scheme.model], settings=settings)
-    target = Target(f"127.0.0.1:{port}", settings=ClientSettings(timeout_s=TIMEOUT_S, max_message_bytes=64 << 20))
     try:
-        level = LevelPlan(duration_s=config.level_seconds, max_requests=config.max_requests, timeout_s=TIMEOUT_S)
-        # This process serves: the load tester's CPU is its sending processes' alone.
-        with LoadTester(target, [request], processes=config.load_processes or 1, count_this_process=False) as tester:
-            if config.load_processes is None:
-                calibrate(tester, "closed", max(config.clients), level, limits=tester.limits)
+        with load_tester(f"127.0.0.1:{port}", request, config) as (tester, level):
             reports = [tester.closed(clients, level) for clients in config.clients]
         reports += [in_process_loop(server.pipeline, request, concurrency=clients, seconds=config.level_seconds,
                                     max_requests=config.max_requests) for clients in config.clients]
     finally:
         server.stop(0).wait(30)
     return reports
+
+
+@contextlib.contextmanager
+def load_tester(address: str, request: scoring_pb2.ScoreRequest,
+                config: Config) -> Iterator[tuple[LoadTester, LevelPlan]]:
+    """scoremap-loadtest's sending processes on `address`, calibrated at the most clients unless the config names
+    them, and the plan of each level. Their CPU alone is the load tester's (this process serves, or waits)."""
+    target = Target(address, settings=ClientSettings(timeout_s=TIMEOUT_S, max_message_bytes=64 << 20))
+    level = LevelPlan(duration_s=config.level_seconds, max_requests=config.max_requests, timeout_s=TIMEOUT_S)
+    with LoadTester(target, [request], processes=config.load_processes or 1, count_this_process=False) as tester:
+        if config.load_processes is None:
+            calibrate(tester, "closed", max(config.clients), level, limits=tester.limits)
+        yield tester, level
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,13 +374,8 @@ def served_split(scheme: Scheme, split: Split, config: Config, *, folder: str, p
     server, address, _metrics = start_server(scheme.model, log, flags, provider=provider)
     try:
         engine = roles(server.pid)["engine"]
-        target = Target(address, settings=ClientSettings(timeout_s=TIMEOUT_S, max_message_bytes=64 << 20))
-        level = LevelPlan(duration_s=config.level_seconds, max_requests=config.max_requests, timeout_s=TIMEOUT_S)
         levels = []
-        with LoadTester(target, [score_request(scheme)], processes=config.load_processes or 1,
-                        count_this_process=False) as tester:
-            if config.load_processes is None:
-                calibrate(tester, "closed", max(config.clients), level, limits=tester.limits)
+        with load_tester(address, score_request(scheme), config) as (tester, level):
             for clients in config.clients:
                 engine_before, server_before = own_cpu_seconds(engine), process_cpu_seconds(server.pid)
                 report = tester.closed(clients, level)
@@ -409,11 +413,19 @@ PATHS = {"closed": "gRPC", "in-process": "in-process"}  # a LevelReport's mode -
 def report_rows(scheme: str, batching: str, reports: Sequence[LevelReport]) -> list[str]:
     rows = []
     for r in reports:
-        errors = ", ".join(f"{code} {count}" for code, count in r.errors.items()) or "-"
         busy = "-" if r.client_busy != r.client_busy else f"{r.client_busy:.0%}" + "*" * r.client_bound
         rows.append(f"| {scheme} | {batching} | {PATHS[r.mode]} | {r.level:g} | {r.throughput_rps:.1f} | {r.p50_ms:.1f} | "
-                    f"{r.p99_ms:.1f} | {r.max_ms:.1f} | {errors} | {busy} |")
+                    f"{r.p99_ms:.1f} | {r.max_ms:.1f} | {errors_cell(r)} | {busy} |")
     return rows
+
+
+def errors_cell(report: LevelReport) -> str:
+    return ", ".join(f"{code} {count}" for code, count in report.errors.items()) or "-"
+
+
+def grpc_level(reports: Sequence[LevelReport], clients: int) -> LevelReport | None:
+    """The closed-loop gRPC level of `clients` among `reports`, if it ran."""
+    return next((r for r in reports if r.mode == "closed" and r.level == clients), None)
 
 
 def verdicts(device: list[DeviceRate], results: dict[tuple[str, str], list[LevelReport]],
@@ -423,9 +435,6 @@ def verdicts(device: list[DeviceRate], results: dict[tuple[str, str], list[Level
     the run left out, as a time limit may)."""
     def plan_rate(scheme: str, batch: int) -> DeviceRate | None:
         return next((rate for rate in device if rate.scheme == scheme and rate.batch == batch), None)
-
-    def grpc_level(reports: Sequence[LevelReport], clients: int) -> LevelReport | None:
-        return next((r for r in reports if r.mode == "closed" and r.level == clients), None)
 
     lines = []
     if device:
@@ -453,7 +462,7 @@ def served_verdicts(name: str, reports: Sequence[LevelReport], batched: DeviceRa
     """The served targets of one layout's batching-on gRPC levels against its scheme's plans: req/s at 16 clients
     against the batch-8 plan, 64 clients against 16, p50 at one client against the batch-1 run, and the longest
     request at 16 clients among `longest`."""
-    on16, on64, one = (next((r for r in reports if r.mode == "closed" and r.level == c), None) for c in (16, 64, 1))
+    on16, on64, one = (grpc_level(reports, clients) for clients in (16, 64, 1))
     share, margin = TARGETS["served_share"], TARGETS["p50_1_over_run_ms"]
     lines = []
     target = f"{name}: gRPC at 16 clients >= {share:.0%} of the batch-{SERVED_BATCH} plan's device-bound img/s"
@@ -550,7 +559,7 @@ def measure(folder: str, config: Config, *, dry_run: bool, report: Report, clock
                                                                   provider="cpu" if dry_run else "cuda")
             rows = [f"| {scheme.name} | {split.label} | {level.report.level:g} | {level.report.throughput_rps:.1f} | "
                     f"{level.report.p50_ms:.1f} | {level.report.p99_ms:.1f} | {level.report.max_ms:.1f} | "
-                    f"{', '.join(f'{code} {count}' for code, count in level.report.errors.items()) or '-'} | "
+                    f"{errors_cell(level.report)} | "
                     f"{level.engine_cpu_ms:.2f} | {level.server_cpu_ms:.2f} |" for level in levels]
             return "\n".join([
                 f"Closed loop on `scoremap-serve {split.label}`, {scheme.name}, batching on: the same levels over gRPC, "

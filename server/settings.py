@@ -294,7 +294,8 @@ class EngineOptions:
     cuda_sync: str = setting(
         "auto", "how the engine's thread waits for the GPU: spin (woken soonest, a core busy while the GPU works), "
         "yield (polling, the core given to other threads between looks), block (asleep until the GPU signals, the "
-        "core free for decoding), auto (CUDA's choice: spin where cores outnumber contexts)", choices=tuple(schedule.name.lower() for schedule in Schedule))
+        "core free for decoding), auto (CUDA's choice: spin where cores outnumber contexts)",
+        choices=tuple(schedule.name.lower() for schedule in Schedule))
     cudnn_conv_algo_search: str = setting("HEURISTIC", "CUDA convolution algorithm search: HEURISTIC suits "
                                           "variable shapes (EXHAUSTIVE re-tunes per shape)",
                                           choices=("HEURISTIC", "EXHAUSTIVE", "DEFAULT"))

@@ -39,7 +39,8 @@ class PassesSpec(msgspec.Struct, array_like=True, gc=False):
 
 # --- front to engine ----------------------------------------------------------------------------------------
 class Hello(msgspec.Struct, **STRUCT):
-    """A front's first message on its connection: which front it is (answered by `Facts`)."""
+    """A front's first message on its connection: which front it is (answered by `Facts`); the messages after it
+    are that front's."""
 
     front: int
 
@@ -48,7 +49,6 @@ class Ask(msgspec.Struct, **STRUCT):
     """The state of `model`'s queue now (answered by `Queue`): a front asks when the state it holds would refuse a
     request and is older than one item's time in the queue."""
 
-    front: int
     call: int
     model: str
 
@@ -77,7 +77,6 @@ class Submit(msgspec.Struct, **STRUCT):
     """Queue call `call`'s items if the queue has room for them (answered by one `Done` per item, or one `Failed`
     with the refusal and its numbers)."""
 
-    front: int
     call: int
     model: str
     region: str
@@ -87,14 +86,12 @@ class Submit(msgspec.Struct, **STRUCT):
 class Abort(msgspec.Struct, **STRUCT):
     """The call ended (cancelled, its deadline passed, or its items are no longer wanted): drop what has not run."""
 
-    front: int
     call: int
 
 
 class Warm(msgspec.Struct, **STRUCT):
     """Make and run these plans of `model` (answered by `Warmed`)."""
 
-    front: int
     call: int
     model: str
     keys: list[tuple[int, int, int, PassesSpec]]

@@ -44,8 +44,7 @@ class Front:
 
     index: int
     channel: Channel
-    regions: dict[str, Region] = field(default_factory=dict)
-    lost: bool = False  # its connection ended or is being cut: nothing more is queued or written for it
+    regions: dict[str, Region] = field(default_factory=dict)  # mapped by its input thread alone
 
 
 @dataclass(eq=False)
@@ -69,9 +68,9 @@ class EngineLoop:
         self.address = address
         self._classes = classes
         self._calls: dict[tuple[Front, int], Call] = {}  # by front and the front's call id
-        self._fronts: set[Front] = set()
+        self._fronts: set[Front] = set()  # those connected, not lost: calls are queued and answered for these alone
         self._channels: set[Channel] = set()  # every connection accepted, until its input thread ends
-        self._lock = threading.Lock()  # the calls, fronts and channels: the input, runner and warm-up threads share them
+        self._lock = threading.Lock()  # the calls, fronts and channels: input, runner and warm-up threads share them
         self._on_idle = on_idle
         self._listener: EngineListener | None = None
         self._threads: list[threading.Thread] = []
@@ -171,15 +170,14 @@ class EngineLoop:
         key, model = (front, message.call), message.model
         deadline = min((spec.deadline for spec in message.items if spec.deadline is not None), default=None)
         try:
-            with self._lock:
-                region = self._region(front, message.region)
+            region = self._region(front, message.region)
             submissions = [submission(index, spec, region) for index, spec in enumerate(message.items)]
             places = self.core.reserve(model, len(submissions), deadline=deadline)
             if isinstance(places, NoRoom):
                 raise places.refusal(deadline=deadline)
             call = Call(model, message.items, region, left=len(submissions))
             with self._lock:
-                lost = front.lost
+                lost = front not in self._fronts
                 if not lost:
                     self._calls[key] = call  # before its first item can end
             if lost:  # cut meanwhile: no one reads an answer
@@ -226,7 +224,7 @@ class EngineLoop:
 
     @staticmethod
     def _region(front: Front, name: str) -> Region:
-        """The front's region of `name`, mapped once (under the lock)."""
+        """The front's region of `name`, mapped once (on the front's input thread)."""
         region = front.regions.get(name)
         if region is None:
             region = front.regions[name] = Region(name, create=False)
@@ -290,7 +288,6 @@ class EngineLoop:
         """Forget `front` and its calls, under the lock (no runner writes for them after), and drop their items
         not yet run; the calls forgotten."""
         with self._lock:
-            front.lost = True
             self._fronts.discard(front)
             calls = [self._calls.pop(key) for key in [key for key in self._calls if key[0] is front]]
         for call in calls:

@@ -197,7 +197,7 @@ class RemoteClient(EngineClient):
                 view.held -= places.items
                 view.sent += len(specs)
         places.items = 0
-        self._send(Submit(self.front, call, model, self.region.name, specs), call, pending)
+        self._send(Submit(call, model, self.region.name, specs), call, pending)
         deadline = min((s.deadline for s in submissions if s.deadline is not None), default=None)
         try:
             answers = self._wait(call, pending, deadline=deadline, cancelled=cancelled)
@@ -219,7 +219,7 @@ class RemoteClient(EngineClient):
 
     def warm(self, model: str, keys: Sequence[PlanKey], *, background: bool = False) -> list[str]:
         call, pending = self._open(None)
-        self._send(Warm(self.front, call, model, [(k.height, k.width, k.batch, PassesSpec.of(k.passes)) for k in keys],
+        self._send(Warm(call, model, [(k.height, k.width, k.batch, PassesSpec.of(k.passes)) for k in keys],
                         background), call, pending)
         warmed = self._wait(call, pending, deadline=None, cancelled=None)[0]
         assert isinstance(warmed, Warmed)
@@ -246,7 +246,7 @@ class RemoteClient(EngineClient):
     def _ask(self, model: str, *, deadline: float | None) -> None:
         """The queue's state now, from the engine (the answer updates the view as every answer does)."""
         call, pending = self._open(model)
-        self._send(Ask(self.front, call, model), call, pending)
+        self._send(Ask(call, model), call, pending)
         try:
             self._wait(call, pending, deadline=deadline, cancelled=None)
         except ScoringError:
@@ -293,7 +293,7 @@ class RemoteClient(EngineClient):
         """Tell the engine to drop what it holds of `call`; its acknowledgement is awaited by `_ended`."""
         with self._lock:
             self._ending[call] = threading.Event()
-        self._send(Abort(self.front, call), call, pending, quiet=True)
+        self._send(Abort(call), call, pending, quiet=True)
 
     def _ended(self, call: int, pending: Pending) -> bool:
         """Whether the engine acknowledged ending `call` (after which it writes nothing more for it), within

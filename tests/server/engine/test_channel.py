@@ -46,10 +46,10 @@ def reading(channel, decode) -> threading.Event:
 
 def test_messages_cross_both_ways_in_order(pair):
     engine, front, _ = pair
-    assert front.send(Hello(3)) and front.send(Abort(3, 7))
+    assert front.send(Hello(3)) and front.send(Abort(7))
     received = engine.messages(decode_to_engine, reader="the test")
     assert next(received) == Hello(3)
-    assert next(received) == Abort(3, 7)
+    assert next(received) == Abort(7)
     assert engine.send(Warmed(7, ["one failure"]))
     assert next(front.messages(decode_from_engine, reader="the test")) == Warmed(7, ["one failure"])
 
@@ -105,7 +105,7 @@ def test_a_send_the_other_side_never_takes_cuts_the_connection(pair, monkeypatch
     threading.Thread(target=send_until_refused, daemon=True).start()
     assert gave_up.wait(30), "a send no one takes blocked instead of cutting the connection"
     assert unread.closed
-    assert other.send(Abort(0, 0))  # other connections are untouched
+    assert other.send(Abort(0))  # other connections are untouched
 
 
 def test_closing_a_channel_wakes_its_own_blocked_reader(pair):

@@ -202,8 +202,9 @@ def test_a_front_that_goes_away_frees_what_it_held(front):
 def test_a_connection_that_does_not_say_which_front_it_is_is_closed(front):
     _pipeline, client, _batcher = front
     stranger = connect(client.engine_loop.address)
-    assert stranger.send(Abort(0, 1))  # not a Hello
-    assert reading(stranger, decode_from_engine).wait(10), "the engine kept a connection that never said which front it is"
+    assert stranger.send(Abort(1))  # not a Hello
+    assert reading(stranger, decode_from_engine).wait(10), \
+        "the engine kept a connection that never said which front it is"
 
 
 def test_a_front_started_again_keeps_its_calls_when_the_old_connection_ends(tiny_model_path, front):
@@ -239,7 +240,7 @@ def test_a_call_opened_before_the_engine_went_is_never_sent_to_the_next(front):
     old.close()  # as the engine going: the front connects again (to the same engine loop here)
     assert wait_for(lambda: client._channel not in (None, old) and client.ready)
     with pytest.raises(ScoringError) as refused:
-        client._send(Ask(client.front, call, "tiny"), call, pending)
+        client._send(Ask(call, "tiny"), call, pending)
     assert refused.value.refusal is Refusal.UNAVAILABLE
 
 
