@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -89,7 +90,7 @@ class ShmCanvases:
         self._offsets: list[int] = []
 
     def allocate(self, shape: tuple[int, ...], dtype: type = np.uint8) -> np.ndarray:
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         offset = self._client.allocator.allocate(nbytes)
         if offset is None:
             return np.empty(shape, dtype=dtype)
@@ -404,4 +405,4 @@ def lattice_of(done: Done, slot: np.ndarray | None) -> np.ndarray | None:
         return np.frombuffer(done.lattice, dtype=dtype).reshape(shape)
     if slot.shape == shape and slot.dtype == dtype:
         return slot
-    return slot.reshape(-1).view(np.uint8)[:int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+    return slot.reshape(-1).view(np.uint8)[:math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
