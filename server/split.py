@@ -117,6 +117,8 @@ def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
 
 def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings, run: str,
                stopping: threading.Event) -> int:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
     with contextlib.ExitStack() as ports:
         port = ports.enter_context(reserved(host, port))
         http_port = None if settings.http_port is None else ports.enter_context(reserved(host, settings.http_port))
@@ -138,8 +140,11 @@ def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
         engine.start()
         for front in fronts:
             front.start()
-        lines = [front.process.stdout.readline() for front in fronts]  # each says where it listens once it does
+        lines = first_lines(engine, fronts, stopping)
     children = [engine, *fronts]
+    if stopping.is_set():  # before every front listened: each stops where it is (a warm-up at its next plan)
+        drain(engine, fronts, grace=settings.grace_seconds)
+        return 0
     if not all("listening on" in line for line in lines):
         stop(children, grace=0.0)
         return next((child.process.returncode for child in children if child.process.returncode), 2)
@@ -151,8 +156,6 @@ def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
         served = serve_processes(run, port=settings.metrics_port, address=settings.metrics_address)
         sys.stdout.write(f"scoremap-serve metrics on http://{settings.metrics_address}:{served}/metrics\n")
         sys.stdout.flush()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stopping.set())
     while not stopping.wait(0.1):
         for child in children:
             if child.process.poll() is None:
@@ -167,9 +170,32 @@ def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
             child.start()
             relay = drain_output if child is engine else relay_output
             threading.Thread(target=relay, args=(child,), name=f"{child.role}-stdout", daemon=True).start()
-    stop(fronts, grace=settings.grace_seconds)  # the fronts drain first: their calls in flight need the engine
-    stop([engine], grace=settings.grace_seconds)
+    drain(engine, fronts, grace=settings.grace_seconds)
     return 0
+
+
+def drain(engine: Child, fronts: Sequence[Child], *, grace: float) -> None:
+    """Stop the server: the fronts drain first (their calls in flight need the engine), then the engine."""
+    stop(fronts, grace=grace)
+    stop([engine], grace=grace)
+
+
+def first_lines(engine: Child, fronts: Sequence[Child], stopping: threading.Event) -> list[str]:
+    """Each front's first line, which says where it listens once it does; "" for one that ended first, or was still
+    starting when `stopping` was set or the engine ended (its fronts would wait for it: a failed warm-up)."""
+    lines = [""] * len(fronts)
+
+    def read(index: int) -> None:
+        lines[index] = fronts[index].process.stdout.readline()
+
+    readers = [threading.Thread(target=read, args=(index,), name=f"front-{index}-stdout", daemon=True)
+               for index in range(len(fronts))]
+    for reader in readers:
+        reader.start()
+    while any(reader.is_alive() for reader in readers) and engine.process.poll() is None:
+        if stopping.wait(0.1):
+            break
+    return list(lines)
 
 
 def drain_output(child: Child) -> None:
