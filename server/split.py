@@ -7,7 +7,8 @@
 The supervisor (this module's `supervise`) reserves the ports, checks /dev/shm, starts the engine and then the
 fronts, passes SIGTERM on (fronts drain first, then the engine), and starts again whichever process ends
 unexpectedly: a new engine warms up and tells every front (health SERVING again), a new front takes the dead
-one's place while the engine frees what it held. Each process gets SIGTERM when the supervisor dies, even by
+one's place while the engine frees what it held. An engine that cannot load or warm up, at the first start or a
+later one, ends the server with its status, as one process does. Each process gets SIGTERM when the supervisor dies, even by
 SIGKILL (prctl's PDEATHSIG), and fronts unlink their shared memory as they exit. `ps` shows each one's role.
 """
 
@@ -36,6 +37,8 @@ __all__ = ["engine_address", "front_client", "run_engine", "supervise"]
 
 LOG = logging.getLogger("scoremap.serve")
 RESTART_PAUSE_SECONDS = 0.5  # between a process's unexpected end and its new start: a crash loop stays slow
+CANNOT_LOAD = 2  # the engine's exit statuses for a start that failed, as one process's: starting it again fails alike
+WARM_UP_FAILED = 3
 ROLE_ENGINE = "engine"
 ROLE_FRONT = "front"
 
@@ -160,6 +163,11 @@ def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
         for child in children:
             if child.process.poll() is None:
                 continue
+            if child is engine and child.process.returncode in (CANNOT_LOAD, WARM_UP_FAILED):
+                LOG.error("the engine process %d could not start again (status %d): stopping the server",
+                          child.process.pid, child.process.returncode)
+                drain(engine, fronts, grace=settings.grace_seconds)
+                return child.process.returncode
             LOG.error("the %s process %d ended with status %d: starting it again", child.role, child.process.pid,
                       child.process.returncode)
             if child is not engine:  # a killed front cannot unlink its region
@@ -232,7 +240,7 @@ def stop(children: Sequence[Child], *, grace: float) -> None:
 # --- the engine process ---------------------------------------------------------------------------------------
 def run_engine(models, *, settings: Settings, stop: threading.Event) -> int:
     """The engine process: load and warm every model in-process, then serve the fronts until `stop` (SIGTERM),
-    finishing what it holds first. 2: it could not load; 3: a warm-up pass failed; 0 when stopped, at any moment."""
+    finishing what it holds first. CANNOT_LOAD, WARM_UP_FAILED, or 0 when stopped, at any moment."""
     from server.engine.process import EngineLoop
     from server.errors import ScoringError
     from server.metrics import Metrics
@@ -245,7 +253,7 @@ def run_engine(models, *, settings: Settings, stop: threading.Event) -> int:
         pipeline = Pipeline(models, settings=dataclasses.replace(settings, warm_up=False), metrics=metrics)
     except ScoringError as error:
         sys.stderr.write(f"scoremap-serve: the engine cannot start: {error.message}\n")
-        return 2
+        return CANNOT_LOAD
     try:
         if settings.warm_up:
             pipeline.check_warm_up()
@@ -265,7 +273,7 @@ def run_engine(models, *, settings: Settings, stop: threading.Event) -> int:
         if stop.is_set():
             return 0
         sys.stderr.write(f"scoremap-serve: the engine's warm-up failed: {error.message}\n")
-        return 3
+        return WARM_UP_FAILED
     if stop.is_set():
         pipeline.close()
         return 0

@@ -203,6 +203,21 @@ def test_an_engine_that_cannot_warm_up_ends_the_server_with_its_status(tiny_mode
             (SHM / name).unlink(missing_ok=True)
 
 
+def test_an_engine_that_cannot_warm_up_when_started_again_ends_the_server(kit, tiny_model_path, tmp_path):
+    """An engine started again after a crash whose warm-up fails (here the model file was replaced meanwhile) would
+    fail alike at every start: the server ends with its status, as at the first start, instead of starting it again
+    forever."""
+    request = kit.raw_request(PIXELS, scales=[96])
+    with server(tmp_path, tiny_model_path) as (process, port):
+        assert score(port, request).top_k
+        os.replace(wrong_layout_net(tiny_model_path), tiny_model_path)
+        pids = children(process.pid)
+        (engine,) = [pid for pid, title in titles(process.pid).items() if title.endswith("engine")]
+        os.kill(engine, signal.SIGKILL)
+        assert process.wait(60) == 3
+        assert not any(map(alive, pids)) and not regions(process.pid)
+
+
 def test_a_sigterm_before_the_engine_is_warm_stops_every_process(tiny_model_path, tmp_path):
     """SIGTERM before the fronts listen is passed on at once, as after: the fronts waiting for an engine still
     not warm yet (held here by SIGSTOP) end without it, and the server exits 0 once the engine has stopped too."""
