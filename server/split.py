@@ -240,7 +240,18 @@ def stop(children: Sequence[Child], *, grace: float) -> None:
 # --- the engine process ---------------------------------------------------------------------------------------
 def run_engine(models, *, settings: Settings, stop: threading.Event) -> int:
     """The engine process: load and warm every model in-process, then serve the fronts until `stop` (SIGTERM),
-    finishing what it holds first. CANNOT_LOAD, WARM_UP_FAILED, or 0 when stopped, at any moment."""
+    finishing what it holds first. CANNOT_LOAD, WARM_UP_FAILED, or 0 when stopped, at any moment. The server's run
+    folder goes with it when the supervisor was killed (the engine waits for the fronts to go: it ends last)."""
+    supervisor = os.getppid()
+    try:
+        return serve_fronts(models, settings=settings, stop=stop)
+    finally:
+        if os.getppid() != supervisor:
+            shutil.rmtree(settings.split_run, ignore_errors=True)
+
+
+def serve_fronts(models, *, settings: Settings, stop: threading.Event) -> int:
+    """`run_engine`'s work: its exit status."""
     from server.engine.process import EngineLoop
     from server.errors import ScoringError
     from server.metrics import Metrics

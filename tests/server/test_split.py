@@ -10,6 +10,7 @@ import io
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,6 +171,7 @@ def test_nothing_of_the_server_outlives_its_killed_supervisor(tiny_model_path, t
         process.wait()
         assert wait_until(lambda: not any(map(alive, pids))), [pid for pid in pids if alive(pid)]
         assert not regions(process.pid)
+        assert not list(Path(tempfile.gettempdir()).glob(f"scoremap-{process.pid}-*"))  # nor its run folder
 
 
 def started(tmp_path, model_path: str, *flags: str) -> subprocess.Popen:
