@@ -8,9 +8,9 @@ The supervisor (this module's `supervise`) reserves the ports, checks /dev/shm, 
 fronts, passes SIGTERM on (fronts drain first, then the engine), and starts again whichever process ends
 unexpectedly: a new engine warms up and tells every front (health SERVING again), a new front takes the dead
 one's place while the engine frees what it held. An engine that cannot load or warm up, at the first start or a
-later one, ends the server with its status, as one process does. Each process gets SIGTERM when the supervisor dies, even by
-SIGKILL (prctl's PDEATHSIG), and fronts unlink their shared memory as they exit. `ps` shows each one's role.
-"""
+later one, ends the server with its status, as one process does. Each process gets SIGTERM when the supervisor
+dies, even by SIGKILL (prctl's PDEATHSIG), and fronts unlink their shared memory as they exit. `ps` shows each
+one's role."""
 
 from __future__ import annotations
 

@@ -216,13 +216,13 @@ def test_an_engine_that_cannot_warm_up_when_started_again_ends_the_server(kit, t
         pids = children(process.pid)
         (engine,) = [pid for pid, title in titles(process.pid).items() if title.endswith("engine")]
         os.kill(engine, signal.SIGKILL)
-        assert process.wait(60) == 3
+        assert process.wait(30) == 3
         assert not any(map(alive, pids)) and not regions(process.pid)
 
 
 def test_a_sigterm_before_the_engine_is_warm_stops_every_process(tiny_model_path, tmp_path):
-    """SIGTERM before the fronts listen is passed on at once, as after: the fronts waiting for an engine still
-    not warm yet (held here by SIGSTOP) end without it, and the server exits 0 once the engine has stopped too."""
+    """SIGTERM before the fronts listen is passed on at once, as after: the fronts waiting for an engine not warm
+    yet (held here by SIGSTOP) end without it, and the server exits 0 once the engine has stopped too."""
     process = started(tmp_path, tiny_model_path)
     pids: list[int] = []
     try:
