@@ -7,9 +7,10 @@
 The supervisor (this module's `supervise`) reserves the ports, checks /dev/shm, starts the engine and then the
 fronts, passes SIGTERM on (fronts drain first, then the engine), and starts again whichever process ends
 unexpectedly: a new engine warms up and tells every front (health SERVING again), a new front takes the dead
-one's place while the engine frees what it held. Each process gets SIGTERM when the supervisor dies, even by
-SIGKILL (prctl's PDEATHSIG), and fronts unlink their shared memory as they exit. `ps` shows each one's role.
-"""
+one's place while the engine frees what it held. An engine that cannot load or warm up, at the first start or a
+later one, ends the server with its status, as one process does. Each process gets SIGTERM when the supervisor
+dies, even by SIGKILL (prctl's PDEATHSIG), and fronts unlink their shared memory as they exit. `ps` shows each
+one's role."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ __all__ = ["engine_address", "front_client", "run_engine", "supervise"]
 
 LOG = logging.getLogger("scoremap.serve")
 RESTART_PAUSE_SECONDS = 0.5  # between a process's unexpected end and its new start: a crash loop stays slow
+CANNOT_LOAD = 2  # the engine's exit statuses for a start that failed, as one process's: starting it again fails alike
+WARM_UP_FAILED = 3
 ROLE_ENGINE = "engine"
 ROLE_FRONT = "front"
 
@@ -117,6 +120,8 @@ def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
 
 def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings, run: str,
                stopping: threading.Event) -> int:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
     with contextlib.ExitStack() as ports:
         port = ports.enter_context(reserved(host, port))
         http_port = None if settings.http_port is None else ports.enter_context(reserved(host, settings.http_port))
@@ -138,8 +143,11 @@ def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
         engine.start()
         for front in fronts:
             front.start()
-        lines = [front.process.stdout.readline() for front in fronts]  # each says where it listens once it does
+        lines = first_lines(engine, fronts, stopping)
     children = [engine, *fronts]
+    if stopping.is_set():  # before every front listened: each stops where it is (a warm-up at its next plan)
+        drain(engine, fronts, grace=settings.grace_seconds)
+        return 0
     if not all("listening on" in line for line in lines):
         stop(children, grace=0.0)
         return next((child.process.returncode for child in children if child.process.returncode), 2)
@@ -151,12 +159,15 @@ def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
         served = serve_processes(run, port=settings.metrics_port, address=settings.metrics_address)
         sys.stdout.write(f"scoremap-serve metrics on http://{settings.metrics_address}:{served}/metrics\n")
         sys.stdout.flush()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stopping.set())
     while not stopping.wait(0.1):
         for child in children:
             if child.process.poll() is None:
                 continue
+            if child is engine and child.process.returncode in (CANNOT_LOAD, WARM_UP_FAILED):
+                LOG.error("the engine process %d could not start again (status %d): stopping the server",
+                          child.process.pid, child.process.returncode)
+                drain(engine, fronts, grace=settings.grace_seconds)
+                return child.process.returncode
             LOG.error("the %s process %d ended with status %d: starting it again", child.role, child.process.pid,
                       child.process.returncode)
             if child is not engine:  # a killed front cannot unlink its region
@@ -167,9 +178,32 @@ def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
             child.start()
             relay = drain_output if child is engine else relay_output
             threading.Thread(target=relay, args=(child,), name=f"{child.role}-stdout", daemon=True).start()
-    stop(fronts, grace=settings.grace_seconds)  # the fronts drain first: their calls in flight need the engine
-    stop([engine], grace=settings.grace_seconds)
+    drain(engine, fronts, grace=settings.grace_seconds)
     return 0
+
+
+def drain(engine: Child, fronts: Sequence[Child], *, grace: float) -> None:
+    """Stop the server: the fronts drain first (their calls in flight need the engine), then the engine."""
+    stop(fronts, grace=grace)
+    stop([engine], grace=grace)
+
+
+def first_lines(engine: Child, fronts: Sequence[Child], stopping: threading.Event) -> list[str]:
+    """Each front's first line, which says where it listens once it does; "" for one that ended first, or was still
+    starting when `stopping` was set or the engine ended (its fronts would wait for it: a failed warm-up)."""
+    lines = [""] * len(fronts)
+
+    def read(index: int) -> None:
+        lines[index] = fronts[index].process.stdout.readline()
+
+    readers = [threading.Thread(target=read, args=(index,), name=f"front-{index}-stdout", daemon=True)
+               for index in range(len(fronts))]
+    for reader in readers:
+        reader.start()
+    while any(reader.is_alive() for reader in readers) and engine.process.poll() is None:
+        if stopping.wait(0.1):
+            break
+    return list(lines)
 
 
 def drain_output(child: Child) -> None:
@@ -206,7 +240,18 @@ def stop(children: Sequence[Child], *, grace: float) -> None:
 # --- the engine process ---------------------------------------------------------------------------------------
 def run_engine(models, *, settings: Settings, stop: threading.Event) -> int:
     """The engine process: load and warm every model in-process, then serve the fronts until `stop` (SIGTERM),
-    finishing what it holds first. 2: it could not load; 3: a warm-up pass failed; 0 when stopped, at any moment."""
+    finishing what it holds first. CANNOT_LOAD, WARM_UP_FAILED, or 0 when stopped, at any moment. The server's run
+    folder goes with it when the supervisor was killed (the engine waits for the fronts to go: it ends last)."""
+    supervisor = os.getppid()
+    try:
+        return serve_fronts(models, settings=settings, stop=stop)
+    finally:
+        if os.getppid() != supervisor:
+            shutil.rmtree(settings.split_run, ignore_errors=True)
+
+
+def serve_fronts(models, *, settings: Settings, stop: threading.Event) -> int:
+    """`run_engine`'s work: its exit status."""
     from server.engine.process import EngineLoop
     from server.errors import ScoringError
     from server.metrics import Metrics
@@ -219,7 +264,7 @@ def run_engine(models, *, settings: Settings, stop: threading.Event) -> int:
         pipeline = Pipeline(models, settings=dataclasses.replace(settings, warm_up=False), metrics=metrics)
     except ScoringError as error:
         sys.stderr.write(f"scoremap-serve: the engine cannot start: {error.message}\n")
-        return 2
+        return CANNOT_LOAD
     try:
         if settings.warm_up:
             pipeline.check_warm_up()
@@ -239,7 +284,7 @@ def run_engine(models, *, settings: Settings, stop: threading.Event) -> int:
         if stop.is_set():
             return 0
         sys.stderr.write(f"scoremap-serve: the engine's warm-up failed: {error.message}\n")
-        return 3
+        return WARM_UP_FAILED
     if stop.is_set():
         pipeline.close()
         return 0

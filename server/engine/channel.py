@@ -37,7 +37,8 @@ class Channel:
     A write the other side takes nothing of for SEND_TIMEOUT_SECONDS (it is stopped or stuck) cuts the connection,
     as a partly written message leaves the stream unreadable: `on_cut` runs first (so that the side cutting forgets
     what it would still write for the other before the other sees the cut), then the socket is shut down. `cut`
-    says this side did so."""
+    says this side did so; a send that finds the other side's end closed (its process gone, or it ended the
+    connection) only ends it here."""
 
     def __init__(self, connection: Connection) -> None:
         self._connection = connection
@@ -60,13 +61,15 @@ class Channel:
             try:
                 self._connection.send_bytes(data)
                 return True
+            except (BrokenPipeError, ConnectionResetError):  # the other side ended the connection: no cut of this one
+                pass
             except OSError as error:
                 if self.closed:  # closed meanwhile: the shutdown broke the write
                     return False
                 LOG.warning("a message could not be sent (%s): the connection is cut", error)
-            self.cut = True
-            if self.on_cut is not None:
-                self.on_cut()
+                self.cut = True
+                if self.on_cut is not None:
+                    self.on_cut()
         self.close()
         return False
 

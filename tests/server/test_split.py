@@ -10,6 +10,7 @@ import io
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
 from protos import RETRY_AFTER_KEY, scoring_pb2, scoring_pb2_grpc
-from tests.server.test_main import serve_command
+from tests.server.test_main import serve_command, wrong_layout_net
 from tests.server.test_workers import alive, children, once_warm, supervised
 
 FRONTS = 2
@@ -170,6 +171,80 @@ def test_nothing_of_the_server_outlives_its_killed_supervisor(tiny_model_path, t
         process.wait()
         assert wait_until(lambda: not any(map(alive, pids))), [pid for pid in pids if alive(pid)]
         assert not regions(process.pid)
+        assert not list(Path(tempfile.gettempdir()).glob(f"scoremap-{process.pid}-*"))  # nor its run folder
+
+
+def started(tmp_path, model_path: str, *flags: str) -> subprocess.Popen:
+    """`scoremap-serve --fronts` before it listens (the caller ends it)."""
+    return subprocess.Popen(serve_command() + [model_path, "--port", "0", "--fronts", str(FRONTS),
+                                               "--intra-op-threads", "1", *flags],
+                            stdout=subprocess.PIPE, stderr=(tmp_path / "serve.log").open("w"), text=True)
+
+
+def test_an_engine_that_cannot_warm_up_ends_the_server_with_its_status(tiny_model_path, tmp_path):
+    """A warm-up that fails in the engine fails the start as it does in one process (3), before any front listens:
+    the fronts waiting for the engine are stopped, and nothing is left running or in /dev/shm."""
+    process = started(tmp_path, wrong_layout_net(tiny_model_path))
+    pids: set[int] = set()
+
+    def all_started() -> bool:
+        pids.update(children(process.pid))
+        return len(pids) == FRONTS + 1
+
+    try:
+        assert wait_until(all_started, 30)
+        assert process.wait(30) == 3, (tmp_path / "serve.log").read_text()
+        assert "the engine's warm-up failed" in (tmp_path / "serve.log").read_text()
+        assert process.stdout.read() == ""  # it never said it listens
+        assert not any(map(alive, pids)) and not regions(process.pid)
+    finally:
+        process.kill()
+        for pid in filter(alive, pids):
+            os.kill(pid, signal.SIGKILL)
+        for name in regions(process.pid):
+            (SHM / name).unlink(missing_ok=True)
+
+
+def test_an_engine_that_cannot_warm_up_when_started_again_ends_the_server(kit, tiny_model_path, tmp_path):
+    """An engine started again after a crash whose warm-up fails (here the model file was replaced meanwhile) would
+    fail alike at every start: the server ends with its status, as at the first start, instead of starting it again
+    forever."""
+    request = kit.raw_request(PIXELS, scales=[96])
+    with server(tmp_path, tiny_model_path) as (process, port):
+        assert score(port, request).top_k
+        os.replace(wrong_layout_net(tiny_model_path), tiny_model_path)
+        pids = children(process.pid)
+        (engine,) = [pid for pid, title in titles(process.pid).items() if title.endswith("engine")]
+        os.kill(engine, signal.SIGKILL)
+        assert process.wait(30) == 3
+        assert not any(map(alive, pids)) and not regions(process.pid)
+
+
+def test_a_sigterm_before_the_engine_is_warm_stops_every_process(tiny_model_path, tmp_path):
+    """SIGTERM before the fronts listen is passed on at once, as after: the fronts waiting for an engine not warm
+    yet (held here by SIGSTOP) end without it, and the server exits 0 once the engine has stopped too."""
+    process = started(tmp_path, tiny_model_path)
+    pids: list[int] = []
+    try:
+        def engine_started() -> bool:
+            pids[:] = children(process.pid)
+            return len(pids) == FRONTS + 1
+        assert wait_until(engine_started, 30)
+        (engine,) = [pid for pid in pids if b"--split-role\0engine" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        os.kill(engine, signal.SIGSTOP)
+        process.send_signal(signal.SIGTERM)
+        fronts = [pid for pid in pids if pid != engine]
+        assert wait_until(lambda: not any(map(alive, fronts)), 20), (tmp_path / "serve.log").read_text()
+        with contextlib.suppress(ProcessLookupError):  # a SIGTERM before its handler was set ends it even stopped
+            os.kill(engine, signal.SIGCONT)
+        assert process.wait(30) == 0
+        assert not any(map(alive, pids)) and not regions(process.pid)
+    finally:
+        process.kill()
+        for pid in filter(alive, pids):
+            os.kill(pid, signal.SIGKILL)
+        for name in regions(process.pid):
+            (SHM / name).unlink(missing_ok=True)
 
 
 def test_a_dev_shm_too_small_for_the_fronts_is_refused_at_start(tiny_model_path):

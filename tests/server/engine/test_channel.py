@@ -129,3 +129,16 @@ def test_a_cut_tells_its_side_before_the_other_side_can_see_it(pair, monkeypatch
     while unread.send(Warmed(1, ["x" * 65536])):
         pass
     assert seen == [False] and unread.cut and unread.closed
+
+
+def test_a_send_after_the_other_side_ended_the_connection_is_no_cut_of_this_side(pair):
+    """The other side's end closed (its process gone, or it cut the connection after forgetting its calls): the send
+    fails and the connection ends, but this side did not cut it, so nothing tells it the other may still write."""
+    engine, front, _ = pair
+    ended = reading(engine, decode_to_engine)
+    engine.close()  # as an engine process ending closes its socket
+    assert ended.wait(5)
+    told = []
+    front.on_cut = lambda: told.append(True)
+    assert not front.send(Abort(1))
+    assert front.closed and not front.cut and not told
