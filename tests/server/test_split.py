@@ -174,35 +174,42 @@ def test_nothing_of_the_server_outlives_its_killed_supervisor(tiny_model_path, t
         assert not list(Path(tempfile.gettempdir()).glob(f"scoremap-{process.pid}-*"))  # nor its run folder
 
 
-def started(tmp_path, model_path: str, *flags: str) -> subprocess.Popen:
-    """`scoremap-serve --fronts` before it listens (the caller ends it)."""
-    return subprocess.Popen(serve_command() + [model_path, "--port", "0", "--fronts", str(FRONTS),
-                                               "--intra-op-threads", "1", *flags],
-                            stdout=subprocess.PIPE, stderr=(tmp_path / "serve.log").open("w"), text=True)
-
-
-def test_an_engine_that_cannot_warm_up_ends_the_server_with_its_status(tiny_model_path, tmp_path):
-    """A warm-up that fails in the engine fails the start as it does in one process (3), before any front listens:
-    the fronts waiting for the engine are stopped, and nothing is left running or in /dev/shm."""
-    process = started(tmp_path, wrong_layout_net(tiny_model_path))
+@contextlib.contextmanager
+def starting(tmp_path, model_path: str, *flags: str) -> Iterator[tuple[subprocess.Popen, set[int]]]:
+    """`scoremap-serve --fronts` before it listens, and the set of its children's pids the caller fills
+    (`all_started`); whatever of it is left at the end is killed and its regions removed."""
+    process = subprocess.Popen(serve_command() + [model_path, "--port", "0", "--fronts", str(FRONTS),
+                                                  "--intra-op-threads", "1", *flags],
+                               stdout=subprocess.PIPE, stderr=(tmp_path / "serve.log").open("w"), text=True)
     pids: set[int] = set()
-
-    def all_started() -> bool:
-        pids.update(children(process.pid))
-        return len(pids) == FRONTS + 1
-
     try:
-        assert wait_until(all_started, 30)
-        assert process.wait(30) == 3, (tmp_path / "serve.log").read_text()
-        assert "the engine's warm-up failed" in (tmp_path / "serve.log").read_text()
-        assert process.stdout.read() == ""  # it never said it listens
-        assert not any(map(alive, pids)) and not regions(process.pid)
+        yield process, pids
     finally:
         process.kill()
         for pid in filter(alive, pids):
             os.kill(pid, signal.SIGKILL)
         for name in regions(process.pid):
             (SHM / name).unlink(missing_ok=True)
+
+
+def all_started(process: subprocess.Popen, pids: set[int]) -> bool:
+    """Whether the engine and every front have started, their pids recorded in `pids`, within 30 s."""
+    def counted() -> bool:
+        pids.update(children(process.pid))
+        return len(pids) == FRONTS + 1
+
+    return wait_until(counted, 30)
+
+
+def test_an_engine_that_cannot_warm_up_ends_the_server_with_its_status(tiny_model_path, tmp_path):
+    """A warm-up that fails in the engine fails the start as it does in one process (3), before any front listens:
+    the fronts waiting for the engine are stopped, and nothing is left running or in /dev/shm."""
+    with starting(tmp_path, wrong_layout_net(tiny_model_path)) as (process, pids):
+        assert all_started(process, pids)
+        assert process.wait(30) == 3, (tmp_path / "serve.log").read_text()
+        assert "the engine's warm-up failed" in (tmp_path / "serve.log").read_text()
+        assert process.stdout.read() == ""  # it never said it listens
+        assert not any(map(alive, pids)) and not regions(process.pid)
 
 
 def test_an_engine_that_cannot_warm_up_when_started_again_ends_the_server(kit, tiny_model_path, tmp_path):
@@ -223,13 +230,8 @@ def test_an_engine_that_cannot_warm_up_when_started_again_ends_the_server(kit, t
 def test_a_sigterm_before_the_engine_is_warm_stops_every_process(tiny_model_path, tmp_path):
     """SIGTERM before the fronts listen is passed on at once, as after: the fronts waiting for an engine not warm
     yet (held here by SIGSTOP) end without it, and the server exits 0 once the engine has stopped too."""
-    process = started(tmp_path, tiny_model_path)
-    pids: list[int] = []
-    try:
-        def engine_started() -> bool:
-            pids[:] = children(process.pid)
-            return len(pids) == FRONTS + 1
-        assert wait_until(engine_started, 30)
+    with starting(tmp_path, tiny_model_path) as (process, pids):
+        assert all_started(process, pids)
         (engine,) = [pid for pid in pids if b"--split-role\0engine" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         os.kill(engine, signal.SIGSTOP)
         process.send_signal(signal.SIGTERM)
@@ -239,12 +241,6 @@ def test_a_sigterm_before_the_engine_is_warm_stops_every_process(tiny_model_path
             os.kill(engine, signal.SIGCONT)
         assert process.wait(30) == 0
         assert not any(map(alive, pids)) and not regions(process.pid)
-    finally:
-        process.kill()
-        for pid in filter(alive, pids):
-            os.kill(pid, signal.SIGKILL)
-        for name in regions(process.pid):
-            (SHM / name).unlink(missing_ok=True)
 
 
 def test_a_dev_shm_too_small_for_the_fronts_is_refused_at_start(tiny_model_path):
