@@ -99,18 +99,17 @@ class Child:
                                         preexec_fn=drained_with(os.getpid()))
 
 
-def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
-              stopping: threading.Event | None = None) -> int:
-    """Run the engine and `settings.fronts` fronts on host:port until SIGTERM or SIGINT; 0 once all drained,
-    2 when they could not start. `stopping`: the event the caller's own handlers of those signals set."""
+def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings, stopping: threading.Event) -> int:
+    """Run the engine and `settings.fronts` fronts on host:port until `stopping` is set (the caller's handlers of
+    SIGTERM and SIGINT set it, from before the children start); 0 once all drained, the engine's status when it
+    could not load or warm up, 2 when they could not start otherwise."""
     problem = shm_problem(settings)
     if problem is not None:
         sys.stderr.write(f"scoremap-serve: {problem}\n")
         return 2
     run = tempfile.mkdtemp(prefix=f"scoremap-{os.getpid()}-")
     try:
-        return _supervise(argv, host=host, port=port, settings=settings, run=run,
-                          stopping=threading.Event() if stopping is None else stopping)
+        return _supervise(argv, host=host, port=port, settings=settings, run=run, stopping=stopping)
     finally:
         from server.engine.shm import remove_stale
 
@@ -120,8 +119,6 @@ def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
 
 def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings, run: str,
                stopping: threading.Event) -> int:
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stopping.set())
     with contextlib.ExitStack() as ports:
         port = ports.enter_context(reserved(host, port))
         http_port = None if settings.http_port is None else ports.enter_context(reserved(host, settings.http_port))
