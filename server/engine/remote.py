@@ -203,8 +203,9 @@ class RemoteClient(EngineClient):
         try:
             answers = self._wait(call, pending, deadline=deadline, cancelled=cancelled)
         except ScoringError as error:
-            ended = error.refusal in (Refusal.CANCELLED, Refusal.DEADLINE_EXCEEDED) and not self._ended(call, pending)
-            if pending.abandon or ended:
+            unacknowledged = (error.refusal in (Refusal.CANCELLED, Refusal.DEADLINE_EXCEEDED)
+                              and not self._ended(call, pending))
+            if pending.abandon or unacknowledged:
                 canvases.abandon()  # the engine may still write a lattice there: never given to another request
             raise
         ran = {}
