@@ -292,8 +292,11 @@ class RemoteClient(EngineClient):
         return pending.answers
 
     def _end(self, call: int, pending: Pending) -> None:
-        """Tell the engine to drop what it holds of `call`; its acknowledgement is awaited by `_ended`."""
+        """Tell the engine to drop what it holds of `call`; its acknowledgement is awaited by `_ended`. A call no
+        longer pending was failed as its connection ended (`_fail_all`): no acknowledgement comes."""
         with self._lock:
+            if call not in self._pending:
+                return
             self._ending[call] = threading.Event()
         self._send(Abort(call), call, pending, quiet=True)
 

@@ -327,3 +327,38 @@ def test_a_front_cut_while_its_call_is_being_queued_has_that_call_s_items_droppe
         gate.set()
         second.join(30)
         first.join(30)
+
+
+class CancelledAsTheEngineGoes:
+    """A call's cancellation that comes as the engine goes: once the call's items are queued in the engine, the next
+    look at it ends the connection at the engine's end and, once the front has failed its calls, says cancelled."""
+
+    def __init__(self, client, batcher) -> None:
+        self.client, self.batcher = client, batcher
+
+    def is_set(self) -> bool:
+        if self.batcher.depth() == 0:
+            return False
+        (engine_side,) = self.client.engine_loop._fronts
+        engine_side.channel.close()
+        assert wait_for(lambda: not self.client._pending, 10)
+        return True
+
+
+def test_a_call_cancelled_as_the_engine_goes_waits_for_no_acknowledgement_and_keeps_no_arrays(front):
+    """The engine ended the connection, so it writes nothing more for the call: its arrays are reused, and the call
+    does not wait for an acknowledgement that cannot come."""
+    pipeline, client, batcher = front
+    gate, entered = held(batcher)
+    refusals = []
+    (first,) = calls_refused_into(pipeline, refusals, [96])
+    first.start()
+    assert entered.wait(30)
+    started = time.monotonic()
+    with pytest.raises(ScoringError):
+        pipeline.score(raw_request(PIXELS, scales=[128]), cancelled=CancelledAsTheEngineGoes(client, batcher))
+    ended = time.monotonic() - started
+    gate.set()
+    first.join(30)
+    assert client.allocator.used_bytes == 0, "arrays of a call the engine can no longer write were kept"
+    assert ended < 0.9, f"the call waited {ended:.1f} s for an acknowledgement from a connection already ended"
