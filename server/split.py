@@ -53,11 +53,6 @@ def run_name(run: str) -> str:
     return os.path.basename(run.rstrip("/"))
 
 
-def region_prefix(run: str, front: int) -> str:
-    """What the names of front `front`'s regions begin with, whichever process made them."""
-    return f"{run_name(run)}-front{front}-"
-
-
 def set_title(title: str) -> None:
     """The process's name in `ps` and top, as PostgreSQL and nginx name theirs."""
     import setproctitle
@@ -168,9 +163,9 @@ def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
             LOG.error("the %s process %d ended with status %d: starting it again", child.role, child.process.pid,
                       child.process.returncode)
             if child is not engine:  # a killed front cannot unlink its region
-                from server.engine.shm import remove_stale
+                from server.engine.shm import region_prefix, remove_stale
 
-                remove_stale(region_prefix(run, int(child.role.partition(":")[2])))
+                remove_stale(region_prefix(run_name(run), int(child.role.partition(":")[2])))
             time.sleep(RESTART_PAUSE_SECONDS)
             child.start()
             relay = drain_output if child is engine else relay_output

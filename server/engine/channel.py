@@ -56,20 +56,21 @@ class Channel:
         """Send `message` whole; False when the channel is closed, or was cut because it could not be written."""
         data = encode(message)
         with self._sending:
-            if self.closed:
+            if self.closed or self.cut:
                 return False
             try:
                 self._connection.send_bytes(data)
                 return True
             except (BrokenPipeError, ConnectionResetError):  # the other side ended the connection: no cut of this one
-                pass
+                cutting = False
             except OSError as error:
                 if self.closed:  # closed meanwhile: the shutdown broke the write
                     return False
                 LOG.warning("a message could not be sent (%s): the connection is cut", error)
-                self.cut = True
-                if self.on_cut is not None:
-                    self.on_cut()
+                self.cut = cutting = True  # nothing more is written after a partly written message
+        # Outside the send lock: `on_cut` may wait for a lock that a thread waiting to send here holds.
+        if cutting and self.on_cut is not None:
+            self.on_cut()
         self.close()
         return False
 

@@ -143,7 +143,8 @@ class Ran:
 
 class CanvasStore(Protocol):
     """Where one request's arrays are made (its canvases, and the lattices the engine gives back): `allocate`
-    gives an array to write, `release` frees them all."""
+    gives an array to write, `release` frees them all, `abandon` never frees them (the engine may still write
+    into them)."""
 
     def allocate(self, shape: tuple[int, ...], dtype: type = np.uint8) -> np.ndarray: ...
 
@@ -167,7 +168,7 @@ class HeapCanvases:
 
 
 class EngineClient(abc.ABC):
-    """The engine's five verbs: room, release, run (submit and wait, cancelled with the call), warm and close.
+    """The engine's five verbs: reserve, release, run (submit and wait, cancelled with the call), warm and close.
 
     Refusals come back as `ScoringError`s with the same words and retry hints however the engine is reached;
     `on_ready`, when set, hears True when the engine can run requests and False when it cannot (health)."""

@@ -55,7 +55,7 @@ class Ask(msgspec.Struct, **STRUCT):
 
 class ItemSpec(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One item: its batch group, what its plan gives back, and where its canvas and lattice are in the region
-    (offset -1: the canvas inline in `Submit.inline`, or no lattice wanted)."""
+    (offset -1: the canvas inline in `inline`, or no lattice wanted)."""
 
     height: int
     width: int
@@ -160,6 +160,8 @@ class Failed(msgspec.Struct, **STRUCT):
 
 
 class Warmed(msgspec.Struct, **STRUCT):
+    """The answer to `Warm`: the plans that failed, one line each."""
+
     call: int
     failures: list[str]
 

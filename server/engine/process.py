@@ -56,7 +56,7 @@ class Call:
     region: Region
     left: int
     works: list[Work] = field(default_factory=list)
-    failed: bool = False
+    ended: bool = False  # failed, aborted or its front lost: nothing more is written or run for it
 
 
 class EngineLoop:
@@ -195,8 +195,8 @@ class EngineLoop:
             return
         with self._lock:
             call.works = works
-            failed = call.failed
-        if failed:  # an item failed before its call knew its works: the rest run for no one
+            ended = call.ended
+        if ended:  # it ended (an item failed, or a cut lost its front) before it knew its works: drop them
             self.core.cancel(model, works)
 
     def _queue_state(self, model: str) -> QueueState | None:
@@ -210,6 +210,8 @@ class EngineLoop:
         (the engine writes a lattice only under the lock, for a call it still holds)."""
         with self._lock:
             call = self._calls.pop((front, call_id), None)
+            if call is not None:
+                call.ended = True
         if call is not None and call.works:
             self.core.cancel(call.model, call.works)
         front.channel.send(Failed.of(call_id, ScoringError(Refusal.CANCELLED, "the call was ended")))
@@ -256,10 +258,10 @@ class EngineLoop:
         inline, shape, dtype = b"", (), ""
         with self._lock:
             call = self._calls.get(key)
-            if call is None or call.failed:
+            if call is None or call.ended:
                 return None
             if work.error is not None:
-                call.failed = True
+                call.ended = True
                 self._calls.pop(key, None)
                 works = list(call.works)
             else:
@@ -290,6 +292,8 @@ class EngineLoop:
         with self._lock:
             self._fronts.discard(front)
             calls = [self._calls.pop(key) for key in [key for key in self._calls if key[0] is front]]
+            for call in calls:
+                call.ended = True
         for call in calls:
             if call.works:
                 self.core.cancel(call.model, call.works)

@@ -203,8 +203,9 @@ class RemoteClient(EngineClient):
         try:
             answers = self._wait(call, pending, deadline=deadline, cancelled=cancelled)
         except ScoringError as error:
-            ended = error.refusal in (Refusal.CANCELLED, Refusal.DEADLINE_EXCEEDED) and not self._ended(call, pending)
-            if pending.abandon or ended:
+            unacknowledged = (error.refusal in (Refusal.CANCELLED, Refusal.DEADLINE_EXCEEDED)
+                              and not self._ended(call, pending))
+            if pending.abandon or unacknowledged:
                 canvases.abandon()  # the engine may still write a lattice there: never given to another request
             raise
         ran = {}
@@ -291,8 +292,11 @@ class RemoteClient(EngineClient):
         return pending.answers
 
     def _end(self, call: int, pending: Pending) -> None:
-        """Tell the engine to drop what it holds of `call`; its acknowledgement is awaited by `_ended`."""
+        """Tell the engine to drop what it holds of `call`; its acknowledgement is awaited by `_ended`. A call no
+        longer pending was failed as its connection ended (`_fail_all`): no acknowledgement comes."""
         with self._lock:
+            if call not in self._pending:
+                return
             self._ending[call] = threading.Event()
         self._send(Abort(call), call, pending, quiet=True)
 

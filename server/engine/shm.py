@@ -19,7 +19,8 @@ import threading
 
 import numpy as np
 
-__all__ = ["ALIGNMENT", "Allocator", "Region", "free_shm_bytes", "region_name", "region_of_front", "remove_stale"]
+__all__ = ["ALIGNMENT", "Allocator", "Region", "free_shm_bytes", "region_name", "region_prefix",
+           "remove_stale"]
 
 SHM_DIR = "/dev/shm"
 ALIGNMENT = 64  # bytes: a cache line, so no two arrays share one
@@ -122,11 +123,12 @@ def remove_stale(prefix: str) -> list[str]:
     return removed
 
 
+def region_prefix(run: str, front: int) -> str:
+    """What the names of front `front`'s regions of server `run` begin with, whichever process made them."""
+    return f"{run}-front{front}-"
+
+
 def region_name(run: str, front: int, pid: int) -> str:
     """The shared-memory region of front `front` of server `run`, made by process `pid`: a front started again
     makes a region of another name, so the engine never reads a dead front's mapping for a live one's."""
-    return f"{run}-front{front}-{pid}"
-
-
-def region_of_front(name: str, front: int) -> bool:
-    return f"-front{front}-" in name
+    return f"{region_prefix(run, front)}{pid}"

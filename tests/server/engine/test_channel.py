@@ -142,3 +142,39 @@ def test_a_send_after_the_other_side_ended_the_connection_is_no_cut_of_this_side
     front.on_cut = lambda: told.append(True)
     assert not front.send(Abort(1))
     assert front.closed and not front.cut and not told
+
+
+def test_a_cut_waits_for_no_lock_a_thread_waiting_to_send_holds(pair, monkeypatch):
+    """The engine's `on_cut` takes the batcher's lock (to drop the cut front's items) while a runner holding that
+    lock (dropping an expired item) waits to send on the same connection: the cut must not hold the send lock."""
+    monkeypatch.setattr(channel_module, "SEND_TIMEOUT_SECONDS", 0.2)
+    _, _, listener = pair
+    never_read = []  # held, so its end stays open
+    threading.Thread(target=lambda: never_read.append(listener.accept()), daemon=True).start()
+    unread = connect(listener.path)
+    batcher_lock, sending = threading.Lock(), threading.Event()
+
+    def cut() -> None:
+        with batcher_lock:
+            pass
+
+    unread.on_cut = cut
+    ended = []
+
+    def stalled_send() -> None:  # a message larger than the socket's buffers: the write stalls, then times out
+        sending.set()
+        ended.append(unread.send(Warmed(1, ["x" * (8 << 20)])))
+
+    def send_under_lock() -> None:
+        with batcher_lock:
+            assert sending.wait(5)
+            time.sleep(0.05)  # the stalled send holds the connection
+            ended.append(unread.send(Abort(1)))
+
+    threads = [threading.Thread(target=stalled_send, daemon=True), threading.Thread(target=send_under_lock, daemon=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(5)
+    assert ended == [False, False], "a cut and a send waiting behind it deadlocked"
+    assert unread.cut and unread.closed

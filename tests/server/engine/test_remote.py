@@ -297,3 +297,68 @@ def test_the_engine_drains_until_its_fronts_have_gone(front):
     started = time.monotonic()
     assert client.engine_loop.drain(10)
     assert time.monotonic() - started < 2
+
+
+def test_a_front_cut_while_its_call_is_being_queued_has_that_call_s_items_dropped(front):
+    """A runner's send may cut a front (running `on_cut`) between the moment the front's input thread holds a new
+    call and the moment it knows that call's queued items: those items are dropped too, not run for no one."""
+    pipeline, client, batcher = front
+    gate, entered = held(batcher)
+    refusals = []
+    first, second = calls_refused_into(pipeline, refusals, [96], [96, 128])
+    first.start()
+    assert entered.wait(30)  # the engine's runner is busy: the next call's items stay queued
+    loop = client.engine_loop
+    (engine_side,) = loop._fronts
+    submit = loop.core.submit
+
+    def submit_then_cut(*args, **kwargs):
+        works = submit(*args, **kwargs)
+        engine_side.channel.on_cut()  # as a runner's timed-out send to this front runs it, on its own thread
+        return works
+
+    loop.core.submit = submit_then_cut
+    second.start()
+    try:
+        assert wait_for(lambda: not loop._calls and batcher.depth() == 0, 5), \
+            f"{batcher.depth()} items of a call its cut front forgot stay queued"
+    finally:
+        engine_side.channel.close()
+        gate.set()
+        second.join(30)
+        first.join(30)
+
+
+class CancelledAsTheEngineGoes:
+    """A call's cancellation that comes as the engine goes: once the call's items are queued in the engine, the next
+    look at it ends the connection at the engine's end and, once the front has failed its calls, says cancelled."""
+
+    def __init__(self, client, batcher) -> None:
+        self.client, self.batcher = client, batcher
+
+    def is_set(self) -> bool:
+        if self.batcher.depth() == 0:
+            return False
+        (engine_side,) = self.client.engine_loop._fronts
+        engine_side.channel.close()
+        assert wait_for(lambda: not self.client._pending, 10)
+        return True
+
+
+def test_a_call_cancelled_as_the_engine_goes_waits_for_no_acknowledgement_and_keeps_no_arrays(front):
+    """The engine ended the connection, so it writes nothing more for the call: its arrays are reused, and the call
+    does not wait for an acknowledgement that cannot come."""
+    pipeline, client, batcher = front
+    gate, entered = held(batcher)
+    refusals = []
+    (first,) = calls_refused_into(pipeline, refusals, [96])
+    first.start()
+    assert entered.wait(30)
+    started = time.monotonic()
+    with pytest.raises(ScoringError):
+        pipeline.score(raw_request(PIXELS, scales=[128]), cancelled=CancelledAsTheEngineGoes(client, batcher))
+    ended = time.monotonic() - started
+    gate.set()
+    first.join(30)
+    assert client.allocator.used_bytes == 0, "arrays of a call the engine can no longer write were kept"
+    assert ended < 0.9, f"the call waited {ended:.1f} s for an acknowledgement from a connection already ended"
