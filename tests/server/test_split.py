@@ -31,8 +31,12 @@ SHM = Path("/dev/shm")
 
 
 def titles(pid: int) -> dict[int, str]:
-    """The supervisor's children by their process title (what `ps` shows)."""
-    return {child: Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0].decode() for child in children(pid)}
+    """The supervisor's children by their process title (what `ps` shows); one reaped meanwhile is left out."""
+    found = {}
+    for child in children(pid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            found[child] = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0].decode()
+    return found
 
 
 def regions(supervisor: int) -> list[str]:
