@@ -244,40 +244,59 @@ class Batcher:
         """Fail what is still queued with UNAVAILABLE and stop the workers."""
         with self._condition:
             self._closed = True
-            for work in self._queue:
-                work.fail(shutting_down())
-            self._queue.clear()
+            queued, self._queue = self._queue, []
             self._condition.notify_all()
+        for work in queued:  # outside the lock, as every failure: an item's hook may send on a socket
+            work.fail(shutting_down())
         ends = time.monotonic() + CLOSE_SECONDS
         for thread in self._threads:
             thread.join(timeout=max(0.0, ends - time.monotonic()))
 
     def _take_batch(self) -> list[Work] | None:
-        with self._condition:
-            while True:
-                if self._closed:
-                    return None
-                self._drop_expired()
-                if not self._queue:
-                    self._condition.wait()
-                    continue
-                first = self._queue[0]
-                limit = max(1, min(self._max_batch, first.limit))
-                same = [w for w in self._queue if w.key == first.key][:limit]
-                remaining = first.enqueued + self._max_delay - time.monotonic()
-                if len(same) < limit and remaining > 0:
-                    self._condition.wait(remaining)
-                    continue
-                if self._take is not None:
-                    same = same[:self._taken(first.key, len(same))]
-                taken = set(same)
-                self._queue = [w for w in self._queue if w not in taken]
-                started, batch_id = time.monotonic(), next(self._batch_ids)
-                self._running_until[threading.get_ident()] = started + self._seconds_per_item * len(same)
-                for work in same:  # marked under the lock, so a cancel sees them as started
-                    work.started, work.batch_id, work.batch_size = started, batch_id, len(same)
-                    work.request.started = True
-                return same
+        """The next batch to run, None once closed. Items whose time ran out meanwhile are failed on the way,
+        outside the queue's lock: an item's hook (a front's answer) may wait on a socket, and may cancel items."""
+        while True:
+            with self._condition:
+                batch, expired = self._next_batch()
+            if not expired:
+                return batch
+            self._fail_expired(expired)
+            del expired  # a worker waiting for the next batch keeps no failed item's arrays alive
+
+    def _fail_expired(self, expired: list[tuple[Work, ScoringError, Dropped]]) -> None:
+        for work, error, reason in expired:
+            work.fail(error)
+            self._report_drop(reason)
+
+    def _next_batch(self) -> tuple[list[Work] | None, list[tuple[Work, ScoringError, Dropped]]]:
+        """Under the lock, waiting as long as it takes: a batch, or else the items that expired (taken out of
+        the queue), or neither once closed."""
+        while True:
+            if self._closed:
+                return None, []
+            expired = self._take_expired()
+            if expired:
+                return None, expired
+            if not self._queue:
+                self._condition.wait()
+                continue
+            first = self._queue[0]
+            limit = max(1, min(self._max_batch, first.limit))
+            same = [w for w in self._queue if w.key == first.key][:limit]
+            remaining = first.enqueued + self._max_delay - time.monotonic()
+            if len(same) < limit and remaining > 0:
+                self._condition.wait(remaining)
+                continue
+            if self._take is not None:
+                same = same[:self._taken(first.key, len(same))]
+            taken = set(same)
+            self._queue = [w for w in self._queue if w not in taken]
+            started, batch_id = time.monotonic(), next(self._batch_ids)
+            self._running_until[threading.get_ident()] = started + self._seconds_per_item * len(same)
+            for work in same:  # marked under the lock, so a cancel sees them as started
+                work.started, work.batch_id, work.batch_size = started, batch_id, len(same)
+                work.request.started = True
+            return same, []
 
     def _taken(self, key: Hashable, ready: int) -> int:
         """How many of the `ready` items of `key` the batch takes: the take hook's word, or all when it fails (a
@@ -288,33 +307,34 @@ class Batcher:
             LOG.exception("the take hook failed; the batch takes every ready item")
             return ready
 
-    def _drop_expired(self) -> None:
+    def _take_expired(self) -> list[tuple[Work, ScoringError, Dropped]]:
+        """Take the items past their deadline, or that waited beyond `max_queue` with none of their request's
+        started, out of the queue: each with its refusal and the reason to report."""
         now = time.monotonic()
-        kept = []
+        kept, expired = [], []
         for work in self._queue:
             waited = now - work.enqueued
             if work.deadline is not None and now > work.deadline:
-                reason, error = Dropped.DEADLINE, ScoringError(
+                expired.append((work, ScoringError(
                     Refusal.DEADLINE_EXCEEDED,
                     f"the deadline passed after {1000 * waited:.0f} ms in the queue; dropped before compute",
-                )
+                ), Dropped.DEADLINE))
             elif waited > self._max_queue and not work.request.started:
-                reason, error = Dropped.QUEUE_TIME, ScoringError(
+                expired.append((work, ScoringError(
                     Refusal.RESOURCE_EXHAUSTED,
                     f"overloaded: waited {1000 * waited:.0f} ms in the queue, beyond --max-queue-ms "
                     f"({1000 * self._max_queue:.0f} ms); dropped before compute, retry with backoff",
                     retry_after_seconds=retry_after(Transient.QUEUE_TIME, self._max_queue),
-                )
+                ), Dropped.QUEUE_TIME))
             else:
                 kept.append(work)
-                continue
-            work.fail(error)
-            self._report_drop(reason)
-        self._queue = kept
+        if expired:
+            self._queue = kept
+        return expired
 
     def _report_drop(self, reason: Dropped) -> None:
-        """Tell the hook (the metrics; it must not take this batcher's lock) of an item dropped before compute;
-        a failing hook is a bug to log, never a reason to stop the worker."""
+        """Tell the hook (the metrics) of an item dropped before compute; a failing hook is a bug to log, never a
+        reason to stop the worker."""
         if self._on_drop is None:
             return
         try:

@@ -325,6 +325,35 @@ def test_every_drop_is_reported_and_a_failing_drop_hook_never_stops_the_worker()
         batcher.close()
 
 
+def test_an_expired_item_is_failed_outside_the_queue_s_lock():
+    """Its hook (in the engine process, the front's answer: a socket write) may wait; the queue goes on meanwhile."""
+    runner, seen = GatedRunner(), []
+    batcher = Batcher(runner, max_batch=1, max_delay_seconds=0.0, queue_depth=8, max_queue_seconds=60)
+
+    def hook(work: Work) -> None:
+        other = threading.Thread(target=lambda: seen.append(batcher.depth()))
+        other.start()
+        other.join(2)
+        seen.append(work.error.refusal)
+
+    try:
+        running = works(1)
+        batcher.submit(running)
+        wait_until_running(running[0])
+        expiring = Work("b", 0, 1, time.monotonic() + 0.02, on_done=hook)
+        batcher.submit([expiring])
+        time.sleep(0.05)
+        runner.gate.set()
+        assert batcher.wait(running) == [0]
+        until = time.monotonic() + 5
+        while len(seen) < 2 and time.monotonic() < until:
+            time.sleep(0.01)
+        assert seen == [0, Refusal.DEADLINE_EXCEEDED]  # another thread read the queue while the hook ran
+    finally:
+        runner.gate.set()
+        batcher.close()
+
+
 class OutcomeRunner:
     """Runs a batch as `outcome` says; a batch keyed "blocker" waits for `gate`."""
 
