@@ -72,7 +72,7 @@ class Work:
     batch_size: int = 0
     result: Any = None
     error: ScoringError | None = None
-    done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event | None = field(default_factory=threading.Event)  # set as it ends; None: `on_done` alone hears
     on_done: Callable[[Work], None] | None = None  # told once it ends, on the thread that ended it
 
     def fail(self, error: ScoringError) -> None:
@@ -81,7 +81,8 @@ class Work:
 
     def finish(self) -> None:
         """Its result or error is set: wake its caller, tell `on_done`."""
-        self.done.set()
+        if self.done is not None:
+            self.done.set()
         if self.on_done is not None:
             try:
                 self.on_done(self)
@@ -199,6 +200,20 @@ class Batcher:
                 raise self._queue_full(waiting, len(works))
             self._queue.extend(works)
             self._condition.notify_all()
+
+    def offer(self, works: Sequence[Work], *, deadline: float | None) -> NoRoom | None:
+        """Queue all items of one request now if the queue has room for them (`QueueState.room`, as `reserve`
+        asks), else say why not: a reservation and its queueing in one step, for items that come decoded."""
+        shared, now = Reservation(self, 0), time.monotonic()
+        for work in works:
+            work.request, work.enqueued = shared, now
+        with self._condition:
+            no_room = self._state().room(len(works), deadline=deadline, now=now)
+            if no_room is not None:
+                return no_room
+            self._queue.extend(works)
+            self._condition.notify_all()
+        return None
 
     def process(self, works: Sequence[Work], reservation: Reservation, *,
                 cancelled: threading.Event | None = None) -> list[Any]:

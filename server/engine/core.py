@@ -116,15 +116,21 @@ class EngineCore(EngineClient):
         self.served(model).batcher.wait(works, cancelled=cancelled)
         return {submission.key: ran(work) for submission, work in zip(submissions, works)}
 
-    def submit(self, model: str, places: Reservation | None, submissions: Sequence[Submission], *,
-               on_done: Callable[[int, Work], None] | None = None) -> list[Work]:
-        """Queue a request's items (in the places it held); their `Work`s, whose `done` is set (and `on_done` told,
-        with the item's index) as each ends."""
-        works = [Work(s.group, s.item, s.limit, s.deadline,
-                      on_done=None if on_done is None else functools.partial(on_done, index))
-                 for index, s in enumerate(submissions)]
+    def submit(self, model: str, places: Reservation, submissions: Sequence[Submission]) -> list[Work]:
+        """Queue a request's items in the places it held; their `Work`s, whose `done` is set as each ends."""
+        works = [Work(s.group, s.item, s.limit, s.deadline) for s in submissions]
         self.served(model).batcher.submit(works, places)
         return works
+
+    def offer(self, model: str, submissions: Sequence[Submission], *, deadline: float | None,
+              on_done: Callable[[int, Work], None]) -> list[Work] | NoRoom:
+        """Queue a request's items now if the queue has room for them, else why not (a front process's items,
+        which come decoded); as each ends, `on_done` is told with its index. No event: no one waits on one here,
+        and it would cost more to make than the rest of the `Work`."""
+        works = [Work(s.group, s.item, s.limit, s.deadline, done=None, on_done=functools.partial(on_done, index))
+                 for index, s in enumerate(submissions)]
+        no_room = self.served(model).batcher.offer(works, deadline=deadline)
+        return works if no_room is None else no_room
 
     def cancel(self, model: str, works: Sequence[Work]) -> None:
         """Take the items that have not started out of the queue (none left once the engine closed)."""

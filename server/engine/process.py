@@ -172,19 +172,15 @@ class EngineLoop:
         try:
             region = self._region(front, message.region)
             submissions = [submission(index, spec, region) for index, spec in enumerate(message.items)]
-            places = self.core.reserve(model, len(submissions), deadline=deadline)
-            if isinstance(places, NoRoom):
-                raise places.refusal(deadline=deadline)
             call = Call(model, message.items, region, left=len(submissions))
             with self._lock:
-                lost = front not in self._fronts
-                if not lost:
-                    self._calls[key] = call  # before its first item can end
-            if lost:  # cut meanwhile: no one reads an answer
-                self.core.release(model, places)
-                return
-            works = self.core.submit(model, places, submissions,
-                                     on_done=functools.partial(self._finished, key))
+                if front not in self._fronts:  # cut meanwhile: no one reads an answer
+                    return
+                self._calls[key] = call  # before its first item can end
+            works = self.core.offer(model, submissions, deadline=deadline,
+                                    on_done=functools.partial(self._finished, key))
+            if isinstance(works, NoRoom):
+                raise works.refusal(deadline=deadline)
         except Exception as error:
             with self._lock:
                 self._calls.pop(key, None)

@@ -12,7 +12,7 @@ import pytest
 
 from server.engine import batcher as batcher_module
 from server.engine.batcher import Batcher, Dropped, Work
-from server.errors import NoRoom, Refusal, ScoringError
+from server.errors import NoRoom, Refusal, ScoringError, Transient
 from server.metrics import Metrics
 from server.scoring.pipeline import Pipeline
 from server.scoring.request import GroupKey
@@ -249,6 +249,26 @@ def test_the_expected_wait_is_shared_between_the_runners():
             assert refused.wait == pytest.approx(wait, abs=0.02)
         finally:
             batcher.close()
+
+
+def test_an_offer_queues_a_request_s_items_with_room_and_otherwise_says_why_as_reserve_would(gated):
+    runner, batcher = gated  # queue depth 8
+    running = works(1)
+    batcher.submit(running)
+    wait_until_running(running[0])
+    told = []
+    first = works(5)
+    for work in first:
+        work.on_done = told.append
+    assert batcher.offer(first, deadline=None) is None
+    assert batcher.depth() == 5
+    no_room = batcher.offer(works(4), deadline=None)  # 5 + 4 > 8
+    assert isinstance(no_room, NoRoom) and (no_room.why, no_room.waiting) == (Transient.QUEUE_FULL, 5)
+    assert batcher.reserve(4, deadline=None).why is Transient.QUEUE_FULL
+    assert batcher.depth() == 5  # the refused offer holds nothing
+    runner.gate.set()
+    assert batcher.wait(running + first) == [0, 0, 2, 4, 6, 8]
+    assert sorted(work.result for work in told) == [0, 2, 4, 6, 8]
 
 
 def test_places_of_requests_still_decoding_count_until_they_are_queued_or_given_back():

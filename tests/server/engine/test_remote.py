@@ -310,14 +310,14 @@ def test_a_front_cut_while_its_call_is_being_queued_has_that_call_s_items_droppe
     assert entered.wait(30)  # the engine's runner is busy: the next call's items stay queued
     loop = client.engine_loop
     (engine_side,) = loop._fronts
-    submit = loop.core.submit
+    offer = loop.core.offer
 
-    def submit_then_cut(*args, **kwargs):
-        works = submit(*args, **kwargs)
+    def offer_then_cut(*args, **kwargs):
+        works = offer(*args, **kwargs)
         engine_side.channel.on_cut()  # as a runner's timed-out send to this front runs it, on its own thread
         return works
 
-    loop.core.submit = submit_then_cut
+    loop.core.offer = offer_then_cut
     second.start()
     try:
         assert wait_for(lambda: not loop._calls and batcher.depth() == 0, 5), \
