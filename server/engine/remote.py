@@ -282,7 +282,7 @@ class RemoteClient(EngineClient):
         """The call's answers by item index; raises its refusal, or CANCELLED / DEADLINE_EXCEEDED (the engine is
         then told to drop what it holds of it)."""
         try:
-            while not ended(pending.done):
+            while not ended(pending.done, deadline):
                 if cancelled is not None and cancelled.is_set():
                     self._end(call, pending)
                     raise ScoringError(Refusal.CANCELLED, "the call was cancelled")
@@ -395,10 +395,11 @@ class RemoteClient(EngineClient):
             event.set()
 
 
-def ended(done: queue.SimpleQueue) -> bool:
-    """Whether `done` was given its value within POLL_SECONDS."""
+def ended(done: queue.SimpleQueue, deadline: float | None) -> bool:
+    """Whether `done` was given its value within POLL_SECONDS, or by `deadline` when that comes first."""
+    timeout = POLL_SECONDS if deadline is None else min(POLL_SECONDS, max(deadline - time.monotonic(), 0.0))
     try:
-        done.get(timeout=POLL_SECONDS)
+        done.get(timeout=timeout)
     except queue.Empty:
         return False
     return True
