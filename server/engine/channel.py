@@ -106,7 +106,8 @@ class Channel:
 
 
 def connect(path: str) -> Channel | None:
-    """A channel to the engine listening at `path`; None while it is not listening (not started yet, or gone)."""
+    """A channel to the engine listening at `path`; None while it is not listening (not started yet, or gone). Any
+    other failure to connect is raised."""
     try:
         return Channel(Client(path, family="AF_UNIX"))
     except (FileNotFoundError, ConnectionRefusedError):

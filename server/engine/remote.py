@@ -323,16 +323,27 @@ class RemoteClient(EngineClient):
     def _link(self) -> None:
         """Connect to the engine, say which front this is, and read its answers until the connection ends; then,
         the engine gone, fail what waits for it and connect again."""
+        said = ""  # the last failure to connect logged: one that persists is logged once
         while not self._stopping.is_set():
-            channel = connect(self._engine_address)
+            try:
+                channel = connect(self._engine_address)
+            except OSError as error:  # its backlog full, no descriptor left: tried again, as a missing engine is
+                if str(error) != said:
+                    LOG.warning("cannot connect to the engine (%s): trying again", error)
+                    said = str(error)
+                channel = None
             if channel is None:  # not listening: not warm yet, or being started again
                 self._stopping.wait(RECONNECT_SECONDS)
                 continue
+            said = ""
             self._channel = channel
             if self._stopping.is_set() or not channel.send(Hello(self.front)):
                 channel.close()
             for message in channel.messages(decode_from_engine, reader="this front"):
-                self._handle(message)
+                try:
+                    self._handle(message)
+                except Exception:  # a bug in one answer's handling never stops this front hearing the engine
+                    LOG.exception("this front failed handling the engine's %s", type(message).__name__)
             self._channel = None
             if self._stopping.is_set():
                 return

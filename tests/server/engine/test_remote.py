@@ -362,3 +362,21 @@ def test_a_call_cancelled_as_the_engine_goes_waits_for_no_acknowledgement_and_ke
     first.join(30)
     assert client.allocator.used_bytes == 0, "arrays of a call the engine can no longer write were kept"
     assert ended < 0.9, f"the call waited {ended:.1f} s for an acknowledgement from a connection already ended"
+
+
+def test_a_front_that_cannot_connect_for_a_moment_tries_again(tiny_model_path, monkeypatch):
+    """A connection refused for another reason than a missing engine (its backlog full: EAGAIN) is tried again, as a
+    missing engine is: the front is not left refusing every call for good."""
+    from server.engine import remote
+
+    failures = [BlockingIOError(11, "Resource temporarily unavailable")] * 3
+    real = remote.connect
+
+    def connect(path: str):
+        if failures:
+            raise failures.pop()
+        return real(path)
+
+    monkeypatch.setattr(remote, "connect", connect)
+    with engine_process_in_this_one([tiny_model_path], settings()) as client:
+        assert not failures and client.ready
