@@ -65,17 +65,25 @@ def calls_refused_into(pipeline, refusals: list, *scales: list[int]) -> list[thr
     return [threading.Thread(target=call, args=(each,), daemon=True) for each in scales]
 
 
+def one_running(pipeline, batcher) -> tuple[threading.Event, threading.Thread, list]:
+    """A request whose item runs in the engine, held until the gate is set; its thread, and where its refusal
+    goes."""
+    gate, entered = held(batcher)
+    refusals = []
+    (call,) = calls_refused_into(pipeline, refusals, [96])
+    call.start()
+    assert entered.wait(30)
+    return gate, call, refusals
+
+
 def one_running_one_queued(pipeline, batcher) -> tuple[threading.Event, list[threading.Thread], list]:
     """Two requests: the first's item running in the engine (held until the gate is set), the second's two items
     queued behind it; their threads, and where their refusals go."""
-    gate, entered = held(batcher)
-    refusals = []
-    calls = calls_refused_into(pipeline, refusals, [96], [96, 128])
-    calls[0].start()
-    assert entered.wait(30)
-    calls[1].start()
+    gate, first, refusals = one_running(pipeline, batcher)
+    (second,) = calls_refused_into(pipeline, refusals, [96, 128])
+    second.start()
     assert wait_for(lambda: batcher.depth() == 2)
-    return gate, calls, refusals
+    return gate, [first, second], refusals
 
 
 def test_answers_cross_as_in_one_process(tiny_model_path, front):
@@ -274,11 +282,7 @@ def test_arrays_of_calls_in_flight_are_reused_only_when_the_engine_ended_the_con
     """A connection the engine ended (its process gone, or it cut the front after forgetting its calls) writes
     nothing more; one this front cut (a write the engine took nothing of) may still be written by a live engine."""
     pipeline, client, batcher = front
-    gate, entered = held(batcher)
-    refusals = []
-    (calling,) = calls_refused_into(pipeline, refusals, [96])
-    calling.start()
-    assert entered.wait(30)
+    gate, calling, refusals = one_running(pipeline, batcher)
     assert client.allocator.used_bytes > 0  # its canvas in the region
     channel = client._channel
     channel.cut = cut_here  # as a send that timed out leaves it, or not
@@ -349,11 +353,7 @@ def test_a_call_cancelled_as_the_engine_goes_waits_for_no_acknowledgement_and_ke
     """The engine ended the connection, so it writes nothing more for the call: its arrays are reused, and the call
     does not wait for an acknowledgement that cannot come."""
     pipeline, client, batcher = front
-    gate, entered = held(batcher)
-    refusals = []
-    (first,) = calls_refused_into(pipeline, refusals, [96])
-    first.start()
-    assert entered.wait(30)
+    gate, first, _refusals = one_running(pipeline, batcher)
     started = time.monotonic()
     with pytest.raises(ScoringError):
         pipeline.score(raw_request(PIXELS, scales=[128]), cancelled=CancelledAsTheEngineGoes(client, batcher))
