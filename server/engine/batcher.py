@@ -226,12 +226,15 @@ class Batcher:
                       margin=0.0, done=0.0, max_queue=self._max_queue,
                       seconds_per_item=self._queue_pace()).refusal(deadline=None)
 
-    def cancel(self, works: Sequence[Work]) -> None:
-        """Take the items that have not started out of the queue."""
+    def cancel(self, works: Sequence[Work]) -> int:
+        """Take the items that have not started out of the queue; how many were still in it (a runner may hold
+        others, taken out as expired and not yet failed)."""
         with self._condition:
             dropped = set(works)
-            self._queue = [w for w in self._queue if w not in dropped]
+            kept = [w for w in self._queue if w not in dropped]
+            taken, self._queue = len(self._queue) - len(kept), kept
             self._condition.notify_all()
+        return taken
 
     def wait(self, works: Sequence[Work], *, cancelled: threading.Event | None = None) -> list[Any]:
         """The items' results, in order; raises their error, or CANCELLED / DEADLINE_EXCEEDED while queued."""
@@ -241,10 +244,11 @@ class Batcher:
                     self.cancel(works)
                     raise ScoringError(Refusal.CANCELLED, "the call was cancelled")
                 if work.deadline is not None and time.monotonic() > work.deadline and not work.started:
-                    self.cancel(works)
+                    # Each drop is counted once, by whoever took the item out of the queue: here those still in
+                    # it; those a runner took as expired, by that runner as it fails them.
+                    for _ in range(self.cancel(works)):
+                        self._report_drop(Dropped.DEADLINE)
                     if not work.started:  # still not taken once out of the queue: never computed
-                        for _ in range(sum(not w.started for w in works)):
-                            self._report_drop(Dropped.DEADLINE)
                         raise ScoringError(
                             Refusal.DEADLINE_EXCEEDED,
                             f"the deadline passed after {1000 * (time.monotonic() - work.enqueued):.0f} ms "

@@ -374,6 +374,35 @@ def test_an_expired_item_is_failed_outside_the_queue_s_lock():
         batcher.close()
 
 
+def test_an_item_a_runner_took_as_expired_is_counted_once_when_its_caller_sees_its_deadline_first():
+    """A runner fails the expired items it took out of the queue one by one, outside the queue's lock: a caller
+    that sees its deadline pass meanwhile finds its item already taken, and leaves its drop to the runner."""
+    first_told, caller_gone, drops = threading.Event(), threading.Event(), []
+
+    def on_drop(reason: Dropped) -> None:
+        drops.append(reason)
+        if len(drops) == 1:  # the runner still holds the other expired item, not yet failed
+            first_told.set()
+            caller_gone.wait(5)
+
+    batcher = Batcher(lambda batch: [w.payload for w in batch], max_batch=4, max_delay_seconds=0.05, queue_depth=8,
+                      max_queue_seconds=60, on_drop=on_drop)
+    try:
+        deadline = time.monotonic() + 0.01  # passed before the first item's 50 ms batching delay ends
+        earlier, later = works(1, deadline=deadline), works(1, deadline=deadline)
+        batcher.submit(earlier)
+        batcher.submit(later)
+        assert first_told.wait(5)
+        with pytest.raises(ScoringError, match="deadline"):
+            batcher.wait(later)
+        caller_gone.set()
+        assert later[0].done.wait(5)
+        assert drops == [Dropped.DEADLINE, Dropped.DEADLINE], "an item dropped once was counted twice"
+    finally:
+        caller_gone.set()
+        batcher.close()
+
+
 class OutcomeRunner:
     """Runs a batch as `outcome` says; a batch keyed "blocker" waits for `gate`."""
 
