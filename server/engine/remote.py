@@ -299,7 +299,8 @@ class RemoteClient(EngineClient):
 
     def _end(self, call: int, pending: Pending) -> None:
         """Tell the engine to drop what it holds of `call`; its acknowledgement is awaited by `_ended`. A call no
-        longer pending was failed as its connection ended (`_fail_all`): no acknowledgement comes."""
+        longer pending was answered whole, or failed as its connection ended (`_fail_all`): the engine holds nothing
+        of it, and no acknowledgement comes."""
         with self._lock:
             if call not in self._pending:
                 return
@@ -366,23 +367,25 @@ class RemoteClient(EngineClient):
             if self.on_ready is not None:
                 self.on_ready(True)
             return
+        complete = False
         with self._lock:
             pending = self._pending.get(message.call)
             ending = self._ending.get(message.call) if isinstance(message, Failed) else None
             state = message.state if isinstance(message, Queue) else getattr(message, "queue", None)
             if state is not None and pending is not None and pending.model is not None:
                 self._heard(pending.model, state)
+            if ending is None and pending is not None:  # none once it ended here (cancelled, its deadline passed)
+                if isinstance(message, Failed):
+                    pending.error = message.error()
+                else:
+                    pending.answers[message.index if isinstance(message, Done) else 0] = message
+                # Its answer is whole: no longer pending, so the connection's end (`_fail_all`) cannot fail it.
+                complete = pending.error is not None or len(pending.answers) == pending.expected
+                if complete:
+                    del self._pending[message.call]
         if ending is not None:  # the engine's acknowledgement of an ended call
             ending.set()
-            return
-        if pending is None:  # the call ended (cancelled, its deadline passed): nothing waits for it
-            return
-        if isinstance(message, Failed):
-            pending.error = message.error()
-            pending.end()
-            return
-        pending.answers[message.index if isinstance(message, Done) else 0] = message
-        if len(pending.answers) == pending.expected:
+        elif complete:
             pending.end()
 
     def _heard(self, model: str, state: QueueState) -> None:

@@ -380,3 +380,32 @@ def test_a_front_that_cannot_connect_for_a_moment_tries_again(tiny_model_path, m
     monkeypatch.setattr(remote, "connect", connect)
     with engine_process_in_this_one([tiny_model_path], settings()) as client:
         assert not failures and client.ready
+
+
+def test_a_call_whose_answers_all_came_is_not_failed_by_the_connection_ending_just_after(front, monkeypatch):
+    """The engine answers a call's last item, then its connection ends (its process gone) before the call's thread
+    wakes: the call has every answer, and the engine writes nothing more for it, so it returns them."""
+    from server.engine import remote
+
+    pipeline, client, _batcher = front
+    loop, failed_all = client.engine_loop, threading.Event()
+    finished, fail_all, real_ended = loop._finished, client._fail_all, remote.ended
+
+    def finished_then_gone(key, index, work) -> None:
+        finished(key, index, work)
+        key[0].channel.close()
+
+    def failing_all(*args, **kwargs) -> None:
+        fail_all(*args, **kwargs)
+        failed_all.set()
+
+    def ended_once_the_connection_ended(done, deadline) -> bool:  # the call's thread wakes late
+        if not real_ended(done, deadline):
+            return False
+        assert failed_all.wait(10), "the connection never ended"
+        return True
+
+    loop._finished, client._fail_all = finished_then_gone, failing_all
+    monkeypatch.setattr(remote, "ended", ended_once_the_connection_ended)
+    answer = pipeline.score(raw_request(PIXELS, scales=[96], return_maps=True))
+    assert answer.maps and client.allocator.used_bytes == 0
