@@ -232,13 +232,29 @@ class EngineLoop:
     def _finished(self, key: tuple[Front, int], index: int, work: Work) -> None:
         """A batcher runner ended item `index` of a call: answered from that thread, then, the engine idle, its
         arena told (after the answer: it is not the caller's wait)."""
-        answer = self._done(key, index, work)
+        try:
+            answer = self._done(key, index, work)
+        except Exception as error:  # a bug answering one item never leaves its call waiting for good
+            LOG.exception("the engine failed answering an item")
+            answer = self._fail(key, ScoringError(Refusal.INTERNAL, f"the engine failed answering the request: {error}"))
         if answer is not None:
             key[0].channel.send(answer)
             with self._lock:
                 idle = not self._calls
             if idle and self._on_idle is not None:
                 self._on_idle()
+
+    def _fail(self, key: tuple[Front, int], error: ScoringError) -> Failed | None:
+        """End a call with `error`: forgotten under the lock (nothing more is written for it), its items not yet run
+        dropped; its refusal, or None when it had ended already."""
+        with self._lock:
+            call = self._calls.pop(key, None)
+            if call is None or call.ended:
+                return None
+            call.ended = True
+        if call.works:
+            self.core.cancel(call.model, call.works)
+        return Failed.of(key[1], error, self._queue_state(call.model))
 
     def _facts(self) -> Facts:
         facts = self.core.facts
@@ -251,32 +267,25 @@ class EngineLoop:
         front's region (or sent inline), or the call's refusal (once; its other items are then cancelled); None
         when no one waits for it any more. The lattice is written under the lock, for a call still held: once a
         call is ended (`_abort`) or failed, nothing more is written into the arrays its front may then reuse."""
+        if work.error is not None:
+            return self._fail(key, work.error)
         inline, shape, dtype = b"", (), ""
         with self._lock:
             call = self._calls.get(key)
             if call is None or call.ended:
                 return None
-            if work.error is not None:
-                call.ended = True
+            spec, scored = call.specs[index], work.result
+            lattice = scored.lattice
+            if lattice is not None:
+                shape, dtype = lattice.shape, lattice.dtype.str
+                fits = lattice.nbytes <= spec.lattice_bytes and spec.lattice_offset + lattice.nbytes <= call.region.size
+                if spec.lattice_offset >= 0 and fits:
+                    call.region.array(spec.lattice_offset, lattice.shape, lattice.dtype)[...] = lattice
+                else:
+                    inline = lattice.tobytes()
+            call.left -= 1
+            if call.left == 0:
                 self._calls.pop(key, None)
-                works = list(call.works)
-            else:
-                spec, scored = call.specs[index], work.result
-                lattice = scored.lattice
-                if lattice is not None:
-                    shape, dtype = lattice.shape, lattice.dtype.str
-                    fits = lattice.nbytes <= spec.lattice_bytes and spec.lattice_offset + lattice.nbytes <= call.region.size
-                    if spec.lattice_offset >= 0 and fits:
-                        call.region.array(spec.lattice_offset, lattice.shape, lattice.dtype)[...] = lattice
-                    else:
-                        inline = lattice.tobytes()
-                call.left -= 1
-                if call.left == 0:
-                    self._calls.pop(key, None)
-        if work.error is not None:
-            if works:
-                self.core.cancel(call.model, works)
-            return Failed.of(key[1], work.error, self._queue_state(call.model))
         return Done(key[1], index, scored.probabilities.astype(np.float32, copy=False).tobytes(),
                     scored.planning_seconds, work.enqueued, work.started, work.run_seconds, work.batch_id, shape,
                     dtype, inline, self._queue_state(call.model))

@@ -409,3 +409,24 @@ def test_a_call_whose_answers_all_came_is_not_failed_by_the_connection_ending_ju
     monkeypatch.setattr(remote, "ended", ended_once_the_connection_ended)
     answer = pipeline.score(raw_request(PIXELS, scales=[96], return_maps=True))
     assert answer.maps and client.allocator.used_bytes == 0
+
+
+def test_a_call_whose_answer_the_engine_fails_to_make_is_refused_not_left_waiting(front, monkeypatch):
+    """A bug in making one item's answer (here: its lattice cannot be written) ends the call with INTERNAL; a call
+    with no deadline would otherwise wait for good."""
+    pipeline, client, _batcher = front
+    loop = client.engine_loop
+
+    def failing(*args):
+        raise ValueError("a lattice that cannot be written")
+
+    monkeypatch.setattr(loop, "_done", failing)
+    refusals = []
+    (calling,) = calls_refused_into(pipeline, refusals, [96])
+    calling.start()
+    calling.join(10)
+    assert not calling.is_alive(), "the call still waits for an answer the engine failed to make"
+    assert refusals == [Refusal.INTERNAL]
+    assert wait_for(lambda: not loop._calls, 5)
+    monkeypatch.undo()
+    assert pipeline.score(raw_request(PIXELS, scales=[96])).top_k  # the engine answers the next call
