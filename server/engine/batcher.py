@@ -226,15 +226,17 @@ class Batcher:
                       margin=0.0, done=0.0, max_queue=self._max_queue,
                       seconds_per_item=self._queue_pace()).refusal(deadline=None)
 
-    def cancel(self, works: Sequence[Work]) -> int:
-        """Take the items that have not started out of the queue; how many were still in it (a runner may hold
-        others, taken out as expired and not yet failed)."""
+    def cancel(self, works: Sequence[Work], *, dropped: Dropped | None = None) -> None:
+        """Take the items that have not started out of the queue; given `dropped`, count each one still in it as
+        dropped for that reason (a runner counts those it took out as expired itself: each drop counts once)."""
         with self._condition:
-            dropped = set(works)
-            kept = [w for w in self._queue if w not in dropped]
+            cancelled = set(works)
+            kept = [w for w in self._queue if w not in cancelled]
             taken, self._queue = len(self._queue) - len(kept), kept
             self._condition.notify_all()
-        return taken
+        if dropped is not None:
+            for _ in range(taken):
+                self._report_drop(dropped)
 
     def wait(self, works: Sequence[Work], *, cancelled: threading.Event | None = None) -> list[Any]:
         """The items' results, in order; raises their error, or CANCELLED / DEADLINE_EXCEEDED while queued."""
@@ -244,10 +246,7 @@ class Batcher:
                     self.cancel(works)
                     raise ScoringError(Refusal.CANCELLED, "the call was cancelled")
                 if work.deadline is not None and time.monotonic() > work.deadline and not work.started:
-                    # Each drop is counted once, by whoever took the item out of the queue: here those still in
-                    # it; those a runner took as expired, by that runner as it fails them.
-                    for _ in range(self.cancel(works)):
-                        self._report_drop(Dropped.DEADLINE)
+                    self.cancel(works, dropped=Dropped.DEADLINE)
                     if not work.started:  # still not taken once out of the queue: never computed
                         raise ScoringError(
                             Refusal.DEADLINE_EXCEEDED,

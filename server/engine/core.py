@@ -24,7 +24,7 @@ from server.engine.client import CanvasStore, EngineClient, EngineFacts, PlanKey
 from server.engine.device_graph import LATTICE
 from server.engine.plans import PlanCache
 from server.engine.providers import Engine, EngineError
-from server.errors import NoRoom, Refusal, ScoringError
+from server.errors import Dropped, NoRoom, Refusal, ScoringError
 from server.geometry.buckets import Buckets
 from server.memory.arena import CPU_ARENA
 from server.memory.device import MemoryBudget, PlanMemory
@@ -132,11 +132,12 @@ class EngineCore(EngineClient):
         no_room = self.served(model).batcher.offer(works, deadline=deadline)
         return works if no_room is None else no_room
 
-    def cancel(self, model: str, works: Sequence[Work]) -> None:
-        """Take the items that have not started out of the queue (none left once the engine closed)."""
+    def cancel(self, model: str, works: Sequence[Work], *, dropped: Dropped | None = None) -> None:
+        """Take the items that have not started out of the queue (none left once the engine closed); given
+        `dropped`, each counts as dropped for that reason."""
         served = self._served.get(model)
         if served is not None:
-            served.batcher.cancel(works)
+            served.batcher.cancel(works, dropped=dropped)
 
     def warm(self, model: str, keys: Sequence[PlanKey], *, background: bool = False) -> list[str]:
         plans, failures = self.served(model).plans, []

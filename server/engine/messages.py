@@ -84,9 +84,11 @@ class Submit(msgspec.Struct, **STRUCT):
 
 
 class Abort(msgspec.Struct, **STRUCT):
-    """The call ended (cancelled, its deadline passed, or its items are no longer wanted): drop what has not run."""
+    """The call ended (cancelled, its deadline passed, or its items are no longer wanted): drop what has not run,
+    counted as dropped at its deadline when `expired` (as one process counts it)."""
 
     call: int
+    expired: bool = False
 
 
 class Warm(msgspec.Struct, **STRUCT):

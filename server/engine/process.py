@@ -30,7 +30,7 @@ from server.engine.core import EngineCore
 from server.engine.messages import (Abort, Ask, Done, Facts, Failed, Hello, ItemSpec, Queue, Submit, Warm, Warmed,
                                     decode_to_engine, plan_key)
 from server.engine.shm import Region
-from server.errors import NoRoom, Refusal, ScoringError
+from server.errors import Dropped, NoRoom, Refusal, ScoringError
 from server.scoring.request import GroupKey, Item, ItemKey
 
 __all__ = ["EngineLoop"]
@@ -160,7 +160,7 @@ class EngineLoop:
             except ScoringError as error:
                 front.channel.send(Failed.of(message.call, error))
         elif isinstance(message, Abort):
-            self._abort(front, message.call)
+            self._abort(front, message.call, expired=message.expired)
         elif isinstance(message, Warm):
             titled(self._warm, "engine-warm", front, message).start()
 
@@ -201,15 +201,16 @@ class EngineLoop:
         except ScoringError:
             return None
 
-    def _abort(self, front: Front, call_id: int) -> None:
-        """Forget a call, drop its items not yet run, and tell the front, which may then reuse its arrays' memory
-        (the engine writes a lattice only under the lock, for a call it still holds)."""
+    def _abort(self, front: Front, call_id: int, *, expired: bool) -> None:
+        """Forget a call, drop its items not yet run (counted as dropped at their deadline when it `expired`), and
+        tell the front, which may then reuse its arrays' memory (the engine writes a lattice only under the lock,
+        for a call it still holds)."""
         with self._lock:
             call = self._calls.pop((front, call_id), None)
             if call is not None:
                 call.ended = True
         if call is not None and call.works:
-            self.core.cancel(call.model, call.works)
+            self.core.cancel(call.model, call.works, dropped=Dropped.DEADLINE if expired else None)
         front.channel.send(Failed.of(call_id, ScoringError(Refusal.CANCELLED, "the call was ended")))
 
     def _warm(self, front: Front, message: Warm) -> None:

@@ -287,7 +287,7 @@ class RemoteClient(EngineClient):
                     self._end(call, pending)
                     raise ScoringError(Refusal.CANCELLED, "the call was cancelled")
                 if deadline is not None and time.monotonic() > deadline:
-                    self._end(call, pending)
+                    self._end(call, pending, expired=True)
                     raise ScoringError(Refusal.DEADLINE_EXCEEDED,
                                        "the deadline passed before the engine answered; dropped")
         finally:
@@ -297,7 +297,7 @@ class RemoteClient(EngineClient):
             raise pending.error.detached()
         return pending.answers
 
-    def _end(self, call: int, pending: Pending) -> None:
+    def _end(self, call: int, pending: Pending, *, expired: bool = False) -> None:
         """Tell the engine to drop what it holds of `call`; its acknowledgement is awaited by `_ended`. A call no
         longer pending was answered whole, or failed as its connection ended (`_fail_all`): the engine holds nothing
         of it, and no acknowledgement comes."""
@@ -305,7 +305,7 @@ class RemoteClient(EngineClient):
             if call not in self._pending:
                 return
             self._ending[call] = threading.Event()
-        self._send(Abort(call), call, pending, quiet=True)
+        self._send(Abort(call, expired), call, pending, quiet=True)
 
     def _ended(self, call: int, pending: Pending) -> bool:
         """Whether the engine acknowledged ending `call` (after which it writes nothing more for it), within

@@ -196,6 +196,21 @@ def test_an_expired_item_is_dropped_by_the_engine_before_it_runs(front):
     assert ran == [1]  # the expired item never ran
 
 
+def test_an_item_whose_deadline_passes_in_the_queue_counts_as_dropped_once_as_in_one_process(front):
+    """The front sees the deadline pass and ends the call; the engine counts the item it takes out of the queue."""
+    pipeline, client, batcher = front
+    gate, first, _refusals = one_running(pipeline, batcher)
+    with pytest.raises(ScoringError) as caught:
+        pipeline.score(raw_request(PIXELS, scales=[128]), deadline=time.monotonic() + 0.5)
+    assert caught.value.refusal is Refusal.DEADLINE_EXCEEDED
+    assert wait_for(lambda: batcher.depth() == 0)
+    gate.set()
+    first.join(30)
+    dropped = client.engine_metrics.registry.get_sample_value("scoremap_dropped_total",
+                                                              {"model": "tiny", "reason": "deadline"})
+    assert dropped == 1
+
+
 def test_a_front_that_goes_away_frees_what_it_held(front):
     pipeline, client, batcher = front
     gate, calls, refusals = one_running_one_queued(pipeline, batcher)
