@@ -142,7 +142,7 @@ def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
         return 0
     if not all("listening on" in line for line in lines):
         stop(children, grace=0.0)
-        return next((child.process.returncode for child in children if child.process.returncode), 2)
+        return failed_start_status(children)
     threading.Thread(target=drain_output, args=(engine,), name="engine-stdout", daemon=True).start()
     announce([front.process for front in fronts], lines)
     if settings.metrics_port is not None:
@@ -172,6 +172,12 @@ def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
             threading.Thread(target=relay, args=(child,), name=f"{child.role}-stdout", daemon=True).start()
     drain(engine, fronts, grace=settings.grace_seconds)
     return 0
+
+
+def failed_start_status(children: Sequence[Child]) -> int:
+    """The server's exit status when it could not start: the first child's own (the engine's comes first: 2 cannot
+    load, 3 warm-up failed), or 2 when each ended by a signal (a crash, or the stop), which gives no status."""
+    return next((code for child in children if (code := child.process.returncode) is not None and code > 0), 2)
 
 
 def drain(engine: Child, fronts: Sequence[Child], *, grace: float) -> None:

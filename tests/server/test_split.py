@@ -288,3 +288,18 @@ def test_fronts_and_workers_together_are_refused_naming_both(tiny_model_path):
                               capture_output=True, text=True, timeout=60)
     assert finished.returncode == 2
     assert "--fronts 2 and --workers 2 both split the server into processes: give one" in finished.stderr
+
+
+def test_a_failed_start_ends_with_a_child_s_own_status_never_a_signal_s():
+    """A child that exited with a status gives it (the engine's first); one that died by a signal gives none: 2."""
+    from server.split import Child, failed_start_status
+
+    def ended(script: str) -> Child:
+        command = ["sh", "-c", script]
+        child = Child("front:0", command, dict(os.environ), process=subprocess.Popen(command))
+        child.process.wait(30)
+        return child
+
+    killed, warm_up_failed, stopped = ended("kill -9 $$"), ended("exit 3"), ended("kill -15 $$")
+    assert failed_start_status([killed, warm_up_failed, stopped]) == 3
+    assert failed_start_status([killed, stopped]) == 2
