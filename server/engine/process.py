@@ -205,12 +205,7 @@ class EngineLoop:
         """Forget a call, drop its items not yet run (counted as dropped at their deadline when it `expired`), and
         tell the front, which may then reuse its arrays' memory (the engine writes a lattice only under the lock,
         for a call it still holds)."""
-        with self._lock:
-            call = self._calls.pop((front, call_id), None)
-            if call is not None:
-                call.ended = True
-        if call is not None and call.works:
-            self.core.cancel(call.model, call.works, dropped=Dropped.DEADLINE if expired else None)
+        self._end_call((front, call_id), dropped=Dropped.DEADLINE if expired else None)
         front.channel.send(Failed.of(call_id, ScoringError(Refusal.CANCELLED, "the call was ended")))
 
     def _warm(self, front: Front, message: Warm) -> None:
@@ -246,16 +241,21 @@ class EngineLoop:
                 self._on_idle()
 
     def _fail(self, key: tuple[Front, int], error: ScoringError) -> Failed | None:
-        """End a call with `error`: forgotten under the lock (nothing more is written for it), its items not yet run
-        dropped; its refusal, or None when it had ended already."""
+        """End a call with `error`: its refusal, or None when it had ended already."""
+        call = self._end_call(key)
+        return None if call is None else Failed.of(key[1], error, self._queue_state(call.model))
+
+    def _end_call(self, key: tuple[Front, int], *, dropped: Dropped | None = None) -> Call | None:
+        """Forget a call under the lock (nothing more is written or run for it) and drop its items not yet run
+        (counted as `dropped`, when given); the call, or None when it had ended already."""
         with self._lock:
             call = self._calls.pop(key, None)
-            if call is None or call.ended:
+            if call is None:
                 return None
-            call.ended = True
+            call.ended = True  # for its `_submit`, which may not know its works yet
         if call.works:
-            self.core.cancel(call.model, call.works)
-        return Failed.of(key[1], error, self._queue_state(call.model))
+            self.core.cancel(call.model, call.works, dropped=dropped)
+        return call
 
     def _facts(self) -> Facts:
         facts = self.core.facts
@@ -273,7 +273,7 @@ class EngineLoop:
         inline, shape, dtype = b"", (), ""
         with self._lock:
             call = self._calls.get(key)
-            if call is None or call.ended:
+            if call is None:  # ended: nothing more is written for it
                 return None
             spec, scored = call.specs[index], work.result
             lattice = scored.lattice
