@@ -6,12 +6,13 @@ would reach one front), stride 32, top-5, one intra-op thread (a plan's run then
 photos: samples/cat.jpg enlarged to 384, a 600x512 JPEG shrunk to 384, a 12-megapixel JPEG shrunk to 768, each
 server warmed up at its photo's scale (its canvas one of the buckets: one item per request, not tiles). Per level:
 throughput and each process's CPU per request from /proc, the means of two levels of each layout, alternated; at one
-client, both servers up at once and their calls alternated one for one, each one's p50. The engine's own work per
-request is its CPU less its batcher threads' (the plans' runs and the batching around them), both read in the same
-level. Targets (the engine split's): the engine's own CPU per request <= 0.3 ms; a front's CPU per request (the
-fronts' CPU over the requests they shared) no more than the single process's; at one client the split adds <= 0.3 ms
-p50; batching on >= 0.95x off at 1 and 4 clients; `--fronts 2` >= 0.85x the single process's req/s at 16 clients;
-the idle server with 2 fronts <= 350 MiB PSS + 60 MiB per front, shared memory counted.
+client, both servers up at once and their calls alternated one for one, each one's p50, and the added p50's 95%
+bootstrap interval over the call pairs. The engine's own work per request is its CPU less its batcher threads' (the
+plans' runs and the batching around them), both read in the same level. Targets (the engine split's): the engine's
+own CPU per request <= 0.3 ms; a front's CPU per request (the fronts' CPU over the requests they shared) no more than
+the single process's; at one client the split adds <= 0.3 ms p50; batching on >= 0.95x off at 1 and 4 clients;
+`--fronts 2` >= 0.85x the single process's req/s at 16 clients; the idle server with 2 fronts <= 350 MiB PSS + 60 MiB
+per front, shared memory counted.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import pathlib
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 
 import grpc
+import numpy as np
 from PIL import Image
 
 from bench.bench_overload import process_cpu_seconds, start_server
@@ -46,6 +49,7 @@ LATENCY_TARGET_MS = 0.3
 ONE_CLIENT_SECONDS = 40.0
 ONE_CLIENT_CALLS = 200
 ONE_CLIENT_WARM_UP = 20
+RESAMPLES = 2000  # bootstrap draws of the call pairs behind the added p50's 95% interval
 RATE_TARGET = 0.85
 BATCHING_TARGET = 0.95
 BATCHING = {"on": ("--max-batch", "8"), "off": ("--max-batch", "1")}
@@ -154,10 +158,35 @@ def means(levels: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.mean(each[key] for each in levels) for key in levels[0]}
 
 
-def one_client_p50s(model: str, folder: pathlib.Path, *, image: bytes, scale: int) -> tuple[float, float, int]:
+@dataclass(frozen=True)
+class OneClient:
+    """p50 ms at one client of one process and of the split, and the split's added p50 with its 95% interval."""
+
+    single: float
+    split: float
+    low: float
+    high: float
+    calls: int
+
+    @property
+    def added(self) -> float:
+        return self.split - self.single
+
+
+def added_interval(single: np.ndarray, split: np.ndarray, *, seed: int = 0) -> tuple[float, float]:
+    """The 95% bootstrap interval of median(split) - median(single), resampling the alternated calls in pairs (a
+    pair's two calls saw the machine alike)."""
+    draws = np.random.default_rng(seed).integers(0, len(single), size=(RESAMPLES, len(single)))
+    added = np.median(split[draws], axis=1) - np.median(single[draws], axis=1)
+    low, high = np.percentile(added, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def one_client_p50s(model: str, folder: pathlib.Path, *, image: bytes, scale: int) -> OneClient:
     """p50 ms at one client of one process and of `--fronts FRONTS`, both serving at once, their calls alternated
-    one for one (for ONE_CLIENT_SECONDS, at least ONE_CLIENT_CALLS each): the machine's drift falls on both alike. Levels run one after the other on
-    servers of their own differed by up to 1 ms here from one start to the next, three times the target."""
+    one for one (for ONE_CLIENT_SECONDS, at least ONE_CLIENT_CALLS each): the machine's drift falls on both alike.
+    Levels run one after the other on servers of their own differed by up to 1 ms here from one start to the next,
+    three times the target."""
     servers, stubs = [], []
     try:
         for fronts in (0, FRONTS):
@@ -176,8 +205,9 @@ def one_client_p50s(model: str, folder: pathlib.Path, *, image: bytes, scale: in
                 started = time.perf_counter()
                 stub.Score(request, timeout=120)
                 each.append(time.perf_counter() - started)
-        single, split = (1000 * statistics.median(each[ONE_CLIENT_WARM_UP:]) for each in seconds)
-        return single, split, len(seconds[0]) - ONE_CLIENT_WARM_UP
+        single, split = (1000 * np.array(each[ONE_CLIENT_WARM_UP:]) for each in seconds)
+        return OneClient(float(np.median(single)), float(np.median(split)), *added_interval(single, split),
+                         calls=len(single))
     finally:
         for server in servers:
             server.terminate()
@@ -231,16 +261,17 @@ def run() -> str:
             for fronts in (0, FRONTS, FRONTS, 0):  # alternated: the machine's drift falls on both alike
                 levels[fronts].append(level(model, folder, fronts=fronts, clients=CLIENTS, image=image, scale=scale))
             single, split = (means(levels[fronts]) for fronts in (0, FRONTS))
-            one_single, one_split, calls = one_client_p50s(model, folder, image=image, scale=scale)
+            one = one_client_p50s(model, folder, image=image, scale=scale)
             engine_own = split["engine"] - split["inference"]
             front_cpu = sum(split[f"front {i}"] for i in range(FRONTS))  # each front serves its connections' share
-            rate, added = split["rate"] / single["rate"], one_split - one_single
+            rate = split["rate"] / single["rate"]
             rows.append(f"| {name} | {single['rate']:.1f} / {split['rate']:.1f} = {rate:.2f}x | "
                         f"{single['cpu']:.2f} / {split['cpu']:.2f} | {front_cpu:.2f} | {split['engine']:.2f} - "
-                        f"{split['inference']:.2f} = {engine_own:.2f} | {one_single:.2f} / "
-                        f"{one_split:.2f} ({added:+.2f}; {calls} calls each) |")
+                        f"{split['inference']:.2f} = {engine_own:.2f} | {one.single:.2f} / "
+                        f"{one.split:.2f} ({one.added:+.2f}, 95% {one.low:+.2f} to {one.high:+.2f}; "
+                        f"{one.calls} calls each) |")
             verdicts.append((name, engine_own <= ENGINE_TARGET_MS, front_cpu <= single["cpu"],
-                             added <= LATENCY_TARGET_MS, rate >= RATE_TARGET))
+                             one.added <= LATENCY_TARGET_MS, rate >= RATE_TARGET))
         image, scale = photos()["cat.jpg 451x300 enlarged to 384"]
         alone = level(model, folder, fronts=0, clients=CLIENTS, image=image, scale=scale)
         workers = level(model, folder, fronts=0, clients=CLIENTS, image=image, scale=scale, flags=("--workers", "2"))
@@ -270,7 +301,8 @@ def run() -> str:
         "counted).",
         "",
         f"| photo | req/s at {CLIENTS} clients, one / split | server CPU ms per request, one / split | the fronts' CPU "
-        "ms | the engine's CPU less its runners', ms | p50 ms at 1 client, one / split (added; calls alternated) |",
+        "ms | the engine's CPU less its runners', ms | p50 ms at 1 client, one / split (added, its 95% interval; "
+        "calls alternated) |",
         "|---|---|---|---|---|---|",
         *rows,
         "",
