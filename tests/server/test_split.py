@@ -192,6 +192,31 @@ def test_a_killed_front_is_replaced_and_the_others_answer_meanwhile(kit, tiny_mo
         assert process.wait(60) == 0
 
 
+def test_the_port_stays_the_server_s_while_every_front_is_started_again(kit, tiny_model_path, tmp_path):
+    """Every front killed at once (a request that crashes the decoder, retried): while none listens, the supervisor
+    still holds the port, so no other process takes it and the new fronts bind it again."""
+    import socket
+
+    with server(tmp_path, tiny_model_path) as (process, port):
+        fronts = [pid for pid, title in titles(process.pid).items() if " front " in title]
+        for front in fronts:
+            os.kill(front, signal.SIGKILL)
+        assert wait_until(lambda: not any(map(alive, fronts)), 10)
+
+        def taken() -> bool:  # by another process, which a bind would be
+            with socket.socket() as other:
+                try:
+                    other.bind(("127.0.0.1", port))
+                except OSError:
+                    return False
+                return True
+
+        assert not wait_until(taken, 3), "the port was free while the fronts were started again"
+        assert score(port, kit.raw_request(PIXELS, scales=[96])).top_k
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+
+
 def test_nothing_of_the_server_outlives_its_killed_supervisor(tiny_model_path, tmp_path):
     """SIGKILL leaves the supervisor no time to act: the kernel sends each process SIGTERM; the fronts unlink their
     shared memory, and every process ends."""
