@@ -195,9 +195,8 @@ def create_server(
     server = ScoringServer(grpc_server, front=front, servicer=servicer, health_servicer=health_servicer,
                            metrics_port=metrics_port, http=http)
 
-    def engine_ready(up: bool) -> None:
-        serving = up and front.ready.is_set() and not front.draining.is_set()
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    def engine_ready(_up: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if front.serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", SERVICE_NAME):
             health_servicer.set(service, status)
 
@@ -217,7 +216,7 @@ def create_server(
                 return
         freeze_startup_heap()
         front.ready.set()
-        if not front.draining.is_set() and pipeline.engine.ready:
+        if front.serving:
             for service in ("", SERVICE_NAME):
                 health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
             LOG.info("ready: health SERVING")

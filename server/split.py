@@ -104,7 +104,12 @@ def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings, 
         return 2
     run = tempfile.mkdtemp(prefix=f"scoremap-{os.getpid()}-")
     try:
-        return _supervise(argv, host=host, port=port, settings=settings, run=run, stopping=stopping)
+        # Held until the server ends, not only while it starts: a port every front left at once (each being started
+        # again) stays the server's, and its new fronts bind it.
+        with contextlib.ExitStack() as ports:
+            port = ports.enter_context(reserved(host, port))
+            http_port = None if settings.http_port is None else ports.enter_context(reserved(host, settings.http_port))
+            return _supervise(argv, port=port, http_port=http_port, settings=settings, run=run, stopping=stopping)
     finally:
         from server.engine.shm import remove_stale
 
@@ -112,30 +117,27 @@ def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings, 
         shutil.rmtree(run, ignore_errors=True)
 
 
-def _supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings, run: str,
+def _supervise(argv: Sequence[str], *, port: int, http_port: int | None, settings: Settings, run: str,
                stopping: threading.Event) -> int:
-    with contextlib.ExitStack() as ports:
-        port = ports.enter_context(reserved(host, port))
-        http_port = None if settings.http_port is None else ports.enter_context(reserved(host, settings.http_port))
-        engine_flags = ["--port", "0", "--reuse-port"]
-        if settings.metrics_port is not None:
-            engine_flags += ["--metrics-port", "0", "--metrics-address", "127.0.0.1"]
-        engine = Child(ROLE_ENGINE, child_argv(argv, role=ROLE_ENGINE, run=run,
-                                               extra=engine_flags), dict(os.environ))
-        front_env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a front never makes a CUDA context
-        fronts = []
-        for index in range(settings.fronts):
-            extra = ["--reuse-port", "--budget-share", str(settings.fronts), "--port", str(port)]
-            if http_port is not None:
-                extra += ["--http-port", str(http_port)]
-            if settings.metrics_port is not None:  # its own, on loopback: the supervisor's scrape shows them all
-                extra += ["--metrics-port", "0", "--metrics-address", "127.0.0.1"]
-            fronts.append(Child(f"{ROLE_FRONT}:{index}",
-                                child_argv(argv, role=f"{ROLE_FRONT}:{index}", run=run, extra=extra), front_env))
-        engine.start()
-        for front in fronts:
-            front.start()
-        lines = first_lines(engine, fronts, stopping)
+    engine_flags = ["--port", "0", "--reuse-port"]
+    if settings.metrics_port is not None:
+        engine_flags += ["--metrics-port", "0", "--metrics-address", "127.0.0.1"]
+    engine = Child(ROLE_ENGINE, child_argv(argv, role=ROLE_ENGINE, run=run,
+                                           extra=engine_flags), dict(os.environ))
+    front_env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a front never makes a CUDA context
+    fronts = []
+    for index in range(settings.fronts):
+        extra = ["--reuse-port", "--budget-share", str(settings.fronts), "--port", str(port)]
+        if http_port is not None:
+            extra += ["--http-port", str(http_port)]
+        if settings.metrics_port is not None:  # its own, on loopback: the supervisor's scrape shows them all
+            extra += ["--metrics-port", "0", "--metrics-address", "127.0.0.1"]
+        fronts.append(Child(f"{ROLE_FRONT}:{index}",
+                            child_argv(argv, role=f"{ROLE_FRONT}:{index}", run=run, extra=extra), front_env))
+    engine.start()
+    for front in fronts:
+        front.start()
+    lines = first_lines(engine, fronts, stopping)
     children = [engine, *fronts]
     if stopping.is_set():  # before every front listened: each stops where it is (a warm-up at its next plan)
         drain(engine, fronts, grace=settings.grace_seconds)

@@ -60,7 +60,7 @@ def worker_argv(argv: Sequence[str], *, settings: Settings, port: int, http_port
 def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
               stopping: threading.Event | None = None) -> int:
     """Run `settings.workers` server processes on host:port until SIGTERM or SIGINT (passed on to each) or until
-    one of them ends (the others are then stopped); the exit status of the first to end, or 0. `stopping`: the
+    one of them ends (the others are then stopped); the exit status of the first to end (`shell_status`), or 0. `stopping`: the
     event the caller's own handlers of those signals set (a signal that came before this was called stops it)."""
     with contextlib.ExitStack() as ports:
         port = ports.enter_context(reserved(host, port))
@@ -83,7 +83,13 @@ def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
             LOG.error("worker process %d ended with status %d: stopping the others", ended.pid, ended.returncode)
             break
     stop(workers, grace=settings.grace_seconds)
-    return ended.returncode if ended is not None else 0
+    return 0 if ended is None else shell_status(ended.returncode)
+
+
+def shell_status(returncode: int) -> int:
+    """A process's end as a shell reports it: its exit status, or 128 + the signal's number for one a signal ended
+    (Popen's negative number, which `sys.exit` would turn into 256 less it)."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def drained_with(supervisor: int) -> Callable[[], None]:

@@ -41,8 +41,9 @@ class Front:
 
     @property
     def serving(self) -> bool:
-        """Warmed up and not draining: what health reports SERVING for."""
-        return self.ready.is_set() and not self.draining.is_set()
+        """Warmed up, not draining, and the engine able to run requests (an engine process may be gone, or starting
+        again): what health reports SERVING for, on every edge."""
+        return self.ready.is_set() and not self.draining.is_set() and self.pipeline.engine.ready
 
     @property
     def active(self) -> int:

@@ -145,6 +145,33 @@ def test_a_killed_engine_is_refused_at_once_then_started_again(kit, tiny_model_p
         assert process.wait(60) == 0
 
 
+def test_http_readiness_follows_the_engine_as_grpc_health_does(tiny_model_path, tmp_path):
+    """/v2/health/ready (a Kubernetes readiness probe's) says 503 while the engine is gone, as gRPC health says
+    NOT_SERVING, and 200 again once a new engine is warm: no probe keeps sending traffic that is refused."""
+    import urllib.error
+    import urllib.request
+
+    def ready(base: str) -> int:
+        try:
+            return urllib.request.urlopen(f"{base}v2/health/ready", timeout=10).status
+        except urllib.error.HTTPError as error:
+            return error.code
+
+    with server(tmp_path, tiny_model_path, "--http-port", "0") as (process, port):
+        line = process.stdout.readline()
+        assert " HTTP on " in line, line
+        base = line.split()[-1]
+        assert ready(base) == 200
+        (engine,) = [pid for pid, title in titles(process.pid).items() if title.endswith("engine")]
+        os.kill(engine, signal.SIGKILL)
+        assert wait_until(lambda: health(port) == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+        assert wait_until(lambda: ready(base) == 503, 10), "HTTP readiness said ready with the engine gone"
+        assert wait_until(lambda: health(port) == health_pb2.HealthCheckResponse.SERVING, 120)
+        assert wait_until(lambda: ready(base) == 200, 10)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+
+
 def test_a_killed_front_is_replaced_and_the_others_answer_meanwhile(kit, tiny_model_path, tmp_path):
     """SIGKILL to a front: the supervisor starts another in its place (removing the dead one's shared memory), and
     calls go on being answered by the front that lived and then by both."""
@@ -161,6 +188,31 @@ def test_a_killed_front_is_replaced_and_the_others_answer_meanwhile(kit, tiny_mo
         assert not [name for name in regions(process.pid) if name.endswith(f"-{front}")]
         for _ in range(10):
             assert score(port, request).top_k
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+
+
+def test_the_port_stays_the_server_s_while_every_front_is_started_again(kit, tiny_model_path, tmp_path):
+    """Every front killed at once (a request that crashes the decoder, retried): while none listens, the supervisor
+    still holds the port, so no other process takes it and the new fronts bind it again."""
+    import socket
+
+    with server(tmp_path, tiny_model_path) as (process, port):
+        fronts = [pid for pid, title in titles(process.pid).items() if " front " in title]
+        for front in fronts:
+            os.kill(front, signal.SIGKILL)
+        assert wait_until(lambda: not any(map(alive, fronts)), 10)
+
+        def taken() -> bool:  # by another process, which a bind would be
+            with socket.socket() as other:
+                try:
+                    other.bind(("127.0.0.1", port))
+                except OSError:
+                    return False
+                return True
+
+        assert not wait_until(taken, 3), "the port was free while the fronts were started again"
+        assert score(port, kit.raw_request(PIXELS, scales=[96])).top_k
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
 

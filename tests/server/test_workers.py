@@ -138,6 +138,16 @@ def test_workers_drain_and_end_when_their_supervisor_is_killed(tiny_model_path, 
         assert not any(map(alive, pids)), [pid for pid in pids if alive(pid)]
 
 
+def test_a_worker_killed_by_a_signal_ends_the_server_with_the_shell_s_status_for_it(tiny_model_path, tmp_path):
+    """A worker that dies (SIGKILL, as the OOM killer's) stops the others, and the server exits 128 + the signal's
+    number, as a shell reports such a death (137), never Python's exit of a negative number (247)."""
+    with workers(tmp_path, tiny_model_path, "--grace-seconds", "1") as (process, _port, _lines):
+        pids = children(process.pid)
+        os.kill(pids[0], signal.SIGKILL)
+        assert process.wait(60) == 128 + signal.SIGKILL
+        assert not any(map(alive, pids))
+
+
 def test_http_kserve_and_the_memory_budget_keep_their_meaning_in_every_worker(kit, tiny_model_path, tmp_path):
     """Score over HTTP and KServe's ModelInfer reach both processes on the shared ports; a request over one
     process's half of --host-memory-budget (36 MiB of its 32; the whole budget, 64, would hold it) is refused by
