@@ -26,6 +26,7 @@ from server import settings as declared
 from server.edges.exposure import StartRefused, check_exposure, check_port_free, read_tls, read_token
 from server.settings import Settings
 from server.stop_signal import SignalledStop
+from server.supervision import follow_supervisor
 
 if TYPE_CHECKING:
     from server.serving import ScoringServer
@@ -155,6 +156,8 @@ def start(argv: Sequence[str] | None, stop: threading.Event) -> tuple[ScoringSer
     except StartRefused as refused:
         sys.stderr.write(f"scoremap-serve: {refused}\n")
         return 2
+    if settings.supervisor is not None and not follow_supervisor(settings.supervisor):
+        return 1  # started for a server whose supervisor is gone
     if settings.fronts > 0:
         from server.split import supervise as supervise_split
 

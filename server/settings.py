@@ -195,6 +195,9 @@ class ServiceEdge:
     split_run: str | None = setting(
         None, "set by --fronts for each of its processes: the folder of the server's sockets", metavar="PATH",
         shown="off")
+    supervisor: int | None = setting(
+        None, "set by --workers and --fronts for each of their processes: the supervisor's process id; this process "
+        "is sent SIGTERM (and drains) when that one ends, even by SIGKILL", parse=int, metavar="PID", shown="off")
     budget_share: int = setting(
         1, "this process takes 1/N of --memory-budget and --host-memory-budget (or of their defaults); set by "
         "--workers for each of its processes", parse=number_in(int, 1, 64), metavar="N")

@@ -9,7 +9,7 @@ fronts, passes SIGTERM on (fronts drain first, then the engine), and starts agai
 unexpectedly: a new engine warms up and tells every front (health SERVING again), a new front takes the dead
 one's place while the engine frees what it held. An engine that cannot load or warm up, at the first start or a
 later one, ends the server with its status, as one process does. Each process gets SIGTERM when the supervisor
-dies, even by SIGKILL (prctl's PDEATHSIG), and fronts unlink their shared memory as they exit. `ps` shows each
+dies, even by SIGKILL (server/supervision.py), and fronts unlink their shared memory as they exit. `ps` shows each
 one's role."""
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import logging
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from collections.abc import Sequence
 from convert.arguments import format_bytes
 from server.memory.python_heap import freeze_startup_heap
 from server.settings import Settings
-from server.workers import STOP_MARGIN_SECONDS, announce, drained_with, reserved
+from server.supervision import STOP_MARGIN_SECONDS, announce, reserved, stop, supervised_flags
 
 __all__ = ["engine_address", "front_client", "run_engine", "supervise"]
 
@@ -77,7 +76,7 @@ def shm_problem(settings: Settings) -> str | None:
 def child_argv(argv: Sequence[str], *, role: str, run: str, extra: Sequence[str] = ()) -> list[str]:
     """A process's command line: the server's own flags, then its part (argparse takes a flag's last value)."""
     return [sys.executable, "-m", "server.main", *argv, "--fronts", "0", "--workers", "1", "--split-role", role,
-            "--split-run", run, *extra]
+            "--split-run", run, *supervised_flags(), *extra]
 
 
 @dataclasses.dataclass
@@ -90,8 +89,7 @@ class Child:
     process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True, env=self.env,
-                                        preexec_fn=drained_with(os.getpid()))
+        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True, env=self.env)
 
 
 def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings, stopping: threading.Event) -> int:
@@ -143,7 +141,7 @@ def _supervise(argv: Sequence[str], *, port: int, http_port: int | None, setting
         drain(engine, fronts, grace=settings.grace_seconds)
         return 0
     if not all("listening on" in line for line in lines):
-        stop(children, grace=0.0)
+        stop(processes(children), grace=0.0)
         return failed_start_status(children)
     threading.Thread(target=drain_output, args=(engine,), name="engine-stdout", daemon=True).start()
     announce([front.process for front in fronts], lines)
@@ -176,6 +174,11 @@ def _supervise(argv: Sequence[str], *, port: int, http_port: int | None, setting
     return 0
 
 
+def processes(children: Sequence[Child]) -> list[subprocess.Popen]:
+    """The children's processes, those started."""
+    return [child.process for child in children if child.process is not None]
+
+
 def failed_start_status(children: Sequence[Child]) -> int:
     """The server's exit status when it could not start: the first child's own (the engine's comes first: 2 cannot
     load, 3 warm-up failed), or 2 when each ended by a signal (a crash, or the stop), which gives no status."""
@@ -184,8 +187,8 @@ def failed_start_status(children: Sequence[Child]) -> int:
 
 def drain(engine: Child, fronts: Sequence[Child], *, grace: float) -> None:
     """Stop the server: the fronts drain first (their calls in flight need the engine), then the engine."""
-    stop(fronts, grace=grace)
-    stop([engine], grace=grace)
+    stop(processes(fronts), grace=grace)
+    stop(processes([engine]), grace=grace)
 
 
 def first_lines(engine: Child, fronts: Sequence[Child], stopping: threading.Event) -> list[str]:
@@ -218,23 +221,6 @@ def relay_output(child: Child) -> None:
         if "listening on" not in line:
             sys.stdout.write(line)
             sys.stdout.flush()
-
-
-def stop(children: Sequence[Child], *, grace: float) -> None:
-    """SIGTERM to each still running (each drains for `grace` seconds), SIGKILL to any that outlives it."""
-    for child in children:
-        if child.process is not None and child.process.poll() is None:
-            child.process.send_signal(signal.SIGTERM)
-    for child in children:
-        if child.process is None:
-            continue
-        try:
-            child.process.wait(grace + STOP_MARGIN_SECONDS)
-        except subprocess.TimeoutExpired:
-            LOG.error("the %s process %d did not stop within %.0f s: killed", child.role, child.process.pid,
-                      grace + STOP_MARGIN_SECONDS)
-            child.process.kill()
-            child.process.wait()
 
 
 # --- the engine process ---------------------------------------------------------------------------------------

@@ -138,6 +138,15 @@ def test_workers_drain_and_end_when_their_supervisor_is_killed(tiny_model_path, 
         assert not any(map(alive, pids)), [pid for pid in pids if alive(pid)]
 
 
+def test_a_process_started_for_a_supervisor_that_is_gone_exits_at_once(tiny_model_path):
+    """A worker or front follows its supervisor's end (`--supervisor`): one whose supervisor ended before it could
+    ask the kernel to be told (its parent is another process by then) exits at once instead of serving alone."""
+    finished = subprocess.run(serve_command() + [tiny_model_path, "--port", "0", "--supervisor", "1"],
+                              capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 1, finished.stderr
+    assert "listening on" not in finished.stdout
+
+
 def test_a_worker_killed_by_a_signal_ends_the_server_with_the_shell_s_status_for_it(tiny_model_path, tmp_path):
     """A worker that dies (SIGKILL, as the OOM killer's) stops the others, and the server exits 128 + the signal's
     number, as a shell reports such a death (137), never Python's exit of a negative number (247)."""

@@ -1,0 +1,86 @@
+"""What `--workers` and `--fronts` share as supervisors of server processes: the ports held while children bind
+them, a child that follows its supervisor's end, the stop, and exit statuses as a shell reports them.
+
+A child is started with `--supervisor PID` and, once its own stop handlers are in place, asks the kernel for
+SIGTERM when that process ends, even by SIGKILL (prctl's PDEATHSIG), so no child outlives its supervisor holding
+a port. The child asks, not a `preexec_fn` between fork and exec: the supervisor has threads (output relays,
+metrics), and code run in a forked child of a threaded process can deadlock on a lock another thread held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+
+__all__ = ["STOP_MARGIN_SECONDS", "announce", "follow_supervisor", "reserved", "shell_status", "stop",
+           "supervised_flags"]
+
+LOG = logging.getLogger("scoremap.serve")
+STOP_MARGIN_SECONDS = 15.0  # past the grace period, how long a child gets to exit before it is killed
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@contextlib.contextmanager
+def reserved(host: str, port: int) -> Iterator[int]:
+    """Hold host:port (0: a free one) bound, not listening, with SO_REUSEPORT while the children bind it: a free
+    port chosen here stays ours, and a bound socket that does not listen is never given a connection."""
+    family = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind((host.strip("[]"), port))
+        yield holder.getsockname()[1]
+
+
+def supervised_flags() -> list[str]:
+    """The flags that make a child follow this process's end (`follow_supervisor`)."""
+    return ["--supervisor", str(os.getpid())]
+
+
+def follow_supervisor(supervisor: int) -> bool:
+    """In a child: SIGTERM from the kernel when `supervisor` ends; False when it has ended already (the child
+    then exits: it was started for a server that is gone)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    return os.getppid() == supervisor  # checked after the request: an end before it took effect is seen here
+
+
+def announce(children: Sequence[subprocess.Popen], first_lines: list[str]) -> None:
+    """The first child's address line once (they share it), then every child's other lines (HTTP, metrics) as
+    each prints them, on this process's stdout."""
+    sys.stdout.write(first_lines[0])
+    sys.stdout.flush()
+
+    def relay(child: subprocess.Popen) -> None:
+        for line in child.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    for child in children:
+        threading.Thread(target=relay, args=(child,), name=f"child-{child.pid}-stdout", daemon=True).start()
+
+
+def stop(children: Sequence[subprocess.Popen], *, grace: float) -> None:
+    """SIGTERM to each child still running (each drains for `grace` seconds), SIGKILL to any that outlives it."""
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    for child in children:
+        try:
+            child.wait(grace + STOP_MARGIN_SECONDS)
+        except subprocess.TimeoutExpired:
+            LOG.error("process %d did not stop within %.0f s: killed", child.pid, grace + STOP_MARGIN_SECONDS)
+            child.kill()
+            child.wait()
+
+
+def shell_status(returncode: int) -> int:
+    """A process's end as a shell reports it: its exit status, or 128 + the signal's number for one a signal ended
+    (Popen's negative number, which `sys.exit` would turn into 256 less it)."""
+    return 128 - returncode if returncode < 0 else returncode
