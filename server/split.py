@@ -6,11 +6,11 @@
 
 The supervisor (this module's `supervise`) reserves the ports, checks /dev/shm, starts the engine and then the
 fronts, passes SIGTERM on (fronts drain first, then the engine), and starts again whichever process ends
-unexpectedly: a new engine warms up and tells every front (health SERVING again), a new front takes the dead
-one's place while the engine frees what it held. An engine that cannot load or warm up, at the first start or a
-later one, ends the server with its status, as one process does. Each process gets SIGTERM when the supervisor
-dies, even by SIGKILL (server/supervision.py), and fronts unlink their shared memory as they exit. `ps` shows each
-one's role."""
+unexpectedly (after a pause that grows while it keeps ending soon after its start): a new engine warms up and tells
+every front (health SERVING again), a new front takes the dead one's place while the engine frees what it held. An
+engine that cannot load or warm up, at the first start or a later one, ends the server with its status, as one
+process does. Each process gets SIGTERM when the supervisor dies, even by SIGKILL (server/supervision.py), and
+fronts unlink their shared memory as they exit. `ps` shows each one's role."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import logging
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,12 +31,15 @@ from collections.abc import Sequence
 from convert.arguments import format_bytes
 from server.memory.python_heap import freeze_startup_heap
 from server.settings import Settings
-from server.supervision import STOP_MARGIN_SECONDS, announce, reserved, stop, supervised_flags
+from server.supervision import STOP_MARGIN_SECONDS, announce, reserved, shell_status, stop, supervised_flags
 
 __all__ = ["engine_address", "front_client", "run_engine", "supervise"]
 
 LOG = logging.getLogger("scoremap.serve")
-RESTART_PAUSE_SECONDS = 0.5  # between a process's unexpected end and its new start: a crash loop stays slow
+RESTART_PAUSE_SECONDS = 0.5  # between a process's unexpected end and its new start, doubled for each quick end
+MAX_RESTART_PAUSE_SECONDS = 30.0
+STEADY_SECONDS = 10.0  # a process that ran this long before it ended starts again after RESTART_PAUSE_SECONDS
+UNIX_PATH_BYTES = 107  # the longest path a Unix socket's address holds (108 with its terminating NUL)
 CANNOT_LOAD = 2  # the engine's exit statuses for a start that failed, as one process's: starting it again fails alike
 WARM_UP_FAILED = 3
 ROLE_ENGINE = "engine"
@@ -81,15 +85,28 @@ def child_argv(argv: Sequence[str], *, role: str, run: str, extra: Sequence[str]
 
 @dataclasses.dataclass
 class Child:
-    """One supervised process and how to start it again."""
+    """One supervised process, how to start it again, and when (a process that keeps ending soon after each start
+    waits longer each time, as Kubernetes' crash-loop back-off does)."""
 
     role: str
     command: list[str]
     env: dict[str, str]
     process: subprocess.Popen | None = None
+    started: float = 0.0
+    ends: int = 0  # unexpected ends in a row, each soon after the start before it
+    due: float | None = None  # when it starts again, after an unexpected end
 
     def start(self) -> None:
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True, env=self.env)
+        self.started, self.due = time.monotonic(), None
+
+    def ended(self, now: float) -> float:
+        """It ended unexpectedly at `now`: schedule its next start; the pause before it."""
+        soon = self.ends > 0 and now - self.started < STEADY_SECONDS  # it ended again soon after being started again
+        self.ends = self.ends + 1 if soon else 1
+        pause = min(RESTART_PAUSE_SECONDS * 2 ** (self.ends - 1), MAX_RESTART_PAUSE_SECONDS)
+        self.due = now + pause
+        return pause
 
 
 def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings, stopping: threading.Event) -> int:
@@ -102,6 +119,11 @@ def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings, 
         return 2
     run = tempfile.mkdtemp(prefix=f"scoremap-{os.getpid()}-")
     try:
+        if len(os.fsencode(engine_address(run))) > UNIX_PATH_BYTES:
+            sys.stderr.write(f"scoremap-serve: the engine's socket would be {engine_address(run)}, longer than the "
+                             f"{UNIX_PATH_BYTES} bytes a Unix socket's path may have: set TMPDIR to a shorter "
+                             "folder\n")
+            return 2
         # Held until the server ends, not only while it starts: a port every front left at once (each being started
         # again) stays the server's, and its new fronts bind it.
         with contextlib.ExitStack() as ports:
@@ -138,8 +160,7 @@ def _supervise(argv: Sequence[str], *, port: int, http_port: int | None, setting
     lines = first_lines(engine, fronts, stopping)
     children = [engine, *fronts]
     if stopping.is_set():  # before every front listened: each stops where it is (a warm-up at its next plan)
-        drain(engine, fronts, grace=settings.grace_seconds)
-        return 0
+        return drain(engine, fronts, grace=settings.grace_seconds)
     if not all("listening on" in line for line in lines):
         stop(processes(children), grace=0.0)
         return failed_start_status(children)
@@ -152,7 +173,14 @@ def _supervise(argv: Sequence[str], *, port: int, http_port: int | None, setting
         sys.stdout.write(f"scoremap-serve metrics on http://{settings.metrics_address}:{served}/metrics\n")
         sys.stdout.flush()
     while not stopping.wait(0.1):
+        now = time.monotonic()
         for child in children:
+            if child.due is not None:
+                if now >= child.due:
+                    child.start()
+                    relay = drain_output if child is engine else relay_output
+                    threading.Thread(target=relay, args=(child,), name=f"{child.role}-stdout", daemon=True).start()
+                continue
             if child.process.poll() is None:
                 continue
             if child is engine and child.process.returncode in (CANNOT_LOAD, WARM_UP_FAILED):
@@ -160,18 +188,13 @@ def _supervise(argv: Sequence[str], *, port: int, http_port: int | None, setting
                           child.process.pid, child.process.returncode)
                 drain(engine, fronts, grace=settings.grace_seconds)
                 return child.process.returncode
-            LOG.error("the %s process %d ended with status %d: starting it again", child.role, child.process.pid,
-                      child.process.returncode)
+            LOG.error("the %s process %d ended with status %d: starting it again in %.1f s", child.role,
+                      child.process.pid, child.process.returncode, child.ended(now))
             if child is not engine:  # a killed front cannot unlink its region
                 from server.engine.shm import region_prefix, remove_stale
 
                 remove_stale(region_prefix(run_name(run), int(child.role.partition(":")[2])))
-            time.sleep(RESTART_PAUSE_SECONDS)
-            child.start()
-            relay = drain_output if child is engine else relay_output
-            threading.Thread(target=relay, args=(child,), name=f"{child.role}-stdout", daemon=True).start()
-    drain(engine, fronts, grace=settings.grace_seconds)
-    return 0
+    return drain(engine, fronts, grace=settings.grace_seconds)
 
 
 def processes(children: Sequence[Child]) -> list[subprocess.Popen]:
@@ -185,10 +208,15 @@ def failed_start_status(children: Sequence[Child]) -> int:
     return next((code for child in children if (code := child.process.returncode) is not None and code > 0), 2)
 
 
-def drain(engine: Child, fronts: Sequence[Child], *, grace: float) -> None:
-    """Stop the server: the fronts drain first (their calls in flight need the engine), then the engine."""
+def drain(engine: Child, fronts: Sequence[Child], *, grace: float) -> int:
+    """Stop the server: the fronts drain first (their calls in flight need the engine), then the engine. 0, or the
+    status, as a shell reports it, of the first process (the engine's first) that ended otherwise than by the stop
+    (drained, or ended by SIGTERM before it could drain): a crash not yet recovered from when the stop came, or
+    during the drain, or one killed past the grace period."""
     stop(processes(fronts), grace=grace)
     stop(processes([engine]), grace=grace)
+    return next((shell_status(code) for process in processes([engine, *fronts])
+                 if (code := process.returncode) not in (0, -signal.SIGTERM)), 0)
 
 
 def first_lines(engine: Child, fronts: Sequence[Child], stopping: threading.Event) -> list[str]:

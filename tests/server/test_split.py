@@ -230,6 +230,47 @@ def test_nothing_of_the_server_outlives_its_killed_supervisor(tiny_model_path, t
         assert not list(Path(tempfile.gettempdir()).glob(f"scoremap-{process.pid}-*"))  # nor its run folder
 
 
+def test_an_engine_crash_not_recovered_when_the_server_stops_ends_it_with_the_crash_s_status(tiny_model_path,
+                                                                                              tmp_path):
+    """SIGTERM just after the engine was killed, before it is started again: the drain cannot save the calls it held,
+    and the server says so, exiting with the crash's status as a shell reports it (128 + 9), not 0."""
+    with server(tmp_path, tiny_model_path) as (process, _port):
+        (engine,) = [pid for pid, title in titles(process.pid).items() if title.endswith("engine")]
+        os.kill(engine, signal.SIGKILL)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 128 + signal.SIGKILL
+
+
+def test_a_process_that_keeps_ending_soon_after_its_start_waits_longer_each_time():
+    """A front that cannot start again (its model file gone, say) is not started every half second for good: each
+    end soon after a new start doubles the pause, up to a limit; one that ran steadily starts again after the
+    first pause."""
+    from server.split import MAX_RESTART_PAUSE_SECONDS, RESTART_PAUSE_SECONDS, STEADY_SECONDS, Child
+
+    child = Child("front:0", ["true"], {}, started=100.0)
+    assert child.ended(3600.0) == RESTART_PAUSE_SECONDS and child.due == 3600.0 + RESTART_PAUSE_SECONDS
+    pauses = []
+    for _ in range(8):
+        child.started = child.due
+        pauses.append(child.ended(child.started + 1.0))
+    assert pauses[:3] == [2 * RESTART_PAUSE_SECONDS, 4 * RESTART_PAUSE_SECONDS, 8 * RESTART_PAUSE_SECONDS]
+    assert pauses[-1] == MAX_RESTART_PAUSE_SECONDS
+    child.started = child.due
+    assert child.ended(child.started + STEADY_SECONDS + 1.0) == RESTART_PAUSE_SECONDS
+
+
+def test_a_run_folder_too_deep_for_the_engine_s_socket_is_refused_at_start(tiny_model_path, tmp_path):
+    """A Unix socket's path holds 107 bytes: a TMPDIR deeper than that leaves is refused before anything starts,
+    saying what to change, rather than failing in the engine with a traceback."""
+    deep = tmp_path / ("t" * 100)
+    deep.mkdir()
+    finished = subprocess.run(serve_command() + [tiny_model_path, "--port", "0", "--fronts", str(FRONTS)],
+                              env={**os.environ, "TMPDIR": str(deep)}, capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 2, finished.stderr
+    assert "set TMPDIR to a shorter folder" in finished.stderr and "Traceback" not in finished.stderr
+    assert not list(deep.iterdir())  # its run folder removed
+
+
 @contextlib.contextmanager
 def starting(tmp_path, model_path: str, *flags: str) -> Iterator[tuple[subprocess.Popen, set[int]]]:
     """`scoremap-serve --fronts` before it listens, and the set of its children's pids the caller fills
