@@ -20,7 +20,6 @@ import logging
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from collections.abc import Sequence
 from convert.arguments import format_bytes
 from server.memory.python_heap import freeze_startup_heap
 from server.settings import Settings
-from server.supervision import STOP_MARGIN_SECONDS, announce, reserved, shell_status, stop, supervised_flags
+from server.supervision import STOP_MARGIN_SECONDS, announce, reserved, stop, supervised_flags
 
 __all__ = ["engine_address", "front_client", "run_engine", "supervise"]
 
@@ -210,13 +209,10 @@ def failed_start_status(children: Sequence[Child]) -> int:
 
 def drain(engine: Child, fronts: Sequence[Child], *, grace: float) -> int:
     """Stop the server: the fronts drain first (their calls in flight need the engine), then the engine. 0, or the
-    status, as a shell reports it, of the first process (the engine's first) that ended otherwise than by the stop
-    (drained, or ended by SIGTERM before it could drain): a crash not yet recovered from when the stop came, or
-    during the drain, or one killed past the grace period."""
-    stop(processes(fronts), grace=grace)
-    stop(processes([engine]), grace=grace)
-    return next((shell_status(code) for process in processes([engine, *fronts])
-                 if (code := process.returncode) not in (0, -signal.SIGTERM)), 0)
+    status of a process (the engine's first) that ended otherwise than by the stop (`stop`): a crash not yet
+    recovered from when the stop came, or during the drain, or one killed past the grace period."""
+    fronts_status = stop(processes(fronts), grace=grace)
+    return stop(processes([engine]), grace=grace) or fronts_status
 
 
 def first_lines(engine: Child, fronts: Sequence[Child], stopping: threading.Event) -> list[str]:

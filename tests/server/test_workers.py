@@ -157,6 +157,17 @@ def test_a_worker_killed_by_a_signal_ends_the_server_with_the_shell_s_status_for
         assert not any(map(alive, pids))
 
 
+def test_a_worker_crash_the_stop_overtakes_still_ends_the_server_with_its_status(tiny_model_path, tmp_path):
+    """SIGTERM just after a worker was killed, before the supervisor saw that worker end: the server still exits
+    with the crash's status (128 + 9), as when it sees the end first, not 0 as for a clean drain."""
+    with workers(tmp_path, tiny_model_path, "--grace-seconds", "1") as (process, _port, _lines):
+        pids = children(process.pid)
+        os.kill(pids[0], signal.SIGKILL)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 128 + signal.SIGKILL
+        assert not any(map(alive, pids))
+
+
 def test_http_kserve_and_the_memory_budget_keep_their_meaning_in_every_worker(kit, tiny_model_path, tmp_path):
     """Score over HTTP and KServe's ModelInfer reach both processes on the shared ports; a request over one
     process's half of --host-memory-budget (36 MiB of its 32; the whole budget, 64, would hold it) is refused by
