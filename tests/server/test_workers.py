@@ -141,7 +141,9 @@ def test_workers_drain_and_end_when_their_supervisor_is_killed(tiny_model_path, 
 def test_a_process_started_for_a_supervisor_that_is_gone_exits_at_once(tiny_model_path):
     """A worker or front follows its supervisor's end (`--supervisor`): one whose supervisor ended before it could
     ask the kernel to be told (its parent is another process by then) exits at once instead of serving alone."""
-    finished = subprocess.run(serve_command() + [tiny_model_path, "--port", "0", "--supervisor", "1"],
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a supervisor that ended: never the child's parent, as pid 1 is where pytest is a container's first
+    finished = subprocess.run(serve_command() + [tiny_model_path, "--port", "0", "--supervisor", str(gone.pid)],
                               capture_output=True, text=True, timeout=60)
     assert finished.returncode == 1, finished.stderr
     assert "listening on" not in finished.stdout
