@@ -110,8 +110,9 @@ class Child:
 
 def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings, stopping: threading.Event) -> int:
     """Run the engine and `settings.fronts` fronts on host:port until `stopping` is set (the caller's handlers of
-    SIGTERM and SIGINT set it, from before the children start); 0 once all drained, the engine's status when it
-    could not load or warm up, 2 when they could not start otherwise."""
+    SIGTERM and SIGINT set it, from before the children start); 0 once all drained, or the status of a process that
+    crashed and was not yet started again when the stop came, or crashed during the drain (`drain`); the engine's
+    status when it could not load or warm up, 2 when they could not start otherwise."""
     problem = shm_problem(settings)
     if problem is not None:
         sys.stderr.write(f"scoremap-serve: {problem}\n")
