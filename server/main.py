@@ -44,7 +44,8 @@ otherwise; beyond loopback it wants TLS or a token (or --insecure).
 
 exit status: 0 stopped by SIGTERM/SIGINT after draining, at any moment (while the models load or warm
 up too); 2 refused to start (bad command line, unreadable or empty token, port in use, unloadable
-model); 3 a warm-up pass failed, so the server could never report SERVING."""
+model); 3 a warm-up pass failed, so the server could never report SERVING. With --workers or
+--fronts, a process that crashed gives the server its status: 128 + N for one signal N ended."""
 
 
 def __getattr__(name: str) -> Any:

@@ -20,7 +20,6 @@ import logging
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from collections.abc import Sequence
 from convert.arguments import format_bytes
 from server.memory.python_heap import freeze_startup_heap
 from server.settings import Settings
-from server.supervision import STOP_MARGIN_SECONDS, announce, reserved, shell_status, stop, supervised_flags
+from server.supervision import STOP_MARGIN_SECONDS, announce, reserved, stop, supervised_flags
 
 __all__ = ["engine_address", "front_client", "run_engine", "supervise"]
 
@@ -111,8 +110,9 @@ class Child:
 
 def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings, stopping: threading.Event) -> int:
     """Run the engine and `settings.fronts` fronts on host:port until `stopping` is set (the caller's handlers of
-    SIGTERM and SIGINT set it, from before the children start); 0 once all drained, the engine's status when it
-    could not load or warm up, 2 when they could not start otherwise."""
+    SIGTERM and SIGINT set it, from before the children start); 0 once all drained, or the status of a process that
+    crashed and was not yet started again when the stop came, or crashed during the drain (`drain`); the engine's
+    status when it could not load or warm up, 2 when they could not start otherwise."""
     problem = shm_problem(settings)
     if problem is not None:
         sys.stderr.write(f"scoremap-serve: {problem}\n")
@@ -210,13 +210,10 @@ def failed_start_status(children: Sequence[Child]) -> int:
 
 def drain(engine: Child, fronts: Sequence[Child], *, grace: float) -> int:
     """Stop the server: the fronts drain first (their calls in flight need the engine), then the engine. 0, or the
-    status, as a shell reports it, of the first process (the engine's first) that ended otherwise than by the stop
-    (drained, or ended by SIGTERM before it could drain): a crash not yet recovered from when the stop came, or
-    during the drain, or one killed past the grace period."""
-    stop(processes(fronts), grace=grace)
-    stop(processes([engine]), grace=grace)
-    return next((shell_status(code) for process in processes([engine, *fronts])
-                 if (code := process.returncode) not in (0, -signal.SIGTERM)), 0)
+    status of a process (the engine's first) that ended otherwise than by the stop (`stop`): a crash not yet
+    recovered from when the stop came, or during the drain, or one killed past the grace period."""
+    fronts_status = stop(processes(fronts), grace=grace)
+    return stop(processes([engine]), grace=grace) or fronts_status
 
 
 def first_lines(engine: Child, fronts: Sequence[Child], stopping: threading.Event) -> list[str]:

@@ -66,8 +66,10 @@ def announce(children: Sequence[subprocess.Popen], first_lines: list[str]) -> No
         threading.Thread(target=relay, args=(child,), name=f"child-{child.pid}-stdout", daemon=True).start()
 
 
-def stop(children: Sequence[subprocess.Popen], *, grace: float) -> None:
-    """SIGTERM to each child still running (each drains for `grace` seconds), SIGKILL to any that outlives it."""
+def stop(children: Sequence[subprocess.Popen], *, grace: float) -> int:
+    """SIGTERM to each child still running (each drains for `grace` seconds), SIGKILL to any that outlives it. 0, or
+    the status (`shell_status`) of the first child that ended otherwise than by the stop (drained, or ended by SIGTERM
+    before it could drain): one that had crashed already, crashed while draining, or was killed past the grace."""
     for child in children:
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
@@ -78,6 +80,8 @@ def stop(children: Sequence[subprocess.Popen], *, grace: float) -> None:
             LOG.error("process %d did not stop within %.0f s: killed", child.pid, grace + STOP_MARGIN_SECONDS)
             child.kill()
             child.wait()
+    return next((shell_status(code) for child in children if (code := child.returncode) not in (0, -signal.SIGTERM)),
+                0)
 
 
 def shell_status(returncode: int) -> int:

@@ -45,9 +45,10 @@ def worker_argv(argv: Sequence[str], *, settings: Settings, port: int, http_port
 def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
               stopping: threading.Event | None = None) -> int:
     """Run `settings.workers` server processes on host:port until SIGTERM or SIGINT (passed on to each) or until
-    one of them ends (the others are then stopped); the exit status of the first to end (`shell_status`), or 0.
-    `stopping`: the event the caller's own handlers of those signals set (a signal that came before this was called
-    stops it)."""
+    one of them ends (the others are then stopped); the exit status of the first to end (`shell_status`), or after a
+    signal 0, or the status of one that ended otherwise than by the stop (`stop`: a crash, or a kill past the grace
+    period). `stopping`: the event the caller's own handlers of those signals set (a signal that came before this
+    was called stops it)."""
     with contextlib.ExitStack() as ports:
         port = ports.enter_context(reserved(host, port))
         http_port = None if settings.http_port is None else ports.enter_context(reserved(host, settings.http_port))
@@ -68,5 +69,5 @@ def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
         if ended is not None:
             LOG.error("worker process %d ended with status %d: stopping the others", ended.pid, ended.returncode)
             break
-    stop(workers, grace=settings.grace_seconds)
-    return 0 if ended is None else shell_status(ended.returncode)
+    stopped = stop(workers, grace=settings.grace_seconds)
+    return stopped if ended is None else shell_status(ended.returncode)

@@ -141,7 +141,9 @@ def test_workers_drain_and_end_when_their_supervisor_is_killed(tiny_model_path, 
 def test_a_process_started_for_a_supervisor_that_is_gone_exits_at_once(tiny_model_path):
     """A worker or front follows its supervisor's end (`--supervisor`): one whose supervisor ended before it could
     ask the kernel to be told (its parent is another process by then) exits at once instead of serving alone."""
-    finished = subprocess.run(serve_command() + [tiny_model_path, "--port", "0", "--supervisor", "1"],
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a supervisor that ended: never the child's parent, as pid 1 is where pytest is a container's first
+    finished = subprocess.run(serve_command() + [tiny_model_path, "--port", "0", "--supervisor", str(gone.pid)],
                               capture_output=True, text=True, timeout=60)
     assert finished.returncode == 1, finished.stderr
     assert "listening on" not in finished.stdout
@@ -153,6 +155,17 @@ def test_a_worker_killed_by_a_signal_ends_the_server_with_the_shell_s_status_for
     with workers(tmp_path, tiny_model_path, "--grace-seconds", "1") as (process, _port, _lines):
         pids = children(process.pid)
         os.kill(pids[0], signal.SIGKILL)
+        assert process.wait(60) == 128 + signal.SIGKILL
+        assert not any(map(alive, pids))
+
+
+def test_a_worker_crash_the_stop_overtakes_still_ends_the_server_with_its_status(tiny_model_path, tmp_path):
+    """SIGTERM just after a worker was killed, before the supervisor saw that worker end: the server still exits
+    with the crash's status (128 + 9), as when it sees the end first, not 0 as for a clean drain."""
+    with workers(tmp_path, tiny_model_path, "--grace-seconds", "1") as (process, _port, _lines):
+        pids = children(process.pid)
+        os.kill(pids[0], signal.SIGKILL)
+        process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 128 + signal.SIGKILL
         assert not any(map(alive, pids))
 

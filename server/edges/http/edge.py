@@ -104,7 +104,7 @@ class Edge:
 
     @property
     def ready(self) -> bool:
-        """Warmed up and not draining: what health reports SERVING for."""
+        """What health reports SERVING for (`Front.serving`): readiness on HTTP."""
         return self.front.serving
 
     async def answer(self, method: str, request: Request, work: Callable[[HttpCall], Awaitable[Response]], *,

@@ -198,7 +198,7 @@ def router(edge: Edge) -> APIRouter:
         return await about_server("ServerLive", request, lambda: ready_response(not edge.front.draining.is_set()),
                                   probe=True)
 
-    @routes.get("/health/ready", summary="200 once warmed up (health SERVING), 503 before and while draining")
+    @routes.get("/health/ready", summary="200 while health says SERVING; 503 warming up, draining, or the engine gone")
     async def server_ready(request: Request):
         return await about_server("ServerReady", request, lambda: ready_response(edge.ready), probe=True)
 
