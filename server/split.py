@@ -188,8 +188,9 @@ def _supervise(argv: Sequence[str], *, port: int, http_port: int | None, setting
                           child.process.pid, child.process.returncode)
                 drain(engine, fronts, grace=settings.grace_seconds)
                 return child.process.returncode
+            pause = child.ended(now)
             LOG.error("the %s process %d ended with status %d: starting it again in %.1f s", child.role,
-                      child.process.pid, child.process.returncode, child.ended(now))
+                      child.process.pid, child.process.returncode, pause)
             if child is not engine:  # a killed front cannot unlink its region
                 from server.engine.shm import region_prefix, remove_stale
 
