@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from convert.arguments import format_bytes
 from server.memory.python_heap import freeze_startup_heap
 from server.settings import Settings
-from server.supervision import STOP_MARGIN_SECONDS, announce, reserved, stop, supervised_flags
+from server.supervision import STOP_MARGIN_SECONDS, announce, first_lines, reserved, stop, supervised_flags
 
 __all__ = ["engine_address", "front_client", "run_engine", "supervise"]
 
@@ -157,8 +157,8 @@ def _supervise(argv: Sequence[str], *, port: int, http_port: int | None, setting
     engine.start()
     for front in fronts:
         front.start()
-    lines = first_lines(engine, fronts, stopping)
     children = [engine, *fronts]
+    lines = first_lines(processes(fronts), stopping, watched=processes(children))
     if stopping.is_set():  # before every front listened: each stops where it is (a warm-up at its next plan)
         return drain(engine, fronts, grace=settings.grace_seconds)
     if not all("listening on" in line for line in lines):
@@ -215,24 +215,6 @@ def drain(engine: Child, fronts: Sequence[Child], *, grace: float) -> int:
     recovered from when the stop came, or during the drain, or one killed past the grace period."""
     fronts_status = stop(processes(fronts), grace=grace)
     return stop(processes([engine]), grace=grace) or fronts_status
-
-
-def first_lines(engine: Child, fronts: Sequence[Child], stopping: threading.Event) -> list[str]:
-    """Each front's first line, which says where it listens once it does; "" for one that ended first, or was still
-    starting when `stopping` was set or the engine ended (its fronts would wait for it: a failed warm-up)."""
-    lines = [""] * len(fronts)
-
-    def read(index: int) -> None:
-        lines[index] = fronts[index].process.stdout.readline()
-
-    readers = [threading.Thread(target=read, args=(index,), name=f"front-{index}-stdout", daemon=True)
-               for index in range(len(fronts))]
-    for reader in readers:
-        reader.start()
-    while any(reader.is_alive() for reader in readers) and engine.process.poll() is None:
-        if stopping.wait(0.1):
-            break
-    return list(lines)
 
 
 def drain_output(child: Child) -> None:

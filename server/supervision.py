@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 
-__all__ = ["STOP_MARGIN_SECONDS", "announce", "follow_supervisor", "reserved", "shell_status", "stop",
+__all__ = ["STOP_MARGIN_SECONDS", "announce", "first_lines", "follow_supervisor", "reserved", "shell_status", "stop",
            "supervised_flags"]
 
 LOG = logging.getLogger("scoremap.serve")
@@ -49,6 +49,25 @@ def follow_supervisor(supervisor: int) -> bool:
     then exits: it was started for a server that is gone)."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     return os.getppid() == supervisor  # checked after the request: an end before it took effect is seen here
+
+
+def first_lines(readers: Sequence[subprocess.Popen], stopping: threading.Event, *,
+                watched: Sequence[subprocess.Popen]) -> list[str]:
+    """Each of `readers`' first line, which says where it listens once it does; "" for one that has not said it when
+    `stopping` is set or one of `watched` ends (the start has failed: the others would wait in vain)."""
+    lines = [""] * len(readers)
+
+    def read(index: int) -> None:
+        lines[index] = readers[index].stdout.readline()
+
+    threads = [threading.Thread(target=read, args=(index,), name=f"child-{child.pid}-first-line", daemon=True)
+               for index, child in enumerate(readers)]
+    for thread in threads:
+        thread.start()
+    while any(thread.is_alive() for thread in threads) and all(child.poll() is None for child in watched):
+        if stopping.wait(0.1):
+            break
+    return list(lines)
 
 
 def announce(children: Sequence[subprocess.Popen], first_lines: list[str]) -> None:

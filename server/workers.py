@@ -23,7 +23,7 @@ import threading
 from collections.abc import Sequence
 
 from server.settings import Settings
-from server.supervision import announce, reserved, shell_status, stop, supervised_flags
+from server.supervision import announce, first_lines, reserved, shell_status, stop, supervised_flags
 
 __all__ = ["supervise"]
 
@@ -49,18 +49,20 @@ def supervise(argv: Sequence[str], *, host: str, port: int, settings: Settings,
     signal 0, or the status of one that ended otherwise than by the stop (`stop`: a crash, or a kill past the grace
     period). `stopping`: the event the caller's own handlers of those signals set (a signal that came before this
     was called stops it)."""
+    stopping = threading.Event() if stopping is None else stopping
     with contextlib.ExitStack() as ports:
         port = ports.enter_context(reserved(host, port))
         http_port = None if settings.http_port is None else ports.enter_context(reserved(host, settings.http_port))
         workers = [subprocess.Popen(worker_argv(argv, settings=settings, port=port, http_port=http_port, index=index),
                                     stdout=subprocess.PIPE, text=True)
                    for index in range(settings.workers)]
-        lines = [worker.stdout.readline() for worker in workers]  # each says where it listens once it does
+        lines = first_lines(workers, stopping, watched=workers)
+    if stopping.is_set():  # before every worker listened: each stops where it is
+        return stop(workers, grace=settings.grace_seconds)
     if not all("listening on" in line for line in lines):
         stop(workers, grace=0.0)
         return max((worker.returncode or 0 for worker in workers), default=0) or 2
     announce(workers, lines)
-    stopping = threading.Event() if stopping is None else stopping
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
     ended = None

@@ -138,6 +138,35 @@ def test_workers_drain_and_end_when_their_supervisor_is_killed(tiny_model_path, 
         assert not any(map(alive, pids)), [pid for pid in pids if alive(pid)]
 
 
+def test_a_sigterm_while_the_workers_start_stops_them_at_once(tiny_model_path, tmp_path):
+    """SIGTERM before every worker listens is passed on at once, as after: the supervisor does not wait for a worker
+    still starting (held here by SIGSTOP) to say it listens, and exits 0 once each has stopped."""
+    process = subprocess.Popen(serve_command() + [tiny_model_path, "--port", "0", "--workers", str(WORKERS),
+                                                  "--intra-op-threads", "1"],
+                               stdout=subprocess.PIPE, stderr=(tmp_path / "serve.log").open("w"), text=True)
+    pids: list[int] = []
+    try:
+        until = time.monotonic() + 30
+        while len(pids) < WORKERS and time.monotonic() < until:
+            pids = children(process.pid)
+            time.sleep(0.05)
+        assert len(pids) == WORKERS
+        held, other = pids
+        os.kill(held, signal.SIGSTOP)
+        process.send_signal(signal.SIGTERM)
+        until = time.monotonic() + 20
+        while alive(other) and time.monotonic() < until:
+            time.sleep(0.05)
+        assert not alive(other), (tmp_path / "serve.log").read_text()
+        os.kill(held, signal.SIGCONT)
+        assert process.wait(30) == 0
+        assert process.stdout.read() == ""  # it never said it listens
+    finally:
+        process.kill()
+        for pid in filter(alive, pids):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_process_started_for_a_supervisor_that_is_gone_exits_at_once(tiny_model_path):
     """A worker or front follows its supervisor's end (`--supervisor`): one whose supervisor ended before it could
     ask the kernel to be told (its parent is another process by then) exits at once instead of serving alone."""
