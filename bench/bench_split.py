@@ -9,7 +9,8 @@ throughput and each process's CPU per request from /proc, the means of two level
 client, both servers up at once and their calls alternated one for one, each one's p50, and the added p50's 95%
 bootstrap interval over the run's call pairs (the noise of its calls: from one run's servers to the next the added
 p50 has moved by more, the shrunk photo's from +0.10 to +0.63 ms on one day). The engine's own work per request is
-its CPU less its batcher threads' (the plans' runs and the batching around them), both read in the same level.
+its CPU less its batches' (the plans' runs and the answers of their items: `scoremap_batch_cpu_seconds`), both read in
+the same level.
 Targets (the engine split's): the engine's own CPU per request <= 0.3 ms; a front's CPU per request (the fronts' CPU
 over the requests they shared) no more than the single process's; at one client the split adds <= 0.3 ms p50;
 batching on >= 0.95x off at 1 and 4 clients; `--fronts 2` >= 0.85x the single process's req/s at 16 clients; the
@@ -23,11 +24,13 @@ import pathlib
 import statistics
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.bench_overload import process_cpu_seconds, start_server
 from bench.models import null_model
@@ -75,15 +78,14 @@ def photos() -> dict[str, tuple[bytes, int]]:
     }
 
 
-def own_cpu_seconds(pid: int, *, threads: str = "") -> float:
-    """CPU of process `pid`'s threads (whose names start with `threads`; all by default), not its children's:
+def own_cpu_seconds(pid: int) -> float:
+    """CPU of process `pid`'s threads, not its children's:
     the scheduler's nanoseconds (/proc/PID/task/TID/schedstat), as clock ticks would read ±0.08 ms per request at
     the 12 Mpx photo's rate; a thread that ended is not counted (a serving process's threads live as long as it)."""
     total = 0
     for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
         try:
-            if (task / "comm").read_text().startswith(threads):
-                total += int((task / "schedstat").read_text().split()[0])
+            total += int((task / "schedstat").read_text().split()[0])
         except OSError:  # ended meanwhile
             continue
     return total / 1e9
@@ -115,9 +117,9 @@ def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image:
           flags: tuple[str, ...] = ()) -> dict[str, float]:
     """One closed loop on a server of its own: req/s, the engine runners' CPU ms per request, CPU ms per request of
     the whole server and of each role."""
-    server, address, _metrics = start_server(model, folder / "server.log",
-                                            ("--fronts", str(fronts), "--intra-op-threads", "1",
-                                             "--warm-up-scales", str(scale), *flags))
+    server, address, metrics = start_server(model, folder / "server.log",
+                                           ("--fronts", str(fronts), "--intra-op-threads", "1",
+                                            "--warm-up-scales", str(scale), *flags))
     try:
         request = scoring_pb2.ScoreRequest(encoded=image, scales=[scale])
         channels = Target(address, connections=CONNECTIONS).open()
@@ -125,7 +127,7 @@ def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image:
             for channel in channels:  # every connection up, and its front (or worker) warm
                 answered(scoring_pb2_grpc.DenseScoringStub(channel), request)
             processes = roles(server.pid)
-            runs_before = runner_cpu_seconds(processes.get("engine"))
+            runs_before = batch_cpu_seconds(metrics)
             before = {role: own_cpu_seconds(pid) for role, pid in processes.items()}
             whole = process_cpu_seconds(server.pid)
             limits = LoadLimits()
@@ -134,7 +136,7 @@ def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image:
                              limits=limits)
             report = run_level(traffic, plan, limits=limits)
             sent = max(report.sent, 1)
-            inference = 1000 * (runner_cpu_seconds(processes.get("engine")) - runs_before) / sent
+            inference = 1000 * (batch_cpu_seconds(metrics) - runs_before) / sent
             figures = {"rate": report.throughput_rps, "inference": inference,
                        "cpu": 1000 * (process_cpu_seconds(server.pid) - whole) / sent}
             for role, pid in processes.items():
@@ -230,10 +232,14 @@ def answered(stub: scoring_pb2_grpc.DenseScoringStub, request: scoring_pb2.Score
             time.sleep(0.2)
 
 
-def runner_cpu_seconds(pid: int | None) -> float:
-    """CPU of the engine's batcher threads (`batcher-MODEL`): the plans' runs and the batching around them; the
-    rest of the engine's CPU (its input threads, one per front) is its own work per request."""
-    return 0.0 if pid is None else own_cpu_seconds(pid, threads="batcher-")
+def batch_cpu_seconds(metrics_url: str) -> float:
+    """CPU of the threads that ran batches, each from its start until its items were answered (the server's
+    `scoremap_batch_cpu_seconds`: a runner's, or the engine input thread's that ran a batch it claimed); the rest of
+    the engine's CPU is its own work per request."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:  # noqa: S310 (the benchmark's own server)
+        text = response.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "scoremap_batch_cpu_seconds_total")
 
 
 def idle_memory(model: str, folder: pathlib.Path) -> tuple[float, dict[str, float]]:

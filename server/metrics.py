@@ -48,6 +48,12 @@ class Metrics:
             "scoremap_batch_size", "Images (scales or mirrors) per inference batch, each running its passes", ["model"],
             buckets=BATCH_BUCKETS, registry=self.registry
         )
+        self.batch_cpu = Counter(
+            "scoremap_batch_cpu_seconds", "CPU time of the threads that ran the model's batches, from each batch's "
+            "start until its items were answered (onnxruntime's own pool threads, with more than one intra-op "
+            "thread, not included): the engine's other CPU is its own work per request", ["model"],
+            registry=self.registry,
+        )
         self.batch_memory = Histogram(
             "scoremap_batch_predicted_bytes", "Predicted peak memory of each batch", ["model"],
             buckets=MEMORY_BUCKETS, registry=self.registry,

@@ -90,6 +90,17 @@ class Work:
                 LOG.exception("an item's done hook failed")
 
 
+@dataclass(eq=False)
+class Claim:
+    """A batch `Batcher.offer` gave the offering thread to run, in one of the runners' places."""
+
+    batcher: Batcher
+    batch: list[Work]
+
+    def run(self) -> None:
+        self.batcher._run_in_place(self.batch)
+
+
 class Batcher:
     """A bounded queue and `runners` worker threads, each running one batch at a time through `run`.
 
@@ -110,6 +121,7 @@ class Batcher:
         max_queue_seconds: float,
         on_batch: Callable[[list[Work]], None] | None = None,
         on_drop: Callable[[Dropped], None] | None = None,
+        on_cpu: Callable[[float], None] | None = None,
         take: Callable[[Hashable, int], int] | None = None,
         name: str = "model",
         runners: int = 1,
@@ -123,6 +135,7 @@ class Batcher:
         self._max_queue = max_queue_seconds
         self._on_batch = on_batch
         self._on_drop = on_drop
+        self._on_cpu = on_cpu  # told each batch's CPU seconds on the thread that ran it, its answers included
         self._queue: list[Work] = []
         self._reserved = 0  # places held by admitted requests still decoding
         self._condition = threading.Condition()
@@ -201,9 +214,11 @@ class Batcher:
             self._queue.extend(works)
             self._condition.notify_all()
 
-    def offer(self, works: Sequence[Work], *, deadline: float | None) -> NoRoom | None:
+    def offer(self, works: Sequence[Work], *, deadline: float | None, here: bool = False) -> NoRoom | Claim | None:
         """Queue all items of one request now if the queue has room for them (`QueueState.room`, as `reserve`
-        asks), else say why not: a reservation and its queueing in one step, for items that come decoded."""
+        asks), else say why not: a reservation and its queueing in one step, for items that come decoded. With
+        `here`, items a free runner would take at once as one batch (nothing queued, no wait for companions) are
+        instead claimed for the calling thread, which runs them (`Claim.run`): no runner is woken for them."""
         shared, now = Reservation(self, 0), time.monotonic()
         for work in works:
             work.request, work.enqueued = shared, now
@@ -211,9 +226,42 @@ class Batcher:
             no_room = self._state().room(len(works), deadline=deadline, now=now)
             if no_room is not None:
                 return no_room
+            if here and self._takes_at_once(works):
+                self._start(works)
+                return Claim(self, list(works))
             self._queue.extend(works)
             self._condition.notify_all()
         return None
+
+    def _takes_at_once(self, works: Sequence[Work]) -> bool:
+        """Under the lock: whether a free runner would take `works` as its next batch, now and whole."""
+        first = works[0]
+        if self._queue or self._max_delay > 0 or len(self._running_until) >= self._runners or self._closed:
+            return False
+        if len(works) > max(1, min(self._max_batch, first.limit)) or any(w.key != first.key for w in works):
+            return False
+        return self._take is None or self._taken(first.key, len(works)) == len(works)
+
+    def _start(self, batch: Sequence[Work]) -> None:
+        """Under the lock: `batch` runs on the calling thread from now, in a runner's place."""
+        started, batch_id = time.monotonic(), next(self._batch_ids)
+        self._running_until[threading.get_ident()] = started + self._seconds_per_item * len(batch)
+        for work in batch:  # marked under the lock, so a cancel sees them as started
+            work.started, work.batch_id, work.batch_size = started, batch_id, len(batch)
+            work.request.started = True
+
+    def _run_in_place(self, batch: list[Work]) -> None:
+        """Run a batch `_start` gave the calling thread, then give its place back."""
+        cpu = time.thread_time()
+        try:
+            self._run_batch(batch)
+        finally:
+            if self._on_cpu is not None:
+                self._on_cpu(time.thread_time() - cpu)
+            with self._condition:
+                del self._running_until[threading.get_ident()]
+                if self._queue:  # a runner may be waiting for this place (an idle one is left asleep)
+                    self._condition.notify()
 
     def process(self, works: Sequence[Work], reservation: Reservation, *,
                 cancelled: threading.Event | None = None) -> list[Any]:
@@ -295,7 +343,7 @@ class Batcher:
             expired = self._take_expired()
             if expired:
                 return None, expired
-            if not self._queue:
+            if not self._queue or len(self._running_until) >= self._runners:  # a claimed batch holds a place
                 self._condition.wait()
                 continue
             first = self._queue[0]
@@ -309,11 +357,7 @@ class Batcher:
                 same = same[:self._taken(first.key, len(same))]
             taken = set(same)
             self._queue = [w for w in self._queue if w not in taken]
-            started, batch_id = time.monotonic(), next(self._batch_ids)
-            self._running_until[threading.get_ident()] = started + self._seconds_per_item * len(same)
-            for work in same:  # marked under the lock, so a cancel sees them as started
-                work.started, work.batch_id, work.batch_size = started, batch_id, len(same)
-                work.request.started = True
+            self._start(same)
             return same, []
 
     def _taken(self, key: Hashable, ready: int) -> int:
@@ -364,11 +408,7 @@ class Batcher:
         setthreadtitle(threading.current_thread().name[:15])  # what top -H and /proc/PID/task/TID/comm show
         lower_this_thread(self._nice)
         while (batch := self._take_batch()) is not None:
-            try:
-                self._run_batch(batch)
-            finally:
-                with self._condition:
-                    del self._running_until[threading.get_ident()]
+            self._run_in_place(batch)
             del batch  # an idle worker must not keep the last batch's arrays alive
 
     def _run_batch(self, batch: list[Work]) -> None:

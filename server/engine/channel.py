@@ -31,8 +31,8 @@ BACKLOG = 64  # fronts connecting at once (each holds one connection)
 
 
 class Channel:
-    """One connection: `send` from any thread (one at a time: a message is written whole), `messages` on one
-    reader thread, which owns the descriptor and closes it once it stops reading.
+    """One connection: `send` from any thread (one at a time: a message is written whole), `receive` (or
+    `messages`) by one reader at a time, which closes the descriptor once it finds the connection ended.
 
     A write the other side takes nothing of for SEND_TIMEOUT_SECONDS (it is stopped or stuck) cuts the connection,
     as a partly written message leaves the stream unreadable: `on_cut` runs first (so that the side cutting forgets
@@ -45,6 +45,7 @@ class Channel:
         self._sending = threading.Lock()  # one writer at a time; the descriptor stays open while it is held
         self._state = threading.Lock()  # `closed`, and the descriptor's shutdown
         self.closed = False
+        self.ended = False  # its reader saw the end and closed the descriptor
         self.cut = False
         self.on_cut: Callable[[], None] | None = None
         with _socket_of(connection) as sock:
@@ -74,25 +75,28 @@ class Channel:
         self.close()
         return False
 
+    def receive(self, decode: Callable[[bytes], T], *, reader: str) -> T | None:
+        """The next message, decoded; None once the connection ended or was closed (the descriptor is then closed
+        here, as no one reads it and no one writes it any more). One thread reads at a time; a message `reader`
+        cannot read is logged and dropped."""
+        while not self.ended:
+            try:
+                data = self._connection.recv_bytes()
+            except (EOFError, OSError):
+                with self._sending, self._state:
+                    self.closed = self.ended = True
+                    self._connection.close()
+                return None
+            try:
+                return decode(data)
+            except Exception:
+                LOG.exception("a message %s cannot read: dropped", reader)
+        return None
+
     def messages(self, decode: Callable[[bytes], T], *, reader: str) -> Iterator[T]:
-        """Each message that arrives, decoded, until the connection ends or is closed; one `reader` cannot read is
-        logged and dropped. The descriptor is closed here, once no one reads it and no one writes it."""
-        try:
-            while True:
-                try:
-                    data = self._connection.recv_bytes()
-                except (EOFError, OSError):
-                    return
-                try:
-                    message = decode(data)
-                except Exception:
-                    LOG.exception("a message %s cannot read: dropped", reader)
-                    continue
-                yield message
-        finally:
-            with self._sending, self._state:
-                self.closed = True
-                self._connection.close()
+        """Each message that arrives, decoded (`receive`), until the connection ends."""
+        while (message := self.receive(decode, reader=reader)) is not None:
+            yield message
 
     def close(self) -> None:
         """End the connection both ways, from any thread, without waiting for a write under way (it fails): the

@@ -19,7 +19,7 @@ import onnx
 from convert.int8_kernels import pair_sums_saturate
 from convert.memory_model import Device
 from protos import model_card_pb2
-from server.engine.batcher import Batcher, Reservation, Work
+from server.engine.batcher import Batcher, Claim, Reservation, Work
 from server.engine.client import CanvasStore, EngineClient, EngineFacts, PlanKey, QueueState, Ran, Submission
 from server.engine.device_graph import LATTICE
 from server.engine.plans import PlanCache
@@ -86,6 +86,7 @@ class EngineCore(EngineClient):
             max_queue_seconds=settings.max_queue_ms / 1000, queue_depth=settings.queue_depth,
             on_batch=None if metrics is None else functools.partial(record_batch, served, metrics),
             on_drop=None if metrics is None else functools.partial(metrics.count_dropped, name),
+            on_cpu=None if metrics is None else metrics.batch_cpu.labels(name).inc,
             take=plans.first_run, name=name, runners=self.facts.runners,
             nice=settings.compute_nice_for(on_gpu=self.facts.on_gpu),
         )
@@ -123,14 +124,15 @@ class EngineCore(EngineClient):
         return works
 
     def offer(self, model: str, submissions: Sequence[Submission], *, deadline: float | None,
-              on_done: Callable[[int, Work], None]) -> list[Work] | NoRoom:
+              on_done: Callable[[int, Work], None], here: bool = False) -> tuple[list[Work], Claim | None] | NoRoom:
         """Queue a request's items now if the queue has room for them, else why not (a front process's items,
-        which come decoded); as each ends, `on_done` is told with its index. No event: no one waits on one here,
-        and it would cost more to make than the rest of the `Work`."""
+        which come decoded); as each ends, `on_done` is told with its index. With `here`, items a free runner would
+        take at once come back claimed, for the calling thread to run (`Batcher.offer`). No event: no one waits on
+        one here, and it would cost more to make than the rest of the `Work`."""
         works = [Work(s.group, s.item, s.limit, s.deadline, done=None, on_done=functools.partial(on_done, index))
                  for index, s in enumerate(submissions)]
-        no_room = self.served(model).batcher.offer(works, deadline=deadline)
-        return works if no_room is None else no_room
+        offered = self.served(model).batcher.offer(works, deadline=deadline, here=here)
+        return offered if isinstance(offered, NoRoom) else (works, offered)
 
     def cancel(self, model: str, works: Sequence[Work], *, dropped: Dropped | None = None) -> None:
         """Take the items that have not started out of the queue (none left once the engine closed); given

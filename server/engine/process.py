@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from setproctitle import setthreadtitle
 
-from server.engine.batcher import Work
+from server.engine.batcher import Claim, Work
 from server.engine.channel import Channel, EngineListener
 from server.engine.client import QueueState, Submission
 from server.engine.core import EngineCore
@@ -44,7 +44,8 @@ class Front:
 
     index: int
     channel: Channel
-    regions: dict[str, Region] = field(default_factory=dict)  # mapped by its input thread alone
+    regions: dict[str, Region] = field(default_factory=dict)  # mapped by the input thread reading, alone
+    reading: threading.Lock = field(default_factory=threading.Lock)  # held by the one of its input threads reading
 
 
 @dataclass(eq=False)
@@ -117,32 +118,29 @@ class EngineLoop:
             self._threads = [thread for thread in self._threads if thread.is_alive()] + [reading]
 
     def _serve(self, channel: Channel) -> None:
-        """One front's messages, from its `Hello` until its connection ends."""
-        front = None
-        for message in channel.messages(decode_to_engine, reader="the engine"):
-            try:
-                if front is None:
-                    front = self._hello(channel, message)
-                else:
-                    self._dispatch(front, message)
-            except Exception as error:  # a bug in one call's handling never stops the engine's input
-                LOG.exception("the engine failed handling %s", type(message).__name__)
-                if front is None:
-                    channel.close()
-                else:
-                    channel.send(Failed.of(message.call, ScoringError(
-                        Refusal.INTERNAL, f"the engine failed handling the call: {error}")))
+        """One front's connection, from its `Hello` until it ends: two input threads take turns reading it, so
+        that one runs a batch it claimed (`_submit`) while the other goes on reading."""
+        front = self._greet(channel)
+        if front is not None:
+            other = titled(self._take_turns, "engine-input", front)
+            other.start()
+            self._take_turns(front)
+            other.join()
         with self._lock:
             self._channels.discard(channel)
         if front is not None:
             self._front_gone(front)
 
-    def _hello(self, channel: Channel, message) -> Front | None:
+    def _greet(self, channel: Channel) -> Front | None:
         """A connection's first message names its front, which is told the engine's facts; a connection that does
-        not begin so is closed."""
+        not begin so is closed (and read to its end, which closes its descriptor)."""
+        message = channel.receive(decode_to_engine, reader="the engine")
         if not isinstance(message, Hello):
-            LOG.error("a connection began with %s, not saying which front it is: closed", type(message).__name__)
+            if message is not None:
+                LOG.error("a connection began with %s, not saying which front it is: closed", type(message).__name__)
             channel.close()
+            for _ in channel.messages(decode_to_engine, reader="the engine"):
+                pass
             return None
         facts, front = self._facts(), Front(message.front, channel)
         with self._lock:
@@ -151,22 +149,42 @@ class EngineLoop:
         channel.send(facts)
         return front
 
-    def _dispatch(self, front: Front, message) -> None:
-        if isinstance(message, Submit):
-            self._submit(front, message)
-        elif isinstance(message, Ask):
-            try:
-                front.channel.send(Queue(message.call, self.core.queue_state(message.model)))
-            except ScoringError as error:
-                front.channel.send(Failed.of(message.call, error))
-        elif isinstance(message, Abort):
-            self._abort(front, message.call, expired=message.expired)
-        elif isinstance(message, Warm):
-            titled(self._warm, "engine-warm", front, message).start()
+    def _take_turns(self, front: Front) -> None:
+        """Read the front's messages and act on each, taking turns with its other input thread: a batch claimed
+        for this thread runs once its turn is over, while the other thread reads."""
+        while True:
+            with front.reading:
+                message = front.channel.receive(decode_to_engine, reader="the engine")
+                if message is None:
+                    return
+                claim = self._act(front, message)
+            if claim is not None:
+                claim.run()
 
-    def _submit(self, front: Front, message: Submit) -> None:
+    def _act(self, front: Front, message) -> Claim | None:
+        """Act on one message; a batch claimed for the calling thread to run (a submit's)."""
+        try:
+            if isinstance(message, Submit):
+                return self._submit(front, message)
+            if isinstance(message, Ask):
+                try:
+                    front.channel.send(Queue(message.call, self.core.queue_state(message.model)))
+                except ScoringError as error:
+                    front.channel.send(Failed.of(message.call, error))
+            elif isinstance(message, Abort):
+                self._abort(front, message.call, expired=message.expired)
+            elif isinstance(message, Warm):
+                titled(self._warm, "engine-warm", front, message).start()
+        except Exception as error:  # a bug in one call's handling never stops the engine's input
+            LOG.exception("the engine failed handling %s", type(message).__name__)
+            front.channel.send(Failed.of(message.call, ScoringError(
+                Refusal.INTERNAL, f"the engine failed handling the call: {error}")))
+        return None
+
+    def _submit(self, front: Front, message: Submit) -> Claim | None:
         """Queue the call's items if the queue has room for them now (the front admitted it on the state it last
-        heard, which other fronts may have changed since), else refuse it with the queue's numbers."""
+        heard, which other fronts may have changed since), else refuse it with the queue's numbers. Items a free
+        runner would take at once are claimed instead, for this thread to run: no runner is woken for them."""
         key, model = (front, message.call), message.model
         deadline = min((spec.deadline for spec in message.items if spec.deadline is not None), default=None)
         try:
@@ -175,12 +193,12 @@ class EngineLoop:
             call = Call(model, message.items, region, left=len(submissions))
             with self._lock:
                 if front not in self._fronts:  # cut meanwhile: no one reads an answer
-                    return
+                    return None
                 self._calls[key] = call  # before its first item can end
-            works = self.core.offer(model, submissions, deadline=deadline,
-                                    on_done=functools.partial(self._finished, key))
-            if isinstance(works, NoRoom):
-                raise works.refusal(deadline=deadline)
+            offered = self.core.offer(model, submissions, deadline=deadline, here=True,
+                                      on_done=functools.partial(self._finished, key))
+            if isinstance(offered, NoRoom):
+                raise offered.refusal(deadline=deadline)
         except Exception as error:
             with self._lock:
                 self._calls.pop(key, None)
@@ -188,12 +206,14 @@ class EngineLoop:
                 LOG.exception("the engine could not queue a call's items")
                 error = ScoringError(Refusal.INTERNAL, f"the engine could not queue the request's items: {error}")
             front.channel.send(Failed.of(message.call, error, self._queue_state(model)))
-            return
+            return None
+        works, claim = offered
         with self._lock:
             call.works = works
             ended = call.ended
         if ended:  # it ended (an item failed, or a cut lost its front) before it knew its works: drop them
             self.core.cancel(model, works)
+        return claim  # run even when ended, as a runner that had taken them: its results are written for no one
 
     def _queue_state(self, model: str) -> QueueState | None:
         try:

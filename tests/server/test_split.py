@@ -369,6 +369,9 @@ def test_one_scrape_shows_the_engine_s_and_every_front_s_series(kit, tiny_model_
         text = series()
         assert 'scoremap_plans_held_bytes{process="engine"}' in text
         assert 'scoremap_queue_depth{model="tiny",process="engine"}' in text
+        (cpu,) = [float(row.split()[-1]) for row in text.splitlines()
+                  if row.startswith('scoremap_batch_cpu_seconds_total{model="tiny",process="engine"}')]
+        assert cpu > 0
         answered = [float(row.split()[-1]) for row in text.splitlines()
                     if row.startswith('scoremap_requests_total{code="OK",method="Score",model="tiny",process="front-')]
         assert sum(answered) == 6, text

@@ -17,6 +17,7 @@ from server.metrics import Metrics
 from server.scoring.pipeline import Pipeline
 from server.scoring.request import GroupKey
 from server.settings import Settings
+from tests.server.test_split import wait_until as wait_for
 
 
 class GatedRunner:
@@ -269,6 +270,54 @@ def test_an_offer_queues_a_request_s_items_with_room_and_otherwise_says_why_as_r
     runner.gate.set()
     assert batcher.wait(running + first) == [0, 0, 2, 4, 6, 8]
     assert sorted(work.result for work in told) == [0, 2, 4, 6, 8]
+
+
+def test_an_offer_made_to_run_here_claims_what_a_free_runner_would_take_at_once_and_holds_its_place():
+    """The claimed batch runs on the offering thread, in the one runner's place: an item offered meanwhile waits
+    for it, and is not claimed, as a runner would not have taken it at once either."""
+    runner, threads, cpu = GatedRunner(), [], []
+    run = runner.__call__
+    batcher = Batcher(lambda batch: threads.append(threading.current_thread()) or run(batch), max_batch=4,
+                      max_delay_seconds=0.0, queue_depth=8, max_queue_seconds=60, on_cpu=cpu.append)
+    try:
+        lone = works(2)
+        claim = batcher.offer(lone, deadline=None, here=True)
+        assert claim is not None and claim.batch == lone and all(work.started for work in lone)
+        assert batcher.depth() == 0 and not runner.batches  # no runner took it
+        later = works(1, key="b")
+        assert batcher.offer(later, deadline=None, here=True) is None  # the one place is the claim's: queued
+        time.sleep(0.1)
+        assert not later[0].started  # the runner waits for the claimed batch's place
+        runner.gate.set()
+        claim.run()
+        assert [work.result for work in lone] == [0, 2]
+        assert batcher.wait(later) == [0]  # a runner took it once the place was free
+        assert [len(batch) for batch in runner.batches] == [2, 1]
+        assert threads[0] is threading.current_thread() and threads[1] is not threading.current_thread()
+        assert wait_for(lambda: len(cpu) == 2) and all(seconds >= 0 for seconds in cpu)  # each batch's, either thread
+    finally:
+        runner.gate.set()
+        batcher.close()
+
+
+@pytest.mark.parametrize("why", ["a runner busy", "a wait for companions", "more than a batch", "two keys"])
+def test_an_offer_made_to_run_here_queues_what_a_runner_would_not_take_at_once(why):
+    runner = GatedRunner()
+    batcher = Batcher(runner, max_batch=2, max_delay_seconds=0.5 if why == "a wait for companions" else 0.0,
+                      queue_depth=8, max_queue_seconds=60)
+    try:
+        if why == "a runner busy":
+            busy = works(1, key="busy")
+            batcher.submit(busy)
+            wait_until_running(busy[0])
+        offered = {"more than a batch": works(3), "two keys": works(1) + works(1, key="b")}.get(why, works(1))
+        assert batcher.offer(offered, deadline=None, here=True) is None  # queued, for a runner
+        runner.gate.set()
+        assert len(batcher.wait(offered)) == len(offered)
+        assert sum(len(batch) for batch in runner.batches) == len(offered) + (why == "a runner busy")
+    finally:
+        runner.gate.set()
+        batcher.close()
 
 
 def test_places_of_requests_still_decoding_count_until_they_are_queued_or_given_back():

@@ -131,6 +131,25 @@ def test_a_front_counts_the_places_it_holds_and_refuses_with_the_queue_s_numbers
     assert pipeline.score(raw_request(PIXELS, scales=[96, 128])).top_k
 
 
+def test_a_lone_call_runs_on_the_input_thread_that_read_it_while_the_other_reads_on(front):
+    """No runner is woken for a batch a free runner would take at once; the front's next calls are read and
+    queued meanwhile, and run on a runner once the place is free."""
+    pipeline, client, batcher = front
+    threads, run = [], batcher._run
+    batcher._run = lambda works: threads.append(threading.current_thread().name) or run(works)
+    gate, first, refusals = one_running(pipeline, batcher)  # its batch is held where it runs
+    (second,) = calls_refused_into(pipeline, refusals, [96, 128])
+    second.start()
+    assert wait_for(lambda: batcher.depth() == 2)  # read, and queued, while the first call runs
+    places = client.reserve("tiny", 1, deadline=None)  # the queue's state is still answered, too
+    assert not isinstance(places, NoRoom)
+    client.release("tiny", places)
+    gate.set()
+    for thread in (first, second):
+        thread.join(30)
+    assert refusals == [] and threads == ["engine-input", "batcher-tiny", "batcher-tiny"]
+
+
 def test_the_engine_refuses_items_it_has_no_room_for_when_they_arrive(front):
     """Another front may fill the queue after this one heard its state: the engine's own check refuses the items,
     with the queue's numbers, and the front then refuses on what it heard, until that is old and asked again."""
