@@ -1,9 +1,12 @@
 """A front's connection to the engine process: framed messages both ways over one Unix socket.
 
 `multiprocessing.connection` frames each message (its length, then its bytes) on a stream socket. A message is
-written by the thread that has it and read by a thread blocked in `recv`, with no I/O thread between: one wake-up
-per message (docs/design.md measures it). The connection itself says when the other side goes: its reader sees the
-end of the stream, however the process ended.
+written by the thread that has it and read by a thread that waited for it, with no I/O thread between: one wake-up
+per message (docs/design.md measures it). Where two threads take turns on one connection (the engine's), they
+wait in epoll with the connection armed for one wake-up (EPOLLONESHOT): a message wakes one of them, and no other
+until that one has acted on it (`next_turn`), so messages are acted on in order without handing the connection over.
+The connection itself says when the other side goes: its reader sees the end of the stream, however the process
+ended.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -26,13 +30,15 @@ __all__ = ["Channel", "EngineListener", "connect"]
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
+TURN = select.EPOLLIN | select.EPOLLONESHOT  # a message wakes one reader, until it is armed again
 SEND_TIMEOUT_SECONDS = 2.0  # a write the other side takes nothing of for this long cuts the connection
 BACKLOG = 64  # fronts connecting at once (each holds one connection)
 
 
 class Channel:
-    """One connection: `send` from any thread (one at a time: a message is written whole), `receive` (or
-    `messages`) by one reader at a time, which closes the descriptor once it finds the connection ended.
+    """One connection: `send` from any thread (one at a time: a message is written whole), `receive` from one or
+    more reader threads, each message given to one (`messages` for a single reader); `release` closes the
+    descriptor once no thread reads it any more.
 
     A write the other side takes nothing of for SEND_TIMEOUT_SECONDS (it is stopped or stuck) cuts the connection,
     as a partly written message leaves the stream unreadable: `on_cut` runs first (so that the side cutting forgets
@@ -45,9 +51,11 @@ class Channel:
         self._sending = threading.Lock()  # one writer at a time; the descriptor stays open while it is held
         self._state = threading.Lock()  # `closed`, and the descriptor's shutdown
         self.closed = False
-        self.ended = False  # its reader saw the end and closed the descriptor
+        self.ended = False  # a reader found the connection ended
         self.cut = False
         self.on_cut: Callable[[], None] | None = None
+        self._turns = select.epoll()
+        self._turns.register(connection.fileno(), TURN)
         with _socket_of(connection) as sock:
             seconds = int(SEND_TIMEOUT_SECONDS)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
@@ -76,31 +84,56 @@ class Channel:
         return False
 
     def receive(self, decode: Callable[[bytes], T], *, reader: str) -> T | None:
-        """The next message, decoded; None once the connection ended or was closed (the descriptor is then closed
-        here, as no one reads it and no one writes it any more). One thread reads at a time; a message `reader`
-        cannot read is logged and dropped."""
+        """The next message, decoded; None once the connection ended or was closed. Readers wait here together:
+        each message wakes one, and the connection wakes no other until that one calls `next_turn` (once it has
+        acted on the message). A message `reader` cannot read is logged and dropped."""
         while not self.ended:
             try:
+                self._turns.poll()
                 data = self._connection.recv_bytes()
-            except (EOFError, OSError):
-                with self._sending, self._state:
-                    self.closed = self.ended = True
-                    self._connection.close()
+            except (EOFError, OSError, ValueError):  # ended, or closed here (the epoll or the descriptor)
+                self.ended = True
+                self.next_turn()  # another reader waiting wakes to find the end too
                 return None
             try:
                 return decode(data)
             except Exception:
                 LOG.exception("a message %s cannot read: dropped", reader)
+                self.next_turn()
         return None
 
+    def next_turn(self) -> None:
+        """Let the connection wake a reader for its next message."""
+        with contextlib.suppress(OSError, ValueError):  # released meanwhile
+            self._turns.modify(self._connection.fileno(), TURN)
+
     def messages(self, decode: Callable[[bytes], T], *, reader: str) -> Iterator[T]:
-        """Each message that arrives, decoded (`receive`), until the connection ends."""
-        while (message := self.receive(decode, reader=reader)) is not None:
+        """Each message that arrives, decoded, until the connection ends: for a single reader, blocked in `recv`
+        (woken by the writer itself, it answered sooner than through epoll: docs/design.md). A message `reader`
+        cannot read is logged and dropped."""
+        while not self.ended:
+            try:
+                data = self._connection.recv_bytes()
+            except (EOFError, OSError):
+                self.ended = True
+                return
+            try:
+                message = decode(data)
+            except Exception:
+                LOG.exception("a message %s cannot read: dropped", reader)
+                continue
             yield message
 
+    def release(self) -> None:
+        """Close the descriptor, once no thread reads the connection any more (every reader found it ended)."""
+        with self._sending, self._state:
+            self.closed = self.ended = True
+            self._connection.close()
+        self._turns.close()
+
     def close(self) -> None:
-        """End the connection both ways, from any thread, without waiting for a write under way (it fails): the
-        reader wakes to find it ended (closing the descriptor alone would not wake it) and closes the descriptor."""
+        """End the connection both ways, from any thread, without waiting for a write under way (it fails): its
+        readers wake to find it ended (closing the descriptor alone would not wake them)."""
         with self._state:
             if self.closed:
                 return

@@ -1,14 +1,16 @@
 """The engine process's loop: the fronts' messages in, results out, beside the batcher's busy runners.
 
 As vLLM V1's `EngineCoreProc`, with I/O threads beside the runners: each front's connection (server/engine/
-channel.py) has an input thread that reads its messages and acts on them (a submit is queued if the queue has
-room for it, in one step; asks and aborts go straight to the in-process engine, whose batcher is thread-safe; a
-warm-up runs on a thread of its own) and answers asks and refusals itself; each batcher runner sends its items'
-results, with the queue's state, as it ends them. No message waits for another thread to pass it on: each
-hand-over would add a thread's wake-up to every request's round trip. A front's connection ending (the front
-went away, however, or the engine cut it: the front took no answers) drops its queued items and unmaps its
-shared-memory regions; its calls are forgotten under the loop's lock before the front can see the end, so no
-lattice is written into memory the front has since given to another request.
+channel.py) has two input threads that take turns on its messages, one acting on each (a submit is queued if
+the queue has room for it, in one step; asks and aborts go straight to the in-process engine, whose batcher is
+thread-safe; a warm-up runs on a thread of its own) and answer asks and refusals themselves; each batcher runner
+sends its items' results, with the queue's state, as it ends them. No message waits for another thread to pass it
+on: each hand-over would add a thread's wake-up to every request's round trip. For the same reason a submit whose
+items a free runner would take at once is run by the input thread that read it (`Batcher.offer`'s claim), once it
+has acted on the message, while the other waits for the next: a front's messages are never held up by a run. A
+front's connection ending (the front went away, however, or the engine cut it: the front took no answers) drops its
+queued items and unmaps its shared-memory regions; its calls are forgotten under the loop's lock before the front
+can see the end, so no lattice is written into memory the front has since given to another request.
 """
 
 from __future__ import annotations
@@ -44,8 +46,7 @@ class Front:
 
     index: int
     channel: Channel
-    regions: dict[str, Region] = field(default_factory=dict)  # mapped by the input thread reading, alone
-    reading: threading.Lock = field(default_factory=threading.Lock)  # held by the one of its input threads reading
+    regions: dict[str, Region] = field(default_factory=dict)  # mapped by the input thread acting on a message
 
 
 @dataclass(eq=False)
@@ -70,7 +71,7 @@ class EngineLoop:
         self._classes = classes
         self._calls: dict[tuple[Front, int], Call] = {}  # by front and the front's call id
         self._fronts: set[Front] = set()  # those connected, not lost: calls are queued and answered for these alone
-        self._channels: set[Channel] = set()  # every connection accepted, until its input thread ends
+        self._channels: set[Channel] = set()  # every connection accepted, until its input threads end
         self._lock = threading.Lock()  # the calls, fronts and channels: input, runner and warm-up threads share them
         self._on_idle = on_idle
         self._listener: EngineListener | None = None
@@ -118,8 +119,8 @@ class EngineLoop:
             self._threads = [thread for thread in self._threads if thread.is_alive()] + [reading]
 
     def _serve(self, channel: Channel) -> None:
-        """One front's connection, from its `Hello` until it ends: two input threads take turns reading it, so
-        that one runs a batch it claimed (`_submit`) while the other goes on reading."""
+        """One front's connection, from its `Hello` until it ends: two input threads take turns on it, so that one
+        runs a batch it claimed (`_submit`) while the other waits for the front's next message."""
         front = self._greet(channel)
         if front is not None:
             other = titled(self._take_turns, "engine-input", front)
@@ -128,36 +129,33 @@ class EngineLoop:
             other.join()
         with self._lock:
             self._channels.discard(channel)
+        channel.release()
         if front is not None:
             self._front_gone(front)
 
     def _greet(self, channel: Channel) -> Front | None:
         """A connection's first message names its front, which is told the engine's facts; a connection that does
-        not begin so is closed (and read to its end, which closes its descriptor)."""
+        not begin so is closed."""
         message = channel.receive(decode_to_engine, reader="the engine")
         if not isinstance(message, Hello):
             if message is not None:
                 LOG.error("a connection began with %s, not saying which front it is: closed", type(message).__name__)
             channel.close()
-            for _ in channel.messages(decode_to_engine, reader="the engine"):
-                pass
             return None
         facts, front = self._facts(), Front(message.front, channel)
         with self._lock:
             self._fronts.add(front)
         channel.on_cut = functools.partial(self._lose, front)
         channel.send(facts)
+        channel.next_turn()
         return front
 
     def _take_turns(self, front: Front) -> None:
-        """Read the front's messages and act on each, taking turns with its other input thread: a batch claimed
-        for this thread runs once its turn is over, while the other thread reads."""
-        while True:
-            with front.reading:
-                message = front.channel.receive(decode_to_engine, reader="the engine")
-                if message is None:
-                    return
-                claim = self._act(front, message)
+        """Act on the front's messages as they come, each woken for one (`Channel.receive`): a batch claimed for
+        this thread runs once it has acted, while the other thread waits for the next message."""
+        while (message := front.channel.receive(decode_to_engine, reader="the engine")) is not None:
+            claim = self._act(front, message)
+            front.channel.next_turn()
             if claim is not None:
                 claim.run()
 
@@ -238,7 +236,7 @@ class EngineLoop:
 
     @staticmethod
     def _region(front: Front, name: str) -> Region:
-        """The front's region of `name`, mapped once (on the front's input thread)."""
+        """The front's region of `name`, mapped once (by the input thread acting on a message, one at a time)."""
         region = front.regions.get(name)
         if region is None:
             region = front.regions[name] = Region(name, create=False)
@@ -326,8 +324,8 @@ class EngineLoop:
         return calls
 
     def _front_gone(self, front: Front) -> None:
-        """A front's connection ended: free every call it held and unmap its regions (its input thread, which
-        alone maps them)."""
+        """A front's connection ended: free every call it held and unmap its regions (once both its input threads,
+        which alone map them, have ended)."""
         calls = self._lose(front)
         mapped, front.regions = list(front.regions.values()), {}
         for region in mapped:

@@ -346,6 +346,7 @@ class RemoteClient(EngineClient):
                 except Exception:  # a bug in one answer's handling never stops this front hearing the engine
                     LOG.exception("this front failed handling the engine's %s", type(message).__name__)
             self._channel = None
+            channel.release()
             if self._stopping.is_set():
                 return
             LOG.error("the engine process went away: calls refused until it is back")

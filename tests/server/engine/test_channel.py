@@ -12,6 +12,7 @@ import pytest
 from server.engine import channel as channel_module
 from server.engine.channel import EngineListener, connect
 from server.engine.messages import Abort, Hello, Warmed, decode_from_engine, decode_to_engine
+from tests.server.test_split import wait_until
 
 
 @pytest.fixture
@@ -52,6 +53,34 @@ def test_messages_cross_both_ways_in_order(pair):
     assert next(received) == Abort(7)
     assert engine.send(Warmed(7, ["one failure"]))
     assert next(front.messages(decode_from_engine, reader="the test")) == Warmed(7, ["one failure"])
+
+
+def test_readers_taking_turns_get_one_message_each_and_the_next_only_once_the_turn_is_passed(pair):
+    """Two threads wait on one connection: a message wakes one of them, and the next wakes none until that one
+    passes the turn, so messages are acted on in order; a close wakes every reader to find the end."""
+    engine, front, _ = pair
+    got, passed = [], threading.Event()
+
+    def take_turns() -> None:
+        while (message := engine.receive(decode_to_engine, reader="the test")) is not None:
+            got.append(message)
+            if len(got) == 1:
+                assert passed.wait(10)
+            engine.next_turn()
+
+    readers = [threading.Thread(target=take_turns, daemon=True) for _ in range(2)]
+    for reader in readers:
+        reader.start()
+    assert front.send(Abort(1)) and front.send(Abort(2))
+    time.sleep(0.3)
+    assert got == [Abort(1)]  # the second message waits for the turn, though a reader is free
+    passed.set()
+    assert wait_until(lambda: got == [Abort(1), Abort(2)])
+    engine.close()
+    for reader in readers:
+        reader.join(10)
+        assert not reader.is_alive()
+    engine.release()
 
 
 def test_closing_wakes_a_blocked_reader_and_the_other_side_sees_the_end(pair):
