@@ -115,8 +115,8 @@ def pss_mib(pid: int) -> float:
 
 def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image: bytes, scale: int,
           flags: tuple[str, ...] = ()) -> dict[str, float]:
-    """One closed loop on a server of its own: req/s, the engine runners' CPU ms per request, CPU ms per request of
-    the whole server and of each role."""
+    """One closed loop on a server of its own: req/s, the CPU ms per request of the threads running batches, CPU ms
+    per request of the whole server and of each role."""
     server, address, metrics = start_server(model, folder / "server.log",
                                            ("--fronts", str(fronts), "--intra-op-threads", "1",
                                             "--warm-up-scales", str(scale), *flags))
@@ -308,7 +308,7 @@ def run() -> str:
         "counted).",
         "",
         f"| photo | req/s at {CLIENTS} clients, one / split | server CPU ms per request, one / split | the fronts' CPU "
-        "ms | the engine's CPU less its runners', ms | p50 ms at 1 client, one / split (added, 95% interval over "
+        "ms | the engine's CPU less its batches', ms | p50 ms at 1 client, one / split (added, 95% interval over "
         "this run's call pairs; calls alternated) |",
         "|---|---|---|---|---|---|",
         *rows,
