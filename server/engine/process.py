@@ -142,7 +142,13 @@ class EngineLoop:
                 LOG.error("a connection began with %s, not saying which front it is: closed", type(message).__name__)
             channel.close()
             return None
-        facts, front = self._facts(), Front(message.front, channel)
+        try:
+            facts = self._facts()
+        except Exception:  # a bug here never stops the engine's input: the front connects again
+            LOG.exception("the engine failed greeting front %d", message.front)
+            channel.close()
+            return None
+        front = Front(message.front, channel)
         with self._lock:
             self._fronts.add(front)
         channel.on_cut = functools.partial(self._lose, front)
