@@ -127,7 +127,7 @@ def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image:
             for channel in channels:  # every connection up, and its front (or worker) warm
                 answered(scoring_pb2_grpc.DenseScoringStub(channel), request)
             processes = roles(server.pid)
-            runs_before = batch_cpu_seconds(metrics)
+            counted = served_counts(metrics)  # read outside the CPU's window: a scrape costs CPU too
             before = {role: own_cpu_seconds(pid) for role, pid in processes.items()}
             whole = process_cpu_seconds(server.pid)
             limits = LoadLimits()
@@ -135,16 +135,19 @@ def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image:
             traffic = Closed(raw_calls(channels), Payloads.of([request]), callers=clients, timeout_s=plan.timeout_s,
                              limits=limits)
             report = run_level(traffic, plan, limits=limits)
-            sent = max(report.sent, 1)
-            inference = 1000 * (batch_cpu_seconds(metrics) - runs_before) / sent
-            figures = {"rate": report.throughput_rps, "inference": inference,
-                       "cpu": 1000 * (process_cpu_seconds(server.pid) - whole) / sent}
+            cpu = {"cpu": process_cpu_seconds(server.pid) - whole}
             for role, pid in processes.items():
                 try:
-                    figures[role] = 1000 * (own_cpu_seconds(pid) - before[role]) / sent
+                    cpu[role] = own_cpu_seconds(pid) - before[role]
                 except FileNotFoundError:
                     log = (folder / "server.log").read_text()[-3000:]
                     raise RuntimeError(f"the {role} process ended during the level: {log}") from None
+            batches, answered_calls = (after - first for after, first in zip(served_counts(metrics), counted))
+            cpu["inference"] = batches
+            # Per request the server answered in the CPU's window: the level's warm-up and the calls in flight at
+            # its end included, which its rate leaves out.
+            figures = {"rate": report.throughput_rps} | {key: 1000 * seconds / max(answered_calls, 1)
+                                                        for key, seconds in cpu.items()}
             if report.errors:
                 raise RuntimeError(f"--fronts {fronts}, {clients} clients: requests failed: {report.errors}")
         finally:
@@ -232,14 +235,15 @@ def answered(stub: scoring_pb2_grpc.DenseScoringStub, request: scoring_pb2.Score
             time.sleep(0.2)
 
 
-def batch_cpu_seconds(metrics_url: str) -> float:
-    """CPU of the threads that ran batches, each from its start until its items were answered (the server's
-    `scoremap_batch_cpu_seconds`: a runner's, or the engine input thread's that ran a batch it claimed); the rest of
-    the engine's CPU is its own work per request."""
+def served_counts(metrics_url: str) -> tuple[float, float]:
+    """The server's CPU seconds in batches so far (`scoremap_batch_cpu_seconds`: each batch's thread from its start
+    until its items were answered, a runner or the engine input thread that claimed it; the rest of the engine's
+    CPU is its own work per request) and the calls it has answered (`scoremap_requests_total`)."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:  # noqa: S310 (the benchmark's own server)
-        text = response.read().decode()
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == "scoremap_batch_cpu_seconds_total")
+        samples = [sample for family in text_string_to_metric_families(response.read().decode())
+                   for sample in family.samples]
+    return (sum(s.value for s in samples if s.name == "scoremap_batch_cpu_seconds_total"),
+            sum(s.value for s in samples if s.name == "scoremap_requests_total"))
 
 
 def idle_memory(model: str, folder: pathlib.Path) -> tuple[float, dict[str, float]]:
@@ -302,8 +306,9 @@ def run() -> str:
         f"{CONNECTIONS} connections (spread over the fronts by SO_REUSEPORT), each on a "
         f"server of its own warmed up at the photo's scale (`--warm-up-scales`: its canvas a bucket, one item per "
         f"request): one process (`--fronts 0`) against `--fronts {FRONTS}` (an engine process and {FRONTS} fronts); "
-        f"CPU from /proc per process over every request sent; the means of two levels of each, alternated (one, "
-        f"split, split, one). At one client: both servers up at once, their calls alternated one for one for "
+        "CPU from /proc per process over every request the server answered meanwhile (its "
+        "`scoremap_requests_total`, the level's warm-up included); the means of two levels of each, alternated "
+        f"(one, split, split, one). At one client: both servers up at once, their calls alternated one for one for "
         f"{ONE_CLIENT_SECONDS:.0f} s and at least {ONE_CLIENT_CALLS} each (the first {ONE_CLIENT_WARM_UP} not "
         "counted).",
         "",

@@ -240,7 +240,7 @@ class Batcher:
             return False
         if len(works) > max(1, min(self._max_batch, first.limit)) or any(w.key != first.key for w in works):
             return False
-        return self._take is None or self._taken(first.key, len(works)) == len(works)
+        return len(works) == 1 or self._take is None or self._taken(first.key, len(works)) == len(works)
 
     def _start(self, batch: Sequence[Work]) -> None:
         """Under the lock: `batch` runs on the calling thread from now, in a runner's place."""
@@ -353,7 +353,7 @@ class Batcher:
             if len(same) < limit and remaining > 0:
                 self._condition.wait(remaining)
                 continue
-            if self._take is not None:
+            if self._take is not None and len(same) > 1:  # a lone item is a batch of one whatever the hook says
                 same = same[:self._taken(first.key, len(same))]
             taken = set(same)
             self._queue = [w for w in self._queue if w not in taken]
