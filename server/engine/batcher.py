@@ -96,17 +96,19 @@ class Claim:
 
     batcher: Batcher
     batch: list[Work]
+    place: int
 
     def run(self) -> None:
-        self.batcher._run_in_place(self.batch)
+        self.batcher._run_in_place(self.batch, self.place)
 
 
 class Batcher:
     """A bounded queue and `runners` worker threads, each running one batch at a time through `run`.
 
-    `run(works)` returns one result per work, in order; it runs on the worker threads only, at most `runners` at
-    once (the CPU's --cpu-runners; one on a GPU). A result's
-    `planning_seconds` (one-off set-up inside the run) is left out of the pace the waits are estimated from.
+    `run(works)` returns one result per work, in order; it runs at most `runners` batches at once (the CPU's
+    --cpu-runners; one on a GPU), each in a place: a worker thread's, or that of a thread which claimed its batch
+    (`offer`'s `here`). A result's `planning_seconds` (one-off set-up inside the run) is left out of the pace the
+    waits are estimated from.
     `take(key, n)`, when given, says how many of the n items of `key` ready to run the batch takes (the rest
     stay queued for the next); called under the queue's lock, it must not call back into the batcher.
     """
@@ -142,7 +144,7 @@ class Batcher:
         self._closed = False
         self._runners = max(1, runners)
         self._nice = nice  # the runners' scheduling priority (server/engine/priority.py)
-        self._running_until: dict[int, float] = {}  # per busy worker thread: when its batch is expected to end
+        self._running_until: dict[int, float] = {}  # per place taken (a thread running a batch): its expected end
         self._seconds_per_item = 0.0
         self._batch_ids = itertools.count()
         names = [f"batcher-{name}"] if self._runners == 1 else [f"batcher-{name}-{i}" for i in range(self._runners)]
@@ -227,8 +229,7 @@ class Batcher:
             if no_room is not None:
                 return no_room
             if here and self._takes_at_once(works):
-                self._start(works)
-                return Claim(self, list(works))
+                return Claim(self, list(works), self._start(works))
             self._queue.extend(works)
             self._condition.notify_all()
         return None
@@ -242,26 +243,30 @@ class Batcher:
             return False
         return len(works) == 1 or self._take is None or self._taken(first.key, len(works)) == len(works)
 
-    def _start(self, batch: Sequence[Work]) -> None:
-        """Under the lock: `batch` runs on the calling thread from now, in a runner's place."""
-        started, batch_id = time.monotonic(), next(self._batch_ids)
-        self._running_until[threading.get_ident()] = started + self._seconds_per_item * len(batch)
+    def _start(self, batch: Sequence[Work]) -> int:
+        """Under the lock: `batch` runs on the calling thread from now, in a runner's place; that place."""
+        started, batch_id, place = time.monotonic(), next(self._batch_ids), threading.get_ident()
+        self._running_until[place] = started + self._seconds_per_item * len(batch)
         for work in batch:  # marked under the lock, so a cancel sees them as started
             work.started, work.batch_id, work.batch_size = started, batch_id, len(batch)
             work.request.started = True
+        return place
 
-    def _run_in_place(self, batch: list[Work]) -> None:
-        """Run a batch `_start` gave the calling thread, then give its place back."""
+    def _run_in_place(self, batch: list[Work], place: int) -> None:
+        """Run a batch `_start` gave a thread, then give its place back."""
         cpu = time.thread_time()
         try:
             self._run_batch(batch)
         finally:
-            if self._on_cpu is not None:
-                self._on_cpu(time.thread_time() - cpu)
             with self._condition:
-                del self._running_until[threading.get_ident()]
-                if self._queue:  # a runner may be waiting for this place (an idle one is left asleep)
-                    self._condition.notify()
+                del self._running_until[place]
+                if self._queue or self._closed:  # a runner waits for this place, or `close` for every batch
+                    self._condition.notify_all()
+            if self._on_cpu is not None:
+                try:
+                    self._on_cpu(time.thread_time() - cpu)
+                except Exception:  # a failing metrics hook is a bug to log, never a reason to stop a runner
+                    LOG.exception("the CPU hook failed")
 
     def process(self, works: Sequence[Work], reservation: Reservation, *,
                 cancelled: threading.Event | None = None) -> list[Any]:
@@ -317,6 +322,8 @@ class Batcher:
         ends = time.monotonic() + CLOSE_SECONDS
         for thread in self._threads:
             thread.join(timeout=max(0.0, ends - time.monotonic()))
+        with self._condition:  # and for batches claimed by other threads (`offer`'s `here`)
+            self._condition.wait_for(lambda: not self._running_until, timeout=max(0.0, ends - time.monotonic()))
 
     def _take_batch(self) -> list[Work] | None:
         """The next batch to run, None once closed. Items whose time ran out meanwhile are failed on the way,
@@ -408,7 +415,7 @@ class Batcher:
         setthreadtitle(threading.current_thread().name[:15])  # what top -H and /proc/PID/task/TID/comm show
         lower_this_thread(self._nice)
         while (batch := self._take_batch()) is not None:
-            self._run_in_place(batch)
+            self._run_in_place(batch, threading.get_ident())
             del batch  # an idle worker must not keep the last batch's arrays alive
 
     def _run_batch(self, batch: list[Work]) -> None:

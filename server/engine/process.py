@@ -47,6 +47,7 @@ class Front:
     index: int
     channel: Channel
     regions: dict[str, Region] = field(default_factory=dict)  # mapped by the input thread acting on a message
+    claiming: bool = False  # one of its input threads runs a batch it claimed: the other must stay free to read
 
 
 @dataclass(eq=False)
@@ -74,6 +75,9 @@ class EngineLoop:
         self._channels: set[Channel] = set()  # every connection accepted, until its input threads end
         self._lock = threading.Lock()  # the calls, fronts and channels: input, runner and warm-up threads share them
         self._on_idle = on_idle
+        # On a GPU every thread that runs a session gets onnxruntime's per-thread CUDA handles and workspace, which
+        # the memory budget does not count: batches there run on the runner alone.
+        self._claims = not core.facts.on_gpu
         self._listener: EngineListener | None = None
         self._threads: list[threading.Thread] = []
 
@@ -164,6 +168,8 @@ class EngineLoop:
             front.channel.next_turn()
             if claim is not None:
                 claim.run()
+                front.claiming = False
+                del claim  # an idle input thread keeps no batch's arrays alive
 
     def _act(self, front: Front, message) -> Claim | None:
         """Act on one message; a batch claimed for the calling thread to run (a submit's)."""
@@ -199,7 +205,7 @@ class EngineLoop:
                 if front not in self._fronts:  # cut meanwhile: no one reads an answer
                     return None
                 self._calls[key] = call  # before its first item can end
-            offered = self.core.offer(model, submissions, deadline=deadline, here=True,
+            offered = self.core.offer(model, submissions, deadline=deadline, here=self._claims and not front.claiming,
                                       on_done=functools.partial(self._finished, key))
             if isinstance(offered, NoRoom):
                 raise offered.refusal(deadline=deadline)
@@ -212,6 +218,8 @@ class EngineLoop:
             front.channel.send(Failed.of(message.call, error, self._queue_state(model)))
             return None
         works, claim = offered
+        if claim is not None:  # set while acting, which holds the turn: the other thread reads it after
+            front.claiming = True
         with self._lock:
             call.works = works
             ended = call.ended

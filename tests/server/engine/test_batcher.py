@@ -300,6 +300,22 @@ def test_an_offer_made_to_run_here_claims_what_a_free_runner_would_take_at_once_
         batcher.close()
 
 
+def test_close_waits_for_a_batch_another_thread_claimed():
+    runner = GatedRunner()
+    batcher = Batcher(runner, max_batch=4, max_delay_seconds=0.0, queue_depth=8, max_queue_seconds=60)
+    claim = batcher.offer(works(1), deadline=None, here=True)
+    running = threading.Thread(target=claim.run)  # run by a thread other than the one that claimed it
+    running.start()
+    closing = threading.Thread(target=batcher.close)
+    closing.start()
+    time.sleep(0.2)
+    assert closing.is_alive()  # the claimed batch is still running
+    runner.gate.set()
+    closing.join(10)
+    running.join(10)
+    assert not closing.is_alive() and claim.batch[0].result == 0
+
+
 @pytest.mark.parametrize("why", ["a runner busy", "a wait for companions", "more than a batch", "two keys"])
 def test_an_offer_made_to_run_here_queues_what_a_runner_would_not_take_at_once(why):
     runner = GatedRunner()

@@ -141,13 +141,44 @@ def test_a_lone_call_runs_on_the_input_thread_that_read_it_while_the_other_reads
     (second,) = calls_refused_into(pipeline, refusals, [96, 128])
     second.start()
     assert wait_for(lambda: batcher.depth() == 2)  # read, and queued, while the first call runs
-    places = client.reserve("tiny", 1, deadline=None)  # the queue's state is still answered, too
-    assert not isinstance(places, NoRoom)
-    client.release("tiny", places)
+    client._ask("tiny", deadline=time.monotonic() + 10)  # and the front's ask is answered meanwhile
     gate.set()
     for thread in (first, second):
         thread.join(30)
     assert refusals == [] and threads == ["engine-input", "batcher-tiny", "batcher-tiny"]
+
+
+def test_a_front_claims_one_batch_at_a_time_so_one_of_its_input_threads_is_always_free(tiny_model_path):
+    """With two runners a second call would find a place free too: it goes to a runner, not the other input
+    thread, which stays free to read the front's messages."""
+    chosen = settings(queue_depth=4, cpu_runners=2)
+    with engine_process_in_this_one([tiny_model_path], chosen) as client:
+        pipeline = Pipeline([tiny_model_path], settings=chosen, engine=client)
+        batcher = client.engine_loop.core.served("tiny").batcher
+        gate, threads, run = threading.Event(), [], batcher._run
+
+        def held_run(works):
+            threads.append(threading.current_thread().name)
+            gate.wait(30)
+            return run(works)
+
+        batcher._run = held_run
+        try:
+            refusals = []
+            first, second = calls_refused_into(pipeline, refusals, [96], [128])
+            first.start()
+            assert wait_for(lambda: len(threads) == 1)
+            second.start()
+            assert wait_for(lambda: len(threads) == 2)
+            assert threads[0] == "engine-input" and threads[1].startswith("batcher-tiny")
+            client._ask("tiny", deadline=time.monotonic() + 10)  # answered while both batches run
+            gate.set()
+            for call in (first, second):
+                call.join(30)
+            assert refusals == []
+        finally:
+            gate.set()
+            pipeline.close()
 
 
 def test_the_engine_refuses_items_it_has_no_room_for_when_they_arrive(front):
