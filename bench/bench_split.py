@@ -24,18 +24,17 @@ import pathlib
 import statistics
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
 
-from bench.bench_overload import process_cpu_seconds, start_server
+from bench.bench_overload import METRICS_TIMEOUT_S, process_cpu_seconds, start_server
 from bench.models import null_model
 from clients.loadtest.levels import run_level
 from clients.loadtest.run import LevelPlan, LoadLimits
+from clients.loadtest.server_metrics import scrape
 from clients.loadtest.spread import Target
 from clients.loadtest.traffic import Closed, Payloads, raw_calls
 from protos import scoring_pb2, scoring_pb2_grpc
@@ -127,7 +126,7 @@ def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image:
             for channel in channels:  # every connection up, and its front (or worker) warm
                 answered(scoring_pb2_grpc.DenseScoringStub(channel), request)
             processes = roles(server.pid)
-            counted = served_counts(metrics)  # read outside the CPU's window: a scrape costs CPU too
+            counted = scrape(metrics, timeout_s=METRICS_TIMEOUT_S)  # outside the CPU's window: a scrape costs CPU
             before = {role: own_cpu_seconds(pid) for role, pid in processes.items()}
             whole = process_cpu_seconds(server.pid)
             limits = LoadLimits()
@@ -142,8 +141,11 @@ def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image:
                 except FileNotFoundError:
                     log = (folder / "server.log").read_text()[-3000:]
                     raise RuntimeError(f"the {role} process ended during the level: {log}") from None
-            batches, answered_calls = (after - first for after, first in zip(served_counts(metrics), counted))
-            cpu["inference"] = batches
+            served = scrape(metrics, timeout_s=METRICS_TIMEOUT_S)
+            # The threads that ran batches (a runner, or the engine input thread that claimed one): the rest of the
+            # engine's CPU is its own work per request.
+            cpu["inference"] = served.batch_cpu_s - counted.batch_cpu_s
+            answered_calls = served.answered - counted.answered
             # Per request the server answered in the CPU's window: the level's warm-up and the calls in flight at
             # its end included, which its rate leaves out.
             figures = {"rate": report.throughput_rps} | {key: 1000 * seconds / max(answered_calls, 1)
@@ -233,17 +235,6 @@ def answered(stub: scoring_pb2_grpc.DenseScoringStub, request: scoring_pb2.Score
             if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
-
-
-def served_counts(metrics_url: str) -> tuple[float, float]:
-    """The server's CPU seconds in batches so far (`scoremap_batch_cpu_seconds`: each batch's thread from its start
-    until its items were answered, a runner or the engine input thread that claimed it; the rest of the engine's
-    CPU is its own work per request) and the calls it has answered (`scoremap_requests_total`)."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:  # noqa: S310 (the benchmark's own server)
-        samples = [sample for family in text_string_to_metric_families(response.read().decode())
-                   for sample in family.samples]
-    return (sum(s.value for s in samples if s.name == "scoremap_batch_cpu_seconds_total"),
-            sum(s.value for s in samples if s.name == "scoremap_requests_total"))
 
 
 def idle_memory(model: str, folder: pathlib.Path) -> tuple[float, dict[str, float]]:

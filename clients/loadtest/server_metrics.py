@@ -1,10 +1,11 @@
 """The server's own split of a load level, read from its Prometheus /metrics (as perf_analyzer
 reads Triton's): mean queue, preprocess, inference and postprocess time per request, and the
-mean inference batch size, over a window (the difference of two scrapes); and the images it dropped
-before compute.
+mean inference batch size, over a window (the difference of two scrapes); the images it dropped
+before compute, the calls it answered and the CPU its batches took.
 
-Reads `scoremap_stage_seconds{stage=...}`, `scoremap_batch_size` and `scoremap_dropped_total`
-(server/metrics.py), restricted to one model when the series carry a `model` label and a model is named.
+Reads `scoremap_stage_seconds{stage=...}`, `scoremap_batch_size`, `scoremap_dropped_total`,
+`scoremap_requests_total` and `scoremap_batch_cpu_seconds_total` (server/metrics.py), restricted to one model when
+the series carry a `model` label and a model is named.
 """
 
 from __future__ import annotations
@@ -22,29 +23,34 @@ __all__ = ["MetricsSnapshot", "scrape", "server_split", "STAGE_METRIC", "BATCH_M
 STAGE_METRIC = "scoremap_stage_seconds"
 BATCH_METRIC = "scoremap_batch_size"
 DROPPED_METRIC = "scoremap_dropped_total"
+ANSWERED_METRIC = "scoremap_requests_total"
+BATCH_CPU_METRIC = "scoremap_batch_cpu_seconds_total"
 
 
 @dataclass(frozen=True)
 class MetricsSnapshot:
-    """Sums and counts of the two histograms at one instant, keyed by (series, stage or ""), and the
-    images dropped before compute so far (every reason)."""
+    """Sums and counts of the two histograms at one instant, keyed by (series, stage or ""); the images
+    dropped before compute so far (every reason), the calls answered (every method and code) and the CPU seconds
+    of the threads that ran batches."""
 
     sums: dict[tuple[str, str], float]
     counts: dict[tuple[str, str], float]
     dropped: float = 0.0
+    answered: float = 0.0
+    batch_cpu_s: float = 0.0
 
 
 def parse(text: str, *, model: str = "") -> MetricsSnapshot:
     """The snapshot of a /metrics page (`model` filters series that carry a model label)."""
     sums: dict[tuple[str, str], float] = {}
     counts: dict[tuple[str, str], float] = {}
-    dropped = 0.0
+    totals = {DROPPED_METRIC: 0.0, ANSWERED_METRIC: 0.0, BATCH_CPU_METRIC: 0.0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if model and sample.labels.get("model", model) != model:
                 continue
-            if sample.name == DROPPED_METRIC:
-                dropped += sample.value
+            if sample.name in totals:
+                totals[sample.name] += sample.value
                 continue
             metric, _, part = sample.name.rpartition("_")
             if metric not in (STAGE_METRIC, BATCH_METRIC) or part not in ("sum", "count"):
@@ -52,7 +58,7 @@ def parse(text: str, *, model: str = "") -> MetricsSnapshot:
             key = (metric, sample.labels.get("stage", ""))
             table = sums if part == "sum" else counts
             table[key] = table.get(key, 0.0) + sample.value
-    return MetricsSnapshot(sums, counts, dropped)
+    return MetricsSnapshot(sums, counts, totals[DROPPED_METRIC], totals[ANSWERED_METRIC], totals[BATCH_CPU_METRIC])
 
 
 def scrape(url: str, *, timeout_s: float, model: str = "") -> MetricsSnapshot:

@@ -8,10 +8,10 @@ sends its items' results, with the queue's state, as it ends them. No message wa
 on: each hand-over would add a thread's wake-up to every request's round trip. For the same reason, on the CPU, a
 submit whose items a free runner would take at once is run by the input thread that read it (`Batcher.offer`'s
 claim), once it has acted on the message, while the other waits for the next: a front claims one batch at a time,
-so its messages are never held up by a run. A
-front's connection ending (the front went away, however, or the engine cut it: the front took no answers) drops its
-queued items and unmaps its shared-memory regions; its calls are forgotten under the loop's lock before the front
-can see the end, so no lattice is written into memory the front has since given to another request.
+so its messages are never held up by a run. A front's connection ending (the front went away, however, or the
+engine cut it: the front took no answers) drops its queued items and unmaps its shared-memory regions; its calls
+are forgotten under the loop's lock before the front can see the end, so no lattice is written into memory the
+front has since given to another request.
 """
 
 from __future__ import annotations

@@ -193,6 +193,9 @@ def test_metrics_parse_and_split_by_stage_and_model():
         'scoremap_dropped_total{model="a",reason="queue_time"} 2.0',
         'scoremap_dropped_total{model="a",reason="deadline"} 1.0',
         'scoremap_dropped_total{model="b",reason="queue_time"} 5.0',
+        'scoremap_requests_total{code="OK",method="Score",model="a",process="front-0"} 6.0',
+        'scoremap_requests_total{code="OK",method="Score",model="a",process="front-1"} 4.0',
+        'scoremap_batch_cpu_seconds_total{model="a",process="engine"} 0.5',
     ]) + "\n"
     before = parse("", model="a")
     split = server_split(before, parse(page, model="a"))
@@ -200,6 +203,7 @@ def test_metrics_parse_and_split_by_stage_and_model():
     assert math.isnan(split["queue_ms"])
     assert server_split(before, parse(page))["inference_ms"] == pytest.approx(103 / 5 * 1000)
     assert (parse(page, model="a").dropped, parse(page).dropped) == (3.0, 8.0)  # every reason
+    assert (parse(page).answered, parse(page).batch_cpu_s) == (10.0, 0.5)  # every process's
 
 
 def test_refuses_a_token_in_clear_text_to_a_remote_target(monkeypatch, caplog):
