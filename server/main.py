@@ -157,7 +157,8 @@ def start(argv: Sequence[str] | None, stop: threading.Event) -> tuple[ScoringSer
     except StartRefused as refused:
         sys.stderr.write(f"scoremap-serve: {refused}\n")
         return 2
-    if settings.supervisor is not None and not follow_supervisor(settings.supervisor):
+    if settings.supervisor is not None and not follow_supervisor(settings.supervisor, stop=stop,
+                                                                    grace=settings.grace_seconds):
         return 1  # started for a server whose supervisor is gone
     if settings.fronts > 0:
         from server.split import supervise as supervise_split

@@ -4,15 +4,20 @@ them, a child that follows its supervisor's end, the stop, and exit statuses as 
 A child is started with `--supervisor PID` and, once its own stop handlers are in place, asks the kernel for
 SIGTERM when that process ends, even by SIGKILL (prctl's PDEATHSIG), so no child outlives its supervisor holding
 a port. The child asks, not a `preexec_fn` between fork and exec: the supervisor has threads (output relays,
-metrics), and code run in a forked child of a threaded process can deadlock on a lock another thread held.
+metrics), and code run in a forked child of a threaded process can deadlock on a lock another thread held. A child
+whose supervisor ended also bounds its own drain, as the supervisor's `stop` would have: a thread waiting on the
+supervisor's pidfd (woken only by its end) stops the child and, should its drain not end in time, has faulthandler
+write every thread's stack to the log and exit 1, so no hang leaves a process holding a port.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -20,11 +25,13 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 
-__all__ = ["STOP_MARGIN_SECONDS", "announce", "first_lines", "follow_supervisor", "reserved", "shell_status", "stop",
-           "supervised_flags"]
+__all__ = ["ORPHAN_MARGIN_SECONDS", "STOP_MARGIN_SECONDS", "announce", "first_lines", "follow_supervisor", "reserved",
+           "shell_status", "stop", "supervised_flags"]
 
 LOG = logging.getLogger("scoremap.serve")
 STOP_MARGIN_SECONDS = 15.0  # past the grace period, how long a child gets to exit before it is killed
+# An orphan's time to end past the grace period: a front's margin, then the engine's, which waits for the fronts.
+ORPHAN_MARGIN_SECONDS = 2 * STOP_MARGIN_SECONDS
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -44,11 +51,33 @@ def supervised_flags() -> list[str]:
     return ["--supervisor", str(os.getpid())]
 
 
-def follow_supervisor(supervisor: int) -> bool:
-    """In a child: SIGTERM from the kernel when `supervisor` ends; False when it has ended already (the child
-    then exits: it was started for a server that is gone)."""
+def follow_supervisor(supervisor: int, *, stop: threading.Event, grace: float) -> bool:
+    """In a child: SIGTERM from the kernel when `supervisor` ends, and this process gone at most `grace` +
+    ORPHAN_MARGIN_SECONDS later; False when it has ended already (the child then exits: it was started for a server
+    that is gone)."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    return os.getppid() == supervisor  # checked after the request: an end before it took effect is seen here
+    try:
+        supervisor_end = os.pidfd_open(supervisor)
+    except OSError:  # gone already (seen below), or a kernel without pidfds: the signal alone
+        supervisor_end = None
+    if os.getppid() != supervisor:  # checked after both: an end before they took effect is seen here
+        if supervisor_end is not None:
+            os.close(supervisor_end)
+        return False
+    if supervisor_end is not None:
+        threading.Thread(target=end_with, args=(supervisor_end, stop, grace + ORPHAN_MARGIN_SECONDS),
+                         name="supervisor-end", daemon=True).start()
+    return True
+
+
+def end_with(supervisor_end: int, stop: threading.Event, seconds: float) -> None:
+    """Once the supervisor's pidfd says it ended: stop this process (as the kernel's SIGTERM does), and exit after
+    `seconds` with every thread's stack in the log if it is still running then."""
+    select.select([supervisor_end], [], [])
+    os.close(supervisor_end)
+    LOG.warning("the supervisor ended: stopping, at the latest in %.0f s", seconds)
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    stop.set()
 
 
 def first_lines(readers: Sequence[subprocess.Popen], stopping: threading.Event, *,

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 import urllib.request
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -135,7 +136,10 @@ def test_workers_drain_and_end_when_their_supervisor_is_killed(tiny_model_path, 
         until = time.monotonic() + 60
         while any(map(alive, pids)) and time.monotonic() < until:
             time.sleep(0.1)
-        assert not any(map(alive, pids)), [pid for pid in pids if alive(pid)]
+        log = (tmp_path / "serve.log").read_text()
+        assert not any(map(alive, pids)), ([pid for pid in pids if alive(pid)], log[-5000:])
+        if "Timeout (" in log:  # gone, but by its own deadline (server.supervision.end_with): why its drain hung
+            warnings.warn(f"a worker's drain hung; its threads:\n{log[log.index('Timeout ('):][:8000]}")
 
 
 def test_a_sigterm_while_the_workers_start_stops_them_at_once(tiny_model_path, tmp_path):
