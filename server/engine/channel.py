@@ -1,12 +1,12 @@
 """A front's connection to the engine process: framed messages both ways over one Unix socket.
 
-`multiprocessing.connection` frames each message (its length, then its bytes) on a stream socket. A message is
-written by the thread that has it and read by a thread that waited for it, with no I/O thread between: one wake-up
-per message (docs/design.md measures it). Where two threads take turns on one connection (the engine's), they
-wait in epoll with the connection armed for one wake-up (EPOLLONESHOT): a message wakes one of them, and no other
-until that one has acted on it (`next_turn`), so messages are acted on in order without handing the connection over.
-The connection itself says when the other side goes: its reader sees the end of the stream, however the process
-ended.
+Each message is its length (8 bytes, big-endian) and then its bytes, read with two `recv`s that wait for all of it
+(MSG_WAITALL): no Python read loop, which ran cold on every message with `multiprocessing.connection`
+(docs/design.md). A message is written by the thread that has it and read by a thread that waited for it, with no
+I/O thread between: one wake-up per message. Where two threads take turns on one connection (the engine's), they wait
+in epoll with the connection armed for one wake-up (EPOLLONESHOT): a message wakes one of them, and no other until
+that one has acted on it (`next_turn`), so messages are acted on in order without handing the connection over. The
+connection itself says when the other side goes: its reader sees the end of the stream, however the process ended.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ T = TypeVar("T")
 TURN = select.EPOLLIN | select.EPOLLONESHOT  # a message wakes one reader, until it is armed again
 SEND_TIMEOUT_SECONDS = 2.0  # a write the other side takes nothing of for this long cuts the connection
 BACKLOG = 64  # fronts connecting at once (each holds one connection)
+HEADER_BYTES = 8  # a message's length, big-endian
 
 
 class Channel:
@@ -47,7 +48,8 @@ class Channel:
     connection) only ends it here."""
 
     def __init__(self, connection: Connection) -> None:
-        self._connection = connection
+        self._socket = socket.socket(fileno=os.dup(connection.fileno()))  # the descriptor's reads without a wrapper
+        connection.close()
         self._sending = threading.Lock()  # one writer at a time; the descriptor stays open while it is held
         self._state = threading.Lock()  # `closed`, and the descriptor's shutdown
         self.closed = False
@@ -55,20 +57,20 @@ class Channel:
         self.cut = False
         self.on_cut: Callable[[], None] | None = None
         self._turns = select.epoll()
-        self._turns.register(connection.fileno(), TURN)
-        with _socket_of(connection) as sock:
-            seconds = int(SEND_TIMEOUT_SECONDS)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                            struct.pack("ll", seconds, int((SEND_TIMEOUT_SECONDS - seconds) * 1e6)))
+        self._turns.register(self._socket.fileno(), TURN)
+        seconds = int(SEND_TIMEOUT_SECONDS)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                struct.pack("ll", seconds, int((SEND_TIMEOUT_SECONDS - seconds) * 1e6)))
 
     def send(self, message: msgspec.Struct) -> bool:
         """Send `message` whole; False when the channel is closed, or was cut because it could not be written."""
         data = encode(message)
+        data = len(data).to_bytes(HEADER_BYTES, "big") + data
         with self._sending:
             if self.closed or self.cut:
                 return False
             try:
-                self._connection.send_bytes(data)
+                self._socket.sendall(data)
                 return True
             except (BrokenPipeError, ConnectionResetError):  # the other side ended the connection: no cut of this one
                 cutting = False
@@ -90,7 +92,7 @@ class Channel:
         while not self.ended:
             try:
                 self._turns.poll()
-                data = self._connection.recv_bytes()
+                data = self._read()
             except (EOFError, OSError, ValueError):  # ended, or closed here (the epoll or the descriptor)
                 self.ended = True
                 self.next_turn()  # another reader waiting wakes to find the end too
@@ -102,10 +104,24 @@ class Channel:
                 self.next_turn()
         return None
 
+    def _read(self) -> bytes:
+        """The next message's bytes; EOFError once the connection ended (or ended within a message)."""
+        size = int.from_bytes(self._read_exactly(HEADER_BYTES), "big")
+        return self._read_exactly(size)
+
+    def _read_exactly(self, size: int) -> bytes:
+        data = self._socket.recv(size, socket.MSG_WAITALL)
+        while len(data) < size:  # a caught signal ended the wait early, or the connection ended
+            more = self._socket.recv(size - len(data), socket.MSG_WAITALL)
+            if not more:
+                raise EOFError
+            data += more
+        return data
+
     def next_turn(self) -> None:
         """Let the connection wake a reader for its next message."""
         with contextlib.suppress(OSError, ValueError):  # released meanwhile
-            self._turns.modify(self._connection.fileno(), TURN)
+            self._turns.modify(self._socket.fileno(), TURN)
 
     def messages(self, decode: Callable[[bytes], T], *, reader: str) -> Iterator[T]:
         """Each message that arrives, decoded, until the connection ends: for a single reader, blocked in `recv`
@@ -113,7 +129,7 @@ class Channel:
         cannot read is logged and dropped."""
         while not self.ended:
             try:
-                data = self._connection.recv_bytes()
+                data = self._read()
             except (EOFError, OSError):
                 self.ended = True
                 return
@@ -128,7 +144,7 @@ class Channel:
         """Close the descriptor, once no thread reads the connection any more (every reader found it ended)."""
         with self._sending, self._state:
             self.closed = self.ended = True
-            self._connection.close()
+            self._socket.close()
         self._turns.close()
 
     def close(self) -> None:
@@ -138,8 +154,8 @@ class Channel:
             if self.closed:
                 return
             self.closed = True
-            with contextlib.suppress(OSError), _socket_of(self._connection) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                self._socket.shutdown(socket.SHUT_RDWR)
 
 
 def connect(path: str) -> Channel | None:
@@ -191,9 +207,3 @@ class EngineListener:
                 return
         with contextlib.suppress(OSError):
             Client(self.path, family="AF_UNIX").close()
-
-
-def _socket_of(connection: Connection) -> socket.socket:
-    """A socket object on a duplicate of the connection's descriptor: options and shutdown reach the one socket,
-    and closing it leaves the connection's own descriptor open."""
-    return socket.socket(fileno=os.dup(connection.fileno()))

@@ -23,18 +23,20 @@ __all__ = ["Abort", "Ask", "Done", "Failed", "Facts", "Hello", "ItemSpec", "Queu
 STRUCT = dict(tag=True, array_like=True, omit_defaults=True, gc=False)
 
 
-class PassesSpec(msgspec.Struct, array_like=True, gc=False):
+class PassesSpec(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """`Passes` on the wire; frozen, so the engine can key what it makes of one on it."""
+
     stride: int
     factor: int
     shift: int
-    offsets: list[tuple[int, int]]
+    offsets: tuple[tuple[int, int], ...]
 
     @classmethod
     def of(cls, passes: Passes) -> PassesSpec:
-        return cls(passes.stride, passes.factor, passes.shift, [tuple(offset) for offset in passes.offsets])
+        return cls(passes.stride, passes.factor, passes.shift, tuple(tuple(offset) for offset in passes.offsets))
 
     def passes(self) -> Passes:
-        return Passes(self.stride, self.factor, self.shift, tuple(tuple(offset) for offset in self.offsets))
+        return Passes(self.stride, self.factor, self.shift, self.offsets)
 
 
 # --- front to engine ----------------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ from server.engine.batcher import Claim, Work
 from server.engine.channel import Channel, EngineListener
 from server.engine.client import QueueState, Submission
 from server.engine.core import EngineCore
-from server.engine.messages import (Abort, Ask, Done, Facts, Failed, Hello, ItemSpec, Queue, Submit, Warm, Warmed,
-                                    decode_to_engine, plan_key)
+from server.engine.messages import (Abort, Ask, Done, Facts, Failed, Hello, ItemSpec, PassesSpec, Queue, Submit, Warm,
+                                    Warmed, decode_to_engine, plan_key)
 from server.engine.shm import Region
 from server.errors import Dropped, NoRoom, Refusal, ScoringError
 from server.scoring.request import GroupKey, Item, ItemKey
@@ -358,6 +358,13 @@ def titled(target: Callable[..., None], name: str, *args) -> threading.Thread:
     return threading.Thread(target=run, name=name, daemon=True)
 
 
+@functools.lru_cache(maxsize=1024)
+def group_of(height: int, width: int, passes: PassesSpec) -> GroupKey:
+    """The batch group of a canvas shape and passes: made once, as the engine acts on each message while the front
+    that sent it waits."""
+    return GroupKey(height, width, passes.passes())
+
+
 def submission(index: int, spec: ItemSpec, region: Region) -> Submission:
     """An item as the engine runs it: its canvas a view of the front's region (or its inline bytes)."""
     shape = (spec.height, spec.width, 3)
@@ -367,6 +374,6 @@ def submission(index: int, spec: ItemSpec, region: Region) -> Submission:
         canvas = np.frombuffer(spec.inline, dtype=np.uint8).reshape(shape)
     kept = None if spec.kept is None else (slice(spec.kept[0], spec.kept[1]), slice(spec.kept[2], spec.kept[3]))
     item = Item(canvas, tuple(spec.cells), spec.lattice, spec.traffic, kept, tuple(spec.classes))
-    return Submission(ItemKey(index, False, 0), GroupKey(spec.height, spec.width, spec.passes.passes()), item,
+    return Submission(ItemKey(index, False, 0), group_of(spec.height, spec.width, spec.passes), item,
                       spec.limit, spec.deadline)
 

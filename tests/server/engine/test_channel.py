@@ -3,6 +3,7 @@ stopped while it waits, and a send the other side never takes cutting the connec
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -11,7 +12,7 @@ import pytest
 
 from server.engine import channel as channel_module
 from server.engine.channel import EngineListener, connect
-from server.engine.messages import Abort, Hello, Warmed, decode_from_engine, decode_to_engine
+from server.engine.messages import Abort, Hello, Warmed, decode_from_engine, decode_to_engine, encode
 from tests.server.test_split import wait_until
 
 
@@ -53,6 +54,29 @@ def test_messages_cross_both_ways_in_order(pair):
     assert next(received) == Abort(7)
     assert engine.send(Warmed(7, ["one failure"]))
     assert next(front.messages(decode_from_engine, reader="the test")) == Warmed(7, ["one failure"])
+
+
+def test_a_message_cut_short_by_a_signal_is_read_whole(pair):
+    """A signal caught while a message is half there ends the reader's wait early with part of it: the reader goes on
+    reading the rest (a short read taken for the whole would lose the stream's framing)."""
+    engine, front, _ = pair
+    data = encode(Warmed(5, ["x" * 100_000]))
+    framed = len(data).to_bytes(channel_module.HEADER_BYTES, "big") + data
+    received = []
+    reader = threading.Thread(target=lambda: received.append(next(front.messages(decode_from_engine,
+                                                                                 reader="the test"))))
+    previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+    try:
+        reader.start()
+        engine._socket.sendall(framed[:50_000])
+        time.sleep(0.2)  # the reader waits for the rest
+        signal.pthread_kill(reader.ident, signal.SIGUSR1)
+        time.sleep(0.2)
+        engine._socket.sendall(framed[50_000:])
+        reader.join(5)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert received == [Warmed(5, ["x" * 100_000])]
 
 
 def test_readers_taking_turns_get_one_message_each_and_the_next_only_once_the_turn_is_passed(pair):
