@@ -30,7 +30,8 @@ __all__ = ["ORPHAN_MARGIN_SECONDS", "STOP_MARGIN_SECONDS", "announce", "first_li
 
 LOG = logging.getLogger("scoremap.serve")
 STOP_MARGIN_SECONDS = 15.0  # past the grace period, how long a child gets to exit before it is killed
-# An orphan's time to end past the grace period: a front's margin, then the engine's, which waits for the fronts.
+# An orphan's time to end past the grace period: twice the supervisor's margin, as the engine waits that margin for
+# the fronts to go before it closes.
 ORPHAN_MARGIN_SECONDS = 2 * STOP_MARGIN_SECONDS
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -73,7 +74,9 @@ def follow_supervisor(supervisor: int, *, stop: threading.Event, grace: float) -
 def end_with(supervisor_end: int, stop: threading.Event, seconds: float) -> None:
     """Once the supervisor's pidfd says it ended: stop this process (as the kernel's SIGTERM does), and exit after
     `seconds` with every thread's stack in the log if it is still running then."""
-    select.select([supervisor_end], [], [])
+    ended = select.poll()
+    ended.register(supervisor_end, select.POLLIN)
+    ended.poll()
     os.close(supervisor_end)
     LOG.warning("the supervisor ended: stopping, at the latest in %.0f s", seconds)
     faulthandler.dump_traceback_later(seconds, exit=True)

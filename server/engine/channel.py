@@ -34,6 +34,8 @@ TURN = select.EPOLLIN | select.EPOLLONESHOT  # a message wakes one reader, until
 SEND_TIMEOUT_SECONDS = 2.0  # a write the other side takes nothing of for this long cuts the connection
 BACKLOG = 64  # fronts connecting at once (each holds one connection)
 HEADER_BYTES = 8  # a message's length, big-endian
+MAX_MESSAGE_BYTES = 1 << 32  # beyond any canvas or lattice sent inline: a longer length is a broken stream
+SEPARATE_HEADER_BYTES = 1 << 14  # a longer message is sent after its header, not copied behind it
 
 
 class Channel:
@@ -65,12 +67,16 @@ class Channel:
     def send(self, message: msgspec.Struct) -> bool:
         """Send `message` whole; False when the channel is closed, or was cut because it could not be written."""
         data = encode(message)
-        data = len(data).to_bytes(HEADER_BYTES, "big") + data
+        header = len(data).to_bytes(HEADER_BYTES, "big")
         with self._sending:
             if self.closed or self.cut:
                 return False
             try:
-                self._socket.sendall(data)
+                if len(data) > SEPARATE_HEADER_BYTES:
+                    self._socket.sendall(header)
+                    self._socket.sendall(data)
+                else:
+                    self._socket.sendall(header + data)
                 return True
             except (BrokenPipeError, ConnectionResetError):  # the other side ended the connection: no cut of this one
                 cutting = False
@@ -105,8 +111,13 @@ class Channel:
         return None
 
     def _read(self) -> bytes:
-        """The next message's bytes; EOFError once the connection ended (or ended within a message)."""
+        """The next message's bytes; EOFError once the connection ended (or ended within a message, or says a
+        length no message has)."""
         size = int.from_bytes(self._read_exactly(HEADER_BYTES), "big")
+        if size > MAX_MESSAGE_BYTES:  # ended both ways, so that the other side and any other reader see it
+            LOG.error("a message of %d bytes: the connection's stream is broken, and is ended", size)
+            self.close()
+            raise EOFError
         return self._read_exactly(size)
 
     def _read_exactly(self, size: int) -> bytes:

@@ -52,8 +52,14 @@ def test_messages_cross_both_ways_in_order(pair):
     received = engine.messages(decode_to_engine, reader="the test")
     assert next(received) == Hello(3)
     assert next(received) == Abort(7)
+    large, sent = Warmed(8, ["x" * (1 << 20)]), []  # its header sent before it, not copied in front of it
     assert engine.send(Warmed(7, ["one failure"]))
-    assert next(front.messages(decode_from_engine, reader="the test")) == Warmed(7, ["one failure"])
+    sending = threading.Thread(target=lambda: sent.append(engine.send(large)))  # read meanwhile: larger than buffers
+    sending.start()
+    answers = front.messages(decode_from_engine, reader="the test")
+    assert next(answers) == Warmed(7, ["one failure"]) and next(answers) == large
+    sending.join(5)
+    assert sent == [True]
 
 
 def test_a_message_cut_short_by_a_signal_is_read_whole(pair):
@@ -77,6 +83,27 @@ def test_a_message_cut_short_by_a_signal_is_read_whole(pair):
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert received == [Warmed(5, ["x" * 100_000])]
+
+
+def test_a_length_no_message_has_ends_the_connection_for_every_reader(pair):
+    """A broken stream (a length beyond any message) is the connection's end, not a reader thread's death: both
+    readers taking turns find the end."""
+    engine, front, _ = pair
+    ended = []
+
+    def take_turns() -> None:
+        while engine.receive(decode_to_engine, reader="the test") is not None:
+            engine.next_turn()
+        ended.append(True)
+
+    readers = [threading.Thread(target=take_turns, daemon=True) for _ in range(2)]
+    for reader in readers:
+        reader.start()
+    front._socket.sendall((1 << 63).to_bytes(channel_module.HEADER_BYTES, "big"))
+    for reader in readers:
+        reader.join(5)
+    assert ended == [True, True] and engine.ended
+    engine.release()
 
 
 def test_readers_taking_turns_get_one_message_each_and_the_next_only_once_the_turn_is_passed(pair):
