@@ -25,8 +25,8 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 
-__all__ = ["ORPHAN_MARGIN_SECONDS", "STOP_MARGIN_SECONDS", "announce", "first_lines", "follow_supervisor", "reserved",
-           "shell_status", "stop", "supervised_flags"]
+__all__ = ["STOP_MARGIN_SECONDS", "announce", "first_lines", "follow_supervisor", "reserved", "shell_status", "stop",
+           "supervised_flags"]
 
 LOG = logging.getLogger("scoremap.serve")
 STOP_MARGIN_SECONDS = 15.0  # past the grace period, how long a child gets to exit before it is killed

@@ -103,11 +103,10 @@ class Channel:
                 self.ended = True
                 self.next_turn()  # another reader waiting wakes to find the end too
                 return None
-            try:
-                return decode(data)
-            except Exception:
-                LOG.exception("a message %s cannot read: dropped", reader)
-                self.next_turn()
+            message = _decoded(data, decode, reader)
+            if message is not None:
+                return message
+            self.next_turn()
         return None
 
     def _read(self) -> bytes:
@@ -144,12 +143,9 @@ class Channel:
             except (EOFError, OSError):
                 self.ended = True
                 return
-            try:
-                message = decode(data)
-            except Exception:
-                LOG.exception("a message %s cannot read: dropped", reader)
-                continue
-            yield message
+            message = _decoded(data, decode, reader)
+            if message is not None:
+                yield message
 
     def release(self) -> None:
         """Close the descriptor, once no thread reads the connection any more (every reader found it ended)."""
@@ -218,3 +214,12 @@ class EngineListener:
                 return
         with contextlib.suppress(OSError):
             Client(self.path, family="AF_UNIX").close()
+
+
+def _decoded(data: bytes, decode: Callable[[bytes], T], reader: str) -> T | None:
+    """`data` decoded; None (logged, the message dropped) when `reader` cannot read it."""
+    try:
+        return decode(data)
+    except Exception:
+        LOG.exception("a message %s cannot read: dropped", reader)
+        return None

@@ -33,7 +33,7 @@ class PassesSpec(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
     @classmethod
     def of(cls, passes: Passes) -> PassesSpec:
-        return cls(passes.stride, passes.factor, passes.shift, tuple(tuple(offset) for offset in passes.offsets))
+        return cls(passes.stride, passes.factor, passes.shift, passes.offsets)
 
     def passes(self) -> Passes:
         return Passes(self.stride, self.factor, self.shift, self.offsets)
