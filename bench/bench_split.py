@@ -6,9 +6,10 @@ would reach one front), stride 32, top-5, one intra-op thread (a plan's run then
 photos: samples/cat.jpg enlarged to 384, a 600x512 JPEG shrunk to 384, a 12-megapixel JPEG shrunk to 768, each
 server warmed up at its photo's scale (its canvas one of the buckets: one item per request, not tiles). Per level:
 throughput and each process's CPU per request from /proc, the means of two levels of each layout, alternated; at one
-client, both servers up at once and their calls alternated one for one, each one's p50, and the added p50's 95%
-bootstrap interval over the run's call pairs (the noise of its calls: from one run's servers to the next the added
-p50 has moved by more, the shrunk photo's from +0.10 to +0.63 ms on one day). The engine's own work per request is
+client, both servers up at once and answering blocks of calls in turn, each one's p50, the added p50's 95% bootstrap
+interval over the run's block pairs, and the share of the machine's CPU time its host took meanwhile (steal, from
+/proc/stat): from one run to the next the added p50 has moved by more than the interval, the shrunk photo's from
++0.06 to +1.35 ms within two hours of one day. The engine's own work per request is
 its CPU less its batches' (the plans' runs and the answers of their items: `scoremap_batch_cpu_seconds`), both read in
 the same level.
 Targets (the engine split's): the engine's own CPU per request <= 0.3 ms; a front's CPU per request (the fronts' CPU
@@ -25,6 +26,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -46,17 +48,23 @@ CLIENTS = 16
 CONNECTIONS = 16  # as many clients' connections: the kernel spreads them over the fronts (SO_REUSEPORT)
 ENGINE_TARGET_MS = 0.3
 LATENCY_TARGET_MS = 0.3
-# At one client each server's calls, alternated, go on for ONE_CLIENT_SECONDS and at least ONE_CLIENT_CALLS each; the
-# first ONE_CLIENT_WARM_UP are not counted. 400 calls each read cat.jpg's added p50 0.39-0.43 ms, the shrunk photo's
-# 0.45-0.56 and the 12-megapixel photo's -0.81 to +0.12 over runs on one host: the seconds bound the noise instead.
+# At one client each server answers blocks of calls in turn, a block about ONE_CLIENT_BLOCK_SECONDS long, the first
+# call of each not counted (the one after the other server's block), for ONE_CLIENT_SECONDS and at least
+# ONE_CLIENT_BLOCKS blocks each. Between two counted calls a server is then idle, as under one client; calls
+# alternated one for one instead ran each after the other server's request, which read the split's added p50
+# 0.2-0.4 ms higher in the same run (cat.jpg and the shrunk photo).
 ONE_CLIENT_SECONDS = 40.0
-ONE_CLIENT_CALLS = 200
-ONE_CLIENT_WARM_UP = 20
-RESAMPLES = 2000  # bootstrap draws of the call pairs behind the added p50's 95% interval
+ONE_CLIENT_BLOCK_SECONDS = 0.3
+ONE_CLIENT_BLOCKS = 10
+RESAMPLES = 2000  # bootstrap draws of the block pairs behind the added p50's 95% interval
 RATE_TARGET = 0.85
 BATCHING_TARGET = 0.95
 BATCHING = {"on": ("--max-batch", "8"), "off": ("--max-batch", "1")}
-BATCHING_ORDER = ("on", "off", "off", "on", "on", "off")
+# Batching on and off: both servers up at once, closed loops of BATCHING_SECONDS on each in turn, BATCHING_ROUNDS
+# pairs of turns (on, off, off, on, ...); the median of the pairs' ratios. Servers started for each level read up to
+# 13% apart at the same setting here, and 3 s levels on the same two servers from 250 to 420 req/s within a minute.
+BATCHING_ROUNDS = 20
+BATCHING_SECONDS = 1.5
 IDLE_TARGET_MIB = 350
 PER_FRONT_MIB = 60
 
@@ -161,9 +169,59 @@ def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image:
     return figures
 
 
+def batching_ratio(model: str, folder: pathlib.Path, *, clients: int, image: bytes, scale: int) -> float:
+    """`--fronts FRONTS` with batching on against off at `clients`: the median over BATCHING_ROUNDS rounds of req/s on
+    over req/s off, both servers up at once and their closed loops of BATCHING_SECONDS taking turns (each round's
+    order the last one's reversed, so the machine's drift falls on both alike). One start of each server for every
+    round: the noise of a server's start is not read as batching's."""
+    request = scoring_pb2.ScoreRequest(encoded=image, scales=[scale])
+    plan = LevelPlan(duration_s=BATCHING_SECONDS, max_requests=LoadLimits().max_requests, timeout_s=120.0,
+                     warmup=clients)
+    servers, links = {}, {}
+    try:
+        for mode, flags in BATCHING.items():
+            servers[mode], address, _metrics = start_server(model, folder / f"batching-{mode}.log",
+                                                            ("--fronts", str(FRONTS), "--intra-op-threads", "1",
+                                                             "--warm-up-scales", str(scale), *flags))
+            links[mode] = Target(address, connections=CONNECTIONS).open()
+            for channel in links[mode]:  # every connection up, and its front warm
+                answered(scoring_pb2_grpc.DenseScoringStub(channel), request)
+        ratios = []
+        for round_ in range(BATCHING_ROUNDS):
+            rates = {}
+            for mode in ("on", "off") if round_ % 2 == 0 else ("off", "on"):
+                limits = LoadLimits()
+                traffic = Closed(raw_calls(links[mode]), Payloads.of([request]), callers=clients,
+                                 timeout_s=plan.timeout_s, limits=limits)
+                report = run_level(traffic, plan, limits=limits)
+                if report.errors:
+                    raise RuntimeError(f"batching {mode}, {clients} clients: requests failed: {report.errors}")
+                rates[mode] = report.throughput_rps
+            ratios.append(rates["on"] / rates["off"])
+        return statistics.median(ratios)
+    finally:
+        for channels in links.values():
+            for channel in channels:
+                channel.close()
+        for server in servers.values():
+            server.terminate()
+            server.wait(60)
+
+
 def means(levels: list[dict[str, float]]) -> dict[str, float]:
     """Each figure's mean over `levels`."""
     return {key: statistics.mean(each[key] for each in levels) for key in levels[0]}
+
+
+class CpuTimes(NamedTuple):
+    user: int
+    nice: int
+    system: int
+    idle: int
+    iowait: int
+    irq: int
+    softirq: int
+    steal: int
 
 
 @dataclass(frozen=True)
@@ -175,6 +233,7 @@ class OneClient:
     low: float
     high: float
     calls: int
+    steal: float  # the share of the machine's CPU time its host took meanwhile
 
     @property
     def added(self) -> float:
@@ -182,19 +241,20 @@ class OneClient:
 
 
 def added_interval(single: np.ndarray, split: np.ndarray, *, seed: int = 0) -> tuple[float, float]:
-    """The 95% bootstrap interval of median(split) - median(single), resampling the alternated calls in pairs (a
-    pair's two calls saw the machine alike)."""
+    """The 95% bootstrap interval of median(split) - median(single), resampling the blocks in pairs (a pair's two
+    blocks, one after the other, saw the machine alike; a block's calls are not independent of each other). Each
+    array: one row per block."""
     draws = np.random.default_rng(seed).integers(0, len(single), size=(RESAMPLES, len(single)))
-    added = np.median(split[draws], axis=1) - np.median(single[draws], axis=1)
+    added = [np.median(split[draw]) - np.median(single[draw]) for draw in draws]
     low, high = np.percentile(added, [2.5, 97.5])
     return float(low), float(high)
 
 
 def one_client_p50s(model: str, folder: pathlib.Path, *, image: bytes, scale: int) -> OneClient:
-    """p50 ms at one client of one process and of `--fronts FRONTS`, both serving at once, their calls alternated
-    one for one (for ONE_CLIENT_SECONDS, at least ONE_CLIENT_CALLS each): the machine's drift falls on both alike.
-    Levels run one after the other on servers of their own differed by up to 1 ms here from one start to the next,
-    three times the target."""
+    """p50 ms at one client of one process and of `--fronts FRONTS`, both serving at once, each answering a block of
+    calls in turn (the order reversed every round, for ONE_CLIENT_SECONDS and at least ONE_CLIENT_BLOCKS blocks each):
+    the machine's drift falls on both alike. Levels run one after the other on servers of their own differed by up
+    to 1 ms here from one start to the next, three times the target."""
     servers, stubs = [], []
     try:
         for fronts in (0, FRONTS):
@@ -204,22 +264,36 @@ def one_client_p50s(model: str, folder: pathlib.Path, *, image: bytes, scale: in
             servers.append(server)
             stubs.append(scoring_pb2_grpc.DenseScoringStub(grpc.insecure_channel(address)))
         request = scoring_pb2.ScoreRequest(encoded=image, scales=[scale])
+        started = time.perf_counter()
         for stub in stubs:
             answered(stub, request)
-        seconds: list[list[float]] = [[], []]
+        block = 1 + max(2, round(ONE_CLIENT_BLOCK_SECONDS / ((time.perf_counter() - started) / len(stubs))))
+        blocks: list[list[list[float]]] = [[], []]
+        before = cpu_times()
         ends = time.monotonic() + ONE_CLIENT_SECONDS
-        while time.monotonic() < ends or len(seconds[0]) < ONE_CLIENT_CALLS:
-            for stub, each in zip(stubs, seconds):
-                started = time.perf_counter()
-                stub.Score(request, timeout=120)
-                each.append(time.perf_counter() - started)
-        single, split = (1000 * np.array(each[ONE_CLIENT_WARM_UP:]) for each in seconds)
+        while time.monotonic() < ends or len(blocks[0]) < ONE_CLIENT_BLOCKS:
+            order = (0, 1) if len(blocks[0]) % 2 == 0 else (1, 0)
+            for index in order:
+                calls = []
+                for _ in range(block):
+                    began = time.perf_counter()
+                    stubs[index].Score(request, timeout=120)
+                    calls.append(1000 * (time.perf_counter() - began))
+                blocks[index].append(calls[1:])  # the first: just after the other server's block
+        after = cpu_times()
+        single, split = (np.array(each) for each in blocks)
         return OneClient(float(np.median(single)), float(np.median(split)), *added_interval(single, split),
-                         calls=len(single))
+                         calls=single.size, steal=(after.steal - before.steal) / (sum(after) - sum(before)))
     finally:
         for server in servers:
             server.terminate()
             server.wait(60)
+
+
+def cpu_times() -> CpuTimes:
+    """This machine's CPU time by state, in clock ticks (/proc/stat's first line: user, nice, system, idle, iowait,
+    irq, softirq, steal)."""
+    return CpuTimes(*(int(field) for field in pathlib.Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]))
 
 
 def answered(stub: scoring_pb2_grpc.DenseScoringStub, request: scoring_pb2.ScoreRequest, *,
@@ -271,19 +345,14 @@ def run() -> str:
                         f"{single['cpu']:.2f} / {split['cpu']:.2f} | {front_cpu:.2f} | {split['engine']:.2f} - "
                         f"{split['inference']:.2f} = {engine_own:.2f} | {one.single:.2f} / "
                         f"{one.split:.2f} ({one.added:+.2f}, 95% {one.low:+.2f} to {one.high:+.2f}; "
-                        f"{one.calls} calls each) |")
+                        f"{one.calls} calls each; steal {100 * one.steal:.1f}%) |")
             verdicts.append((name, engine_own <= ENGINE_TARGET_MS, front_cpu <= single["cpu"],
                              one.added <= LATENCY_TARGET_MS, rate >= RATE_TARGET))
         image, scale = photos()["cat.jpg 451x300 enlarged to 384"]
         alone = level(model, folder, fronts=0, clients=CLIENTS, image=image, scale=scale)
         workers = level(model, folder, fronts=0, clients=CLIENTS, image=image, scale=scale, flags=("--workers", "2"))
-        batching = {}
-        for clients in (1, 4):
-            rates: dict[str, list[float]] = {"on": [], "off": []}
-            for mode in BATCHING_ORDER:  # alternated, so the machine's drift falls on both alike
-                rates[mode].append(level(model, folder, fronts=FRONTS, clients=clients, image=image, scale=scale,
-                                         flags=BATCHING[mode])["rate"])
-            batching[clients] = statistics.mean(rates["on"]) / statistics.mean(rates["off"])
+        batching = {clients: batching_ratio(model, folder, clients=clients, image=image, scale=scale)
+                    for clients in (1, 4)}
         idle, each = idle_memory(model, folder)
     idle_target = IDLE_TARGET_MIB + PER_FRONT_MIB * FRONTS
 
@@ -299,13 +368,13 @@ def run() -> str:
         f"request): one process (`--fronts 0`) against `--fronts {FRONTS}` (an engine process and {FRONTS} fronts); "
         "CPU from /proc per process over every request the server answered meanwhile (its "
         "`scoremap_requests_total`, the level's warm-up included); the means of two levels of each, alternated "
-        f"(one, split, split, one). At one client: both servers up at once, their calls alternated one for one for "
-        f"{ONE_CLIENT_SECONDS:.0f} s and at least {ONE_CLIENT_CALLS} each (the first {ONE_CLIENT_WARM_UP} not "
-        "counted).",
+        f"(one, split, split, one). At one client: both servers up at once, answering blocks of calls in turn (about "
+        f"{ONE_CLIENT_BLOCK_SECONDS} s each, the order reversed every round, the first call of a block not counted) for "
+        f"{ONE_CLIENT_SECONDS:.0f} s; steal: the share of this machine's CPU time its host took meanwhile.",
         "",
         f"| photo | req/s at {CLIENTS} clients, one / split | server CPU ms per request, one / split | the fronts' CPU "
         "ms | the engine's CPU less its batches', ms | p50 ms at 1 client, one / split (added, 95% interval over "
-        "this run's call pairs; calls alternated) |",
+        "this run's block pairs; steal) |",
         "|---|---|---|---|---|---|",
         *rows,
         "",
@@ -315,7 +384,8 @@ def run() -> str:
                      f"the single process's {said(front_ok)}; <= {LATENCY_TARGET_MS} ms added at one client "
                      f"{said(latency_ok)}; >= {RATE_TARGET}x the single process's req/s {said(rate_ok)}.")
     lines += [
-        f"- Batching on / off with `--fronts {FRONTS}` (cat.jpg, {BATCHING_ORDER.count('on')} levels each, alternated): "
+        f"- Batching on / off with `--fronts {FRONTS}` (cat.jpg, both servers up at once, {BATCHING_ROUNDS} closed "
+        f"loops of {BATCHING_SECONDS:.0f} s each, alternated): "
         + ", ".join(f"{ratio:.3f}x at {clients} client{'s' * (clients > 1)}" for clients, ratio in batching.items())
         + f"; target >= {BATCHING_TARGET}x: {said(min(batching.values()) >= BATCHING_TARGET)}.",
         f"- `--workers 2` (two whole servers) at {CLIENTS} clients, cat.jpg: {workers['rate']:.1f} req/s, "
