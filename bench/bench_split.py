@@ -384,8 +384,8 @@ def run() -> str:
                      f"the single process's {said(front_ok)}; <= {LATENCY_TARGET_MS} ms added at one client "
                      f"{said(latency_ok)}; >= {RATE_TARGET}x the single process's req/s {said(rate_ok)}.")
     lines += [
-        f"- Batching on / off with `--fronts {FRONTS}` (cat.jpg, both servers up at once, {BATCHING_ROUNDS} closed "
-        f"loops of {BATCHING_SECONDS:.0f} s each, alternated): "
+        f"- Batching on / off with `--fronts {FRONTS}` (cat.jpg, both servers up at once, closed loops of "
+        f"{BATCHING_SECONDS:g} s on each in turn, the median of {BATCHING_ROUNDS} rounds' ratios): "
         + ", ".join(f"{ratio:.3f}x at {clients} client{'s' * (clients > 1)}" for clients, ratio in batching.items())
         + f"; target >= {BATCHING_TARGET}x: {said(min(batching.values()) >= BATCHING_TARGET)}.",
         f"- `--workers 2` (two whole servers) at {CLIENTS} clients, cat.jpg: {workers['rate']:.1f} req/s, "
