@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import pathlib
 import statistics
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -120,19 +121,31 @@ def pss_mib(pid: int) -> float:
     return 0.0
 
 
+def serve(model: str, log: pathlib.Path, *, fronts: int, scale: int,
+          flags: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, str]:
+    """`scoremap-serve` as every measurement here runs it: `--fronts fronts`, one intra-op thread, warmed up at the
+    photo's scale (start_server's process, address and metrics URL)."""
+    return start_server(model, log, ("--fronts", str(fronts), "--intra-op-threads", "1", "--warm-up-scales", str(scale),
+                                     *flags))
+
+
+def warm_connections(address: str, request: scoring_pb2.ScoreRequest) -> list[grpc.Channel]:
+    """CONNECTIONS channels to the server, each up and its front (or worker) warm: one call answered on each."""
+    channels = Target(address, connections=CONNECTIONS).open()
+    for channel in channels:
+        answered(scoring_pb2_grpc.DenseScoringStub(channel), request)
+    return channels
+
+
 def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image: bytes, scale: int,
           flags: tuple[str, ...] = ()) -> dict[str, float]:
     """One closed loop on a server of its own: req/s, the CPU ms per request of the threads running batches, CPU ms
     per request of the whole server and of each role."""
-    server, address, metrics = start_server(model, folder / "server.log",
-                                           ("--fronts", str(fronts), "--intra-op-threads", "1",
-                                            "--warm-up-scales", str(scale), *flags))
+    server, address, metrics = serve(model, folder / "server.log", fronts=fronts, scale=scale, flags=flags)
     try:
         request = scoring_pb2.ScoreRequest(encoded=image, scales=[scale])
-        channels = Target(address, connections=CONNECTIONS).open()
+        channels = warm_connections(address, request)
         try:
-            for channel in channels:  # every connection up, and its front (or worker) warm
-                answered(scoring_pb2_grpc.DenseScoringStub(channel), request)
             processes = roles(server.pid)
             counted = scrape(metrics, timeout_s=METRICS_TIMEOUT_S)  # outside the CPU's window: a scrape costs CPU
             before = {role: own_cpu_seconds(pid) for role, pid in processes.items()}
@@ -180,12 +193,9 @@ def batching_ratio(model: str, folder: pathlib.Path, *, clients: int, image: byt
     servers, links = {}, {}
     try:
         for mode, flags in BATCHING.items():
-            servers[mode], address, _metrics = start_server(model, folder / f"batching-{mode}.log",
-                                                            ("--fronts", str(FRONTS), "--intra-op-threads", "1",
-                                                             "--warm-up-scales", str(scale), *flags))
-            links[mode] = Target(address, connections=CONNECTIONS).open()
-            for channel in links[mode]:  # every connection up, and its front warm
-                answered(scoring_pb2_grpc.DenseScoringStub(channel), request)
+            servers[mode], address, _metrics = serve(model, folder / f"batching-{mode}.log", fronts=FRONTS,
+                                                     scale=scale, flags=flags)
+            links[mode] = warm_connections(address, request)
         ratios = []
         for round_ in range(BATCHING_ROUNDS):
             rates = {}
@@ -258,9 +268,7 @@ def one_client_p50s(model: str, folder: pathlib.Path, *, image: bytes, scale: in
     servers, stubs = [], []
     try:
         for fronts in (0, FRONTS):
-            server, address, _metrics = start_server(model, folder / f"one-client-{fronts}.log",
-                                                    ("--fronts", str(fronts), "--intra-op-threads", "1",
-                                                     "--warm-up-scales", str(scale)))
+            server, address, _metrics = serve(model, folder / f"one-client-{fronts}.log", fronts=fronts, scale=scale)
             servers.append(server)
             stubs.append(scoring_pb2_grpc.DenseScoringStub(grpc.insecure_channel(address)))
         request = scoring_pb2.ScoreRequest(encoded=image, scales=[scale])
@@ -368,9 +376,9 @@ def run() -> str:
         f"request): one process (`--fronts 0`) against `--fronts {FRONTS}` (an engine process and {FRONTS} fronts); "
         "CPU from /proc per process over every request the server answered meanwhile (its "
         "`scoremap_requests_total`, the level's warm-up included); the means of two levels of each, alternated "
-        f"(one, split, split, one). At one client: both servers up at once, answering blocks of calls in turn (about "
-        f"{ONE_CLIENT_BLOCK_SECONDS} s each, the order reversed every round, the first call of a block not counted) for "
-        f"{ONE_CLIENT_SECONDS:.0f} s; steal: the share of this machine's CPU time its host took meanwhile.",
+        "(one, split, split, one). At one client: both servers up at once, answering blocks of calls in turn (about "
+        f"{ONE_CLIENT_BLOCK_SECONDS} s each, the order reversed every round, the first call of a block not counted) "
+        f"for {ONE_CLIENT_SECONDS:.0f} s; steal: the share of this machine's CPU time its host took meanwhile.",
         "",
         f"| photo | req/s at {CLIENTS} clients, one / split | server CPU ms per request, one / split | the fronts' CPU "
         "ms | the engine's CPU less its batches', ms | p50 ms at 1 client, one / split (added, 95% interval over "
