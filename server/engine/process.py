@@ -136,7 +136,7 @@ class EngineLoop:
             self._channels.discard(channel)
         channel.release()
         if front is not None:
-            self._front_gone(front)
+            self._unmap(front)
 
     def _greet(self, channel: Channel) -> Front | None:
         """A connection's first message names its front, which is told the engine's facts; a connection that does
@@ -171,6 +171,9 @@ class EngineLoop:
                 claim.run()
                 front.claiming = False
                 del claim  # an idle input thread keeps no batch's arrays alive
+        # The first of the two to find the connection ended frees the front's calls at once, while the other may
+        # still run a batch it claimed: the front's queued items never wait for that batch, nor run for no one.
+        self._front_gone(front)
 
     def _act(self, front: Front, message) -> Claim | None:
         """Act on one message; a batch claimed for the calling thread to run (a submit's)."""
@@ -339,14 +342,18 @@ class EngineLoop:
         return calls
 
     def _front_gone(self, front: Front) -> None:
-        """A front's connection ended: free every call it held and unmap its regions (once both its input threads,
-        which alone map them, have ended)."""
+        """A front's connection ended: free every call it held (logged once, by the first to find it)."""
         calls = self._lose(front)
+        if calls:
+            LOG.warning("front %d went away: %d of its calls freed", front.index, len(calls))
+
+    @staticmethod
+    def _unmap(front: Front) -> None:
+        """Unmap a gone front's regions, once both its input threads (which alone map them, and one of which may
+        run a batch reading them) have ended."""
         mapped, front.regions = list(front.regions.values()), {}
         for region in mapped:
             region.close()
-        if calls:
-            LOG.warning("front %d went away: %d of its calls freed", front.index, len(calls))
 
 
 def titled(target: Callable[..., None], name: str, *args) -> threading.Thread:
