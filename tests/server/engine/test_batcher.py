@@ -6,6 +6,7 @@ import gc
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -159,19 +160,24 @@ def test_a_full_queue_refuses_with_a_retry_hint_and_cancelled_calls_free_their_p
     assert batcher.wait(running) == [0, 2, 4, 6]
 
 
+@contextlib.contextmanager
 def paced_batcher(seconds_per_item: float, *, max_queue_seconds: float, queue_depth: int = 100,
-                  runners: int = 1) -> Batcher:
+                  runners: int = 1) -> Iterator[Batcher]:
     """A batcher whose recent pace is `seconds_per_item` and whose workers take nothing (they wait a minute
-    for a batch to fill): what is queued stays queued."""
+    for a batch to fill): what is queued stays queued. Closed on leaving, without waiting for the batches a test
+    says run (`_running_until`), which no runner ends."""
     batcher = Batcher(GatedRunner(), max_batch=100, max_delay_seconds=60, queue_depth=queue_depth,
                       max_queue_seconds=max_queue_seconds, runners=runners)
     batcher._seconds_per_item = seconds_per_item
-    return batcher
+    try:
+        yield batcher
+    finally:
+        batcher._running_until.clear()
+        batcher.close()
 
 
 def test_expected_wait_beyond_the_deadline_or_the_queue_limit_is_refused_before_queueing():
-    batcher = paced_batcher(0.1, max_queue_seconds=0.5)
-    try:
+    with paced_batcher(0.1, max_queue_seconds=0.5) as batcher:
         with batcher.reserve(10, deadline=None):  # nothing ahead: its own run time is no queueing
             pass
         batcher._queue.extend(works(5, "waiting"))  # 0.5 s ahead: within one item's time of the 0.5 s limit
@@ -184,24 +190,19 @@ def test_expected_wait_beyond_the_deadline_or_the_queue_limit_is_refused_before_
         batcher._queue.clear()
         with pytest.raises(ScoringError, match="deadline"):
             queue_places(batcher, 2, deadline=time.monotonic() + 0.1)  # 0.2 s of its own work
-    finally:
-        batcher.close()
     with pytest.raises(ScoringError, match="shutting down") as caught:
         queue_places(batcher, 1, deadline=None)
     assert caught.value.refusal is Refusal.UNAVAILABLE
 
 
 def test_the_margin_is_kept_only_when_items_wait_ahead():
-    batcher = paced_batcher(0.6, max_queue_seconds=1.0)  # a slow model: 0.6 s an item
-    try:
+    with paced_batcher(0.6, max_queue_seconds=1.0) as batcher:  # a slow model: 0.6 s an item
         batcher._running_until[0] = time.monotonic() + 0.55  # only the running batch ahead, 0.55 s from its end
         with batcher.reserve(1, deadline=None):  # admitted: it starts within the limit, nothing to misjudge
             pass
         batcher._queue.extend(works(1, "waiting"))  # 1.15 s ahead
         with pytest.raises(ScoringError, match="--max-queue-ms"):
             queue_places(batcher, 1, deadline=None)
-    finally:
-        batcher.close()
 
 
 def test_runners_run_batches_side_by_side():
@@ -242,14 +243,11 @@ def test_the_expected_wait_is_shared_between_the_runners():
     """Four items at 0.1 s ahead and one runner busy for 0.3 s more: one runner starts a new item after 0.7 s, two
     after 0.2 s (the free runner takes the queue at twice one's pace)."""
     for runners, wait in ((1, 0.7), (2, 0.2)):
-        batcher = paced_batcher(0.1, max_queue_seconds=60, runners=runners)
-        try:
+        with paced_batcher(0.1, max_queue_seconds=60, runners=runners) as batcher:
             batcher._queue.extend(works(4, "waiting"))
             batcher._running_until[0] = time.monotonic() + 0.3
             refused = batcher.reserve(1, deadline=time.monotonic())
             assert refused.wait == pytest.approx(wait, abs=0.02)
-        finally:
-            batcher.close()
 
 
 def test_an_offer_queues_a_request_s_items_with_room_and_otherwise_says_why_as_reserve_would(gated):
@@ -337,8 +335,7 @@ def test_an_offer_made_to_run_here_queues_what_a_runner_would_not_take_at_once(w
 
 
 def test_places_of_requests_still_decoding_count_until_they_are_queued_or_given_back():
-    batcher = paced_batcher(0.1, max_queue_seconds=0.5, queue_depth=6)
-    try:
+    with paced_batcher(0.1, max_queue_seconds=0.5, queue_depth=6) as batcher:
         decoding = batcher.reserve(3, deadline=None)  # admitted, its image not yet decoded
         assert batcher.state().wait(time.monotonic()) == pytest.approx(0.3)
         with pytest.raises(ScoringError, match="queue full"):
@@ -352,8 +349,6 @@ def test_places_of_requests_still_decoding_count_until_they_are_queued_or_given_
         with batcher.reserve(2, deadline=None) as failing:  # a request whose decode fails gives its places back
             assert batcher.state().wait(time.monotonic()) == pytest.approx(0.2)
         assert failing.items == 0 and batcher.state().wait(time.monotonic()) == 0
-    finally:
-        batcher.close()
 
 
 def test_items_waiting_longer_than_the_queue_limit_are_dropped_before_compute_but_not_a_started_requests():
