@@ -243,6 +243,7 @@ class EngineLoop:
         for a call it still holds)."""
         self._end_call((front, call_id), dropped=Dropped.DEADLINE if expired else None)
         front.channel.send(Failed.of(call_id, ScoringError(Refusal.CANCELLED, "the call was ended")))
+        self._tell_if_idle()
 
     def _warm(self, front: Front, message: Warm) -> None:
         try:
@@ -262,8 +263,8 @@ class EngineLoop:
 
     # --- output --------------------------------------------------------------------------------------------
     def _finished(self, key: tuple[Front, int], index: int, work: Work) -> None:
-        """A batcher runner ended item `index` of a call: answered from that thread, then, the engine idle, its
-        arena told (after the answer: it is not the caller's wait)."""
+        """A batcher runner ended item `index` of a call: answered from that thread (unless the call ended), then,
+        the engine idle, its arena told (after the answer: it is not the caller's wait)."""
         try:
             answer = self._done(key, index, work)
         except Exception as error:  # a bug answering one item never leaves its call waiting for good
@@ -271,10 +272,15 @@ class EngineLoop:
             answer = self._fail(key, ScoringError(Refusal.INTERNAL, f"the engine failed answering the request: {error}"))
         if answer is not None:
             key[0].channel.send(answer)
-            with self._lock:
-                idle = not self._calls
-            if idle and self._on_idle is not None:
-                self._on_idle()
+        self._tell_if_idle()  # also after the run of a call that ended meanwhile: the run is what the arena counts
+
+    def _tell_if_idle(self) -> None:
+        """Tell the arena the engine holds no call, if so: however its last call ended (answered, aborted, its
+        front gone), else the arena would keep what the burst took until a later request was answered."""
+        with self._lock:
+            idle = not self._calls
+        if idle and self._on_idle is not None:
+            self._on_idle()
 
     def _fail(self, key: tuple[Front, int], error: ScoringError) -> Failed | None:
         """End a call with `error`: its refusal, or None when it had ended already."""
@@ -346,6 +352,7 @@ class EngineLoop:
         calls = self._lose(front)
         if calls:
             LOG.warning("front %d went away: %d of its calls freed", front.index, len(calls))
+            self._tell_if_idle()
 
     @staticmethod
     def _unmap(front: Front) -> None:

@@ -227,6 +227,30 @@ def test_a_cancelled_call_frees_its_items_in_the_engine(front):
     assert wait_for(lambda: client.allocator.used_bytes == 0)  # the engine acknowledged the end: nothing kept
 
 
+@pytest.mark.parametrize("ended_by", ["cancelling it", "its front going"])
+def test_the_engine_tells_its_arena_it_is_idle_however_its_last_call_ended(front, ended_by):
+    """The CPU arena gives back what a burst took only once told the engine holds no call: an aborted last call, or
+    one whose front went, tells it as an answered one does, and so does the end of a run still going for it."""
+    pipeline, client, batcher = front
+    told = threading.Event()
+    client.engine_loop._on_idle = told.set
+    gate, entered = held(batcher)
+    cancelled = threading.Event()
+    calling = threading.Thread(target=lambda: pytest.raises(ScoringError, pipeline.score,
+                                                            raw_request(PIXELS, scales=[96]), cancelled=cancelled))
+    calling.start()
+    assert entered.wait(30)  # its item runs in the engine, held
+    if ended_by == "cancelling it":
+        cancelled.set()
+    else:
+        client.close()  # as a killed front's socket closes
+    calling.join(30)
+    assert told.wait(10), f"the engine did not say it was idle after {ended_by}"
+    told.clear()
+    gate.set()
+    assert told.wait(10), "the engine did not say it was idle after the ended call's run"
+
+
 def test_an_expired_item_is_dropped_by_the_engine_before_it_runs(front):
     pipeline, _client, batcher = front
     gate, entered = held(batcher)
