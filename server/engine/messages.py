@@ -122,10 +122,12 @@ class Facts(msgspec.Struct, **STRUCT):
 
 
 class Queue(msgspec.Struct, **STRUCT):
-    """The answer to `Ask`."""
+    """The answer to `Ask`. With each queue state the engine says how many of this front's items for the model it
+    had acted on (queued or refused) when it read the state: the front counts those it sent after as not in it."""
 
     call: int
     state: QueueState
+    acted: int = 0
 
 
 class Done(msgspec.Struct, **STRUCT):
@@ -144,6 +146,7 @@ class Done(msgspec.Struct, **STRUCT):
     lattice_dtype: str = ""
     lattice: bytes = b""
     queue: QueueState | None = None  # the call's model's queue as the item left it
+    acted: int = 0  # as in `Queue`
 
 
 class Failed(msgspec.Struct, **STRUCT):
@@ -154,10 +157,11 @@ class Failed(msgspec.Struct, **STRUCT):
     message: str
     retry_after_seconds: float | None = None
     queue: QueueState | None = None  # the call's model's queue, when it refused the call
+    acted: int = 0  # as in `Queue`
 
     @classmethod
-    def of(cls, call: int, error: ScoringError, queue: QueueState | None = None) -> Failed:
-        return cls(call, error.refusal.name, error.message, error.retry_after_seconds, queue)
+    def of(cls, call: int, error: ScoringError, queue: tuple[QueueState | None, int] = (None, 0)) -> Failed:
+        return cls(call, error.refusal.name, error.message, error.retry_after_seconds, *queue)
 
     def error(self) -> ScoringError:
         return ScoringError(Refusal[self.refusal], self.message, retry_after_seconds=self.retry_after_seconds)

@@ -48,6 +48,9 @@ class Front:
     index: int
     channel: Channel
     regions: dict[str, Region] = field(default_factory=dict)  # mapped by the input thread acting on a message
+    # By model, the items of its submits acted on (queued or refused), in the order they came: sent with each queue
+    # state, so that the front counts those it sent since as not in it, whichever thread read the state when.
+    acted: dict[str, int] = field(default_factory=dict)
     claiming: bool = False  # one of its input threads runs a batch it claimed: the other must stay free to read
 
 
@@ -182,7 +185,8 @@ class EngineLoop:
                 return self._submit(front, message)
             if isinstance(message, Ask):
                 try:
-                    front.channel.send(Queue(message.call, self.core.queue_state(message.model)))
+                    acted = front.acted.get(message.model, 0)
+                    front.channel.send(Queue(message.call, self.core.queue_state(message.model), acted))
                 except ScoringError as error:
                     front.channel.send(Failed.of(message.call, error))
             elif isinstance(message, Abort):
@@ -219,8 +223,10 @@ class EngineLoop:
             if not isinstance(error, ScoringError):
                 LOG.exception("the engine could not queue a call's items")
                 error = ScoringError(Refusal.INTERNAL, f"the engine could not queue the request's items: {error}")
-            front.channel.send(Failed.of(message.call, error, self._queue_state(model)))
+            count_acted(front, message)
+            front.channel.send(Failed.of(message.call, error, self._queue_state(front, model)))
             return None
+        count_acted(front, message)  # once its items are in the queue: a state read from now on counts them
         works, claim = offered
         if claim is not None:  # set while acting, which holds the turn: the other thread reads it after
             front.claiming = True
@@ -231,11 +237,13 @@ class EngineLoop:
             self.core.cancel(model, works)
         return claim  # run even when ended, as a runner that had taken them: its results are written for no one
 
-    def _queue_state(self, model: str) -> QueueState | None:
+    def _queue_state(self, front: Front, model: str) -> tuple[QueueState | None, int]:
+        """The model's queue now, and how many of the front's items for it were acted on before it was read."""
+        acted = front.acted.get(model, 0)
         try:
-            return self.core.queue_state(model)
+            return self.core.queue_state(model), acted
         except ScoringError:
-            return None
+            return None, acted
 
     def _abort(self, front: Front, call_id: int, *, expired: bool) -> None:
         """Forget a call, drop its items not yet run (counted as dropped at their deadline when it `expired`), and
@@ -285,7 +293,7 @@ class EngineLoop:
     def _fail(self, key: tuple[Front, int], error: ScoringError) -> Failed | None:
         """End a call with `error`: its refusal, or None when it had ended already."""
         call = self._end_call(key)
-        return None if call is None else Failed.of(key[1], error, self._queue_state(call.model))
+        return None if call is None else Failed.of(key[1], error, self._queue_state(key[0], call.model))
 
     def _end_call(self, key: tuple[Front, int], *, dropped: Dropped | None = None) -> Call | None:
         """Forget a call under the lock (nothing more is written or run for it) and drop its items not yet run
@@ -331,7 +339,7 @@ class EngineLoop:
                 self._calls.pop(key, None)
         return Done(key[1], index, scored.probabilities.astype(np.float32, copy=False).tobytes(),
                     scored.planning_seconds, work.enqueued, work.started, work.run_seconds, work.batch_id, shape,
-                    dtype, inline, self._queue_state(call.model))
+                    dtype, inline, *self._queue_state(key[0], call.model))
 
     # --- fronts going ---------------------------------------------------------------------------------------
     def _lose(self, front: Front) -> list[Call]:
@@ -361,6 +369,11 @@ class EngineLoop:
         mapped, front.regions = list(front.regions.values()), {}
         for region in mapped:
             region.close()
+
+
+def count_acted(front: Front, message: Submit) -> None:
+    """The submit's items acted on, queued or refused (by the input thread acting on it, one at a time)."""
+    front.acted[message.model] = front.acted.get(message.model, 0) + len(message.items)
 
 
 def titled(target: Callable[..., None], name: str, *args) -> threading.Thread:

@@ -52,16 +52,20 @@ class RemotePlaces:
 
 @dataclass(eq=False)
 class QueueView:
-    """A model's queue as this front knows it: the state the engine last sent, when it came, and what this front
-    added since (places of requests it admitted, still decoding; items it sent after the state)."""
+    """A model's queue as this front knows it on one connection: the state the engine last sent, when it came, and
+    what this front adds to it: places of requests it admitted, still decoding, and the items it sent that the engine
+    had not acted on when it read the state (`sent` on this connection less the engine's `acted`; a state read
+    before a submit was acted on can arrive after it was sent)."""
 
     state: QueueState
     heard: float
+    channel: Channel | None
     held: int = 0
     sent: int = 0
+    acted: int = 0
 
     def room(self, items: int, *, deadline: float | None, now: float) -> NoRoom | None:
-        return self.state.room(items, deadline=deadline, now=now, ahead=self.held + self.sent)
+        return self.state.room(items, deadline=deadline, now=now, ahead=self.held + max(0, self.sent - self.acted))
 
     def trusted(self, now: float) -> bool:
         """Recent enough to refuse on: no item could have left the queue since."""
@@ -198,11 +202,12 @@ class RemoteClient(EngineClient):
             specs.append(spec)
             slots.append(slot)
         call, pending = self._open(model, expected=len(specs))
-        with self._lock:  # its places become items in the engine's queue, which the next state it sends counts
+        with self._lock:  # its places become items sent, counted until a state says the engine acted on them
             view = self._views.get(model)
             if view is not None:
                 view.held -= places.items
-                view.sent += len(specs)
+                if view.channel is pending.channel:  # else it is never sent: the connection it was opened on ended
+                    view.sent += len(specs)
         places.items = 0
         self._send(Submit(call, model, self.region.name, specs), call, pending)
         deadline = min((s.deadline for s in submissions if s.deadline is not None), default=None)
@@ -358,11 +363,12 @@ class RemoteClient(EngineClient):
             self._fail_all(engine_gone(), abandon=channel.cut)
 
     def _handle(self, message) -> None:
-        if isinstance(message, Facts):
+        if isinstance(message, Facts):  # a new connection: nothing sent on it yet
             self.facts, self._classes = message.facts(), dict(message.classes)
+            now = time.monotonic()
             with self._lock:
-                for model, state in message.queues.items():
-                    self._heard(model, state)
+                self._views = {model: QueueView(state, now, self._channel, held=held(self._views.get(model)))
+                               for model, state in message.queues.items()}
             self._facts_known.set()
             LOG.info("the engine is ready (%s)", self.facts.provider)
             if self.on_ready is not None:
@@ -374,7 +380,7 @@ class RemoteClient(EngineClient):
             ending = self._ending.get(message.call) if isinstance(message, Failed) else None
             state = message.state if isinstance(message, Queue) else getattr(message, "queue", None)
             if state is not None and pending is not None and pending.model is not None:
-                self._heard(pending.model, state)
+                self._heard(pending.model, state, getattr(message, "acted", 0))
             if ending is None and pending is not None:  # none once it ended here (cancelled, its deadline passed)
                 if isinstance(message, Failed):
                     pending.error = message.error()
@@ -389,13 +395,13 @@ class RemoteClient(EngineClient):
         elif complete:
             pending.end()
 
-    def _heard(self, model: str, state: QueueState) -> None:
-        """The engine's newest state of `model`'s queue (under the lock): it counts the items sent before it."""
+    def _heard(self, model: str, state: QueueState, acted: int) -> None:
+        """The engine's newest state of `model`'s queue (under the lock), read once it had acted on `acted` of the
+        items this front sent on this connection. The two are kept as a pair: answers sent by different threads
+        may come in another order than their states were read."""
         view = self._views.get(model)
-        if view is None:
-            self._views[model] = QueueView(state, time.monotonic())
-        else:
-            view.state, view.heard, view.sent = state, time.monotonic(), 0
+        if view is not None:
+            view.state, view.heard, view.acted = state, time.monotonic(), acted
 
     def _fail_all(self, error: ScoringError, *, abandon: bool = False) -> None:
         """Fail every call waiting (`abandon`: their arrays kept from other requests), and stop waiting for the
@@ -418,6 +424,11 @@ def ended(done: queue.SimpleQueue, deadline: float | None) -> bool:
     except queue.Empty:
         return False
     return True
+
+
+def held(view: QueueView | None) -> int:
+    """The places of requests still decoding that a view counts."""
+    return 0 if view is None else view.held
 
 
 def engine_gone() -> ScoringError:

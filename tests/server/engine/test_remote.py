@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from server.engine.channel import connect
-from server.engine.messages import Abort, Ask, decode_from_engine
+from server.engine.messages import Abort, Ask, Done, decode_from_engine
 from server.engine.remote import RemoteClient
 from server.errors import NoRoom, Refusal, ScoringError, Transient
 from server.scoring.pipeline import Pipeline
@@ -198,6 +198,40 @@ def test_the_engine_refuses_items_it_has_no_room_for_when_they_arrive(front):
     assert not isinstance(places, NoRoom)
     client.release("tiny", places)
     assert pipeline.score(raw_request(PIXELS, scales=[96])).top_k
+
+
+def test_a_state_the_engine_read_before_this_front_s_items_came_still_counts_them(front, monkeypatch):
+    """An answer's queue state is read when its item ends, and may come after this front sent more items: those
+    the engine had not acted on when it read the state stay counted, so the front refuses what the engine would."""
+    pipeline, client, batcher = front
+    handle, done_came, go_on = client._handle, threading.Event(), threading.Event()
+
+    def first_done_held(message) -> None:
+        if isinstance(message, Done) and not done_came.is_set():
+            done_came.set()
+            go_on.wait(30)
+        handle(message)
+
+    monkeypatch.setattr(client, "_handle", first_done_held)
+    first_gate, first_entered = held(batcher)
+    first = threading.Thread(target=pipeline.score, args=(raw_request(PIXELS, scales=[96]),))
+    first.start()
+    assert first_entered.wait(30)
+    second_gate, second_entered = held(batcher)
+    first_gate.set()
+    assert done_came.wait(30)  # its Done says the queue was empty; this front has not heard it yet
+    second = threading.Thread(target=pipeline.score, args=(raw_request(PIXELS, scales=[96, 128]),))
+    second.start()
+    try:
+        assert second_entered.wait(30) and wait_for(lambda: batcher.depth() == 1)  # one item runs, one waits
+        go_on.set()
+        assert wait_for(lambda: not first.is_alive())  # the old state heard
+        refused = client.reserve("tiny", 4, deadline=None)  # 1 waiting + 4 > 4 in the engine
+        assert isinstance(refused, NoRoom) and refused.why is Transient.QUEUE_FULL
+    finally:
+        go_on.set()
+        second_gate.set()
+        second.join(30)
 
 
 def test_a_cancelled_call_frees_its_items_in_the_engine(front):
