@@ -44,10 +44,10 @@ class Channel:
     descriptor once no thread reads it any more.
 
     A write the other side takes nothing of for SEND_TIMEOUT_SECONDS (it is stopped or stuck) cuts the connection,
-    as a partly written message leaves the stream unreadable: `on_cut` runs first (so that the side cutting forgets
-    what it would still write for the other before the other sees the cut), then the socket is shut down. `cut`
-    says this side did so; a send that finds the other side's end closed (its process gone, or it ended the
-    connection) only ends it here."""
+    as a partly written message leaves the stream unreadable, and so does a stream read broken: `on_cut` runs first
+    (so that the side cutting forgets what it would still write for the other before the other sees the cut), then
+    the socket is shut down. `cut` says this side did so; a send that finds the other side's end closed (its process
+    gone, or it ended the connection) only ends it here."""
 
     def __init__(self, connection: Connection) -> None:
         self._socket = socket.socket(fileno=os.dup(connection.fileno()))  # the descriptor's reads without a wrapper
@@ -86,9 +86,10 @@ class Channel:
                 LOG.warning("a message could not be sent (%s): the connection is cut", error)
                 self.cut = cutting = True  # nothing more is written after a partly written message
         # Outside the send lock: `on_cut` may wait for a lock that a thread waiting to send here holds.
-        if cutting and self.on_cut is not None:
-            self.on_cut()
-        self.close()
+        if cutting:
+            self._cut()
+        else:
+            self.close()
         return False
 
     def receive(self, decode: Callable[[bytes], T], *, reader: str) -> T | None:
@@ -113,9 +114,9 @@ class Channel:
         """The next message's bytes; EOFError once the connection ended (or ended within a message, or says a
         length no message has)."""
         size = int.from_bytes(self._read_exactly(HEADER_BYTES), "big")
-        if size > MAX_MESSAGE_BYTES:  # ended both ways, so that the other side and any other reader see it
-            LOG.error("a message of %d bytes: the connection's stream is broken, and is ended", size)
-            self.close()
+        if size > MAX_MESSAGE_BYTES:  # cut both ways, so that the other side and any other reader see it
+            LOG.error("a message of %d bytes: the connection's stream is broken, and is cut", size)
+            self._cut()
             raise EOFError
         return self._read_exactly(size)
 
@@ -127,6 +128,14 @@ class Channel:
                 raise EOFError
             data += more
         return data
+
+    def _cut(self) -> None:
+        """End the connection as this side's doing: `on_cut` first, so that this side forgets what it would still
+        write for the other before the other sees the end (which lets it reuse that memory), then the shutdown."""
+        self.cut = True
+        if self.on_cut is not None:
+            self.on_cut()
+        self.close()
 
     def next_turn(self) -> None:
         """Let the connection wake a reader for its next message."""

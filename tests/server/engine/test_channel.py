@@ -87,9 +87,11 @@ def test_a_message_cut_short_by_a_signal_is_read_whole(pair):
 
 def test_a_length_no_message_has_ends_the_connection_for_every_reader(pair):
     """A broken stream (a length beyond any message) is the connection's end, not a reader thread's death: both
-    readers taking turns find the end."""
+    readers taking turns find the end. It is cut, as a write that could not finish: this side forgets what it would
+    still write for the other (`on_cut`) before the other sees the end."""
     engine, front, _ = pair
-    ended = []
+    ended, forgot = [], []
+    engine.on_cut = lambda: forgot.append(front.ended)
 
     def take_turns() -> None:
         while engine.receive(decode_to_engine, reader="the test") is not None:
@@ -103,6 +105,7 @@ def test_a_length_no_message_has_ends_the_connection_for_every_reader(pair):
     for reader in readers:
         reader.join(5)
     assert ended == [True, True] and engine.ended
+    assert forgot == [False] and engine.cut  # before the other side could read the end
     engine.release()
 
 
