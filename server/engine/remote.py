@@ -55,7 +55,8 @@ class QueueView:
     """A model's queue as this front knows it on one connection: the state the engine last sent, when it came, and
     what this front adds to it: places of requests it admitted, still decoding, and the items it sent that the engine
     had not acted on when it read the state (`sent` on this connection less the engine's `acted`; a state read
-    before a submit was acted on can arrive after it was sent)."""
+    before a submit was acted on can arrive after it was sent), at most those of its calls still unanswered (a
+    submit the engine never acted on counts no longer than its call waits)."""
 
     state: QueueState
     heard: float
@@ -63,9 +64,11 @@ class QueueView:
     held: int = 0
     sent: int = 0
     acted: int = 0
+    unanswered: int = 0
 
     def room(self, items: int, *, deadline: float | None, now: float) -> NoRoom | None:
-        return self.state.room(items, deadline=deadline, now=now, ahead=self.held + max(0, self.sent - self.acted))
+        not_in_state = min(self.unanswered, max(0, self.sent - self.acted))
+        return self.state.room(items, deadline=deadline, now=now, ahead=self.held + not_in_state)
 
     def trusted(self, now: float) -> bool:
         """Recent enough to refuse on: no item could have left the queue since."""
@@ -202,16 +205,19 @@ class RemoteClient(EngineClient):
             specs.append(spec)
             slots.append(slot)
         call, pending = self._open(model, expected=len(specs))
+        counted = None
         with self._lock:  # its places become items sent, counted until a state says the engine acted on them
             view = self._views.get(model)
             if view is not None:
                 view.held -= places.items
                 if view.channel is pending.channel:  # else it is never sent: the connection it was opened on ended
                     view.sent += len(specs)
+                    view.unanswered += len(specs)
+                    counted = view
         places.items = 0
-        self._send(Submit(call, model, self.region.name, specs), call, pending)
         deadline = min((s.deadline for s in submissions if s.deadline is not None), default=None)
         try:
+            self._send(Submit(call, model, self.region.name, specs), call, pending)
             answers = self._wait(call, pending, deadline=deadline, cancelled=cancelled)
         except ScoringError as error:
             unacknowledged = (error.refusal in (Refusal.CANCELLED, Refusal.DEADLINE_EXCEEDED)
@@ -219,6 +225,10 @@ class RemoteClient(EngineClient):
             if pending.abandon or unacknowledged:
                 canvases.abandon()  # the engine may still write a lattice there: never given to another request
             raise
+        finally:
+            if counted is not None:
+                with self._lock:
+                    counted.unanswered -= len(specs)
         ran = {}
         for index, submission in enumerate(submissions):
             done = answers[index]

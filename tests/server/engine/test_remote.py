@@ -10,8 +10,9 @@ import time
 import numpy as np
 import pytest
 
+from server.engine import messages as messages_module
 from server.engine.channel import connect
-from server.engine.messages import Abort, Ask, Done, decode_from_engine
+from server.engine.messages import Abort, Ask, Done, Submit, decode_from_engine
 from server.engine.remote import RemoteClient
 from server.errors import NoRoom, Refusal, ScoringError, Transient
 from server.scoring.pipeline import Pipeline
@@ -232,6 +233,30 @@ def test_a_state_the_engine_read_before_this_front_s_items_came_still_counts_the
         go_on.set()
         second_gate.set()
         second.join(30)
+
+
+def test_a_submit_the_engine_could_not_read_counts_against_the_queue_only_while_its_call_waits(front, monkeypatch):
+    """A front counts the items it sent that no state holds yet; one the engine dropped unread (a bug's doing) is
+    counted no longer than its call waits, so it never keeps the front refusing."""
+    pipeline, client, batcher = front
+    readable, dropped = messages_module._TO_ENGINE, []
+
+    class FirstSubmitUnread:
+        @staticmethod
+        def decode(data):
+            message = readable.decode(data)
+            if isinstance(message, Submit) and not dropped:
+                dropped.append(message.call)
+                raise ValueError("unreadable")
+            return message
+
+    monkeypatch.setattr(messages_module, "_TO_ENGINE", FirstSubmitUnread)  # read at each decode, by either thread
+    with pytest.raises(ScoringError) as caught:
+        pipeline.score(raw_request(PIXELS, scales=[96]), deadline=time.monotonic() + 0.5)
+    assert dropped and caught.value.refusal is Refusal.DEADLINE_EXCEEDED
+    places = client.reserve("tiny", 4, deadline=None)  # the queue is empty: a full request has room
+    assert not isinstance(places, NoRoom), places
+    client.release("tiny", places)
 
 
 def test_a_cancelled_call_frees_its_items_in_the_engine(front):
