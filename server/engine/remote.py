@@ -377,7 +377,8 @@ class RemoteClient(EngineClient):
             self.facts, self._classes = message.facts(), dict(message.classes)
             now = time.monotonic()
             with self._lock:
-                self._views = {model: QueueView(state, now, self._channel, held=held(self._views.get(model)))
+                held = {model: view.held for model, view in self._views.items()}  # requests still decoding
+                self._views = {model: QueueView(state, now, self._channel, held=held.get(model, 0))
                                for model, state in message.queues.items()}
             self._facts_known.set()
             LOG.info("the engine is ready (%s)", self.facts.provider)
@@ -434,11 +435,6 @@ def ended(done: queue.SimpleQueue, deadline: float | None) -> bool:
     except queue.Empty:
         return False
     return True
-
-
-def held(view: QueueView | None) -> int:
-    """The places of requests still decoding that a view counts."""
-    return 0 if view is None else view.held
 
 
 def engine_gone() -> ScoringError:
