@@ -3,10 +3,12 @@
 Each message is its length (8 bytes, big-endian) and then its bytes, read with two `recv`s that wait for all of it
 (MSG_WAITALL): no Python read loop, which ran cold on every message with `multiprocessing.connection`
 (docs/design.md). A message is written by the thread that has it and read by a thread that waited for it, with no
-I/O thread between: one wake-up per message. Where two threads take turns on one connection (the engine's), they wait
-in epoll with the connection armed for one wake-up (EPOLLONESHOT): a message wakes one of them, and no other until
-that one has acted on it (`next_turn`), so messages are acted on in order without handing the connection over. The
-connection itself says when the other side goes: its reader sees the end of the stream, however the process ended.
+I/O thread between: one wake-up per message. Readers wait in epoll for input alone: blocked in `recv`, a reader is also
+woken each time the other side reads what this side sent (a Unix stream socket wakes its sleepers when room to write
+frees). Where two threads take turns on one connection (the engine's), the connection is armed for one wake-up
+(EPOLLONESHOT): a message wakes one of them, and no other until that one has acted on it (`next_turn`), so messages
+are acted on in order without handing the connection over. The connection itself says when the other side goes: its
+reader sees the end of the stream, however the process ended.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ __all__ = ["Channel", "EngineListener", "connect"]
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
-TURN = select.EPOLLIN | select.EPOLLONESHOT  # a message wakes one reader, until it is armed again
+TURN = select.EPOLLIN | select.EPOLLONESHOT  # a message wakes one of the readers taking turns, until armed again
+INPUT = select.EPOLLIN  # a message wakes the single reader
 SEND_TIMEOUT_SECONDS = 2.0  # a write the other side takes nothing of for this long cuts the connection
 BACKLOG = 64  # fronts connecting at once (each holds one connection)
 HEADER_BYTES = 8  # a message's length, big-endian
@@ -58,8 +61,8 @@ class Channel:
         self.ended = False  # a reader found the connection ended
         self.cut = False
         self.on_cut: Callable[[], None] | None = None
-        self._turns = select.epoll()
-        self._turns.register(self._socket.fileno(), TURN)
+        self._readers = select.epoll()  # where the connection's readers wait for a message
+        self._readers.register(self._socket.fileno(), TURN)
         seconds = int(SEND_TIMEOUT_SECONDS)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                                 struct.pack("ll", seconds, int((SEND_TIMEOUT_SECONDS - seconds) * 1e6)))
@@ -98,7 +101,7 @@ class Channel:
         acted on the message). A message `reader` cannot read is logged and dropped."""
         while not self.ended:
             try:
-                self._turns.poll()
+                self._readers.poll()
                 data = self._read()
             except (EOFError, OSError, ValueError):  # ended, or closed here (the epoll or the descriptor)
                 self.ended = True
@@ -140,16 +143,19 @@ class Channel:
     def next_turn(self) -> None:
         """Let the connection wake a reader for its next message."""
         with contextlib.suppress(OSError, ValueError):  # released meanwhile
-            self._turns.modify(self._socket.fileno(), TURN)
+            self._readers.modify(self._socket.fileno(), TURN)
 
     def messages(self, decode: Callable[[bytes], T], *, reader: str) -> Iterator[T]:
-        """Each message that arrives, decoded, until the connection ends: for a single reader, blocked in `recv`
-        (woken by the writer itself, it answered sooner than through epoll: docs/design.md). A message `reader`
-        cannot read is logged and dropped."""
+        """Each message that arrives, decoded, until the connection ends: for a single reader, woken by every
+        message (the connection armed for input alone, not one wake-up at a time). A message `reader` cannot read
+        is logged and dropped."""
+        with contextlib.suppress(OSError, ValueError):  # released meanwhile: the read below finds it ended
+            self._readers.modify(self._socket.fileno(), INPUT)
         while not self.ended:
             try:
+                self._readers.poll()
                 data = self._read()
-            except (EOFError, OSError):
+            except (EOFError, OSError, ValueError):  # ended, or closed here (the epoll or the descriptor)
                 self.ended = True
                 return
             message = _decoded(data, decode, reader)
@@ -161,7 +167,7 @@ class Channel:
         with self._sending, self._state:
             self.closed = self.ended = True
             self._socket.close()
-        self._turns.close()
+        self._readers.close()
 
     def close(self) -> None:
         """End the connection both ways, from any thread, without waiting for a write under way (it fails): its

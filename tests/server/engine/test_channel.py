@@ -1,8 +1,10 @@
-"""The front-to-engine connection on a real Unix socket: messages both ways, a reader woken by a close, a listener
-stopped while it waits, and a send the other side never takes cutting the connection instead of stalling."""
+"""The front-to-engine connection on a real Unix socket: messages both ways, a single reader woken by messages alone,
+a reader woken by a close, a listener stopped while it waits, and a send the other side never takes cutting the
+connection instead of stalling."""
 
 from __future__ import annotations
 
+import pathlib
 import signal
 import socket
 import threading
@@ -60,6 +62,37 @@ def test_messages_cross_both_ways_in_order(pair):
     assert next(answers) == Warmed(7, ["one failure"]) and next(answers) == large
     sending.join(5)
     assert sent == [True]
+
+
+def test_a_single_reader_is_not_woken_by_the_other_side_reading_what_this_side_sent(pair):
+    """A reader blocked in `recv` on a Unix stream socket is woken each time the other side reads what this side
+    sent: the front's reader was, once a request, on the engine's CPU in the middle of its work. Waiting in epoll for
+    input alone, it sleeps through them and wakes for the messages."""
+    engine, front, _ = pair
+    got, native = [], []
+
+    def read() -> None:
+        native.append(threading.get_native_id())
+        got.extend(front.messages(decode_from_engine, reader="the test"))
+
+    threading.Thread(target=read, daemon=True).start()
+    assert wait_until(lambda: native, 10)
+    time.sleep(0.2)  # waiting for a message
+    before = woken(native[0])
+    received = engine.messages(decode_to_engine, reader="the test")
+    for call in range(20):
+        assert front.send(Abort(call))
+        assert next(received) == Abort(call)
+        time.sleep(0.005)  # the reader asleep again, were it woken
+    assert woken(native[0]) - before <= 2, "the reader woke while the engine read the front's messages"
+    assert engine.send(Warmed(1, []))
+    assert wait_until(lambda: got == [Warmed(1, [])], 10)
+
+
+def woken(thread_id: int) -> int:
+    """How many times thread `thread_id` of this process went to sleep and was woken."""
+    status = pathlib.Path(f"/proc/self/task/{thread_id}/status").read_text()
+    return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
 
 
 def test_a_message_cut_short_by_a_signal_is_read_whole(pair):
