@@ -66,8 +66,8 @@ def test_messages_cross_both_ways_in_order(pair):
 
 def test_a_single_reader_is_not_woken_by_the_other_side_reading_what_this_side_sent(pair):
     """A reader blocked in `recv` on a Unix stream socket is woken each time the other side reads what this side
-    sent: the front's reader was, once a request, on the engine's CPU in the middle of its work. Waiting in epoll for
-    input alone, it sleeps through them and wakes for the messages."""
+    sent (a front's reader would wake once a request, on the engine's CPU in the middle of its work). Waiting in epoll
+    for input alone, it sleeps through them and wakes for the messages."""
     engine, front, _ = pair
     got, native = [], []
 
