@@ -11,8 +11,12 @@ host path <= 1.5x decode + resize.
 Served: `scoremap-serve` with the null model in its own process, closed loops over gRPC; the
 server's CPU time per request (every server process counted, /proc), at 16 clients, stride 32 top-5 at 384
 (target <= 3 ms; the mean of CPU_PER_REQUEST_LEVELS levels), and batching on against off at 1 and 4 clients
-(target >= 0.95x; levels in BATCHING_ORDER, so that a drift in the machine's load hits both alike). About 4
-minutes on 2 cores.
+(target >= 0.95x; levels in BATCHING_ORDER, so that a drift in the machine's load hits both alike).
+
+Huge pages: the server as it runs (glibc's mappings on transparent huge pages, server/memory/huge_pages.py) against
+the same server told to keep 4 KiB pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=0), both up at once answering blocks of
+one client's calls in turn, on cat.jpg and on a 12-megapixel photo shrunk to 768: each one's p50, its decoding
+stage's median (the responses' timings) and its resident set after. About 6 minutes on 2 cores in all.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ BATCHING = {"on": ("--max-batch", "8"), "off": ("--max-batch", "1")}
 # single pair of levels read 0.89-1.01x: four levels each.
 BATCHING_ORDER = ("on", "off", "off", "on") * 2
 CPU_PER_REQUEST_LEVELS = 2
+HUGE_PAGES_SECONDS = 30.0  # each photo's blocks of calls, on the two servers in turn
+HUGE_PAGES_BLOCK = 5  # calls a server answers in a row (the first, after the other server's, not counted)
 STAGES = ("preprocess_ms", "queue_ms", "inference_ms", "postprocess_ms")
 
 
@@ -133,6 +139,8 @@ def run() -> str:
             *enlarged, enlarged[0] / enlarged[1], *as_sent, as_sent[0] / as_sent[1]),
         "",
         served(alone_ms=1000 * alone),
+        "",
+        huge_pages(),
     ])
 
 
@@ -237,6 +245,70 @@ def served(*, alone_ms: float, seconds: float = SERVED_SECONDS) -> str:
         f"process CPU); batching on >= {BATCHING_TARGET}x off at {' and '.join(map(str, BATCHING_CLIENTS))} "
         f"clients: {', '.join(f'{r:.3f}x' for r in ratios.values())}, {batching_verdict}.",
     ])
+
+
+def huge_pages() -> str:
+    """The server on huge pages (as it runs) against 4 KiB pages, per photo: p50 ms at one client, the decoding
+    stage's median ms and the resident set after, MiB; both servers up at once, blocks of calls in turn."""
+    from bench.bench_split import photos
+
+    import grpc
+
+    from protos import scoring_pb2_grpc
+    from server.memory.huge_pages import TUNABLE
+
+    chosen = {name: each for name, each in photos().items() if not name.startswith("600x512")}
+    bare = {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
+    layouts = {"huge pages": bare, "4 KiB pages": dict(bare, GLIBC_TUNABLES=f"{TUNABLE}=0")}
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        model = null_model(folder)
+        for name, (image, scale) in chosen.items():
+            servers, stubs = {}, {}
+            try:
+                for label, environment in layouts.items():
+                    server, address, _metrics = start_server(model, pathlib.Path(folder) / f"server-{len(servers)}.log",
+                                                             ("--warm-up-scales", str(scale)), environment=environment)
+                    servers[label] = server
+                    stubs[label] = scoring_pb2_grpc.DenseScoringStub(grpc.insecure_channel(address))
+                request = scoring_pb2.ScoreRequest(encoded=image, scales=[scale])
+                calls: dict[str, list[tuple[float, float]]] = {label: [] for label in layouts}
+                ends = time.monotonic() + HUGE_PAGES_SECONDS
+                while time.monotonic() < ends:
+                    for label, stub in stubs.items():
+                        for call in range(HUGE_PAGES_BLOCK):
+                            began = time.perf_counter()
+                            decoded = stub.Score(request, timeout=120).timings.preprocess_ms
+                            if call:
+                                calls[label].append((1000 * (time.perf_counter() - began), decoded))
+                resident = {label: resident_mib(server.pid) for label, server in servers.items()}
+            finally:
+                for server in servers.values():
+                    server.terminate()
+                    server.wait(60)
+            p50 = {label: statistics.median(wall for wall, _ in each) for label, each in calls.items()}
+            decode = {label: statistics.median(stage for _, stage in each) for label, each in calls.items()}
+            huge, small = layouts
+            rows.append(f"| {name} | {p50[huge]:.2f} / {p50[small]:.2f} ({p50[huge] / p50[small]:.3f}x) | "
+                        f"{decode[huge]:.2f} / {decode[small]:.2f} | {resident[huge]:.0f} / {resident[small]:.0f} | "
+                        f"{len(calls[huge])} |")
+    return "\n".join([
+        "### Huge pages for glibc's mappings",
+        "",
+        "The null model's server as it runs (huge pages) against the same told to keep 4 KiB pages "
+        f"(`GLIBC_TUNABLES={TUNABLE}=0`), both up at once, one client's calls in blocks of {HUGE_PAGES_BLOCK} on "
+        f"each in turn for {HUGE_PAGES_SECONDS:.0f} s, the first of each block not counted.",
+        "",
+        "| photo | p50 ms at 1 client, huge / 4 KiB | decoding stage, median ms | resident set after, MiB | calls each |",
+        "|---|---|---|---|---|",
+        *rows,
+    ])
+
+
+def resident_mib(pid: int) -> float:
+    """Process `pid`'s resident set, MiB."""
+    status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -324,14 +324,14 @@ def request() -> scoring_pb2.ScoreRequest:
     return build_request(ROOT / "samples" / "cat.jpg", ScoreOptions(scales=(SCALE,), stride=STRIDE))
 
 
-def start_server(model: str, log: pathlib.Path, flags: Sequence[str] = (), *,
-                 provider: str = "cpu") -> tuple[subprocess.Popen, str, str]:
-    """`scoremap-serve` on a free port, on `provider`, no per-peer limit, with `flags`; (process, address, metrics
-    URL) once SERVING."""
+def start_server(model: str, log: pathlib.Path, flags: Sequence[str] = (), *, provider: str = "cpu",
+                 environment: Mapping[str, str] | None = None) -> tuple[subprocess.Popen, str, str]:
+    """`scoremap-serve` on a free port, on `provider`, no per-peer limit, with `flags` (and `environment` in place
+    of this process's); (process, address, metrics URL) once SERVING."""
     command = [sys.executable, "-m", "server.main", model, "--port", "0", "--provider", provider, "--metrics-port", "0",
                "--max-calls-per-peer", "0", "--warm-up-scales", str(SCALE), "--log-level", "WARNING", *flags]
     with log.open("w") as errors:
-        server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
+        server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True, env=environment)
     lines = [server.stdout.readline(), server.stdout.readline()]  # where it listens, then its metrics
     if "listening on" not in lines[0] or "metrics on" not in lines[1]:
         server.kill()

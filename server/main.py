@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from protos import is_loopback, version
 from server import settings as declared
 from server.edges.exposure import StartRefused, check_exposure, check_port_free, read_tls, read_token
+from server.memory.huge_pages import restart_with_huge_pages
 from server.settings import Settings
 from server.stop_signal import SignalledStop
 from server.supervision import follow_supervisor
@@ -115,6 +116,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # the server's own command (not a test calling it in its process): glibc's huge pages first
+        restart_with_huge_pages()
     stop = SignalledStop()
     # Caught before anything else runs: a SIGTERM while the models load or warm up is a stop like any other (the
     # server drains once it can), never a death by signal. Put back when no server started (a refused start, or a
