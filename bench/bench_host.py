@@ -16,7 +16,7 @@ server's CPU time per request (every server process counted, /proc), at 16 clien
 Huge pages: the server as it runs (glibc's mappings on transparent huge pages, server/memory/huge_pages.py) against
 the same server told to keep 4 KiB pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=0), both up at once answering blocks of
 one client's calls in turn, on cat.jpg and on a 12-megapixel photo shrunk to 768: each one's p50, its decoding
-stage's median (the responses' timings) and its resident set after. About 6 minutes on 2 cores in all.
+stage's median (the responses' timings) and its resident set after. About 5 minutes on 2 cores in all.
 """
 
 from __future__ import annotations
