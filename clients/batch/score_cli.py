@@ -181,6 +181,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--engine {args.engine}: give --server for the server, --local MODEL.onnx for local or ray")
     if args.ray_address and args.engine != "ray":
         parser.error("--ray-address goes with --engine ray")
+    if argv is None and args.local and args.engine != "ray":  # this process decodes: glibc's huge pages, as a server's
+        from server.memory.huge_pages import restart_with_huge_pages
+
+        restart_with_huge_pages()
     if args.tiled:
         return slides.main(args, _open_scorer)
     not_images: list[Path] = []

@@ -1,13 +1,14 @@
-"""Transparent huge pages for glibc's mappings: a serving process starts again with glibc told to ask for them.
+"""Transparent huge pages for glibc's mappings: a process that decodes photos (the server's command, `scoremap-score
+--local`) starts again with glibc told to ask for them.
 
 Above the 2 MiB mmap threshold (server.memory.runtime.configure_allocator) each of a request's large buffers (a
 12-megapixel photo's decoded and resized pixels, PIL's blocks, the canvases on the heap) is mapped afresh and faulted
 in 4 KiB at a time: about 6,400 page faults to decode and resize one such photo to 768, a seventh of its time.
 With `glibc.malloc.hugetlb=1` glibc advises its mappings for transparent huge pages (MADV_HUGEPAGE), which the
-kernel then fills 2 MiB at a time (docs/design.md: huge pages for the allocator). glibc reads its tunables only when a
-process starts, so the server's command starts itself again with the tunable added to GLIBC_TUNABLES, once. A
+kernel then fills 2 MiB at a time (docs/design.md: huge pages for glibc's mappings). glibc reads its tunables only
+when a process starts, so the command starts itself again with the tunable added to GLIBC_TUNABLES, once. A
 GLIBC_TUNABLES that names `glibc.malloc.hugetlb` already (`=0` to keep 4 KiB pages) is left as it is. Nothing here
-imports anything heavy: it runs before the command line is parsed.
+imports anything heavy: the server runs it before its command line is parsed.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from clients import ScoremapClient
 from clients.batch.files import read_records
 from clients.batch.score_cli import EXIT_FAILURES, EXIT_OK, EXIT_REFUSED, main
 from protos import scoring_pb2, scoring_pb2_grpc
+from server.memory.huge_pages import HUGE, glibc
 from tests.signal_threads import TGKILL, signal_another_thread
 from tests.processes import with_umask_022
 
@@ -29,6 +30,24 @@ REPO = Path(__file__).resolve().parents[3]
 
 def lines(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.skipif(not glibc(), reason="glibc's tunables: not a glibc system")
+def test_local_scoring_runs_under_glibc_huge_pages_as_the_server_does(tiny_model, photos, tmp_path):
+    """`--local` decodes in this process: the command starts itself again once with glibc's huge-page tunable (the
+    probe says GLIBC_TUNABLES at each start), and still scores every photo."""
+    probe = ("import os, sys\n"
+             "print('TUNABLES', os.environ.get('GLIBC_TUNABLES'), flush=True)\n"
+             "from clients.batch.score_cli import main\n"
+             f"sys.argv = ['scoremap-score', {str(photos)!r}, '--out', {str(tmp_path / 'out')!r}, "
+             f"'--local', {tiny_model!r}]\n"
+             "sys.exit(main())\n")
+    environment = {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=environment)
+    assert result.returncode == EXIT_OK, result.stderr
+    said = [line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith("TUNABLES")]
+    assert said == ["None", HUGE]
+    assert len(read_records(tmp_path / "out" / "results.jsonl")) == 6
 
 
 def test_server_and_local_give_the_same_results(server, tiny_model, photos, tmp_path):
