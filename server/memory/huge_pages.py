@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["TUNABLE", "restart_with_huge_pages"]
+__all__ = ["HUGE", "TUNABLE", "glibc", "restart_with_huge_pages"]
 
 TUNABLE = "glibc.malloc.hugetlb"
 HUGE = f"{TUNABLE}=1"

@@ -22,6 +22,11 @@ PROBE = ("import os, sys\n"
          "main()\n")
 
 
+def without_tunables() -> dict[str, str]:
+    """This process's environment less GLIBC_TUNABLES."""
+    return {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
+
+
 def probe(environment: dict[str, str]) -> list[str]:
     """What the probe printed of GLIBC_TUNABLES, at each start of its process, running the server's command."""
     result = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60,
@@ -31,7 +36,7 @@ def probe(environment: dict[str, str]) -> list[str]:
 
 
 def test_the_command_starts_again_once_with_huge_pages_and_keeps_what_the_environment_says():
-    bare = {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
+    bare = without_tunables()
     assert probe(bare) == ["None", HUGE]  # once, then never again
     other = "glibc.malloc.arena_max=2"
     assert probe(dict(bare, GLIBC_TUNABLES=other)) == [other, f"{other}:{HUGE}"]
@@ -54,8 +59,17 @@ def test_a_large_buffer_is_backed_by_huge_pages_under_the_tunable():
     modes = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not modes.exists() or "[never]" in modes.read_text():
         pytest.skip("transparent huge pages are off on this machine")
-    # malloc itself, as PIL's and libjpeg's buffers are made (numpy advises its own large arrays already), above
-    # the 2 MiB mmap threshold: mapped by itself, then written
+    bare = without_tunables()
+    assert huge_kib_of_a_malloc(dict(bare, GLIBC_TUNABLES=HUGE)) >= 2048, \
+        "no huge page backs a 32 MiB buffer under glibc.malloc.hugetlb=1"
+    if "[madvise]" in modes.read_text():  # huge pages only where asked: none without the tunable
+        assert huge_kib_of_a_malloc(bare) == 0
+
+
+def huge_kib_of_a_malloc(environment: dict[str, str]) -> int:
+    """KiB of huge pages in a process (started with `environment`) that mallocs and writes 32 MiB: as PIL's and
+    libjpeg's buffers are made (numpy advises its own large arrays already), above the 2 MiB mmap threshold, so
+    mapped by itself."""
     touch = ("import ctypes, pathlib\n"
              "libc = ctypes.CDLL(None)\n"
              "libc.malloc.restype = ctypes.c_void_p\n"
@@ -63,11 +77,5 @@ def test_a_large_buffer_is_backed_by_huge_pages_under_the_tunable():
              "ctypes.memset(buffer, 1, 32 * 2**20)\n"
              "rollup = pathlib.Path('/proc/self/smaps_rollup').read_text()\n"
              "print(int(rollup.split('AnonHugePages:')[1].split()[0]))\n")
-    bare = {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
-    huge_kib = int(subprocess.run([sys.executable, "-c", touch], capture_output=True, text=True, timeout=60,
-                                  env=dict(bare, GLIBC_TUNABLES=HUGE), check=True).stdout)
-    assert huge_kib >= 2048, "no huge page backs a 32 MiB buffer under glibc.malloc.hugetlb=1"
-    if "[madvise]" in modes.read_text():  # huge pages only where asked: none without the tunable
-        plain_kib = int(subprocess.run([sys.executable, "-c", touch], capture_output=True, text=True, timeout=60,
-                                       env=bare, check=True).stdout)
-        assert plain_kib == 0
+    return int(subprocess.run([sys.executable, "-c", touch], capture_output=True, text=True, timeout=60,
+                              env=environment, check=True).stdout)
