@@ -1,8 +1,8 @@
 """The engine process and its fronts (`--fronts`) against one process, on this machine's CPU.
 
 `scoremap-serve` with the null model (bench/models.py: the device graph's work with next to no net), closed loops
-over gRPC on 16 connections (as from 16 clients: SO_REUSEPORT spreads connections over the fronts, so one connection
-would reach one front), stride 32, top-5, one intra-op thread (a plan's run then takes its wall time in CPU). Three
+over gRPC on 16 connections (as from 16 clients; one connection would reach one front), spread evenly over the fronts
+(`warm_connections`), stride 32, top-5, one intra-op thread (a plan's run then takes its wall time in CPU). Three
 photos: samples/cat.jpg enlarged to 384, a 600x512 JPEG shrunk to 384, a 12-megapixel JPEG shrunk to 768, each
 server warmed up at its photo's scale (its canvas one of the buckets: one item per request, not tiles). Per level:
 throughput and each process's CPU per request from /proc, the means of two levels of each layout, alternated; at one
@@ -46,7 +46,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SECONDS = 6.0
 FRONTS = 2
 CLIENTS = 16
-CONNECTIONS = 16  # as many clients' connections: the kernel spreads them over the fronts (SO_REUSEPORT)
+CONNECTIONS = 16  # as many clients' connections, spread evenly over the fronts
 ENGINE_TARGET_MS = 0.3
 LATENCY_TARGET_MS = 0.3
 # At one client ONE_CLIENT_INSTANCES servers of each layout are up at once and answer blocks of calls in turn, a block
@@ -64,11 +64,14 @@ RESAMPLES = 2000  # bootstrap draws of the rounds behind the added p50's 95% int
 RATE_TARGET = 0.85
 BATCHING_TARGET = 0.95
 BATCHING = {"on": ("--max-batch", "8"), "off": ("--max-batch", "1")}
-# Batching on and off: both servers up at once, closed loops of BATCHING_SECONDS on each in turn, BATCHING_ROUNDS
-# pairs of turns (on, off, off, on, ...); the median of the pairs' ratios. Servers started for each level read up to
-# 13% apart at the same setting here, and 3 s levels on the same two servers from 250 to 420 req/s within a minute.
-BATCHING_ROUNDS = 20
-BATCHING_SECONDS = 1.5
+# Batching on and off: BATCHING_INSTANCES servers of each up at once, closed loops of BATCHING_SECONDS on each in turn
+# (each server a place further every round) for BATCHING_ROUNDS rounds; the median of the rounds' ratios of the two
+# modes' mean req/s. Servers started for each level read up to 13% apart at the same setting here, and 3 s levels on
+# the same two servers from 250 to 420 req/s within a minute; two servers of the same setting, up at once and taking
+# turns, read 0.97-1.01x each other at 4 clients from one start to the next (each keeps its luck, as at one client).
+BATCHING_INSTANCES = 3
+BATCHING_ROUNDS = 8
+BATCHING_SECONDS = 1.25
 IDLE_TARGET_MIB = 350
 PER_FRONT_MIB = 60
 
@@ -132,12 +135,52 @@ def serve(model: str, log: pathlib.Path, *, fronts: int, scale: int,
                                      *flags))
 
 
-def warm_connections(address: str, request: scoring_pb2.ScoreRequest) -> list[grpc.Channel]:
-    """CONNECTIONS channels to the server, each up and its front (or worker) warm: one call answered on each."""
-    channels = Target(address, connections=CONNECTIONS).open()
-    for channel in channels:
+def warm_connections(address: str, request: scoring_pb2.ScoreRequest, server: int) -> list[grpc.Channel]:
+    """CONNECTIONS channels to the server `server` (its process id), each up and its front (or worker) warm: one call
+    answered on each. Spread evenly over a split server's fronts: the kernel spreads connections by a hash of their
+    ports, 16 of them 11 and 5 over two fronts at one start and 8 and 8 at the next, and the front with more of them
+    then carries more of the load for the server's life (a rate measured on it reads that luck). A connection that
+    lands on a front holding its share already is closed and another opened."""
+    fronts = [pid for role, pid in roles(server).items() if role.startswith("front")]
+    share = -(-CONNECTIONS // max(1, len(fronts)))
+    kept: list[grpc.Channel] = []
+    held = {pid: 0 for pid in fronts}
+    seen = {pid: connections_of(pid, address) for pid in fronts}
+    for _ in range(8 * CONNECTIONS):  # a hash that keeps choosing full fronts gives up with what it has
+        if len(kept) == CONNECTIONS:
+            break
+        channel = Target(address).open()[0]
         answered(scoring_pb2_grpc.DenseScoringStub(channel), request)
-    return channels
+        landed = [pid for pid in fronts if connections_of(pid, address) - seen[pid]]
+        for pid in landed:
+            seen[pid] = connections_of(pid, address)
+        if landed and held[landed[0]] >= share:
+            channel.close()
+            continue
+        if landed:
+            held[landed[0]] += 1
+        kept.append(channel)
+    return kept
+
+
+def connections_of(pid: int, address: str) -> set[int]:
+    """The socket inodes of the established TCP connections process `pid` holds on `address`'s port."""
+    port = f"{int(address.rsplit(':', 1)[1]):04X}"
+    held = set()
+    for fd in pathlib.Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = fd.readlink().name
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            held.add(int(target[8:-1]))
+    established = set()
+    for table in ("tcp", "tcp6"):
+        for line in pathlib.Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[1].endswith(f":{port}") and fields[3] == "01":  # local port, state ESTABLISHED
+                established.add(int(fields[9]))
+    return held & established
 
 
 def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image: bytes, scale: int,
@@ -147,7 +190,7 @@ def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image:
     server, address, metrics = serve(model, folder / "server.log", fronts=fronts, scale=scale, flags=flags)
     try:
         request = scoring_pb2.ScoreRequest(encoded=image, scales=[scale])
-        channels = warm_connections(address, request)
+        channels = warm_connections(address, request, server.pid)
         try:
             processes = roles(server.pid)
             counted = scrape(metrics, timeout_s=METRICS_TIMEOUT_S)  # outside the CPU's window: a scrape costs CPU
@@ -185,38 +228,52 @@ def level(model: str, folder: pathlib.Path, *, fronts: int, clients: int, image:
     return figures
 
 
-def batching_ratio(model: str, folder: pathlib.Path, *, clients: int, image: bytes, scale: int) -> float:
-    """`--fronts FRONTS` with batching on against off at `clients`: the median over BATCHING_ROUNDS rounds of req/s on
-    over req/s off, both servers up at once and their closed loops of BATCHING_SECONDS taking turns (each round's
-    order the last one's reversed, so the machine's drift falls on both alike). One start of each server for every
-    round: the noise of a server's start is not read as batching's."""
+@dataclass(frozen=True)
+class Batching:
+    """Batching on against off at one number of clients: the median of the rounds' ratios, and each instance's median
+    req/s (on, then off)."""
+
+    ratio: float
+    on: tuple[float, ...]
+    off: tuple[float, ...]
+
+
+def batching_ratio(model: str, folder: pathlib.Path, *, clients: int, image: bytes, scale: int) -> Batching:
+    """`--fronts FRONTS` with batching on against off at `clients`: BATCHING_INSTANCES servers of each mode up at once,
+    their closed loops of BATCHING_SECONDS taking turns, each server a place further every round (the machine's drift
+    falls on all alike); each round's ratio is the on servers' mean req/s over the off servers'. Several servers of
+    each: each keeps its start's luck for its life."""
     request = scoring_pb2.ScoreRequest(encoded=image, scales=[scale])
     plan = LevelPlan(duration_s=BATCHING_SECONDS, max_requests=LoadLimits().max_requests, timeout_s=120.0,
                      warmup=clients)
-    servers, links = {}, {}
+    modes = list(BATCHING) * BATCHING_INSTANCES  # started alternately: no mode gets the first starts
+    servers, links = [], []
     try:
-        for mode, flags in BATCHING.items():
-            servers[mode], address, _metrics = serve(model, folder / f"batching-{mode}.log", fronts=FRONTS,
-                                                     scale=scale, flags=flags)
-            links[mode] = warm_connections(address, request)
-        ratios = []
+        for index, mode in enumerate(modes):
+            server, address, _metrics = serve(model, folder / f"batching-{mode}-{index}.log", fronts=FRONTS,
+                                              scale=scale, flags=BATCHING[mode])
+            servers.append(server)
+            links.append(warm_connections(address, request, server.pid))
+        rates = np.zeros((BATCHING_ROUNDS, len(modes)))
         for round_ in range(BATCHING_ROUNDS):
-            rates = {}
-            for mode in ("on", "off") if round_ % 2 == 0 else ("off", "on"):
+            shift = round_ % len(modes)
+            for index in [*range(shift, len(modes)), *range(shift)]:
                 limits = LoadLimits()
-                traffic = Closed(raw_calls(links[mode]), Payloads.of([request]), callers=clients,
+                traffic = Closed(raw_calls(links[index]), Payloads.of([request]), callers=clients,
                                  timeout_s=plan.timeout_s, limits=limits)
                 report = run_level(traffic, plan, limits=limits)
                 if report.errors:
-                    raise RuntimeError(f"batching {mode}, {clients} clients: requests failed: {report.errors}")
-                rates[mode] = report.throughput_rps
-            ratios.append(rates["on"] / rates["off"])
-        return statistics.median(ratios)
+                    raise RuntimeError(f"batching {modes[index]}, {clients} clients: requests failed: {report.errors}")
+                rates[round_, index] = report.throughput_rps
+        on = np.array([mode == "on" for mode in modes])
+        ratio = statistics.median(rates[:, on].mean(axis=1) / rates[:, ~on].mean(axis=1))
+        each = np.median(rates, axis=0)
+        return Batching(float(ratio), tuple(float(r) for r in each[on]), tuple(float(r) for r in each[~on]))
     finally:
-        for channels in links.values():
+        for channels in links:
             for channel in channels:
                 channel.close()
-        for server in servers.values():
+        for server in servers:
             server.terminate()
             server.wait(60)
 
@@ -329,9 +386,9 @@ def one_client_p50s(model: str, folder: pathlib.Path, *, image: bytes, scale: in
             server.wait(60)
 
 
-def spread(p50s: tuple[float, ...]) -> str:
-    """The lowest and highest of the instances' p50s."""
-    return f"{min(p50s):.2f}-{max(p50s):.2f}"
+def spread(figures: tuple[float, ...], decimals: int = 2) -> str:
+    """The lowest and highest of the instances' figures."""
+    return f"{min(figures):.{decimals}f}-{max(figures):.{decimals}f}"
 
 
 def cpu_times() -> CpuTimes:
@@ -408,7 +465,7 @@ def run() -> str:
         "## The engine process and its fronts (bench_split)",
         "",
         f"Null model, `--intra-op-threads 1`, stride 32, top-5, closed loops of {SECONDS:.0f} s over gRPC on "
-        f"{CONNECTIONS} connections (spread over the fronts by SO_REUSEPORT), each on a "
+        f"{CONNECTIONS} connections (spread evenly over the fronts), each on a "
         f"server of its own warmed up at the photo's scale (`--warm-up-scales`: its canvas a bucket, one item per "
         f"request): one process (`--fronts 0`) against `--fronts {FRONTS}` (an engine process and {FRONTS} fronts); "
         "CPU from /proc per process over every request the server answered meanwhile (its "
@@ -431,10 +488,12 @@ def run() -> str:
                      f"the single process's {said(front_ok)}; <= {LATENCY_TARGET_MS} ms added at one client "
                      f"{said(latency_ok)}; >= {RATE_TARGET}x the single process's req/s {said(rate_ok)}.")
     lines += [
-        f"- Batching on / off with `--fronts {FRONTS}` (cat.jpg, both servers up at once, closed loops of "
-        f"{BATCHING_SECONDS:g} s on each in turn, the median of {BATCHING_ROUNDS} rounds' ratios): "
-        + ", ".join(f"{ratio:.3f}x at {clients} client{'s' * (clients > 1)}" for clients, ratio in batching.items())
-        + f"; target >= {BATCHING_TARGET}x: {said(min(batching.values()) >= BATCHING_TARGET)}.",
+        f"- Batching on / off with `--fronts {FRONTS}` (cat.jpg, {BATCHING_INSTANCES} servers of each up at once, "
+        f"closed loops of {BATCHING_SECONDS:g} s on each in turn, each a place further every round; the median of "
+        f"{BATCHING_ROUNDS} rounds' ratios of the modes' mean req/s): "
+        + ", ".join(f"{each.ratio:.3f}x at {clients} client{'s' * (clients > 1)} (instances' req/s on "
+                    f"{spread(each.on, 1)}, off {spread(each.off, 1)})" for clients, each in batching.items())
+        + f"; target >= {BATCHING_TARGET}x: {said(min(each.ratio for each in batching.values()) >= BATCHING_TARGET)}.",
         f"- `--workers 2` (two whole servers) at {CLIENTS} clients, cat.jpg: {workers['rate']:.1f} req/s, "
         f"{workers['rate'] / alone['rate']:.2f}x one process's {alone['rate']:.1f} in the same run, "
         f"{workers['cpu']:.2f} against {alone['cpu']:.2f} ms of server CPU per request.",
