@@ -151,9 +151,9 @@ def warm_connections(address: str, request: scoring_pb2.ScoreRequest, server: in
             break
         channel = Target(address).open()[0]
         answered(scoring_pb2_grpc.DenseScoringStub(channel), request)
-        landed = [pid for pid in fronts if connections_of(pid, address) - seen[pid]]
-        for pid in landed:
-            seen[pid] = connections_of(pid, address)
+        now = {pid: connections_of(pid, address) for pid in fronts}
+        landed = [pid for pid in fronts if now[pid] - seen[pid]]
+        seen = now
         if landed and held[landed[0]] >= share:
             channel.close()
             continue
