@@ -32,6 +32,7 @@ import time
 import numpy as np
 from PIL import Image, ImageOps
 
+from bench.bench_memory import rss_bytes
 from bench.bench_overload import process_cpu_seconds, start_server
 from bench.models import null_model
 from clients.loadtest.run import LevelPlan, LoadLimits, closed_loop
@@ -250,10 +251,9 @@ def served(*, alone_ms: float, seconds: float = SERVED_SECONDS) -> str:
 def huge_pages() -> str:
     """The server on huge pages (as it runs) against 4 KiB pages, per photo: p50 ms at one client, the decoding
     stage's median ms and the resident set after, MiB; both servers up at once, blocks of calls in turn."""
-    from bench.bench_split import photos
-
     import grpc
 
+    from bench.bench_split import photos
     from protos import scoring_pb2_grpc
     from server.memory.huge_pages import TUNABLE
 
@@ -281,7 +281,7 @@ def huge_pages() -> str:
                             decoded = stub.Score(request, timeout=120).timings.preprocess_ms
                             if call:
                                 calls[label].append((1000 * (time.perf_counter() - began), decoded))
-                resident = {label: resident_mib(server.pid) for label, server in servers.items()}
+                resident = {label: rss_bytes(server.pid) / 2**20 for label, server in servers.items()}
             finally:
                 for server in servers.values():
                     server.terminate()
@@ -303,12 +303,6 @@ def huge_pages() -> str:
         "|---|---|---|---|---|",
         *rows,
     ])
-
-
-def resident_mib(pid: int) -> float:
-    """Process `pid`'s resident set, MiB."""
-    status = pathlib.Path(f"/proc/{pid}/status").read_text()
-    return int(status.split("VmRSS:")[1].split()[0]) / 1024
 
 
 if __name__ == "__main__":

@@ -122,7 +122,8 @@ class Soak:
     after_pss: int = 0
 
 
-def _rss(pid: int) -> int:
+def rss_bytes(pid: int) -> int:
+    """The process's resident set, bytes."""
     with open(f"/proc/{pid}/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -192,7 +193,7 @@ def soak(model_path: str, *, seconds: float = SOAK_SECONDS, clients: int = SOAK_
         stub = scoring_pb2_grpc.DenseScoringStub(channel)
         _wait_serving(channel, server)
         time.sleep(idle_seconds)
-        serving, serving_pss = _rss(server.pid), _pss(server.pid)
+        serving, serving_pss = rss_bytes(server.pid), _pss(server.pid)
 
         def request(data: bytes) -> scoring_pb2.ScoreRequest:
             if stride is None:
@@ -202,7 +203,7 @@ def soak(model_path: str, *, seconds: float = SOAK_SECONDS, clients: int = SOAK_
         for data in images:  # every plan made and every path warm before "before"
             stub.Score(request(data), timeout=SERVER_START_SECONDS, wait_for_ready=True)
         time.sleep(idle_seconds)
-        before, before_pss = _rss(server.pid), _pss(server.pid)
+        before, before_pss = rss_bytes(server.pid), _pss(server.pid)
         peak = [before, before_pss]
         done = threading.Event()
         counts: dict[str, int] = {}
@@ -211,7 +212,7 @@ def soak(model_path: str, *, seconds: float = SOAK_SECONDS, clients: int = SOAK_
         def sample() -> None:
             rounds = 0
             while not done.wait(SOAK_SAMPLE_SECONDS):
-                peak[0] = max(peak[0], _rss(server.pid))
+                peak[0] = max(peak[0], rss_bytes(server.pid))
                 rounds += 1
                 if rounds % PSS_SAMPLE_EVERY == 0:
                     peak[1] = max(peak[1], _pss(server.pid))
@@ -239,7 +240,7 @@ def soak(model_path: str, *, seconds: float = SOAK_SECONDS, clients: int = SOAK_
         elapsed = time.monotonic() - started
         channel.close()
         time.sleep(idle_seconds)
-        after, after_pss = _rss(server.pid), _pss(server.pid)
+        after, after_pss = rss_bytes(server.pid), _pss(server.pid)
     finally:
         server.terminate()
         server.wait(30)

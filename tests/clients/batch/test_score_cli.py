@@ -22,6 +22,7 @@ from clients.batch.files import read_records
 from clients.batch.score_cli import EXIT_FAILURES, EXIT_OK, EXIT_REFUSED, main
 from protos import scoring_pb2, scoring_pb2_grpc
 from server.memory.huge_pages import HUGE, glibc
+from tests.server.memory.test_huge_pages import without_tunables
 from tests.signal_threads import TGKILL, signal_another_thread
 from tests.processes import with_umask_022
 
@@ -42,8 +43,8 @@ def test_local_scoring_runs_under_glibc_huge_pages_as_the_server_does(tiny_model
              f"sys.argv = ['scoremap-score', {str(photos)!r}, '--out', {str(tmp_path / 'out')!r}, "
              f"'--local', {tiny_model!r}]\n"
              "sys.exit(main())\n")
-    environment = {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=environment)
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                            env=without_tunables())
     assert result.returncode == EXIT_OK, result.stderr
     said = [line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith("TUNABLES")]
     assert said == ["None", HUGE]
