@@ -13,9 +13,10 @@ that interval, each keeping its luck for its life, so one of each measured that 
 engine's own work per request is its CPU less its batches' (the plans' runs and the answers of their items:
 `scoremap_batch_cpu_seconds`), both read in the same level.
 Targets (the engine split's): the engine's own CPU per request <= 0.3 ms; a front's CPU per request (the fronts' CPU
-over the requests they shared) no more than the single process's; at one client the split adds <= 0.3 ms p50;
-batching on >= 0.95x off at 1 and 4 clients; `--fronts 2` >= 0.85x the single process's req/s at 16 clients; the
-idle server with 2 fronts <= 350 MiB PSS + 60 MiB per front, shared memory counted.
+over the requests they shared) no more than the single process's; at one client the split adds <= 0.3 ms p50, and as a
+ratio in one run (the added time is CPU on the request's path, which scales with the host's speed: docs/design.md)
+its p50 <= 1.10x the single process's; batching on >= 0.95x off at 1 and 4 clients; `--fronts 2` >= 0.85x the single
+process's req/s at 16 clients; the idle server with 2 fronts <= 350 MiB PSS + 60 MiB per front, shared memory counted.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ CLIENTS = 16
 CONNECTIONS = 16  # as many clients' connections, spread evenly over the fronts
 ENGINE_TARGET_MS = 0.3
 LATENCY_TARGET_MS = 0.3
+LATENCY_RATIO_TARGET = 1.10  # the split's p50 at one client over the single process's, in one run
 # At one client ONE_CLIENT_INSTANCES servers of each layout are up at once and answer blocks of calls in turn, a block
 # about ONE_CLIENT_BLOCK_SECONDS long, the first call of each not counted (the one after another server's block), for
 # ONE_CLIENT_SECONDS and at least ONE_CLIENT_ROUNDS rounds (a block of each server). Between two counted calls a
@@ -314,6 +316,10 @@ class OneClient:
     def added(self) -> float:
         return self.split - self.single
 
+    @property
+    def ratio(self) -> float:
+        return self.split / self.single
+
 
 def added_p50(rounds: np.ndarray, split: np.ndarray) -> float:
     """The mean p50 of the split's instances less that of one process's; `rounds`: round x server x call, `split`:
@@ -445,11 +451,11 @@ def run() -> str:
             rows.append(f"| {name} | {single['rate']:.1f} / {split['rate']:.1f} = {rate:.2f}x | "
                         f"{single['cpu']:.2f} / {split['cpu']:.2f} | {front_cpu:.2f} | {split['engine']:.2f} - "
                         f"{split['inference']:.2f} = {engine_own:.2f} | {one.single:.2f} / "
-                        f"{one.split:.2f} ({one.added:+.2f}, 95% {one.low:+.2f} to {one.high:+.2f}; instances "
-                        f"{spread(one.singles)} / {spread(one.splits)}; outside decoding {one.served:+.2f}; "
+                        f"{one.split:.2f} = {one.ratio:.3f}x ({one.added:+.2f}, 95% {one.low:+.2f} to {one.high:+.2f}; "
+                        f"instances {spread(one.singles)} / {spread(one.splits)}; outside decoding {one.served:+.2f}; "
                         f"{one.calls} calls each; steal {100 * one.steal:.1f}%) |")
             verdicts.append((name, engine_own <= ENGINE_TARGET_MS, front_cpu <= single["cpu"],
-                             one.added <= LATENCY_TARGET_MS, rate >= RATE_TARGET))
+                             one.added <= LATENCY_TARGET_MS, one.ratio <= LATENCY_RATIO_TARGET, rate >= RATE_TARGET))
         image, scale = photos()["cat.jpg 451x300 enlarged to 384"]
         alone = level(model, folder, fronts=0, clients=CLIENTS, image=image, scale=scale)
         workers = level(model, folder, fronts=0, clients=CLIENTS, image=image, scale=scale, flags=("--workers", "2"))
@@ -476,17 +482,18 @@ def run() -> str:
         "mean of its instances'; steal: the share of this machine's CPU time its host took meanwhile.",
         "",
         f"| photo | req/s at {CLIENTS} clients, one / split | server CPU ms per request, one / split | the fronts' CPU "
-        "ms | the engine's CPU less its batches', ms | p50 ms at 1 client, one / split (added, 95% interval over "
-        "this run's rounds; the instances' p50s, one / split; what the split adds in the server outside decoding, "
+        "ms | the engine's CPU less its batches', ms | p50 ms at 1 client, one / split = ratio (added, 95% interval "
+        "over this run's rounds; the instances' p50s, one / split; what the split adds in the server outside decoding, "
         "from the responses' timings; steal) |",
         "|---|---|---|---|---|---|",
         *rows,
         "",
     ]
-    for name, engine_ok, front_ok, latency_ok, rate_ok in verdicts:
+    for name, engine_ok, front_ok, added_ok, ratio_ok, rate_ok in verdicts:
         lines.append(f"- {name}: the engine's own work <= {ENGINE_TARGET_MS} ms {said(engine_ok)}; the fronts' CPU <= "
-                     f"the single process's {said(front_ok)}; <= {LATENCY_TARGET_MS} ms added at one client "
-                     f"{said(latency_ok)}; >= {RATE_TARGET}x the single process's req/s {said(rate_ok)}.")
+                     f"the single process's {said(front_ok)}; at one client <= {LATENCY_TARGET_MS} ms added "
+                     f"{said(added_ok)}, <= {LATENCY_RATIO_TARGET}x the single process's p50 {said(ratio_ok)}; "
+                     f">= {RATE_TARGET}x the single process's req/s {said(rate_ok)}.")
     lines += [
         f"- Batching on / off with `--fronts {FRONTS}` (cat.jpg, {BATCHING_INSTANCES} servers of each up at once, "
         f"closed loops of {BATCHING_SECONDS:g} s on each in turn, each a place further every round; the median of "
