@@ -7,6 +7,7 @@ forked child of a test process whose gRPC threads hold locks, and gRPC's fork ha
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,3 +27,8 @@ def pids_named(name: bytes) -> list[int]:
 def with_umask_022(command: Sequence[str]) -> list[str]:
     """`command` run with umask 022, so the modes of the files it writes are known."""
     return ["sh", "-c", 'umask 022 && exec "$@"', "sh", *command]
+
+
+def without_tunables() -> dict[str, str]:
+    """This process's environment less GLIBC_TUNABLES: a child that starts with glibc's defaults."""
+    return {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}

@@ -22,9 +22,8 @@ from clients.batch.files import read_records
 from clients.batch.score_cli import EXIT_FAILURES, EXIT_OK, EXIT_REFUSED, main
 from protos import scoring_pb2, scoring_pb2_grpc
 from server.memory.huge_pages import HUGE, glibc
-from tests.server.memory.test_huge_pages import without_tunables
 from tests.signal_threads import TGKILL, signal_another_thread
-from tests.processes import with_umask_022
+from tests.processes import with_umask_022, without_tunables
 
 REPO = Path(__file__).resolve().parents[3]
 

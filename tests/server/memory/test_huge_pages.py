@@ -3,7 +3,6 @@ environment names already is left alone, and under it glibc's large mappings are
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import sys
 import pytest
 
 from server.memory.huge_pages import HUGE, TUNABLE, glibc
+from tests.processes import without_tunables
 from tests.server.test_main import Served
 
 pytestmark = pytest.mark.skipif(not glibc(), reason="glibc's tunables: not a glibc system")
@@ -20,11 +20,6 @@ PROBE = ("import os, sys\n"
          "from server.main import main\n"
          "sys.argv = ['scoremap-serve', '--version']\n"
          "main()\n")
-
-
-def without_tunables() -> dict[str, str]:
-    """This process's environment less GLIBC_TUNABLES."""
-    return {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
 
 
 def probe(environment: dict[str, str]) -> list[str]:
